@@ -1,0 +1,1 @@
+"""coordinator: membership, the consistent-hash ring, routing and placement."""

@@ -1,0 +1,83 @@
+"""`kvcache node`: start a KV-store node and serve until SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from kvcache.units import format_size, parse_size
+from kvnode.service import DEFAULT_MAX_KEYS, SERVICE_NAME, KVStoreService, handler
+from kvnode.store import PageStore
+from protos import serving
+
+log = logging.getLogger("kvnode")
+
+# One float32 page of the embedded `tiny` model: 4 layers x (k,v) x 4 heads x 16 tokens x 64 dims x 4 bytes.
+DEFAULT_PAGE_BYTES = 4 * 2 * 4 * 16 * 64 * 4
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=50051, help="port to listen on; 0 picks a free one (default 50051)")
+    parser.add_argument(
+        "--capacity", default="256MiB", help="memory for the page pool, allocated at start (default 256MiB)"
+    )
+    parser.add_argument(
+        "--page-bytes",
+        type=int,
+        default=DEFAULT_PAGE_BYTES,
+        help=f"bytes per page; must match the workers' model (default {DEFAULT_PAGE_BYTES}, the tiny model in float32)",
+    )
+    parser.add_argument("--node-id", default=None, help="name shown in Info and logs (default: random)")
+    parser.add_argument(
+        "--max-keys", type=int, default=DEFAULT_MAX_KEYS, help=f"most pages per request (default {DEFAULT_MAX_KEYS})"
+    )
+    parser.add_argument(
+        "--max-message-bytes",
+        default="8MiB",
+        help="largest gRPC message sent or accepted; larger pages are chunked (default 8MiB)",
+    )
+    parser.add_argument("--grace", type=float, default=2.0, help="seconds to finish running calls on stop (default 2)")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        capacity_bytes = parse_size(args.capacity)
+        max_message_bytes = parse_size(args.max_message_bytes)
+        if args.page_bytes < 1:
+            raise ValueError(f"--page-bytes must be positive, got {args.page_bytes}")
+        if args.max_keys < 1:
+            raise ValueError(f"--max-keys must be positive, got {args.max_keys}")
+        capacity_pages = capacity_bytes // args.page_bytes
+        if capacity_pages < 1:
+            raise ValueError(
+                f"--capacity {args.capacity} holds no page of {args.page_bytes} bytes: give at least {args.page_bytes} bytes"
+            )
+        serving.tune_allocator()
+        store = PageStore(capacity_pages, args.page_bytes)
+        service = KVStoreService(store, args.node_id, args.max_keys, max_message_bytes)
+        server, health = serving.make_server([handler(service)], [SERVICE_NAME], max_message_bytes)
+        port = serving.bind(server, args.host, args.port)
+    except (ValueError, OSError, MemoryError) as exc:
+        print(f"kvcache node: error: {exc}", file=sys.stderr)
+        return 2
+
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    server.start()
+    print(
+        f"kvnode {service.node_id} listening on {args.host}:{port} "
+        f"({capacity_pages} pages of {args.page_bytes} bytes, {format_size(capacity_pages * args.page_bytes)})",
+        flush=True,
+    )
+    while not stopping.wait(timeout=1.0):
+        pass
+    log.info("stopping: finishing running calls for up to %.1fs", args.grace)
+    serving.stop(server, health, args.grace)
+    log.info("stopped")
+    return 0

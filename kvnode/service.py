@@ -1,0 +1,212 @@
+"""The KVStore gRPC service: unpacks messages, calls the PageStore, turns its errors
+into status codes. Bulk messages (PageChunk, PutItem) are framed by kvnode.wire."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import grpc
+
+from kvcache import __version__
+from kvnode import wire
+from kvnode.store import InvalidRequest, PageNotFound, PageStore, PutOutcome, check_key
+from protos import kvcache_pb2 as pb
+from protos.serving import DEFAULT_MAX_MESSAGE_BYTES, Malformed, tolerant
+
+log = logging.getLogger("kvnode")
+
+SERVICE_NAME = "kvcache.v1.KVStore"
+DEFAULT_MAX_KEYS = 256
+_CHUNK_HEADROOM = 64  # bytes kept for a PageChunk's header within the message limit
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class KVStoreService:
+    def __init__(
+        self,
+        store: PageStore,
+        node_id: str | None = None,
+        max_keys_per_request: int = DEFAULT_MAX_KEYS,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ):
+        if max_message_bytes <= _CHUNK_HEADROOM * 2:
+            raise ValueError(f"max_message_bytes must exceed {_CHUNK_HEADROOM * 2}, got {max_message_bytes}")
+        self.store = store
+        self.node_id = node_id or uuid.uuid4().hex[:12]
+        self.max_keys = max_keys_per_request
+        self.max_message_bytes = max_message_bytes
+        self.chunk_bytes = max_message_bytes - _CHUNK_HEADROOM
+
+    # ---- handlers ------------------------------------------------------------
+
+    def info(self, request, context) -> pb.NodeInfo:
+        self._check_parsed(request, context)
+        store = self.store
+        leased = store.num_leased()
+        return pb.NodeInfo(
+            node_id=self.node_id,
+            version=__version__,
+            page_bytes=store.page_bytes,
+            capacity_pages=store.capacity_pages,
+            used_pages=store.num_used(),
+            leased_pages=leased,
+            free_pages=store.num_free(),
+            max_keys_per_request=self.max_keys,
+            max_message_bytes=self.max_message_bytes,
+        )
+
+    def lookup(self, request, context) -> pb.LookupReply:
+        self._check_parsed(request, context)
+        keys = self._checked_keys(request.keys, context)
+        try:
+            hits = self.store.lookup(keys, request.lease_ms)
+        except InvalidRequest as exc:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.LookupReply(hits=hits)
+
+    def get_pages(self, request, context):
+        self._check_parsed(request, context)
+        keys = self._checked_keys(request.keys, context)
+        if not keys:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "GetPages needs at least one key")
+        page_bytes, chunk = self.store.page_bytes, self.chunk_bytes
+        try:
+            self.store.check_cached(keys)
+            for index, key in enumerate(keys):
+                if page_bytes <= chunk:
+                    yield self.store.read(key, wire.page_chunk_header(index, 0, page_bytes))
+                    continue
+                page = memoryview(self.store.read(key))  # read once, so every chunk is of one page
+                for offset in range(0, page_bytes, chunk):
+                    piece = page[offset : offset + chunk]
+                    yield b"".join((wire.page_chunk_header(index, offset, len(piece)), piece))
+        except PageNotFound as exc:
+            self._abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
+
+    def put_pages(self, request_iterator, context) -> pb.PutReply:
+        try:
+            items = self._receive_pages(request_iterator)
+            for key, parent, data in items:
+                self.store.validate_put(key, parent, data)
+        except (_Abort, InvalidRequest) as exc:
+            code = exc.code if isinstance(exc, _Abort) else grpc.StatusCode.INVALID_ARGUMENT
+            self._abort(context, code, str(exc))
+        if not context.is_active():
+            self._abort(context, grpc.StatusCode.CANCELLED, "PutPages stream ended abnormally; nothing stored")
+        outcomes = [self.store.put(key, parent, data) for key, parent, data in items]
+        refused = sum(1 for o in outcomes if o in (PutOutcome.REFUSED_NO_PARENT, PutOutcome.REFUSED_NO_ROOM))
+        if refused:
+            log.info("put refused %d of %d pages (no parent or no room)", refused, len(items))
+        return pb.PutReply(outcomes=[int(o) for o in outcomes])
+
+    def stats(self, request, context) -> pb.NodeStats:
+        self._check_parsed(request, context)
+        s = self.store.stats
+        return pb.NodeStats(
+            lookups=s.lookups,
+            hit_pages=s.hit_pages,
+            miss_pages=s.miss_pages,
+            puts=s.puts,
+            stored_pages=s.stored_pages,
+            evictions=s.evictions,
+            refusals=s.refusals,
+            bytes_in=s.bytes_in,
+            bytes_out=s.bytes_out,
+            get_pages=s.get_pages,
+        )
+
+    # ---- helpers -------------------------------------------------------------
+
+    def _receive_pages(self, request_iterator) -> list[tuple[bytes, bytes, bytes]]:
+        """Whole pages from a PutPages stream; any flaw rejects the whole stream."""
+        page_bytes = self.store.page_bytes
+        items: list[tuple[bytes, bytes, bytes]] = []
+        key = parent = b""
+        parts: list = []
+        received = 0
+        for message in request_iterator:
+            if isinstance(message, Malformed):
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{message.reason}; nothing stored")
+            item_key, item_parent, data = message
+            if item_key:
+                if parts:
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, _short_page(key, received, page_bytes))
+                check_key(item_key)
+                key, parent, parts, received = item_key, item_parent, [], 0
+                if len(items) >= self.max_keys:
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, self._too_many(len(items) + 1))
+            elif not key:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "PutPages item has no key and follows no page")
+            elif item_parent:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "a continuation item must not carry a parent")
+            parts.append(data)
+            received += data.nbytes
+            if received > page_bytes:
+                raise _Abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"page {key.hex()} has more than {page_bytes} bytes; this node stores pages of {page_bytes} bytes",
+                )
+            if received == page_bytes:
+                items.append((key, parent, parts[0] if len(parts) == 1 else b"".join(parts)))
+                key, parts, received = b"", [], 0
+        if parts or key:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, _short_page(key, received, page_bytes))
+        if not items:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "PutPages stream carried no pages")
+        return items
+
+    def _checked_keys(self, keys, context) -> list[bytes]:
+        if len(keys) > self.max_keys:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, self._too_many(len(keys)))
+        keys = list(keys)
+        try:
+            for key in keys:
+                check_key(key)
+        except InvalidRequest as exc:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return keys
+
+    def _too_many(self, count: int) -> str:
+        return f"{count} keys in one request; this node takes at most {self.max_keys}: split the request"
+
+    def _check_parsed(self, request, context) -> None:
+        if isinstance(request, Malformed):
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+
+    @staticmethod
+    def _abort(context, code: grpc.StatusCode, message: str):
+        log.info("refused request: %s: %s", code.name, message)
+        context.abort(code, message)
+
+
+def _short_page(key: bytes, received: int, page_bytes: int) -> str:
+    return f"page {key.hex()} ended after {received} of {page_bytes} bytes; nothing stored"
+
+
+def handler(service: KVStoreService) -> grpc.GenericRpcHandler:
+    """Method handlers for kvcache.v1.KVStore; every request is parsed tolerantly."""
+
+    def parse(message_cls):
+        return tolerant(message_cls.FromString, message_cls.DESCRIPTOR.name)
+
+    def serialize(message):
+        return message.SerializeToString()
+
+    methods = {
+        "Info": grpc.unary_unary_rpc_method_handler(service.info, parse(pb.InfoRequest), serialize),
+        "Lookup": grpc.unary_unary_rpc_method_handler(service.lookup, parse(pb.LookupRequest), serialize),
+        "GetPages": grpc.unary_stream_rpc_method_handler(
+            service.get_pages, parse(pb.GetPagesRequest), None  # replies are framed bytes already
+        ),
+        "PutPages": grpc.stream_unary_rpc_method_handler(
+            service.put_pages, tolerant(wire.parse_put_item, "PutItem"), serialize
+        ),
+        "Stats": grpc.unary_unary_rpc_method_handler(service.stats, parse(pb.StatsRequest), serialize),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)

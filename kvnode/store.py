@@ -1,0 +1,301 @@
+"""The page store: a preallocated page pool, a content-addressed index, prefix-aware
+LRU eviction and short leases. Plain Python over NumPy; knows nothing of gRPC.
+
+Design notes
+1. Only leaves are evicted (pages no cached page names as parent), least recently
+   used first, and a put whose parent is not cached is refused: so every cached
+   page's whole prefix is cached.
+2. Evictable leaves sit in a heap keyed by their last-touch tick. Entries are never
+   removed from the middle: an entry is valid only while its page still exists, is
+   still a leaf, is not leased, and has not been touched since (same tick). Stale
+   entries are skipped when popped and dropped when the heap is rebuilt. Every
+   operation is O(log n) amortized.
+3. Leases expire lazily: a second heap holds (expiry, key); each operation first
+   retires the leases that ran out, so an abandoned lease frees itself.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+KEY_BYTES = 16
+MAX_LEASE_MS = 60_000
+
+
+class InvalidRequest(ValueError):
+    """The caller sent something malformed; nothing was changed."""
+
+
+class PageNotFound(KeyError):
+    """A requested page is not cached."""
+
+    def __init__(self, key: bytes):
+        super().__init__(key)
+        self.key = key
+
+    def __str__(self) -> str:
+        return f"page {self.key.hex()} is not cached (evicted or never stored): look it up again"
+
+
+class PutOutcome(enum.IntEnum):
+    """Values match the wire enum kvcache.v1.PutReply.Outcome."""
+
+    STORED = 1
+    ALREADY_PRESENT = 2
+    REFUSED_NO_PARENT = 3
+    REFUSED_NO_ROOM = 4
+
+
+@dataclass(slots=True)
+class _Page:
+    slot: int
+    parent: bytes  # b"" for a root page
+    tick: int
+    children: int = 0
+    lease_until: float = 0.0
+
+
+@dataclass
+class StoreStats:
+    lookups: int = 0
+    hit_pages: int = 0
+    miss_pages: int = 0
+    puts: int = 0
+    stored_pages: int = 0
+    evictions: int = 0
+    refusals: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    get_pages: int = 0
+
+
+def check_key(key: bytes, what: str = "key") -> None:
+    if len(key) != KEY_BYTES:
+        raise InvalidRequest(f"{what} must be {KEY_BYTES} bytes, got {len(key)}")
+
+
+class PageStore:
+    """A fixed pool of `capacity_pages` pages of `page_bytes` each, safe to share between threads."""
+
+    def __init__(self, capacity_pages: int, page_bytes: int, clock: Callable[[], float] = time.monotonic):
+        if capacity_pages < 1:
+            raise ValueError(f"capacity must be at least one page, got {capacity_pages}")
+        if page_bytes < 1:
+            raise ValueError(f"page_bytes must be positive, got {page_bytes}")
+        self.capacity_pages = capacity_pages
+        self.page_bytes = page_bytes
+        self.clock = clock
+        self.stats = StoreStats()
+        self._pool = np.zeros((capacity_pages, page_bytes), dtype=np.uint8)
+        self._pool.fill(0)  # touch every page now, so serving never waits on the kernel
+        self._free_slots: list[int] = list(range(capacity_pages - 1, -1, -1))
+        self._index: dict[bytes, _Page] = {}
+        self._leaf_heap: list[tuple[int, bytes]] = []
+        self._lease_heap: list[tuple[float, bytes]] = []
+        self._num_leased = 0
+        self._tick = 0
+        self._lock = threading.Lock()
+
+    # ---- queries -------------------------------------------------------------
+
+    def num_used(self) -> int:
+        return len(self._index)
+
+    def num_free(self) -> int:
+        return len(self._free_slots)
+
+    def num_leased(self) -> int:
+        with self._lock:
+            self._retire_leases(self.clock())
+            return self._num_leased
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._index
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._index)
+
+    # ---- operations ----------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], lease_ms: int = 0) -> int:
+        """Length of the longest cached prefix of `keys`; touches it, and leases it when lease_ms > 0."""
+        for key in keys:
+            check_key(key)
+        if not 0 <= lease_ms <= MAX_LEASE_MS:
+            raise InvalidRequest(f"lease_ms must be between 0 and {MAX_LEASE_MS}, got {lease_ms}")
+        with self._lock:
+            now = self.clock()
+            self._retire_leases(now)
+            hits = 0
+            for key in keys:
+                page = self._index.get(key)
+                if page is None:
+                    break
+                self._touch(key, page)
+                if lease_ms:
+                    self._lease(key, page, now + lease_ms / 1000.0)
+                hits += 1
+            self.stats.lookups += 1
+            self.stats.hit_pages += hits
+            self.stats.miss_pages += len(keys) - hits
+            return hits
+
+    def check_cached(self, keys: Iterable[bytes]) -> None:
+        """Raise PageNotFound for the first key that is not cached (so a fetch fails before it starts)."""
+        with self._lock:
+            for key in keys:
+                if key not in self._index:
+                    raise PageNotFound(key)
+
+    def read(self, key: bytes, prefix: bytes = b"") -> bytes:
+        """`prefix` followed by the page's bytes, in one copy; touches the page.
+
+        The prefix lets a caller frame the page for the wire without copying it twice.
+        """
+        with self._lock:
+            page = self._index.get(key)
+            if page is None:
+                raise PageNotFound(key)
+            self._touch(key, page)
+            self.stats.get_pages += 1
+            self.stats.bytes_out += self.page_bytes
+            return b"".join((prefix, memoryview(self._pool[page.slot])))
+
+    def put(self, key: bytes, parent: bytes, data) -> PutOutcome:
+        """Store one page whose parent is `parent` (b"" for a root page)."""
+        self.validate_put(key, parent, data)
+        with self._lock:
+            now = self.clock()
+            self._retire_leases(now)
+            self.stats.puts += 1
+            self.stats.bytes_in += self.page_bytes
+            page = self._index.get(key)
+            if page is not None:
+                self._touch(key, page)
+                return PutOutcome.ALREADY_PRESENT
+            parent_page = self._index.get(parent) if parent else None
+            if parent and parent_page is None:
+                self.stats.refusals += 1
+                return PutOutcome.REFUSED_NO_PARENT
+            slot = self._take_slot(now, protect=parent)
+            if slot is None:
+                self.stats.refusals += 1
+                return PutOutcome.REFUSED_NO_ROOM
+            self._pool[slot] = np.frombuffer(data, dtype=np.uint8)
+            page = _Page(slot=slot, parent=parent, tick=0)
+            self._index[key] = page
+            if parent_page is not None:
+                parent_page.children += 1
+                self._touch(parent, parent_page)
+            self._touch(key, page)
+            self.stats.stored_pages += 1
+            return PutOutcome.STORED
+
+    def validate_put(self, key: bytes, parent: bytes, data) -> None:
+        check_key(key)
+        if parent:
+            check_key(parent, "parent key")
+        if parent == key:
+            raise InvalidRequest(f"page {key.hex()} names itself as its parent")
+        size = memoryview(data).nbytes
+        if size != self.page_bytes:
+            raise InvalidRequest(f"page {key.hex()} has {size} bytes; this node stores pages of {self.page_bytes} bytes")
+
+    # ---- internals (callers hold the lock) -----------------------------------
+
+    def _touch(self, key: bytes, page: _Page) -> None:
+        self._tick += 1
+        page.tick = self._tick
+        if page.children == 0:
+            self._push_leaf(key, page)
+
+    def _push_leaf(self, key: bytes, page: _Page) -> None:
+        heapq.heappush(self._leaf_heap, (page.tick, key))
+        if len(self._leaf_heap) > 2 * len(self._index) + 64:
+            self._leaf_heap = [(p.tick, k) for k, p in self._index.items() if p.children == 0]
+            heapq.heapify(self._leaf_heap)
+
+    def _lease(self, key: bytes, page: _Page, until: float) -> None:
+        if until <= page.lease_until:
+            return
+        if page.lease_until == 0.0:
+            self._num_leased += 1
+        page.lease_until = until
+        heapq.heappush(self._lease_heap, (until, key))
+
+    def _retire_leases(self, now: float) -> None:
+        heap = self._lease_heap
+        while heap and heap[0][0] <= now:
+            until, key = heapq.heappop(heap)
+            page = self._index.get(key)
+            if page is None or page.lease_until != until:
+                continue  # renewed since, or gone
+            page.lease_until = 0.0
+            self._num_leased -= 1
+            if page.children == 0:
+                self._push_leaf(key, page)
+
+    def _take_slot(self, now: float, protect: bytes) -> int | None:
+        """A free slot, evicting the least recently used unleased leaf (never `protect`) if needed."""
+        if self._free_slots:
+            return self._free_slots.pop()
+        held = []
+        victim = None
+        heap = self._leaf_heap
+        while heap:
+            tick, key = heapq.heappop(heap)
+            page = self._index.get(key)
+            if page is None or page.tick != tick or page.children or page.lease_until > now:
+                continue  # stale entry; a leased leaf is pushed again when its lease ends
+            if key == protect:
+                held.append((tick, key))
+                continue
+            victim = key
+            break
+        for entry in held:
+            heapq.heappush(heap, entry)
+        if victim is None:
+            return None
+        return self._evict(victim)
+
+    def _evict(self, key: bytes) -> int:
+        page = self._index.pop(key)
+        self.stats.evictions += 1
+        if page.parent:
+            parent = self._index[page.parent]
+            parent.children -= 1
+            if parent.children == 0:
+                self._push_leaf(page.parent, parent)
+        return page.slot
+
+    # ---- invariants (tests call this after every step) -----------------------
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            used, free = len(self._index), len(self._free_slots)
+            assert used + free == self.capacity_pages, f"used {used} + free {free} != capacity {self.capacity_pages}"
+            slots = [p.slot for p in self._index.values()]
+            assert len(set(slots)) == used, "two pages share a slot"
+            assert not set(slots) & set(self._free_slots), "a slot is both free and indexed"
+            assert len(set(self._free_slots)) == free, "a slot is free twice"
+            children: dict[bytes, int] = {}
+            for key, page in self._index.items():
+                if page.parent:
+                    assert page.parent in self._index, f"page {key.hex()} is cached but its parent is not"
+                    children[page.parent] = children.get(page.parent, 0) + 1
+            for key, page in self._index.items():
+                assert page.children == children.get(key, 0), f"page {key.hex()} child count is off"
+            leased = sum(1 for p in self._index.values() if p.lease_until > 0.0)
+            assert leased == self._num_leased, f"leased count {self._num_leased} != {leased}"
+            valid = {(t, k) for t, k in self._leaf_heap}
+            for key, page in self._index.items():
+                if page.children == 0 and page.lease_until == 0.0:
+                    assert (page.tick, key) in valid, f"leaf {key.hex()} cannot be evicted: no heap entry"

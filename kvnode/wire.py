@@ -1,0 +1,113 @@
+"""Hand framing of the two bulk messages, PageChunk and PutItem.
+
+They carry whole pages; protobuf in Python copies a `bytes` field on every read and
+serializing a message copies it again. Framing them by hand keeps one copy per side
+and stays byte-compatible with kvcache.v1 (any protobuf client reads and writes them).
+"""
+
+from __future__ import annotations
+
+_VARINT, _LEN = 0, 2
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def _tag(field: int, wire_type: int) -> bytes:
+    return _varint(field << 3 | wire_type)
+
+
+_CHUNK_INDEX, _CHUNK_OFFSET, _CHUNK_DATA = _tag(1, _VARINT), _tag(2, _VARINT), _tag(3, _LEN)
+_ITEM_KEY, _ITEM_PARENT, _ITEM_DATA = _tag(1, _LEN), _tag(2, _LEN), _tag(3, _LEN)
+
+
+def page_chunk_header(index: int, offset: int, length: int) -> bytes:
+    """Everything of a PageChunk before its data: append `length` bytes of data to complete it."""
+    return b"".join((_CHUNK_INDEX, _varint(index), _CHUNK_OFFSET, _varint(offset), _CHUNK_DATA, _varint(length)))
+
+
+def put_item(key: bytes, parent: bytes, data) -> bytes:
+    """A whole PutItem message (one copy of `data`)."""
+    parts = []
+    if key:
+        parts += [_ITEM_KEY, _varint(len(key)), key]
+    if parent:
+        parts += [_ITEM_PARENT, _varint(len(parent)), parent]
+    view = memoryview(data).cast("B")
+    parts += [_ITEM_DATA, _varint(view.nbytes), view]
+    return b"".join(parts)
+
+
+class MalformedMessage(ValueError):
+    pass
+
+
+def parse_fields(buf: bytes) -> dict[int, object]:
+    """Fields of a protobuf message: int for varints, memoryview (no copy) for length-delimited.
+
+    A repeated field keeps its last value, as protobuf does for singular fields.
+    """
+    view = memoryview(buf)
+    fields: dict[int, object] = {}
+    pos, end = 0, len(view)
+
+    def read_varint() -> int:
+        nonlocal pos
+        result = shift = 0
+        while True:
+            if pos >= end or shift > 63:
+                raise MalformedMessage("truncated or overlong varint")
+            byte = view[pos]
+            pos += 1
+            result |= (byte & 0x7F) << shift
+            if not byte & 0x80:
+                return result
+            shift += 7
+
+    while pos < end:
+        tag = read_varint()
+        field, wire_type = tag >> 3, tag & 7
+        if field == 0:
+            raise MalformedMessage("field number 0")
+        if wire_type == _VARINT:
+            fields[field] = read_varint()
+        elif wire_type == _LEN:
+            length = read_varint()
+            if pos + length > end:
+                raise MalformedMessage(f"field {field} claims {length} bytes, {end - pos} remain")
+            fields[field] = view[pos : pos + length]
+            pos += length
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        else:
+            raise MalformedMessage(f"unsupported wire type {wire_type}")
+        if pos > end:
+            raise MalformedMessage("truncated fixed-width field")
+    return fields
+
+
+def parse_page_chunk(buf: bytes) -> tuple[int, int, memoryview]:
+    fields = parse_fields(buf)
+    index, offset, data = fields.get(1, 0), fields.get(2, 0), fields.get(3, memoryview(b""))
+    if not isinstance(index, int) or not isinstance(offset, int) or not isinstance(data, memoryview):
+        raise MalformedMessage("PageChunk field has the wrong wire type")
+    return index, offset, data
+
+
+def parse_put_item(buf: bytes) -> tuple[bytes, bytes, memoryview]:
+    fields = parse_fields(buf)
+    key, parent, data = (fields.get(n, memoryview(b"")) for n in (1, 2, 3))
+    if not all(isinstance(f, memoryview) for f in (key, parent, data)):
+        raise MalformedMessage("PutItem field has the wrong wire type")
+    return bytes(key), bytes(parent), data

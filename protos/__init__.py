@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for the kvcache wire protocol (`make protos` regenerates them)."""

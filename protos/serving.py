@@ -1,0 +1,110 @@
+"""What every kvcache daemon's gRPC server shares: one factory with its options,
+health and reflection, tolerant request parsing, and a bounded graceful stop."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+from concurrent import futures
+from typing import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+
+
+class Malformed:
+    """Stands in for a request that did not parse, so the handler can answer INVALID_ARGUMENT.
+
+    grpcio's threaded server, left to itself, aborts such a call with INTERNAL, and for
+    a client stream may end the handler's iterator as if the stream were complete.
+    """
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def tolerant(parse: Callable[[bytes], object], name: str) -> Callable[[bytes], object]:
+    def deserialize(data: bytes) -> object:
+        try:
+            return parse(data)
+        except Exception as exc:  # any parse failure is the caller's mistake
+            return Malformed(f"{name} message does not parse: {exc}")
+
+    return deserialize
+
+
+def make_server(
+    handlers: Iterable[grpc.GenericRpcHandler],
+    service_names: Iterable[str],
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_workers: int = 16,
+) -> tuple[grpc.Server, health.HealthServicer]:
+    """A threaded gRPC server with health and reflection on; not yet bound or started."""
+    options = [
+        # KV pages are far larger than gRPC's 4 MiB default; the node chunks replies to this size.
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Answer clients' keepalive pings even between calls, so idle channels stay up.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        # One process per port: never share a port with a stale daemon.
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=options,
+        # Beyond this many calls in flight, new ones get RESOURCE_EXHAUSTED instead of queueing forever.
+        maximum_concurrent_rpcs=max_workers * 4,
+    )
+    for handler in handlers:
+        server.add_generic_rpc_handlers((handler,))
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_names)
+    for name in ["", *names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return server, health_servicer
+
+
+def bind(server: grpc.Server, host: str, port: int) -> int:
+    """Bind host:port (port 0 picks a free one) and return the port, or raise a clear error."""
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {host}:{port} ({exc}): is the port taken?") from exc
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}: is the port taken or the host not local?")
+    return bound
+
+
+def stop(server: grpc.Server, health_servicer: health.HealthServicer, grace_s: float) -> None:
+    """Health to NOT_SERVING first, then stop; the wait is bounded (a stuck call must not hang us)."""
+    health_servicer.enter_graceful_shutdown()
+    if not server.stop(grace_s).wait(timeout=grace_s + 2.0):
+        log.warning("gRPC server did not stop within %.1fs; exiting anyway", grace_s + 2.0)
+
+
+def tune_allocator() -> None:
+    """Keep glibc from returning large message buffers to the kernel after each call.
+
+    Fresh memory is written far slower than reused memory (see DESIGN.md); raising the
+    mmap and trim thresholds lets gRPC reuse its buffers. A no-op off glibc.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc else None
+    except (OSError, AttributeError):
+        return
+    if mallopt is None:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 32 * 1024 * 1024)
+    mallopt(m_trim_threshold, 1024 * 1024 * 1024)

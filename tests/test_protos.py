@@ -1,0 +1,19 @@
+"""The committed gRPC stubs are exactly what `make protos` generates from the .proto files."""
+
+from pathlib import Path
+
+from protos.generate import PROTO_FILES, generate
+
+PROJECT = Path(__file__).resolve().parent.parent
+
+
+def test_committed_stubs_match_the_protos(tmp_path):
+    generate(PROJECT, tmp_path)
+    for proto in PROTO_FILES:
+        stem = Path(proto).with_suffix("")
+        for suffix in ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi"):
+            generated = tmp_path / f"{stem}{suffix}"
+            committed = PROJECT / f"{stem}{suffix}"
+            assert committed.read_text() == generated.read_text(), (
+                f"{committed.relative_to(PROJECT)} differs from the .proto: run `make protos` and commit"
+            )

@@ -1,0 +1,1 @@
+"""worker: runs the model over a paged KV cache and fetches cached pages from kvnodes."""
