@@ -23,6 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     node_daemon.add_arguments(node)
     node.set_defaults(run=node_daemon.run)
 
+    from kvcache.bench import cli as bench_cli
+
+    bench = commands.add_parser("bench", help="measure a part of the service", description=bench_cli.__doc__)
+    bench_cli.add_arguments(bench)
     return parser
 
 

@@ -114,17 +114,18 @@ class NodeClient:
         shape = (len(keys), page_bytes)
         if out is None:
             out = np.empty(shape, dtype=np.uint8)
-        elif out.shape != shape or out.dtype != np.uint8:
-            raise ValueError(f"out must be a uint8 array of shape {shape}, got {out.dtype} {out.shape}")
+        elif out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous uint8 array of shape {shape}, got {out.dtype} {out.shape}")
         received = 0
         try:
             stream = self._get_pages(pb.GetPagesRequest(keys=keys), timeout=timeout or self.timeout)
+            flat = out.reshape(-1)
             for message in stream:
                 index, offset, data = wire.parse_page_chunk(message)
-                end = offset + data.nbytes
-                if index >= len(keys) or end > page_bytes:
+                start = index * page_bytes + offset
+                if index >= len(keys) or start + data.nbytes > flat.size:
                     raise NodeError(self.address, grpc.StatusCode.DATA_LOSS, f"chunk out of range: page {index}")
-                out[index, offset:end] = np.frombuffer(data, dtype=np.uint8)
+                flat[start : start + data.nbytes] = np.frombuffer(data, dtype=np.uint8)
                 received += data.nbytes
         except grpc.RpcError as exc:
             raise self._error(exc) from None

@@ -78,11 +78,14 @@ class KVStoreService:
         page_bytes, chunk = self.store.page_bytes, self.chunk_bytes
         try:
             self.store.check_cached(keys)
+            if page_bytes <= chunk:
+                per_message = chunk // page_bytes  # few large messages: gRPC's cost is per message
+                for first in range(0, len(keys), per_message):
+                    group = keys[first : first + per_message]
+                    yield self.store.read(group, wire.page_chunk_header(first, 0, len(group) * page_bytes))
+                return
             for index, key in enumerate(keys):
-                if page_bytes <= chunk:
-                    yield self.store.read(key, wire.page_chunk_header(index, 0, page_bytes))
-                    continue
-                page = memoryview(self.store.read(key))  # read once, so every chunk is of one page
+                page = memoryview(self.store.read([key]))  # read once, so every chunk is of one page
                 for offset in range(0, page_bytes, chunk):
                     piece = page[offset : offset + chunk]
                     yield b"".join((wire.page_chunk_header(index, offset, len(piece)), piece))

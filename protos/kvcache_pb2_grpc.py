@@ -85,9 +85,10 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetPages(self, request, context):
-        """The pages' bytes in request order. A page may be split over several
-        chunks (never more than the node's message limit); chunks of one page
-        arrive in order and contiguous.
+        """The pages' bytes in request order, back to back. A chunk starts at byte
+        `offset` of page `index` and its data may run on into the following pages
+        (whole pages are grouped to save per-message cost); a page larger than the
+        node's message limit is split over several chunks. Chunks arrive in order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

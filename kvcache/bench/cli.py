@@ -1,0 +1,16 @@
+"""Measure a part of the service. Each bench runs its baseline in the same invocation and prints ratios."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    benches = parser.add_subparsers(dest="bench", metavar="BENCH")
+    benches.required = True
+
+    from kvcache.bench import node
+
+    node_parser = benches.add_parser("node", help="kvnode put/get throughput against a raw TCP socket", description=node.__doc__)
+    node.add_arguments(node_parser)
+    node_parser.set_defaults(run=node.run)

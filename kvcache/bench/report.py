@@ -1,0 +1,52 @@
+"""Shared bench output: latency summaries, a plain table, JSON with the machine and versions."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from typing import Sequence
+
+import numpy as np
+
+
+def latency_summary_ms(seconds: Sequence[float]) -> dict[str, float]:
+    values = np.asarray(seconds, dtype=np.float64) * 1000.0
+    return {
+        "p50_ms": float(np.percentile(values, 50)),
+        "p99_ms": float(np.percentile(values, 99)),
+        "mean_ms": float(values.mean()),
+    }
+
+
+def machine() -> dict[str, object]:
+    import grpc
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "numpy": np.__version__,
+        "grpcio": grpc.__version__,
+    }
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], out=sys.stdout) -> None:
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)), file=out)
+    print("  ".join("-" * w for w in widths), file=out)
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)), file=out)
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def dump_json(result: dict, out=sys.stdout) -> None:
+    json.dump(result, out, indent=2, sort_keys=True)
+    print(file=out)
