@@ -1,0 +1,234 @@
+"""The remote tier: kvnodes named by each request's placement, behind the engine's hook.
+
+A kvnode never makes a request fail: every call has a short deadline, a node that
+fails is skipped for a while, and whatever cannot be fetched is computed instead.
+Write-back runs on one background thread with a bounded queue; what cannot be sent
+is counted and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from kvnode.client import NodeClient, NodeError
+
+log = logging.getLogger("worker.remote")
+
+
+@dataclass
+class Placement:
+    """The kvnodes a request's pages live on, primary first; `source` is the one that answered the lookup."""
+
+    addresses: list[str]
+    source: str | None = None
+    source_hits: int = 0
+
+
+@dataclass
+class TierStats:
+    lookups: int = 0
+    pages_fetched: int = 0
+    bytes_fetched: int = 0
+    fetch_failures: int = 0
+    node_failures: int = 0
+    pages_written: int = 0
+    pages_refused: int = 0
+    pages_dropped: int = 0
+
+
+@dataclass
+class _Node:
+    client: NodeClient
+    checked: bool = False  # page size verified
+    refused: bool = False  # page size does not match: never used
+    down_until: float = 0.0
+
+
+class RemoteTier:
+    """Fetches pages into the engine's float32 pool and writes full pages back.
+
+    `pool` is the engine's block array [blocks, layers, 2, kv_heads, page_tokens, head_dim];
+    on the wire a page is that block in `kv_dtype` (float16 halves the bytes).
+    """
+
+    def __init__(
+        self,
+        pool: np.ndarray,
+        kv_dtype: str,
+        lease_ms: int = 2_000,
+        lookup_timeout_s: float = 0.5,
+        retry_after_s: float = 2.0,
+        queue_pages: int = 1024,
+    ):
+        self.pool = pool
+        self.wire_dtype = np.dtype(kv_dtype)
+        self.block_shape = pool.shape[1:]
+        self.page_bytes = int(np.prod(self.block_shape)) * self.wire_dtype.itemsize
+        self.lease_ms = lease_ms
+        self.lookup_timeout_s = lookup_timeout_s
+        self.retry_after_s = retry_after_s
+        self.stats = TierStats()
+        self._stats_lock = threading.Lock()  # counted from the engine thread and the sender thread
+        self._nodes: dict[str, _Node] = {}
+        self._nodes_lock = threading.Lock()
+        self._outbox: queue.Queue = queue.Queue(maxsize=queue_pages)
+        self._sender = threading.Thread(target=self._send_loop, name="kv-writeback", daemon=True)
+        self._stopping = threading.Event()
+        self._sender.start()
+
+    # ---- the engine's hook -----------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], placement: Placement) -> int:
+        """How many of `keys`, from the first, the first answering placed node holds (leased for the fetch)."""
+        self._count("lookups", 1)
+        placement.source, placement.source_hits = None, 0
+        for address in placement.addresses:
+            node = self._usable(address)
+            if node is None:
+                continue
+            try:
+                hits = node.client.lookup(keys, lease_ms=self.lease_ms, timeout=self.lookup_timeout_s)
+            except NodeError as exc:
+                self._failed(address, node, exc)
+                continue
+            placement.source, placement.source_hits = address, hits
+            return hits
+        return 0
+
+    def fill(self, keys: Sequence[bytes], block_ids: Sequence[int], placement: Placement) -> int:
+        """Fetch `keys` into `block_ids`; returns how many leading pages really arrived (the engine computes the rest)."""
+        if not keys:
+            return 0
+        candidates = [placement.source] if placement.source else []
+        candidates += [a for a in placement.addresses if a not in candidates]
+        for address in candidates:
+            node = self._usable(address)
+            if node is None:
+                continue
+            try:
+                wanted = keys
+                if address != placement.source:  # a replica: ask what it holds first
+                    hits = node.client.lookup(keys, lease_ms=self.lease_ms, timeout=self.lookup_timeout_s)
+                    wanted = keys[:hits]
+                    if not wanted:
+                        continue
+                rows = node.client.get_pages(wanted, timeout=self._fetch_timeout(len(wanted)))
+            except NodeError as exc:
+                self._count("fetch_failures", 1)
+                self._failed(address, node, exc)
+                continue
+            count = len(wanted)
+            self.pool[np.asarray(block_ids[:count])] = rows.view(self.wire_dtype).reshape(count, *self.block_shape)
+            self._count("pages_fetched", count)
+            self._count("bytes_fetched", rows.nbytes)
+            return count
+        return 0
+
+    def on_page_full(self, key: bytes, parent: bytes, block_id: int, placement: Placement) -> None:
+        """Queue a copy of a newly full page for every placed node; never blocks (a full queue drops it)."""
+        if not placement.addresses:
+            return
+        data = self.pool[block_id].astype(self.wire_dtype, copy=True)  # a copy: the block may be reused
+        try:
+            self._outbox.put_nowait((tuple(placement.addresses), key, parent, data))
+        except queue.Full:
+            self._count("pages_dropped", 1)
+
+    def _count(self, name: str, amount: int) -> None:
+        with self._stats_lock:
+            setattr(self.stats, name, getattr(self.stats, name) + amount)
+
+    # ---- nodes ---------------------------------------------------------------
+
+    def _usable(self, address: str) -> _Node | None:
+        with self._nodes_lock:
+            node = self._nodes.get(address)
+            if node is None:
+                node = self._nodes[address] = _Node(NodeClient(address))
+        if node.refused or time.monotonic() < node.down_until:
+            return None
+        if not node.checked:
+            try:
+                info = node.client.info(timeout=self.lookup_timeout_s)
+            except NodeError as exc:
+                self._failed(address, node, exc)
+                return None
+            node.checked = True
+            if info.page_bytes != self.page_bytes:
+                node.refused = True
+                log.warning(
+                    "refusing kvnode %s: its pages are %d bytes, this worker's are %d "
+                    "(start the node with the worker's --model and --kv-dtype)",
+                    address, info.page_bytes, self.page_bytes,
+                )
+                return None
+        return node
+
+    def _failed(self, address: str, node: _Node, exc: NodeError) -> None:
+        self._count("node_failures", 1)
+        if time.monotonic() >= node.down_until:
+            log.warning("kvnode %s failed (%s); skipping it for %.0fs", address, exc.code.name, self.retry_after_s)
+        node.down_until = time.monotonic() + self.retry_after_s
+
+    def _fetch_timeout(self, pages: int) -> float:
+        return 1.0 + pages * self.page_bytes / 100e6  # generous: 100 MB/s is far below loopback
+
+    # ---- write-back ------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                first = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            batch = [first]
+            while len(batch) < 64:
+                try:
+                    batch.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            by_node: dict[str, list] = {}
+            for addresses, key, parent, data in batch:
+                for address in addresses:
+                    by_node.setdefault(address, []).append((key, parent, data))
+            for address, items in by_node.items():
+                self._write(address, items)
+            for _ in batch:
+                self._outbox.task_done()
+
+    def _write(self, address: str, items: list) -> None:
+        node = self._usable(address)
+        if node is None:
+            self._count("pages_dropped", len(items))
+            return
+        keys, parents, pages = zip(*items)
+        try:
+            result = node.client.put_pages(keys, parents, pages, timeout=self._fetch_timeout(len(items)))
+        except NodeError as exc:
+            self._count("pages_dropped", len(items))
+            self._failed(address, node, exc)
+            return
+        self._count("pages_written", result.stored + result.already_present)
+        self._count("pages_refused", result.refused)
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued page was sent or dropped (tests, shutdown); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._outbox.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._outbox.unfinished_tasks
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._sender.join(timeout=5.0)
+        with self._nodes_lock:
+            for node in self._nodes.values():
+                node.client.close()
+            self._nodes.clear()
