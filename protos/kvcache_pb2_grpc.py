@@ -285,3 +285,125 @@ class KVStore:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class WorkerStub:
+    """An inference worker: runs the model over a paged KV cache, fetching cached
+    pages from the kvnodes a request is placed on.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Generate = channel.unary_stream(
+                '/kvcache.v1.Worker/Generate',
+                request_serializer=protos_dot_kvcache__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcache__pb2.GenerateReply.FromString,
+                _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/kvcache.v1.Worker/Info',
+                request_serializer=protos_dot_kvcache__pb2.WorkerInfoRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcache__pb2.WorkerInfo.FromString,
+                _registered_method=True)
+
+
+class WorkerServicer:
+    """An inference worker: runs the model over a paged KV cache, fetching cached
+    pages from the kvnodes a request is placed on.
+    """
+
+    def Generate(self, request, context):
+        """Generate text: token pieces as they come, then one final message.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Info(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=protos_dot_kvcache__pb2.GenerateRequest.FromString,
+                    response_serializer=protos_dot_kvcache__pb2.GenerateReply.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=protos_dot_kvcache__pb2.WorkerInfoRequest.FromString,
+                    response_serializer=protos_dot_kvcache__pb2.WorkerInfo.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvcache.v1.Worker', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvcache.v1.Worker', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Worker:
+    """An inference worker: runs the model over a paged KV cache, fetching cached
+    pages from the kvnodes a request is placed on.
+    """
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvcache.v1.Worker/Generate',
+            protos_dot_kvcache__pb2.GenerateRequest.SerializeToString,
+            protos_dot_kvcache__pb2.GenerateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.Worker/Info',
+            protos_dot_kvcache__pb2.WorkerInfoRequest.SerializeToString,
+            protos_dot_kvcache__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
