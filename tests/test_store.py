@@ -57,9 +57,10 @@ def test_put_then_lookup_and_read_give_the_same_bytes(clock):
     assert store.put(b, a, page(2, PAGE_BYTES)) == STORED
     assert (store.num_used(), store.num_free()) == (2, 2)
     assert store.lookup([a, b]) == 2
-    assert store.read(a) == page(1, PAGE_BYTES)
-    assert store.read(b) == page(2, PAGE_BYTES)
-    assert store.read(b, prefix=b"hdr") == b"hdr" + page(2, PAGE_BYTES)
+    assert store.read([a]) == page(1, PAGE_BYTES)
+    assert store.read([b]) == page(2, PAGE_BYTES)
+    assert store.read([b], prefix=b"hdr") == b"hdr" + page(2, PAGE_BYTES)
+    assert store.read([b, a], prefix=b"hdr") == b"hdr" + page(2, PAGE_BYTES) + page(1, PAGE_BYTES)
 
 
 def test_put_accepts_any_bytes_like_page(clock):
@@ -68,7 +69,7 @@ def test_put_accepts_any_bytes_like_page(clock):
     store = make_store(2, clock)
     data = np.arange(PAGE_BYTES, dtype=np.uint8)
     assert store.put(a, b"", memoryview(data)) == STORED
-    assert store.read(a) == data.tobytes()
+    assert store.read([a]) == data.tobytes()
 
 
 def test_free_list_fills_to_capacity_then_slots_are_reused(clock):
@@ -81,7 +82,7 @@ def test_free_list_fills_to_capacity_then_slots_are_reused(clock):
         assert (store.num_used(), store.num_free()) == (3, 0)
     assert store.stats.evictions == 3
     for k in [d, e, f]:  # reused slots hold the new pages, not the evicted ones
-        assert store.read(k) == page(k[0], PAGE_BYTES)
+        assert store.read([k]) == page(k[0], PAGE_BYTES)
 
 
 def test_lookup_answers_the_longest_cached_prefix(clock):
@@ -99,7 +100,7 @@ def test_lookup_answers_the_longest_cached_prefix(clock):
 def test_read_of_a_missing_page_names_it(clock):
     store = make_store(2, clock)
     with pytest.raises(PageNotFound) as raised:
-        store.read(a)
+        store.read([a])
     assert a.hex() in str(raised.value)
     put(store, a)
     store.check_cached([a])
@@ -208,7 +209,7 @@ def test_a_put_whose_only_evictable_page_is_its_parent_is_refused(clock):
     "touch",
     [
         lambda s: s.lookup([a]),
-        lambda s: s.read(a),
+        lambda s: s.read([a]),
         lambda s: s.put(a, b"", page(99, PAGE_BYTES)),  # put of a present page only touches it
     ],
     ids=["lookup", "read", "put-of-present"],
@@ -226,7 +227,7 @@ def test_put_of_a_present_page_keeps_its_content(clock):
     store = make_store(2, clock)
     put(store, a)
     assert store.put(a, b"", page(99, PAGE_BYTES)) == PRESENT
-    assert store.read(a) == page(a[0], PAGE_BYTES)
+    assert store.read([a]) == page(a[0], PAGE_BYTES)
     assert store.stats.stored_pages == 1
 
 
@@ -337,7 +338,7 @@ def test_when_every_evictable_page_is_leased_a_put_is_refused_and_no_lease_broke
     assert put(store, d, a) == NO_ROOM
     assert cached(store) == {a, b}
     assert store.num_leased() == 2
-    assert store.read(a) == page(a[0], PAGE_BYTES)
+    assert store.read([a]) == page(a[0], PAGE_BYTES)
     assert (store.stats.refusals, store.stats.evictions) == (2, 0)
     clock.advance(1.0)
     assert put(store, c) == STORED
@@ -379,7 +380,7 @@ def test_counters_move_as_operations_happen(clock):
     put(store, a)
     put(store, d, c)
     store.lookup([a, b, c])
-    store.read(a)
+    store.read([a])
     put(store, e)
     s = store.stats
     assert (s.puts, s.stored_pages, s.refusals, s.evictions) == (5, 3, 1, 1)
