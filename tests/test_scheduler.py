@@ -1,0 +1,119 @@
+"""The scheduler without a model: chunked prefill, preemption, admission from the prefix cache."""
+
+import pytest
+
+from worker.block_pool import BlockPool
+from worker.sampling import SamplingParams
+from worker.scheduler import Request, RequestStatus, Scheduler
+
+P = 4
+ROOT = bytes(16)
+
+
+def make(pool_blocks=16, budget=64, max_seqs=8):
+    pool = BlockPool(pool_blocks, (1, 2, 1, P, 2))
+    return pool, Scheduler(pool, P, max_num_seqs=max_seqs, max_num_batched_tokens=budget)
+
+
+def request(rid, n_prompt, max_new=4, first=0):
+    return Request(rid, list(range(first, first + n_prompt)), SamplingParams(max_new_tokens=max_new), ROOT, P)
+
+
+def run_step(sched, pool, log=None):
+    """One step as the engine does it, with a fake next token (the position, so it is checkable)."""
+    batch = sched.schedule()
+    pool.check_invariants()
+    for req, n in zip(batch.requests, batch.num_new_tokens):
+        assert len(req.block_table) * P >= req.num_computed_tokens + n, "blocks cover the tokens computed"
+        sched.on_computed(req, n)
+        if req.num_computed_tokens == req.num_tokens:
+            req.token_ids.append(1000 + req.num_tokens)
+            if len(req.output_token_ids) >= req.params.max_new_tokens:
+                sched.finish(req)
+    pool.check_invariants()
+    if log is not None:
+        log.append([(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)])
+    return batch
+
+
+def test_long_prompts_are_chunked_while_running_requests_keep_decoding():
+    pool, sched = make(budget=8)
+    sched.add(request("a", 3, max_new=10))
+    run_step(sched, pool)
+    sched.add(request("b", 20, max_new=2))
+    log = []
+    for _ in range(4):
+        run_step(sched, pool, log)
+    assert log == [[("a", 1), ("b", 7)], [("a", 1), ("b", 7)], [("a", 1), ("b", 6)], [("a", 1), ("b", 1)]]
+
+
+def test_the_newest_request_is_preempted_keeps_its_tokens_and_finishes_later():
+    pool, sched = make(pool_blocks=5, budget=64)
+    a, b = request("a", 7, max_new=10), request("b", 7, max_new=10, first=100)
+    sched.add(a)
+    sched.add(b)
+    steps = 0
+    while sched.has_unfinished():
+        run_step(sched, pool)
+        steps += 1
+        assert steps < 100
+    assert sched.num_preemptions >= 1 and b.num_preemptions >= 1 and a.num_preemptions == 0
+    for req in (a, b):
+        assert req.status is RequestStatus.FINISHED
+        first = req.token_ids[0]
+        assert req.token_ids[:7] == list(range(first, first + 7))
+        assert req.output_token_ids == [1000 + n for n in range(7, 17)], "no token lost or repeated"
+    assert pool.get_num_free_blocks() == 5
+
+
+def test_a_finished_prompt_is_reused_from_the_prefix_cache_in_whole_pages():
+    pool, sched = make()
+    first = request("a", 10, max_new=1)
+    sched.add(first)
+    run_step(sched, pool)
+    assert first.status is RequestStatus.FINISHED and pool.get_num_cached_blocks() == 2
+    again = request("b", 13, max_new=1)
+    sched.add(again)
+    batch = run_step(sched, pool)
+    assert again.cached_tokens_local == 8 and batch.num_new_tokens == [5]
+    exact = request("c", 8, max_new=1)  # a prompt of exactly two cached pages still computes its last page
+    sched.add(exact)
+    batch = run_step(sched, pool)
+    assert exact.cached_tokens_local == 4 and batch.num_new_tokens == [4]
+
+
+def test_bypass_cache_neither_reuses_nor_leaves_pages():
+    pool, sched = make()
+    sched.add(request("a", 10, max_new=1))
+    run_step(sched, pool)
+    cached = pool.get_num_cached_blocks()
+    bypass = Request("b", list(range(13)), SamplingParams(max_new_tokens=1), ROOT, P, bypass_cache=True)
+    sched.add(bypass)
+    batch = run_step(sched, pool)
+    assert bypass.cached_tokens_local == 0 and batch.num_new_tokens == [13]
+    assert pool.get_num_cached_blocks() == cached
+
+
+def test_finish_releases_blocks_at_once_even_while_waiting():
+    pool, sched = make(pool_blocks=4, max_seqs=1)
+    a, b = request("a", 9), request("b", 5)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched, pool)
+    assert a.status is RequestStatus.RUNNING and b.status is RequestStatus.WAITING
+    sched.finish(a)
+    sched.finish(b)
+    pool.check_invariants()
+    assert not sched.has_unfinished() and pool.get_num_free_blocks() == 4 and not a.block_table
+
+
+def test_a_request_larger_than_the_pool_is_refused():
+    pool, sched = make(pool_blocks=2)
+    with pytest.raises(ValueError, match="has 9 tokens; the pool holds at most 8"):
+        sched.add(request("a", 9))
+
+
+def test_options_are_checked():
+    pool = BlockPool(4, (1, 2, 1, P, 2))
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Scheduler(pool, P, max_num_seqs=8, max_num_batched_tokens=4)

@@ -1,0 +1,201 @@
+"""The worker's KV block pool: one float32 array, a free list, reference counts and a local
+prefix cache of full pages by key. Knows blocks and keys, not sequences or the scheduler.
+
+Design notes
+1. A block is free (on the free list, holds nothing), referenced (ref count > 0, used by
+   running sequences), or cached-idle (ref count 0, still indexed by its page key so a later
+   prompt can reuse it). Callers count cached-idle blocks as available: allocating takes a
+   free block first and otherwise evicts one cached-idle page.
+2. Only leaves are evicted (cached pages no cached page names as parent), least recently
+   used first. A sequence references its whole page chain, so a referenced page's parent is
+   referenced too; hence whenever a cached-idle page exists, a cached-idle leaf exists, and
+   every cached-idle block can be reclaimed. Every cached page's parent stays cached.
+3. Evictable leaves sit in a heap keyed by their last-use tick; entries are invalidated
+   lazily (valid only while the page is still cached, idle, a leaf, and untouched since), as
+   in the kvnode store. Every operation is O(log n) amortized.
+4. Equal keys mean equal content: when a sequence fills a page whose key is already cached
+   in another block, the sequence switches to the cached block and its own block is freed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Sequence
+
+import numpy as np
+
+
+class BlockPool:
+    """`num_blocks` blocks of `block_shape` float32s, one array: `kv[block_id]` is one page."""
+
+    def __init__(self, num_blocks: int, block_shape: tuple[int, ...]):
+        if num_blocks < 1:
+            raise ValueError(f"the pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.kv = np.zeros((num_blocks, *block_shape), dtype=np.float32)
+        self.ref_counts = [0] * num_blocks
+        self.block_keys: list[bytes | None] = [None] * num_blocks
+        self.block_parents: list[bytes | None] = [None] * num_blocks
+        self.block_ticks = [0] * num_blocks
+        self.num_cached_children = [0] * num_blocks
+        self.free_block_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() takes block 0 first
+        self.key_to_block: dict[bytes, int] = {}
+        self._evictable_heap: list[tuple[int, int]] = []  # (tick, block_id) of cached-idle leaves
+        self._num_cached_idle = 0
+        self._tick = 0
+        self.num_evictions = 0
+
+    # ---- queries -------------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks an allocation can take now: free ones plus cached-idle ones (design note 2)."""
+        return len(self.free_block_ids) + self._num_cached_idle
+
+    def get_num_cached_blocks(self) -> int:
+        return len(self.key_to_block)
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """Blocks holding the longest cached prefix of `keys` (takes no reference)."""
+        blocks = []
+        for key in keys:
+            block_id = self.key_to_block.get(key)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def num_idle(self, block_ids: Sequence[int]) -> int:
+        """How many of these blocks are cached-idle (referencing them makes them unavailable)."""
+        return sum(1 for b in block_ids if self.ref_counts[b] == 0)
+
+    # ---- operations ----------------------------------------------------------
+
+    def ref(self, block_ids: Sequence[int]) -> None:
+        """Take a reference on cached blocks (a prefix-cache hit)."""
+        for block_id in block_ids:
+            assert self.block_keys[block_id] is not None or self.ref_counts[block_id] > 0, (
+                f"block {block_id} is free: allocate it, do not ref it")
+            if self.ref_counts[block_id] == 0:
+                self._num_cached_idle -= 1
+            self.ref_counts[block_id] += 1
+            self._touch(block_id)
+
+    def allocate(self, num: int) -> list[int]:
+        """`num` blocks holding nothing, each with one reference; evicts cached-idle leaves if needed."""
+        if num > self.get_num_free_blocks():
+            raise ValueError(f"cannot allocate {num} blocks: only {self.get_num_free_blocks()} available")
+        blocks = []
+        for _ in range(num):
+            block_id = self.free_block_ids.pop() if self.free_block_ids else self._evict_one()
+            self.ref_counts[block_id] = 1
+            blocks.append(block_id)
+        return blocks
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block; idle cached blocks stay cached, others go free.
+
+        Blocks are touched in order, so a sequence's later pages count as more recently used.
+        """
+        for block_id in block_ids:
+            assert self.ref_counts[block_id] > 0, f"block {block_id} released more often than referenced"
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] > 0:
+                continue
+            if self.block_keys[block_id] is None:
+                self.free_block_ids.append(block_id)
+            else:
+                self._num_cached_idle += 1
+                self._touch(block_id)
+
+    def cache_full_block(self, block_id: int, key: bytes, parent_key: bytes | None) -> int:
+        """Index a referenced, now full block under `key`; returns the block that holds the key.
+
+        `parent_key` is the key of the page before (None for a sequence's first page). When the
+        key is already cached elsewhere, that block gains a reference, `block_id` is released,
+        and the caller must use the returned block instead (design note 4).
+        """
+        assert self.ref_counts[block_id] > 0, f"block {block_id} is not referenced"
+        assert self.block_keys[block_id] is None, f"block {block_id} is cached already"
+        existing = self.key_to_block.get(key)
+        if existing is not None:
+            self.ref([existing])
+            self.release([block_id])
+            return existing
+        if parent_key is not None:
+            parent = self.key_to_block.get(parent_key)
+            assert parent is not None, f"parent of page {key.hex()} is not cached"
+            self.num_cached_children[parent] += 1
+        self.key_to_block[key] = block_id
+        self.block_keys[block_id] = key
+        self.block_parents[block_id] = parent_key
+        self._touch(block_id)
+        return block_id
+
+    # ---- internals -----------------------------------------------------------
+
+    def _touch(self, block_id: int) -> None:
+        self._tick += 1
+        self.block_ticks[block_id] = self._tick
+        if self._is_evictable(block_id):
+            self._push_evictable(block_id)
+
+    def _is_evictable(self, block_id: int) -> bool:
+        return (self.ref_counts[block_id] == 0 and self.block_keys[block_id] is not None
+                and self.num_cached_children[block_id] == 0)
+
+    def _push_evictable(self, block_id: int) -> None:
+        heapq.heappush(self._evictable_heap, (self.block_ticks[block_id], block_id))
+        if len(self._evictable_heap) > 2 * self.num_blocks + 64:
+            self._evictable_heap = [(self.block_ticks[b], b) for b in range(self.num_blocks) if self._is_evictable(b)]
+            heapq.heapify(self._evictable_heap)
+
+    def _evict_one(self) -> int:
+        while self._evictable_heap:
+            tick, block_id = heapq.heappop(self._evictable_heap)
+            if tick == self.block_ticks[block_id] and self._is_evictable(block_id):
+                break
+        else:
+            raise AssertionError("no evictable block although cached-idle blocks are counted")
+        key, parent_key = self.block_keys[block_id], self.block_parents[block_id]
+        del self.key_to_block[key]
+        self.block_keys[block_id] = None
+        self.block_parents[block_id] = None
+        self._num_cached_idle -= 1
+        self.num_evictions += 1
+        if parent_key is not None:
+            parent = self.key_to_block[parent_key]
+            self.num_cached_children[parent] -= 1
+            if self._is_evictable(parent):
+                self._push_evictable(parent)
+        return block_id
+
+    # ---- invariants (tests call this after every step) -----------------------
+
+    def check_invariants(self) -> None:
+        free = set(self.free_block_ids)
+        assert len(free) == len(self.free_block_ids), "a block is free twice"
+        for block_id in range(self.num_blocks):
+            refs, key = self.ref_counts[block_id], self.block_keys[block_id]
+            assert refs >= 0, f"block {block_id} has ref count {refs}"
+            if block_id in free:
+                assert refs == 0 and key is None, f"block {block_id} is both free and used (refs {refs})"
+            else:
+                assert refs > 0 or key is not None, f"block {block_id} is neither free, referenced nor cached"
+        assert {k: b for b, k in enumerate(self.block_keys) if k is not None} == self.key_to_block, "index out of sync"
+        children = [0] * self.num_blocks
+        for block_id, key in enumerate(self.block_keys):
+            parent_key = self.block_parents[block_id]
+            if key is not None and parent_key is not None:
+                assert parent_key in self.key_to_block, f"page {key.hex()} is cached but its parent is not"
+                children[self.key_to_block[parent_key]] += 1
+        assert children == self.num_cached_children, "child counts out of sync"
+        idle = [b for b in range(self.num_blocks) if self.ref_counts[b] == 0 and self.block_keys[b] is not None]
+        assert len(idle) == self._num_cached_idle, f"cached-idle count {self._num_cached_idle} != {len(idle)}"
+        for block_id in range(self.num_blocks):
+            if self.ref_counts[block_id] > 0 and self.block_parents[block_id] is not None:
+                parent = self.key_to_block[self.block_parents[block_id]]
+                assert self.ref_counts[parent] > 0, f"block {block_id} is referenced but its parent page is idle"
+        entries = set(self._evictable_heap)
+        for block_id in range(self.num_blocks):
+            if self._is_evictable(block_id):
+                assert (self.block_ticks[block_id], block_id) in entries, f"leaf {block_id} cannot be evicted"

@@ -1,0 +1,288 @@
+"""Continuous batching over the block pool: which requests run in the next step, and with how
+many new tokens each. Requests join and leave between steps.
+
+Design notes
+1. One rule for prefill and decode (vLLM v1): a request has `num_tokens` and
+   `num_computed_tokens` (tokens whose K/V are in its blocks); each step it gets
+   `min(num_tokens - num_computed_tokens, budget)` new tokens. A step that reaches
+   `num_tokens` yields logits for the next token; a shorter one is a prefill chunk.
+2. Running requests are served first, oldest first, so they keep decoding while a long
+   prompt is split into chunks by the per-step token budget.
+3. When a running request needs a block and none is available, the newest running request
+   is preempted: its blocks are released (its full pages stay in the prefix cache), its
+   tokens so far are kept, and it waits at the front of the queue to be recomputed. A
+   request alone always fits, because prompts and lengths are capped at the pool's size.
+4. Admission reuses the longest locally cached prefix, then asks the remote tier for more
+   of the page chain and has it fill fresh blocks; whatever the tier does not fill is
+   computed. At least one prompt token is always computed (its logits give the next token),
+   so only pages before the last token are reused. A tier that fails counts as a miss.
+5. Each page that becomes full is indexed in the prefix cache and announced to the tier.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+from worker.block_pool import BlockPool
+from worker.pages import page_keys
+from worker.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class RemoteTier(Protocol):
+    """A second cache level behind the local prefix cache (issue 4 plugs in kvnodes).
+
+    `context` is the request's opaque `tier_context` (e.g. its placement). The tier reads and
+    writes the engine's pool array, `engine.kv_pool[block_id]`, in the page layout.
+    """
+
+    def lookup(self, keys: Sequence[bytes], context: Any) -> int:
+        """How many of these page keys (a chain, after the local hits) can you fill, from the first?"""
+
+    def fill(self, keys: Sequence[bytes], block_ids: Sequence[int], context: Any) -> int:
+        """Write page keys[i] into block block_ids[i], in order; return how many were really filled."""
+
+    def on_page_full(self, key: bytes, parent_key: bytes, block_id: int, context: Any) -> None:
+        """A page became full (parent_key is b"" for a first page). Must not block; the block may be
+        reused once this returns, so copy what you need now."""
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """One sequence: its tokens (prompt, then generated), its blocks, and what is computed."""
+
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 root_key: bytes, page_tokens: int, tier_context: Any = None, bypass_cache: bool = False):
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.params = params
+        self.tier_context = tier_context
+        self.bypass_cache = bypass_cache
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.num_cached_pages = 0  # leading pages of block_table that are indexed in the prefix cache
+        self.num_preemptions = 0
+        self.cached_tokens_local: int | None = None  # set by the first admission
+        self.cached_tokens_remote: int | None = None
+        self._root_key = root_key
+        self._page_tokens = page_tokens
+        self._page_keys: list[bytes] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def page_keys(self, num_pages: int) -> list[bytes]:
+        """Keys of the first `num_pages` full pages (computed once, extended as the sequence grows)."""
+        if num_pages > len(self._page_keys):
+            upto = self.token_ids[:num_pages * self._page_tokens]
+            start = len(self._page_keys)
+            parent = self._page_keys[-1] if start else None
+            self._page_keys += page_keys(self._root_key, upto, self._page_tokens, start=start, parent_key=parent)
+        return self._page_keys[:num_pages]
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request]
+    num_new_tokens: list[int]
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, page_tokens: int, max_num_seqs: int = 32,
+                 max_num_batched_tokens: int = 1024, tier: RemoteTier | None = None):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
+                             f"max_num_seqs ({max_num_seqs}), so every running request can decode each step")
+        self.pool = pool
+        self.page_tokens = page_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.tier = tier
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        max_blocks = self.pool.num_blocks
+        if _cdiv(request.num_tokens, self.page_tokens) > max_blocks:
+            raise ValueError(f"request {request.request_id} has {request.num_tokens} tokens; the pool holds "
+                             f"at most {max_blocks * self.page_tokens} ({max_blocks} blocks of {self.page_tokens})")
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch([], [])
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            while not self._can_grow(request, num_new):
+                victim = self.running.pop()  # the newest (design note 3)
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                self._grow(request, num_new)
+                batch.requests.append(request)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+                index += 1
+                continue
+            break
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = self._admit(request, budget)
+            if num_new == 0:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            batch.requests.append(request)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        assert batch.requests or not self.running, "requests are running but none could be scheduled"
+        return batch
+
+    def on_computed(self, request: Request, num_new_tokens: int) -> None:
+        """After the forward pass: the tokens are computed; index and announce pages that became full."""
+        request.num_computed_tokens += num_new_tokens
+        if request.bypass_cache:
+            return
+        num_full = request.num_computed_tokens // self.page_tokens
+        if num_full <= request.num_cached_pages:
+            return
+        keys = request.page_keys(num_full)
+        for page in range(request.num_cached_pages, num_full):
+            parent = keys[page - 1] if page else None
+            block_id = self.pool.cache_full_block(request.block_table[page], keys[page], parent)
+            request.block_table[page] = block_id
+            if self.tier is not None:
+                try:
+                    self.tier.on_page_full(keys[page], parent or b"", block_id, request.tier_context)
+                except Exception:  # a tier never fails a request
+                    log.exception("remote tier on_page_full failed for request %s", request.request_id)
+        request.num_cached_pages = num_full
+
+    def finish(self, request: Request) -> None:
+        """Remove a request (done or aborted) wherever it is and release its blocks at once."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+
+    # ---- internals -----------------------------------------------------------
+
+    def _blocks_needed(self, request: Request, num_new: int) -> int:
+        return max(0, _cdiv(request.num_computed_tokens + num_new, self.page_tokens) - len(request.block_table))
+
+    def _can_grow(self, request: Request, num_new: int) -> bool:
+        return self._blocks_needed(request, num_new) <= self.pool.get_num_free_blocks()
+
+    def _grow(self, request: Request, num_new: int) -> None:
+        request.block_table += self.pool.allocate(self._blocks_needed(request, num_new))
+
+    def _release(self, request: Request) -> None:
+        self.pool.release(request.block_table)
+        request.block_table = []
+        request.num_cached_pages = 0
+        request.num_computed_tokens = 0
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _admit(self, request: Request, budget: int) -> int:
+        """Give a waiting request its cached prefix and first chunk; 0 if the pool cannot take it now."""
+        P = self.page_tokens
+        reusable = 0 if request.bypass_cache else (request.num_tokens - 1) // P  # design note 4
+        keys = request.page_keys(reusable)
+        hits = self.pool.lookup(keys)
+        num_hits = len(hits)
+
+        def blocks_needed(num_remote: int) -> int:
+            end = min(request.num_tokens, (num_hits + num_remote) * P + budget)
+            return _cdiv(end, P) - num_hits
+
+        available = self.pool.get_num_free_blocks() - self.pool.num_idle(hits)
+        if blocks_needed(0) > available:
+            return 0
+        num_remote = 0
+        if self.tier is not None and num_hits < reusable:
+            num_remote = self._tier_lookup(request, keys[num_hits:])
+            while num_remote and blocks_needed(num_remote) > available:
+                num_remote -= 1
+        self.pool.ref(hits)
+        request.block_table = list(hits)
+        request.num_cached_pages = num_hits
+        num_filled = self._tier_fill(request, keys, num_hits, num_remote) if num_remote else 0
+        request.num_computed_tokens = (num_hits + num_filled) * P
+        if request.cached_tokens_local is None:
+            request.cached_tokens_local = num_hits * P
+            request.cached_tokens_remote = num_filled * P
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        assert self._can_grow(request, num_new), "admission checked the blocks it needs"
+        self._grow(request, num_new)
+        return num_new
+
+    def _tier_lookup(self, request: Request, keys: list[bytes]) -> int:
+        try:
+            found = int(self.tier.lookup(keys, request.tier_context))
+        except Exception:
+            log.exception("remote tier lookup failed for request %s; computing instead", request.request_id)
+            return 0
+        return max(0, min(found, len(keys)))
+
+    def _tier_fill(self, request: Request, keys: list[bytes], num_hits: int, num_remote: int) -> int:
+        """Allocate `num_remote` blocks after the hits, let the tier fill a prefix of them, index those."""
+        blocks = self.pool.allocate(num_remote)
+        request.block_table += blocks
+        wanted = keys[num_hits:num_hits + num_remote]
+        try:
+            filled = int(self.tier.fill(wanted, list(blocks), request.tier_context))
+        except Exception:
+            log.exception("remote tier fill failed for request %s; computing instead", request.request_id)
+            filled = 0
+        filled = max(0, min(filled, num_remote))
+        for i in range(filled):
+            page = num_hits + i
+            parent = keys[page - 1] if page else None
+            request.block_table[page] = self.pool.cache_full_block(request.block_table[page], keys[page], parent)
+        request.num_cached_pages = num_hits + filled
+        return filled
