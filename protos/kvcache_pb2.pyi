@@ -120,7 +120,7 @@ class NodeStats(_message.Message):
     def __init__(self, lookups: _Optional[int] = ..., hit_pages: _Optional[int] = ..., miss_pages: _Optional[int] = ..., puts: _Optional[int] = ..., stored_pages: _Optional[int] = ..., evictions: _Optional[int] = ..., refusals: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., get_pages: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "placement", "no_cache", "request_id")
+    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "placement", "no_cache", "request_id", "session_id")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,7 @@ class GenerateRequest(_message.Message):
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     NO_CACHE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
@@ -145,7 +146,8 @@ class GenerateRequest(_message.Message):
     placement: _containers.RepeatedScalarFieldContainer[str]
     no_cache: bool
     request_id: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., placement: _Optional[_Iterable[str]] = ..., no_cache: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    session_id: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., placement: _Optional[_Iterable[str]] = ..., no_cache: _Optional[bool] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens_local", "cached_tokens_remote", "computed_tokens", "completion_tokens", "ttft_ms")
@@ -208,3 +210,103 @@ class WorkerInfo(_message.Message):
     max_tokens_limit: int
     max_positions: int
     def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[str] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., page_tokens: _Optional[int] = ..., page_bytes: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_positions: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("role", "address", "capacity_bytes", "page_bytes", "model", "fingerprint")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    address: str
+    capacity_bytes: int
+    page_bytes: int
+    model: str
+    fingerprint: str
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("member_id", "heartbeat_interval_ms")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    heartbeat_interval_ms: int
+    def __init__(self, member_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+
+class MemberLoad(_message.Message):
+    __slots__ = ("used_pages", "capacity_pages", "hit_pages", "miss_pages", "evictions", "running", "waiting", "free_blocks", "total_blocks")
+    USED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MISS_PAGES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    used_pages: int
+    capacity_pages: int
+    hit_pages: int
+    miss_pages: int
+    evictions: int
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    def __init__(self, used_pages: _Optional[int] = ..., capacity_pages: _Optional[int] = ..., hit_pages: _Optional[int] = ..., miss_pages: _Optional[int] = ..., evictions: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("member_id", "load")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    load: MemberLoad
+    def __init__(self, member_id: _Optional[str] = ..., load: _Optional[_Union[MemberLoad, _Mapping]] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class ClusterStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MemberStatus(_message.Message):
+    __slots__ = ("member_id", "role", "address", "alive", "seconds_since_beat", "capacity_bytes", "page_bytes", "model", "load", "outstanding")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_BEAT_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    role: str
+    address: str
+    alive: bool
+    seconds_since_beat: float
+    capacity_bytes: int
+    page_bytes: int
+    model: str
+    load: MemberLoad
+    outstanding: int
+    def __init__(self, member_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., seconds_since_beat: _Optional[float] = ..., capacity_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., model: _Optional[str] = ..., load: _Optional[_Union[MemberLoad, _Mapping]] = ..., outstanding: _Optional[int] = ...) -> None: ...
+
+class ClusterStatusReply(_message.Message):
+    __slots__ = ("coordinator_id", "epoch", "replicas", "members")
+    COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    coordinator_id: str
+    epoch: str
+    replicas: int
+    members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
+    def __init__(self, coordinator_id: _Optional[str] = ..., epoch: _Optional[str] = ..., replicas: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ...) -> None: ...

@@ -407,3 +407,212 @@ class Worker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class CoordinatorStub:
+    """A coordinator: membership, the consistent-hash ring over live kvnodes, and
+    routing of client prompts to workers with the placement it chose.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Generate = channel.unary_stream(
+                '/kvcache.v1.Coordinator/Generate',
+                request_serializer=protos_dot_kvcache__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcache__pb2.GenerateReply.FromString,
+                _registered_method=True)
+        self.ClusterStatus = channel.unary_unary(
+                '/kvcache.v1.Coordinator/ClusterStatus',
+                request_serializer=protos_dot_kvcache__pb2.ClusterStatusRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcache__pb2.ClusterStatusReply.FromString,
+                _registered_method=True)
+        self.Register = channel.unary_unary(
+                '/kvcache.v1.Coordinator/Register',
+                request_serializer=protos_dot_kvcache__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcache__pb2.RegisterReply.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/kvcache.v1.Coordinator/Heartbeat',
+                request_serializer=protos_dot_kvcache__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcache__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
+
+
+class CoordinatorServicer:
+    """A coordinator: membership, the consistent-hash ring over live kvnodes, and
+    routing of client prompts to workers with the placement it chose.
+    """
+
+    def Generate(self, request, context):
+        """Same stream as Worker.Generate; `placement` in the request is ignored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClusterStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Register(self, request, context):
+        """Members (kvnodes, workers) register once, then beat about once a second.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_CoordinatorServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=protos_dot_kvcache__pb2.GenerateRequest.FromString,
+                    response_serializer=protos_dot_kvcache__pb2.GenerateReply.SerializeToString,
+            ),
+            'ClusterStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClusterStatus,
+                    request_deserializer=protos_dot_kvcache__pb2.ClusterStatusRequest.FromString,
+                    response_serializer=protos_dot_kvcache__pb2.ClusterStatusReply.SerializeToString,
+            ),
+            'Register': grpc.unary_unary_rpc_method_handler(
+                    servicer.Register,
+                    request_deserializer=protos_dot_kvcache__pb2.RegisterRequest.FromString,
+                    response_serializer=protos_dot_kvcache__pb2.RegisterReply.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=protos_dot_kvcache__pb2.HeartbeatRequest.FromString,
+                    response_serializer=protos_dot_kvcache__pb2.HeartbeatReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvcache.v1.Coordinator', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvcache.v1.Coordinator', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Coordinator:
+    """A coordinator: membership, the consistent-hash ring over live kvnodes, and
+    routing of client prompts to workers with the placement it chose.
+    """
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvcache.v1.Coordinator/Generate',
+            protos_dot_kvcache__pb2.GenerateRequest.SerializeToString,
+            protos_dot_kvcache__pb2.GenerateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClusterStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.Coordinator/ClusterStatus',
+            protos_dot_kvcache__pb2.ClusterStatusRequest.SerializeToString,
+            protos_dot_kvcache__pb2.ClusterStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Register(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.Coordinator/Register',
+            protos_dot_kvcache__pb2.RegisterRequest.SerializeToString,
+            protos_dot_kvcache__pb2.RegisterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.Coordinator/Heartbeat',
+            protos_dot_kvcache__pb2.HeartbeatRequest.SerializeToString,
+            protos_dot_kvcache__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
