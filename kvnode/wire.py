@@ -47,6 +47,9 @@ def put_item(key: bytes, parent: bytes, data) -> bytes:
     return b"".join(parts)
 
 
+_UINT64, _UINT32 = 2**64 - 1, 2**32 - 1
+
+
 class MalformedMessage(ValueError):
     pass
 
@@ -70,7 +73,7 @@ def parse_fields(buf: bytes) -> dict[int, object]:
             pos += 1
             result |= (byte & 0x7F) << shift
             if not byte & 0x80:
-                return result
+                return result & _UINT64  # protobuf keeps the low 64 bits of a longer varint
             shift += 7
 
     while pos < end:
@@ -102,7 +105,7 @@ def parse_page_chunk(buf: bytes) -> tuple[int, int, memoryview]:
     index, offset, data = fields.get(1, 0), fields.get(2, 0), fields.get(3, memoryview(b""))
     if not isinstance(index, int) or not isinstance(offset, int) or not isinstance(data, memoryview):
         raise MalformedMessage("PageChunk field has the wrong wire type")
-    return index, offset, data
+    return index & _UINT32, offset, data  # index is a uint32: protobuf keeps its low 32 bits
 
 
 def parse_put_item(buf: bytes) -> tuple[bytes, bytes, memoryview]:
