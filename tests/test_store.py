@@ -8,18 +8,13 @@ from __future__ import annotations
 import pytest
 
 from kvnode.store import MAX_LEASE_MS, InvalidRequest, PageNotFound, PageStore, PutOutcome
-from store_helpers import CheckedStore, FakeClock, key, page
+from store_helpers import CheckedStore, FakeClock, key, page  # clock: a FakeClock fixture (conftest)
 
 PAGE_BYTES = 8
 STORED, PRESENT = PutOutcome.STORED, PutOutcome.ALREADY_PRESENT
 NO_PARENT, NO_ROOM = PutOutcome.REFUSED_NO_PARENT, PutOutcome.REFUSED_NO_ROOM
 
 a, b, c, d, e, f = (key(n) for n in range(6))
-
-
-@pytest.fixture
-def clock():
-    return FakeClock()
 
 
 def make_store(capacity: int, clock: FakeClock) -> CheckedStore:
