@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
+import socket
 from concurrent import futures
 from typing import Callable, Iterable
 
@@ -75,6 +77,9 @@ def make_server(
 
 def bind(server: grpc.Server, host: str, port: int) -> int:
     """Bind host:port (port 0 picks a free one) and return the port, or raise a clear error."""
+    reason = _why_unbindable(host, port)
+    if reason:
+        raise OSError(f"cannot listen on {host}:{port}: {reason}")
     try:
         bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError as exc:
@@ -82,6 +87,27 @@ def bind(server: grpc.Server, host: str, port: int) -> int:
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}: is the port taken or the host not local?")
     return bound
+
+
+def _why_unbindable(host: str, port: int) -> str | None:
+    """Ask plain sockets first: when gRPC fails to bind it writes its own log line to stderr
+    and says only "Failed to bind", so a taken port would read as two muddled lines.
+    Like gRPC, binding succeeds if any address `host` resolves to can be bound."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot resolve {host!r} ({exc.strerror})"
+    reasons = []
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does
+            try:
+                probe.bind(address)
+                return None
+            except OSError as exc:
+                in_use = exc.errno == errno.EADDRINUSE
+                reasons.append(f"{exc.strerror}{': is another process listening there?' if in_use else ''}")
+    return "; ".join(dict.fromkeys(reasons)) or "no address to listen on"
 
 
 def stop(server: grpc.Server, health_servicer: health.HealthServicer, grace_s: float) -> None:
