@@ -11,7 +11,8 @@ import re
 import signal
 import subprocess
 import sys
-import threading
+import tempfile
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -23,58 +24,54 @@ class DaemonFailed(RuntimeError):
 
 
 class Daemon:
-    """A running `kvcache <role> ...` child; `stop()` ends it by its own pid."""
+    """A running `kvcache <role> ...` child; `stop()` ends it by its own pid.
 
-    def __init__(self, role: str, args: Sequence[str], log_path: Path | None = None, timeout_s: float = 30.0, env=None):
+    Its stdout and stderr go to `log_path` (a temporary file when not given), never to a
+    pipe, so the child keeps running safely after this process is gone (cluster --detach).
+    """
+
+    def __init__(self, role: str, args: Sequence[str], log_path: Path | None = None, timeout_s: float = 60.0, env=None):
         self.role = role
-        self.log_path = log_path
-        log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-        try:
+        if log_path is None:
+            handle, name = tempfile.mkstemp(prefix=f"kvcache-{role}-", suffix=".log")
+            os.close(handle)
+            log_path = Path(name)
+        self.log_path = Path(log_path)
+        with open(self.log_path, "ab") as log:
+            self._start_offset = log.tell()
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "kvcache.cli", role, *args],
-                stdout=subprocess.PIPE,
+                stdout=log,
                 stderr=log,
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,  # Ctrl-C in the parent's terminal does not reach it; we stop it ourselves
             )
-        finally:
-            if log_path:
-                log.close()
         self.pid = self.process.pid
-        self.address = self._read_address(timeout_s)
+        self.address = self._wait_for_address(timeout_s)
 
-    def _read_address(self, timeout_s: float) -> str:
-        found: list[str] = []
-        lines: list[str] = []
-
-        def read() -> None:
-            for raw in self.process.stdout:
-                line = raw.decode(errors="replace").rstrip()
-                lines.append(line)
-                match = _LISTENING.search(line)
-                if match:
-                    found.append(match.group(1))
-                    return
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(timeout_s)
-        if not found:
-            self.stop()
-            where = f"; see {self.log_path}" if self.log_path else ""
-            raise DaemonFailed(
-                f"kvcache {self.role} did not start within {timeout_s:.0f}s "
-                f"(exit code {self.process.returncode}, printed {lines[-3:]}){where}"
-            )
-        # Keep draining stdout so the child never blocks on a full pipe.
-        threading.Thread(target=lambda: [None for _ in self.process.stdout], daemon=True).start()
-        return found[0]
+    def _wait_for_address(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with open(self.log_path, "rb") as log:
+                log.seek(self._start_offset)
+                text = log.read().decode(errors="replace")
+            match = _LISTENING.search(text)
+            if match:
+                return match.group(1)
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = " | ".join(text.strip().splitlines()[-3:])
+                raise DaemonFailed(
+                    f"kvcache {self.role} did not start (exit code {self.process.returncode}): {tail or 'no output'} "
+                    f"(log: {self.log_path})"
+                )
+            time.sleep(0.05)
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self, timeout_s: float = 10.0) -> int | None:
+    def stop(self, timeout_s: float = 15.0) -> int | None:
         """SIGTERM, then SIGKILL if it has not exited within timeout_s; returns the exit code."""
         if self.process.poll() is None:
             try:
@@ -88,6 +85,7 @@ class Daemon:
         return self.process.returncode
 
     def kill(self) -> None:
+        """SIGKILL: the way tests make a member die without a goodbye."""
         if self.process.poll() is None:
             os.kill(self.pid, signal.SIGKILL)
             self.process.wait(5.0)
