@@ -1,0 +1,96 @@
+"""Paged attention equals dense attention on the same keys and values (DESIGN.md invariant 2)."""
+
+import numpy as np
+import pytest
+
+from worker.attention import AttentionMetadata, causal_attention, dense_attention, paged_attention, write_kv
+
+
+def _setup(rng, lens, new, n_kv, group, hd, P, fp16):
+    """Random K/V for sequences of `lens` tokens stored in shuffled pool blocks; queries for the
+    last `new[s]` tokens of each sequence. Returns everything both attentions need."""
+    H = n_kv * group
+    num_blocks = sum(-(-n // P) for n in lens) + 3
+    pool = rng.standard_normal((num_blocks, 2, 2, n_kv, P, hd), dtype=np.float32)  # 2 layers; junk everywhere
+    free = list(rng.permutation(num_blocks))
+    tables = [np.array([free.pop() for _ in range(-(-n // P))], dtype=np.int32) for n in lens]
+    ks, vs = [], []
+    for n in lens:
+        k = rng.standard_normal((n, n_kv, hd), dtype=np.float32)
+        v = rng.standard_normal((n, n_kv, hd), dtype=np.float32)
+        if fp16:
+            k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+        ks.append(k)
+        vs.append(v)
+    # Store every token's K/V (layer 1) through the write path.
+    all_pos = np.concatenate([np.arange(n) for n in lens])
+    all_starts = np.concatenate([[0], np.cumsum(lens)])
+    meta_all = AttentionMetadata.build(all_pos, all_starts, np.array(lens), tables, P)
+    write_kv(pool, 1, meta_all, np.concatenate(ks), np.concatenate(vs))
+    positions = np.concatenate([np.arange(n - m, n) for n, m in zip(lens, new)])
+    starts = np.concatenate([[0], np.cumsum(new)])
+    meta = AttentionMetadata.build(positions, starts, np.array(lens), tables, P)
+    q = rng.standard_normal((len(positions), H, hd), dtype=np.float32)
+    return pool, meta, q, ks, vs, positions, starts
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("fp16", [False, True])
+def test_paged_equals_dense_random_shapes(seed, fp16):
+    rng = np.random.default_rng(seed)
+    n_kv, group = int(rng.integers(1, 4)), int(rng.choice([1, 2, 4]))
+    hd, P = int(rng.choice([8, 16, 32])), int(rng.choice([1, 4, 16]))
+    S = int(rng.integers(1, 6))
+    lens = [int(x) for x in rng.integers(1, 70, S)]
+    # A mix of decodes (1 new token) and prefills on top of a cached prefix (several new tokens).
+    new = [1 if rng.random() < 0.5 else int(rng.integers(1, n + 1)) for n in lens]
+    pool, meta, q, ks, vs, positions, starts = _setup(rng, lens, new, n_kv, group, hd, P, fp16)
+    scale = 1.0 / np.sqrt(hd)
+    got = paged_attention(q, pool, 1, meta, float(scale))
+    for s in range(S):
+        rows = slice(starts[s], starts[s + 1])
+        want = dense_attention(q[rows], ks[s], vs[s], positions[rows], float(scale))
+        np.testing.assert_allclose(got[rows], want, atol=2e-5, rtol=1e-4)
+
+
+def test_decode_batch_of_different_lengths_gqa():
+    rng = np.random.default_rng(42)
+    lens = [1, 5, 16, 17, 64, 33]
+    pool, meta, q, ks, vs, positions, starts = _setup(rng, lens, [1] * len(lens), 2, 3, 16, 16, False)
+    assert len(meta.decode_rows) == len(lens) and not meta.prefills
+    got = paged_attention(q, pool, 1, meta, 0.25)
+    for s in range(len(lens)):
+        want = dense_attention(q[s:s + 1], ks[s], vs[s], positions[s:s + 1], 0.25)
+        np.testing.assert_allclose(got[s:s + 1], want, atol=2e-5, rtol=1e-4)
+
+
+def test_write_kv_lands_in_the_block_table_slots():
+    rng = np.random.default_rng(1)
+    P, n_kv, hd = 4, 2, 8
+    pool = np.zeros((6, 1, 2, n_kv, P, hd), np.float32)
+    table = np.array([5, 2, 0], dtype=np.int32)
+    k = rng.standard_normal((10, n_kv, hd), dtype=np.float32)
+    v = rng.standard_normal((10, n_kv, hd), dtype=np.float32)
+    meta = AttentionMetadata.build(np.arange(10), np.array([0, 10]), np.array([10]), [table], P)
+    write_kv(pool, 0, meta, k, v)
+    for p in range(10):
+        np.testing.assert_array_equal(pool[table[p // P], 0, 0, :, p % P], k[p])
+        np.testing.assert_array_equal(pool[table[p // P], 0, 1, :, p % P], v[p])
+    assert not pool[[1, 3, 4]].any()
+
+
+def test_causal_attention_ignores_future_keys():
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((5, 4, 8), dtype=np.float32)
+    k = rng.standard_normal((2, 9, 8), dtype=np.float32)
+    v = rng.standard_normal((2, 9, 8), dtype=np.float32)
+    pos = np.arange(4, 9)
+    out = causal_attention(q, k, v, pos, 0.3)
+    k2, v2 = k.copy(), v.copy()
+    k2[:, 6:] = 100.0  # changes only keys after the first two queries' positions
+    v2[:, 6:] = -100.0
+    out2 = causal_attention(q, k2, v2, pos, 0.3)
+    np.testing.assert_array_equal(out[:2], out2[:2])
+    assert not np.allclose(out[2:], out2[2:])
+    want = dense_attention(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), pos, 0.3)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-4)

@@ -1,0 +1,156 @@
+"""The model layer: load a model (preset or HF folder) and run it over the worker's paged KV pool.
+
+Public surface: load_model, Model, ForwardBatch, ModelConfig, CheckpointError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..attention import AttentionMetadata, paged_attention, write_kv
+from .checkpoint import ARCH_MODULES, load_checkpoint
+from .config import PRESET_SEEDS, PRESETS, CheckpointError, ModelConfig
+from .init import random_tensors
+from .layers import Attend, round_kv
+from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+__all__ = ["load_model", "Model", "ForwardBatch", "ModelConfig", "CheckpointError", "KV_DTYPES"]
+
+KV_DTYPES = {"float32": 4, "float16": 2}   # wire dtype -> bytes per element
+
+
+@dataclass
+class ForwardBatch:
+    token_ids: np.ndarray       # int64 [T]: new tokens of all sequences, concatenated in sequence order
+    positions: np.ndarray       # int64 [T]: absolute position of each new token in its sequence
+    query_starts: np.ndarray    # int64 [S+1]: sequence s's new tokens are token_ids[query_starts[s]:query_starts[s+1]]
+    context_lens: np.ndarray    # int64 [S]: tokens of sequence s after this step (cached + new)
+    block_tables: list[np.ndarray] = field(default_factory=list)  # per sequence: block i holds positions [iP, (i+1)P)
+    all_logits: bool = False    # False: [S, vocab] at each sequence's last new token; True: [T, vocab]
+
+
+class Model:
+    def __init__(self, name: str, config: ModelConfig, tensors: dict[str, np.ndarray], tokenizer: Tokenizer):
+        self.name = name
+        self.config = config
+        self.tokenizer = tokenizer
+        self.weights_digest = weights_digest(tensors)
+        self.arch = ARCH_MODULES[config.arch]
+        self.params = self.arch.build_params(tensors, config)
+        self.attn_scale = 1.0 / math.sqrt(config.head_dim)   # a Python float (see layers.py)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return f"Model({self.name!r}, {c.arch}, layers={c.n_layers}, d={c.d_model}, heads={c.n_heads}/{c.n_kv_heads})"
+
+    def fingerprint(self, kv_dtype: str, page_tokens: int) -> bytes:
+        """16 bytes that stand in for the parent key of a sequence's first page (DESIGN.md):
+        equal only for the same architecture, config, weights, KV dtype and page size."""
+        _check_kv_dtype(kv_dtype)
+        h = hashlib.blake2b(digest_size=16)
+        for part in (b"kvcache-model-v1", self.config.to_json().encode(), self.weights_digest,
+                     kv_dtype.encode(), str(int(page_tokens)).encode()):
+            h.update(len(part).to_bytes(4, "little"))
+            h.update(part)
+        return h.digest()
+
+    def page_bytes(self, kv_dtype: str, page_tokens: int) -> int:
+        c = self.config
+        return c.n_layers * 2 * c.n_kv_heads * page_tokens * c.head_dim * KV_DTYPES[_check_kv_dtype(kv_dtype)]
+
+    def run(self, token_ids: np.ndarray, positions: np.ndarray, attend: Attend,
+            head_rows: np.ndarray | None = None) -> np.ndarray:
+        """The family's forward with any KV storage (`attend`); logits at head_rows (None = all)."""
+        return self.arch.forward(self.params, self.config, token_ids, positions, attend, head_rows)
+
+    def forward(self, batch: ForwardBatch, kv_pool: np.ndarray, kv_dtype: str = "float32") -> np.ndarray:
+        """Compute the batch's new tokens over the paged pool, writing their K/V into it.
+        -> [S, vocab] (last new token of each sequence) or [T, vocab] with all_logits."""
+        _check_kv_dtype(kv_dtype)
+        token_ids, positions, query_starts, context_lens = _validate(self.config, batch, kv_pool)
+        meta = AttentionMetadata.build(positions, query_starts, context_lens, batch.block_tables, kv_pool.shape[4])
+        scale = self.attn_scale
+
+        def attend(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+            write_kv(kv_pool, layer, meta, round_kv(k, kv_dtype), round_kv(v, kv_dtype))
+            return paged_attention(q, kv_pool, layer, meta, scale)
+
+        head_rows = None if batch.all_logits else query_starts[1:] - 1
+        return self.run(token_ids, positions, attend, head_rows)
+
+
+def load_model(name_or_path: str) -> Model:
+    """A preset ("tiny", "gpt2-small-shape") or a Hugging Face checkpoint folder."""
+    if name_or_path in PRESETS:
+        config = PRESETS[name_or_path]
+        shapes = ARCH_MODULES[config.arch].tensor_shapes(config)
+        tensors = random_tensors(shapes, config, PRESET_SEEDS[name_or_path])
+        return Model(name_or_path, config, tensors, ByteTokenizer(config.eos_token_id))
+    folder = Path(name_or_path)
+    if not folder.exists():
+        raise CheckpointError(f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor an existing folder")
+    config, tensors = load_checkpoint(folder)
+    tokenizer = load_tokenizer(folder, config.eos_token_id, config.vocab_size)
+    return Model(folder.name or str(folder), config, tensors, tokenizer)
+
+
+def weights_digest(tensors: dict[str, np.ndarray]) -> bytes:
+    """BLAKE2b over every weight's name, dtype, shape and bytes, in name order."""
+    h = hashlib.blake2b(digest_size=32)
+    for name in sorted(tensors):
+        t = np.ascontiguousarray(tensors[name])
+        h.update(f"{name}\0{t.dtype.str}\0{list(t.shape)}\0".encode())
+        h.update(memoryview(t).cast("B"))
+    return h.digest()
+
+
+def _check_kv_dtype(kv_dtype: str) -> str:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype {kv_dtype!r} is not one of {sorted(KV_DTYPES)}")
+    return kv_dtype
+
+
+def _validate(c: ModelConfig, batch: ForwardBatch, kv_pool: np.ndarray):
+    """Refuse a malformed batch with a ValueError before anything is written to the pool."""
+    expected_pool = (c.n_layers, 2, c.n_kv_heads, None, c.head_dim)
+    if (kv_pool.dtype != np.float32 or kv_pool.ndim != 6
+            or any(e is not None and e != g for e, g in zip(expected_pool, kv_pool.shape[1:]))):
+        raise ValueError(f"kv_pool should be float32 [blocks, {c.n_layers}, 2, {c.n_kv_heads}, page_tokens, "
+                         f"{c.head_dim}], got {kv_pool.dtype} {list(kv_pool.shape)}")
+    num_blocks, page_tokens = kv_pool.shape[0], kv_pool.shape[4]
+    token_ids = np.asarray(batch.token_ids, dtype=np.int64).reshape(-1)
+    positions = np.asarray(batch.positions, dtype=np.int64).reshape(-1)
+    query_starts = np.asarray(batch.query_starts, dtype=np.int64).reshape(-1)
+    context_lens = np.asarray(batch.context_lens, dtype=np.int64).reshape(-1)
+    T, S = len(token_ids), len(context_lens)
+    if T == 0 or len(positions) != T:
+        raise ValueError(f"batch has {T} token ids and {len(positions)} positions (need the same, at least one)")
+    if len(query_starts) != S + 1 or len(batch.block_tables) != S:
+        raise ValueError(f"batch of {S} sequences needs {S + 1} query_starts and {S} block tables, "
+                         f"got {len(query_starts)} and {len(batch.block_tables)}")
+    counts = np.diff(query_starts)
+    if query_starts[0] != 0 or query_starts[-1] != T or (counts < 1).any():
+        raise ValueError(f"query_starts {query_starts.tolist()} should rise from 0 to {T}, "
+                         f"at least one new token per sequence")
+    if token_ids.min() < 0 or token_ids.max() >= c.vocab_size:
+        raise ValueError(f"token ids should be in [0, {c.vocab_size}), got {token_ids.min()}..{token_ids.max()}")
+    if positions.min() < 0:
+        raise ValueError(f"positions should be >= 0, got {positions.min()}")
+    if positions.max() >= c.max_positions:
+        raise ValueError(f"position {positions.max()} is beyond the model's {c.max_positions} positions")
+    ends = np.repeat(context_lens, counts)                  # each token's context_len
+    offsets = np.arange(T) - np.repeat(query_starts[1:], counts)   # -n..-1 within its sequence
+    if not np.array_equal(positions, ends + offsets):
+        raise ValueError("positions should be each sequence's new tokens, contiguous and ending at context_len - 1")
+    for s, table in enumerate(batch.block_tables):
+        needed = -(-int(context_lens[s]) // page_tokens)
+        table = np.asarray(table)
+        if len(table) < needed or (needed and (table[:needed].min() < 0 or table[:needed].max() >= num_blocks)):
+            raise ValueError(f"sequence {s}: block table needs {needed} ids in [0, {num_blocks}) "
+                             f"for {int(context_lens[s])} tokens, got {table[:needed].tolist()}")
+    return token_ids, positions, query_starts, context_lens

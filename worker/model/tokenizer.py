@@ -1,0 +1,65 @@
+"""Tokenizers: bytes (presets, folders without tokenizer.json) or a Hugging Face tokenizer.json.
+
+decode never raises on a cut in the middle of a UTF-8 character: the streaming engine decodes
+what it has so far, and a half character shows as U+FFFD until its other bytes arrive.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from .config import CheckpointError
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids) -> str: ...
+
+
+class ByteTokenizer:
+    """Token id = byte value (0..255); ids from 256 up (end-of-text) decode to nothing."""
+
+    def __init__(self, eos_token_id: int = 256):
+        if eos_token_id < 256:
+            raise ValueError(f"byte tokenizer: eos_token_id {eos_token_id} collides with a byte value")
+        self.eos_token_id = eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A `tokenizer.json` through the tokenizers library (BPE, SentencePiece-converted, ...)."""
+
+    def __init__(self, path: str | Path, eos_token_id: int):
+        from tokenizers import Tokenizer as _Tokenizer
+
+        self._tok = _Tokenizer.from_file(str(path))
+        self.eos_token_id = eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        # Special tokens the tokenizer's post-processor adds (e.g. Llama's BOS) are part of a prompt.
+        return self._tok.encode(text).ids
+
+    def decode(self, ids) -> str:
+        # Byte-level decoders replace incomplete UTF-8 with U+FFFD rather than failing.
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def load_tokenizer(folder: str | Path, eos_token_id: int, vocab_size: int) -> Tokenizer:
+    """tokenizer.json when the folder has one, else bytes (which need a vocab of at least 256 + eos)."""
+    path = Path(folder) / "tokenizer.json"
+    if path.is_file():
+        return HFTokenizer(path, eos_token_id)
+    if vocab_size < 257 or eos_token_id < 256 or eos_token_id >= vocab_size:
+        raise CheckpointError(
+            f"{folder}: no tokenizer.json, and the byte tokenizer does not fit this model "
+            f"(vocab_size={vocab_size}, eos_token_id={eos_token_id}; needs ids 0..255 for bytes and eos >= 256)")
+    return ByteTokenizer(eos_token_id)
