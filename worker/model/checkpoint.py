@@ -38,8 +38,10 @@ def load_checkpoint(folder: str | Path) -> tuple[ModelConfig, dict[str, np.ndarr
     expected = arch.tensor_shapes(config)
     missing = [name for name in expected if name not in tensors]
     if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{folder}: missing tensor {arch.PREFIX}{missing[0]!r}{more} for {config.arch}")
+        name = missing[0]
+        where = "" if name == "lm_head.weight" else f" (looked for it with and without the {arch.PREFIX!r} prefix)"
+        more = f"; {len(missing) - 1} more missing" if len(missing) > 1 else ""
+        raise CheckpointError(f"{folder}: missing tensor {name!r} for {config.arch}{where}{more}")
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise CheckpointError(f"{folder}: unexpected tensor {unexpected[0]!r} (not part of a {config.arch} model "
