@@ -93,3 +93,9 @@ def test_a_character_split_across_tokens_is_emitted_whole():
     checker = StopChecker(ByteTokenizer(), SamplingParams(max_new_tokens=100), [], 256, 1000)
     _, pieces, _ = feed(checker, "aé€b")
     assert "\ufffd" not in "".join(pieces) and "".join(pieces) == "aé€b"
+
+
+def test_invalid_utf8_is_emitted_as_replacement_characters_without_waiting_forever():
+    checker = StopChecker(ByteTokenizer(), SamplingParams(max_new_tokens=100), [], 256, 1000)
+    _, pieces, _ = feed(checker, [0xFF] * 10 + list(b"ok"))
+    assert "".join(pieces).endswith("ok") and "".join(pieces).count("\ufffd") == 10

@@ -4,6 +4,9 @@ Design notes
 1. A seeded draw uses a generator seeded from (seed, position of the token drawn), so the
    same seed gives the same text whatever else runs in the batch, and a request can be
    resumed anywhere from any point. Unseeded requests draw from the engine's generator.
+   The draw walks the kept tokens in id order, not probability order: logits that differ in
+   the last bits (another batch shape, float16 KV) then change a draw only when it falls
+   right at a boundary, never because two near-equal tokens swapped places.
 2. Text is produced incrementally (vLLM's prefix/read offsets): each step decodes a short
    window of ids and emits only what is new and complete (no dangling U+FFFD of a partial
    UTF-8 character). Text that may still turn out to begin a stop string is held back, so a
@@ -21,6 +24,7 @@ import numpy as np
 FINISH_STOP = "stop"      # an end-of-text or stop token, or a stop string
 FINISH_LENGTH = "length"  # max_new_tokens, or the model's (or pool's) maximum length
 FINISH_ABORT = "abort"    # the caller aborted the request
+MAX_PENDING_TOKENS = 6    # a character never spans more tokens; past this, U+FFFD is real (invalid UTF-8)
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,8 @@ def sample(logits: np.ndarray, params: SamplingParams, position: int, rng: np.ra
         candidates, probs = candidates[:keep], probs[:keep] / probs[:keep].sum()
     if params.seed is not None:
         rng = np.random.default_rng([params.seed, position])
+    order = np.argsort(candidates)  # draw in token-id order: a tiny change of logits moves the draw only near a boundary
+    candidates, probs = candidates[order], probs[order]
     cumulative = np.cumsum(probs)
     index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
     return int(candidates[min(index, len(candidates) - 1)])
@@ -132,7 +138,8 @@ class StopChecker:
     def _decode_step(self) -> None:
         prefix_text = self.tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
         new_text = self.tokenizer.decode(self._ids[self._prefix_offset:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        incomplete = new_text.endswith("\ufffd") and len(self._ids) - self._read_offset < MAX_PENDING_TOKENS
+        if len(new_text) > len(prefix_text) and not incomplete:
             self.text += new_text[len(prefix_text):]
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
 

@@ -1,0 +1,328 @@
+"""The engine: a model, its paged KV pool and a scheduler, stepped by one loop thread while
+other threads add requests, stream their tokens and abort them.
+
+Design notes
+1. `add_request` may be called from any thread: it validates, tokenizes and queues the
+   request, and returns a handle whose queue receives a `StreamDelta` per new token (and a
+   final one). Only `step()` touches the scheduler and the pool, under the engine's lock;
+   `abort` takes the same lock, so when it returns the request's blocks are released.
+2. `generate` and `stream` step the engine themselves: use them when no loop thread runs.
+3. usage: prompt_tokens = cached_tokens_local + cached_tokens_remote + computed_tokens,
+   as decided when the request was first admitted (recomputation after a preemption is not
+   counted there; `num_preemptions` says how often it happened).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from worker.block_pool import BlockPool
+from worker.model import ForwardBatch, load_model
+from worker.sampling import FINISH_ABORT, SamplingParams, StopChecker, sample
+from worker.scheduler import RemoteTier, Request, Scheduler
+
+DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    cached_tokens_local: int
+    cached_tokens_remote: int
+    computed_tokens: int
+    completion_tokens: int
+    ttft_ms: float         # arrival to first token; 0.0 if none was produced (aborted first)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # the new tokens (a final stop token included)
+    text: str             # their text (stop tokens and stop strings excluded)
+    finish_reason: str    # "stop", "length" or "abort"
+    usage: Usage
+    num_preemptions: int = 0
+
+
+@dataclass
+class StreamDelta:
+    request_id: str
+    token_ids: list[int]             # tokens new since the previous delta
+    text: str                        # text new since the previous delta
+    finished: bool = False
+    completion: Completion | None = None  # on the final delta
+
+
+class RequestHandle:
+    """What `add_request` returns: iterate it (from any thread) for the request's deltas."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.queue: queue.Queue[StreamDelta] = queue.Queue()
+        self.completion: Completion | None = None
+
+    def __iter__(self) -> Iterator[StreamDelta]:
+        while True:
+            delta = self.queue.get()
+            yield delta
+            if delta.finished:
+                return
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Block until the request finishes (some other thread must be stepping the engine)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            delta = self.queue.get(timeout=remaining)
+            if delta.finished:
+                return delta.completion
+
+
+@dataclass
+class _Live:
+    request: Request
+    handle: RequestHandle
+    checker: StopChecker
+    arrival: float
+    first_token_time: float | None = None
+    num_sent_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, model, kv_dtype: str = "float32", num_blocks: int | None = None, page_tokens: int = 16,
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 1024, remote_tier: RemoteTier | None = None,
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, seed: int | None = None):
+        if kv_dtype not in ("float32", "float16"):
+            raise ValueError(f"kv_dtype must be 'float32' or 'float16', got {kv_dtype!r}")
+        if page_tokens < 1:
+            raise ValueError(f"page_tokens must be positive, got {page_tokens}")
+        cfg = model.config
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.kv_dtype = kv_dtype
+        self.page_tokens = page_tokens
+        self.fingerprint = model.fingerprint(kv_dtype, page_tokens)
+        block_shape = (cfg.n_layers, 2, cfg.n_kv_heads, page_tokens, cfg.head_dim)
+        if num_blocks is None:
+            num_blocks = max(1, kv_cache_bytes // (int(np.prod(block_shape)) * 4))
+        self.pool = BlockPool(num_blocks, block_shape)
+        self.scheduler = Scheduler(self.pool, page_tokens, max_num_seqs, max_num_batched_tokens, remote_tier)
+        self.max_total_tokens = min(cfg.max_positions, num_blocks * page_tokens)
+        self._rng = np.random.default_rng(seed)
+        self._live: dict[str, _Live] = {}
+        self._inbox: queue.SimpleQueue[_Live] = queue.SimpleQueue()
+        self._lock = threading.RLock()
+        self._work = threading.Event()
+        self._ids = itertools.count()
+
+    @classmethod
+    def load(cls, model: str, **options) -> "Engine":
+        """`model` is "tiny", "gpt2-small-shape" or a Hugging Face-format checkpoint folder."""
+        return cls(load_model(model), **options)
+
+    @property
+    def kv_pool(self) -> np.ndarray:
+        """The pool array `[num_blocks, n_layers, 2, n_kv_heads, page_tokens, head_dim]` (remote tiers use it)."""
+        return self.pool.kv
+
+    def attach_remote_tier(self, tier: RemoteTier | None) -> None:
+        """Plug in (or, with None, remove) the remote tier; it usually needs `kv_pool`, hence after construction."""
+        with self._lock:
+            self.scheduler.tier = tier
+
+    # ---- any thread ----------------------------------------------------------
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, tier_context: Any = None, bypass_cache: bool = False,
+                    **sampling) -> RequestHandle:
+        """Queue a request (text or token ids); sampling options go in `params` or as keywords."""
+        if params is None:
+            params = SamplingParams(**sampling)
+        elif sampling:
+            raise ValueError("give sampling options either as params or as keywords, not both")
+        token_ids = self._prompt_token_ids(prompt)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._live:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, token_ids, params, self.fingerprint, self.page_tokens, tier_context, bypass_cache)
+        checker = StopChecker(self.tokenizer, params, token_ids, self.tokenizer.eos_token_id, self.max_total_tokens)
+        live = _Live(request, RequestHandle(request_id), checker, arrival=time.monotonic())
+        self._inbox.put(live)
+        self._work.set()
+        return live.handle
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and release its blocks now; False if it is unknown or already finished."""
+        with self._lock:
+            self._take_inbox()
+            live = self._live.get(request_id)
+            if live is None:
+                return False
+            live.checker.finish(FINISH_ABORT)
+            self._finish(live)
+            return True
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """For a loop thread: block until a request may be waiting (True) or the timeout passes."""
+        if self.has_unfinished():
+            return True
+        self._work.clear()
+        return self.has_unfinished() or self._work.wait(timeout)
+
+    def live_request_ids(self) -> list[str]:
+        """Ids of requests added and not finished yet (queued ones included)."""
+        with self._lock:
+            self._take_inbox()
+            return list(self._live)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live) or not self._inbox.empty()
+
+    def get_num_free_blocks(self) -> int:
+        return self.pool.get_num_free_blocks()
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + self._inbox.qsize()
+
+    # ---- the loop thread -----------------------------------------------------
+
+    def step(self) -> list[StreamDelta]:
+        """Run one forward pass over the scheduled requests; returns the deltas it produced."""
+        with self._lock:
+            self._take_inbox()
+            batch = self.scheduler.schedule()
+            if not batch.requests:
+                return []
+            token_ids, positions, starts = [], [], [0]
+            for request, num_new in zip(batch.requests, batch.num_new_tokens):
+                start = request.num_computed_tokens
+                token_ids.extend(request.token_ids[start:start + num_new])
+                positions.extend(range(start, start + num_new))
+                starts.append(starts[-1] + num_new)
+            forward_batch = ForwardBatch(
+                token_ids=np.asarray(token_ids, dtype=np.int64),
+                positions=np.asarray(positions, dtype=np.int64),
+                query_starts=np.asarray(starts, dtype=np.int64),
+                context_lens=np.asarray([r.num_computed_tokens + n for r, n in zip(batch.requests, batch.num_new_tokens)],
+                                        dtype=np.int64),
+                block_tables=[np.asarray(r.block_table, dtype=np.int32) for r in batch.requests],
+            )
+            logits = self.model.forward(forward_batch, self.pool.kv, self.kv_dtype)
+            deltas = []
+            for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+                self.scheduler.on_computed(request, num_new)
+                if request.num_computed_tokens == request.num_tokens:
+                    deltas.append(self._append_token(self._live[request.request_id], logits[row]))
+            return deltas
+
+    # ---- single-threaded helpers ----------------------------------------------
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], params: SamplingParams | None = None,
+                 **options) -> list[Completion]:
+        """Run prompts together to completion; one Completion per prompt, in order."""
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        handles = []
+        try:
+            for prompt in prompts:
+                handles.append(self.add_request(prompt, params, **options))
+        except ValueError:
+            for handle in handles:  # all or nothing: a refused prompt leaves no request behind
+                self.abort(handle.request_id)
+            raise
+        while any(h.completion is None for h in handles):
+            self.step()
+        return [h.completion for h in handles]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, **options) -> Iterator[StreamDelta]:
+        """Yield deltas of one request as they are produced (steps the engine; aborts if closed early)."""
+        handle = self.add_request(prompt, params, **options)
+        try:
+            while True:
+                while not handle.queue.empty():
+                    delta = handle.queue.get()
+                    yield delta
+                    if delta.finished:
+                        return
+                self.step()
+        finally:
+            if handle.completion is None:
+                self.abort(handle.request_id)
+
+    # ---- internals -----------------------------------------------------------
+
+    def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = list(self.tokenizer.encode(prompt))
+        else:
+            token_ids = [int(t) for t in prompt]
+            vocab = self.model.config.vocab_size
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token ids must be in [0, {vocab}): got {bad[:5]}")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) > self.max_total_tokens:
+            cfg = self.model.config
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; this engine takes at most {self.max_total_tokens} "
+                             f"(model max positions {cfg.max_positions}, pool {self.pool.num_blocks} blocks "
+                             f"of {self.page_tokens} tokens)")
+        return token_ids
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                live = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self.scheduler.add(live.request)
+            self._live[live.request.request_id] = live
+
+    def _append_token(self, live: _Live, logits: np.ndarray) -> StreamDelta:
+        request = live.request
+        token = sample(logits, request.params, request.num_tokens, self._rng)
+        request.token_ids.append(token)
+        if live.first_token_time is None:
+            live.first_token_time = time.monotonic()
+        live.checker.append(token, len(request.output_token_ids), request.num_tokens)
+        if live.checker.finish_reason is not None:
+            return self._finish(live)
+        return self._send(live)
+
+    def _send(self, live: _Live, completion: Completion | None = None) -> StreamDelta:
+        output = live.request.output_token_ids
+        delta = StreamDelta(live.request.request_id, output[live.num_sent_tokens:], live.checker.take_text_delta(),
+                            finished=completion is not None, completion=completion)
+        live.num_sent_tokens = len(output)
+        live.handle.queue.put(delta)
+        return delta
+
+    def _finish(self, live: _Live) -> StreamDelta:
+        request = live.request
+        self.scheduler.finish(request)
+        del self._live[request.request_id]
+        local = request.cached_tokens_local or 0
+        remote = request.cached_tokens_remote or 0
+        ttft = 0.0 if live.first_token_time is None else (live.first_token_time - live.arrival) * 1000.0
+        usage = Usage(prompt_tokens=request.num_prompt_tokens, cached_tokens_local=local, cached_tokens_remote=remote,
+                      computed_tokens=request.num_prompt_tokens - local - remote if request.cached_tokens_local is not None else 0,
+                      completion_tokens=len(request.output_token_ids), ttft_ms=ttft)
+        completion = Completion(request.request_id, request.token_ids[:request.num_prompt_tokens],
+                                request.output_token_ids, live.checker.text, live.checker.finish_reason, usage,
+                                request.num_preemptions)
+        live.handle.completion = completion
+        return self._send(live, completion)
