@@ -14,3 +14,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     node_parser = benches.add_parser("node", help="kvnode put/get throughput against a raw TCP socket", description=node.__doc__)
     node.add_arguments(node_parser)
     node_parser.set_defaults(run=node.run)
+
+    from kvcache.bench import engine
+
+    engine_parser = benches.add_parser("engine", help="paged engine prefill/decode/TTFT against a dense runner",
+                                       description=engine.__doc__)
+    engine.add_arguments(engine_parser)
+    engine_parser.set_defaults(run=engine.run)
