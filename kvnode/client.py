@@ -146,11 +146,13 @@ class NodeClient:
         chunk = self._known_info().max_message_bytes - 64
 
         def messages():
-            for key, parent, page in zip(keys, parents, pages):
+            for number, (key, parent, page) in enumerate(zip(keys, parents, pages), start=1):
                 view = memoryview(page).cast("B")
                 for offset in range(0, max(view.nbytes, 1), chunk):
-                    first = offset == 0
-                    yield wire.put_item(key if first else b"", parent if first else b"", view[offset : offset + chunk])
+                    first, last = offset == 0, number == len(keys) and offset + chunk >= view.nbytes
+                    yield wire.put_item(
+                        key if first else b"", parent if first else b"", view[offset : offset + chunk], last
+                    )
 
         reply = self._call(self._put_pages, messages(), timeout)
         names = {o: pb.PutReply.Outcome.Name(o).lower() for o in pb.PutReply.Outcome.values()}

@@ -133,10 +133,13 @@ class KVStoreService:
         key = parent = b""
         parts: list = []
         received = 0
+        ended = False
         for message in request_iterator:
             if isinstance(message, Malformed):
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{message.reason}; nothing stored")
-            item_key, item_parent, data = message
+            if ended:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "PutPages item after the one marked last; nothing stored")
+            item_key, item_parent, data, ended = message
             if item_key:
                 if parts:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, _short_page(key, received, page_bytes))
@@ -162,6 +165,11 @@ class KVStoreService:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, _short_page(key, received, page_bytes))
         if not items:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "PutPages stream carried no pages")
+        if not ended:
+            # grpcio ends the iterator as if the stream were complete when a message is cut off
+            # or over the size limit; only the marked final item says the stream really ended.
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                         "PutPages stream ended without an item marked last (cut short?); nothing stored")
         return items
 
     def _checked_keys(self, keys, context) -> list[bytes]:

@@ -28,6 +28,7 @@ def _tag(field: int, wire_type: int) -> bytes:
 
 _CHUNK_INDEX, _CHUNK_OFFSET, _CHUNK_DATA = _tag(1, _VARINT), _tag(2, _VARINT), _tag(3, _LEN)
 _ITEM_KEY, _ITEM_PARENT, _ITEM_DATA = _tag(1, _LEN), _tag(2, _LEN), _tag(3, _LEN)
+_ITEM_LAST = _tag(4, _VARINT) + _varint(1)
 
 
 def page_chunk_header(index: int, offset: int, length: int) -> bytes:
@@ -35,8 +36,8 @@ def page_chunk_header(index: int, offset: int, length: int) -> bytes:
     return b"".join((_CHUNK_INDEX, _varint(index), _CHUNK_OFFSET, _varint(offset), _CHUNK_DATA, _varint(length)))
 
 
-def put_item(key: bytes, parent: bytes, data) -> bytes:
-    """A whole PutItem message (one copy of `data`)."""
+def put_item(key: bytes, parent: bytes, data, last: bool = False) -> bytes:
+    """A whole PutItem message (one copy of `data`); `last` marks the stream's final item."""
     parts = []
     if key:
         parts += [_ITEM_KEY, _varint(len(key)), key]
@@ -44,6 +45,8 @@ def put_item(key: bytes, parent: bytes, data) -> bytes:
         parts += [_ITEM_PARENT, _varint(len(parent)), parent]
     view = memoryview(data).cast("B")
     parts += [_ITEM_DATA, _varint(view.nbytes), view]
+    if last:
+        parts.append(_ITEM_LAST)
     return b"".join(parts)
 
 
@@ -108,9 +111,10 @@ def parse_page_chunk(buf: bytes) -> tuple[int, int, memoryview]:
     return index & _UINT32, offset, data  # index is a uint32: protobuf keeps its low 32 bits
 
 
-def parse_put_item(buf: bytes) -> tuple[bytes, bytes, memoryview]:
+def parse_put_item(buf: bytes) -> tuple[bytes, bytes, memoryview, bool]:
     fields = parse_fields(buf)
     key, parent, data = (fields.get(n, memoryview(b"")) for n in (1, 2, 3))
-    if not all(isinstance(f, memoryview) for f in (key, parent, data)):
+    last = fields.get(4, 0)
+    if not all(isinstance(f, memoryview) for f in (key, parent, data)) or not isinstance(last, int):
         raise MalformedMessage("PutItem field has the wrong wire type")
-    return bytes(key), bytes(parent), data
+    return bytes(key), bytes(parent), data, bool(last)

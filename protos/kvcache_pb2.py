@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/kvcache.proto\x12\nkvcache.v1\"\r\n\x0bInfoRequest\"\xcf\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_pages\x18\x04 \x01(\x04\x12\x12\n\nused_pages\x18\x05 \x01(\x04\x12\x14\n\x0cleased_pages\x18\x06 \x01(\x04\x12\x12\n\nfree_pages\x18\x07 \x01(\x04\x12\x1c\n\x14max_keys_per_request\x18\x08 \x01(\r\x12\x19\n\x11max_message_bytes\x18\t \x01(\x04\"/\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\"\x1b\n\x0bLookupReply\x12\x0c\n\x04hits\x18\x01 \x01(\r\"\x1f\n\x0fGetPagesRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"8\n\tPageChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"4\n\x07PutItem\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06parent\x18\x02 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xab\x01\n\x08PutReply\x12.\n\x08outcomes\x18\x01 \x03(\x0e\x32\x1c.kvcache.v1.PutReply.Outcome\"o\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x13\n\x0f\x41LREADY_PRESENT\x10\x02\x12\x15\n\x11REFUSED_NO_PARENT\x10\x03\x12\x13\n\x0fREFUSED_NO_ROOM\x10\x04\"\x0e\n\x0cStatsRequest\"\xc4\x01\n\tNodeStats\x12\x0f\n\x07lookups\x18\x01 \x01(\x04\x12\x11\n\thit_pages\x18\x02 \x01(\x04\x12\x12\n\nmiss_pages\x18\x03 \x01(\x04\x12\x0c\n\x04puts\x18\x04 \x01(\x04\x12\x14\n\x0cstored_pages\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x10\n\x08refusals\x18\x07 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x08 \x01(\x04\x12\x11\n\tbytes_out\x18\t \x01(\x04\x12\x11\n\tget_pages\x18\n \x01(\x04\"\x91\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x11\n\tplacement\x18\n \x03(\t\x12\x10\n\x08no_cache\x18\x0b \x01(\x08\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12\x12\n\nsession_id\x18\r \x01(\tB\x07\n\x05_seed\"\x9e\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_tokens_local\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_tokens_remote\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\"i\n\rGenerateReply\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.kvcache.v1.Usage\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\"\x13\n\x11WorkerInfoRequest\"\x8d\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\x12\x13\n\x0bpage_tokens\x18\x06 \x01(\r\x12\x12\n\npage_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07running\x18\x08 \x01(\r\x12\x0f\n\x07waiting\x18\t \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\n \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x0b \x01(\r\x12\x18\n\x10max_tokens_limit\x18\x0c \x01(\r\x12\x15\n\rmax_positions\x18\r \x01(\r\"\x80\x01\n\x0fRegisterRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\r\n\x05model\x18\x05 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\"A\n\rRegisterReply\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\"\xbf\x01\n\nMemberLoad\x12\x12\n\nused_pages\x18\x01 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_pages\x18\x02 \x01(\x04\x12\x11\n\thit_pages\x18\x03 \x01(\x04\x12\x12\n\nmiss_pages\x18\x04 \x01(\x04\x12\x11\n\tevictions\x18\x05 \x01(\x04\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x08 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\t \x01(\r\"K\n\x10HeartbeatRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.kvcache.v1.MemberLoad\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\x16\n\x14\x43lusterStatusRequest\"\xe1\x01\n\x0cMemberStatus\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x1a\n\x12seconds_since_beat\x18\x05 \x01(\x01\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x04\x12\x12\n\npage_bytes\x18\x07 \x01(\x04\x12\r\n\x05model\x18\x08 \x01(\t\x12$\n\x04load\x18\t \x01(\x0b\x32\x16.kvcache.v1.MemberLoad\x12\x13\n\x0boutstanding\x18\n \x01(\r\"x\n\x12\x43lusterStatusReply\x12\x16\n\x0e\x63oordinator_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x10\n\x08replicas\x18\x03 \x01(\r\x12)\n\x07members\x18\x04 \x03(\x0b\x32\x18.kvcache.v1.MemberStatus2\xb3\x02\n\x07KVStore\x12\x35\n\x04Info\x12\x17.kvcache.v1.InfoRequest\x1a\x14.kvcache.v1.NodeInfo\x12<\n\x06Lookup\x12\x19.kvcache.v1.LookupRequest\x1a\x17.kvcache.v1.LookupReply\x12@\n\x08GetPages\x12\x1b.kvcache.v1.GetPagesRequest\x1a\x15.kvcache.v1.PageChunk0\x01\x12\x37\n\x08PutPages\x12\x13.kvcache.v1.PutItem\x1a\x14.kvcache.v1.PutReply(\x01\x12\x38\n\x05Stats\x12\x18.kvcache.v1.StatsRequest\x1a\x15.kvcache.v1.NodeStats2\x8d\x01\n\x06Worker\x12\x44\n\x08Generate\x12\x1b.kvcache.v1.GenerateRequest\x1a\x19.kvcache.v1.GenerateReply0\x01\x12=\n\x04Info\x12\x1d.kvcache.v1.WorkerInfoRequest\x1a\x16.kvcache.v1.WorkerInfo2\xb1\x02\n\x0b\x43oordinator\x12\x44\n\x08Generate\x12\x1b.kvcache.v1.GenerateRequest\x1a\x19.kvcache.v1.GenerateReply0\x01\x12Q\n\rClusterStatus\x12 .kvcache.v1.ClusterStatusRequest\x1a\x1e.kvcache.v1.ClusterStatusReply\x12\x42\n\x08Register\x12\x1b.kvcache.v1.RegisterRequest\x1a\x19.kvcache.v1.RegisterReply\x12\x45\n\tHeartbeat\x12\x1c.kvcache.v1.HeartbeatRequest\x1a\x1a.kvcache.v1.HeartbeatReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/kvcache.proto\x12\nkvcache.v1\"\r\n\x0bInfoRequest\"\xcf\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_pages\x18\x04 \x01(\x04\x12\x12\n\nused_pages\x18\x05 \x01(\x04\x12\x14\n\x0cleased_pages\x18\x06 \x01(\x04\x12\x12\n\nfree_pages\x18\x07 \x01(\x04\x12\x1c\n\x14max_keys_per_request\x18\x08 \x01(\r\x12\x19\n\x11max_message_bytes\x18\t \x01(\x04\"/\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\"\x1b\n\x0bLookupReply\x12\x0c\n\x04hits\x18\x01 \x01(\r\"\x1f\n\x0fGetPagesRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"8\n\tPageChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"B\n\x07PutItem\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06parent\x18\x02 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\"\xab\x01\n\x08PutReply\x12.\n\x08outcomes\x18\x01 \x03(\x0e\x32\x1c.kvcache.v1.PutReply.Outcome\"o\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x13\n\x0f\x41LREADY_PRESENT\x10\x02\x12\x15\n\x11REFUSED_NO_PARENT\x10\x03\x12\x13\n\x0fREFUSED_NO_ROOM\x10\x04\"\x0e\n\x0cStatsRequest\"\xc4\x01\n\tNodeStats\x12\x0f\n\x07lookups\x18\x01 \x01(\x04\x12\x11\n\thit_pages\x18\x02 \x01(\x04\x12\x12\n\nmiss_pages\x18\x03 \x01(\x04\x12\x0c\n\x04puts\x18\x04 \x01(\x04\x12\x14\n\x0cstored_pages\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x10\n\x08refusals\x18\x07 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x08 \x01(\x04\x12\x11\n\tbytes_out\x18\t \x01(\x04\x12\x11\n\tget_pages\x18\n \x01(\x04\"\xab\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x11\n\tplacement\x18\n \x03(\t\x12\x10\n\x08no_cache\x18\x0b \x01(\x08\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12\x12\n\nsession_id\x18\r \x01(\t\x12\x18\n\x10resume_token_ids\x18\x0e \x03(\rB\x07\n\x05_seed\"\x9e\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_tokens_local\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_tokens_remote\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\"i\n\rGenerateReply\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.kvcache.v1.Usage\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\"\x13\n\x11WorkerInfoRequest\"\x8d\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\x12\x13\n\x0bpage_tokens\x18\x06 \x01(\r\x12\x12\n\npage_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07running\x18\x08 \x01(\r\x12\x0f\n\x07waiting\x18\t \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\n \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x0b \x01(\r\x12\x18\n\x10max_tokens_limit\x18\x0c \x01(\r\x12\x15\n\rmax_positions\x18\r \x01(\r\"\x80\x01\n\x0fRegisterRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\r\n\x05model\x18\x05 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\"A\n\rRegisterReply\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\"\xbf\x01\n\nMemberLoad\x12\x12\n\nused_pages\x18\x01 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_pages\x18\x02 \x01(\x04\x12\x11\n\thit_pages\x18\x03 \x01(\x04\x12\x12\n\nmiss_pages\x18\x04 \x01(\x04\x12\x11\n\tevictions\x18\x05 \x01(\x04\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x08 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\t \x01(\r\"K\n\x10HeartbeatRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.kvcache.v1.MemberLoad\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\x16\n\x14\x43lusterStatusRequest\"\xe1\x01\n\x0cMemberStatus\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x1a\n\x12seconds_since_beat\x18\x05 \x01(\x01\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x04\x12\x12\n\npage_bytes\x18\x07 \x01(\x04\x12\r\n\x05model\x18\x08 \x01(\t\x12$\n\x04load\x18\t \x01(\x0b\x32\x16.kvcache.v1.MemberLoad\x12\x13\n\x0boutstanding\x18\n \x01(\r\"x\n\x12\x43lusterStatusReply\x12\x16\n\x0e\x63oordinator_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x10\n\x08replicas\x18\x03 \x01(\r\x12)\n\x07members\x18\x04 \x03(\x0b\x32\x18.kvcache.v1.MemberStatus2\xb3\x02\n\x07KVStore\x12\x35\n\x04Info\x12\x17.kvcache.v1.InfoRequest\x1a\x14.kvcache.v1.NodeInfo\x12<\n\x06Lookup\x12\x19.kvcache.v1.LookupRequest\x1a\x17.kvcache.v1.LookupReply\x12@\n\x08GetPages\x12\x1b.kvcache.v1.GetPagesRequest\x1a\x15.kvcache.v1.PageChunk0\x01\x12\x37\n\x08PutPages\x12\x13.kvcache.v1.PutItem\x1a\x14.kvcache.v1.PutReply(\x01\x12\x38\n\x05Stats\x12\x18.kvcache.v1.StatsRequest\x1a\x15.kvcache.v1.NodeStats2\x8d\x01\n\x06Worker\x12\x44\n\x08Generate\x12\x1b.kvcache.v1.GenerateRequest\x1a\x19.kvcache.v1.GenerateReply0\x01\x12=\n\x04Info\x12\x1d.kvcache.v1.WorkerInfoRequest\x1a\x16.kvcache.v1.WorkerInfo2\xb1\x02\n\x0b\x43oordinator\x12\x44\n\x08Generate\x12\x1b.kvcache.v1.GenerateRequest\x1a\x19.kvcache.v1.GenerateReply0\x01\x12Q\n\rClusterStatus\x12 .kvcache.v1.ClusterStatusRequest\x1a\x1e.kvcache.v1.ClusterStatusReply\x12\x42\n\x08Register\x12\x1b.kvcache.v1.RegisterRequest\x1a\x19.kvcache.v1.RegisterReply\x12\x45\n\tHeartbeat\x12\x1c.kvcache.v1.HeartbeatRequest\x1a\x1a.kvcache.v1.HeartbeatReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,45 +44,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PAGECHUNK']._serialized_start=372
   _globals['_PAGECHUNK']._serialized_end=428
   _globals['_PUTITEM']._serialized_start=430
-  _globals['_PUTITEM']._serialized_end=482
-  _globals['_PUTREPLY']._serialized_start=485
-  _globals['_PUTREPLY']._serialized_end=656
-  _globals['_PUTREPLY_OUTCOME']._serialized_start=545
-  _globals['_PUTREPLY_OUTCOME']._serialized_end=656
-  _globals['_STATSREQUEST']._serialized_start=658
-  _globals['_STATSREQUEST']._serialized_end=672
-  _globals['_NODESTATS']._serialized_start=675
-  _globals['_NODESTATS']._serialized_end=871
-  _globals['_GENERATEREQUEST']._serialized_start=874
-  _globals['_GENERATEREQUEST']._serialized_end=1147
-  _globals['_USAGE']._serialized_start=1150
-  _globals['_USAGE']._serialized_end=1308
-  _globals['_GENERATEREPLY']._serialized_start=1310
-  _globals['_GENERATEREPLY']._serialized_end=1415
-  _globals['_WORKERINFOREQUEST']._serialized_start=1417
-  _globals['_WORKERINFOREQUEST']._serialized_end=1436
-  _globals['_WORKERINFO']._serialized_start=1439
-  _globals['_WORKERINFO']._serialized_end=1708
-  _globals['_REGISTERREQUEST']._serialized_start=1711
-  _globals['_REGISTERREQUEST']._serialized_end=1839
-  _globals['_REGISTERREPLY']._serialized_start=1841
-  _globals['_REGISTERREPLY']._serialized_end=1906
-  _globals['_MEMBERLOAD']._serialized_start=1909
-  _globals['_MEMBERLOAD']._serialized_end=2100
-  _globals['_HEARTBEATREQUEST']._serialized_start=2102
-  _globals['_HEARTBEATREQUEST']._serialized_end=2177
-  _globals['_HEARTBEATREPLY']._serialized_start=2179
-  _globals['_HEARTBEATREPLY']._serialized_end=2210
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=2212
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=2234
-  _globals['_MEMBERSTATUS']._serialized_start=2237
-  _globals['_MEMBERSTATUS']._serialized_end=2462
-  _globals['_CLUSTERSTATUSREPLY']._serialized_start=2464
-  _globals['_CLUSTERSTATUSREPLY']._serialized_end=2584
-  _globals['_KVSTORE']._serialized_start=2587
-  _globals['_KVSTORE']._serialized_end=2894
-  _globals['_WORKER']._serialized_start=2897
-  _globals['_WORKER']._serialized_end=3038
-  _globals['_COORDINATOR']._serialized_start=3041
-  _globals['_COORDINATOR']._serialized_end=3346
+  _globals['_PUTITEM']._serialized_end=496
+  _globals['_PUTREPLY']._serialized_start=499
+  _globals['_PUTREPLY']._serialized_end=670
+  _globals['_PUTREPLY_OUTCOME']._serialized_start=559
+  _globals['_PUTREPLY_OUTCOME']._serialized_end=670
+  _globals['_STATSREQUEST']._serialized_start=672
+  _globals['_STATSREQUEST']._serialized_end=686
+  _globals['_NODESTATS']._serialized_start=689
+  _globals['_NODESTATS']._serialized_end=885
+  _globals['_GENERATEREQUEST']._serialized_start=888
+  _globals['_GENERATEREQUEST']._serialized_end=1187
+  _globals['_USAGE']._serialized_start=1190
+  _globals['_USAGE']._serialized_end=1348
+  _globals['_GENERATEREPLY']._serialized_start=1350
+  _globals['_GENERATEREPLY']._serialized_end=1455
+  _globals['_WORKERINFOREQUEST']._serialized_start=1457
+  _globals['_WORKERINFOREQUEST']._serialized_end=1476
+  _globals['_WORKERINFO']._serialized_start=1479
+  _globals['_WORKERINFO']._serialized_end=1748
+  _globals['_REGISTERREQUEST']._serialized_start=1751
+  _globals['_REGISTERREQUEST']._serialized_end=1879
+  _globals['_REGISTERREPLY']._serialized_start=1881
+  _globals['_REGISTERREPLY']._serialized_end=1946
+  _globals['_MEMBERLOAD']._serialized_start=1949
+  _globals['_MEMBERLOAD']._serialized_end=2140
+  _globals['_HEARTBEATREQUEST']._serialized_start=2142
+  _globals['_HEARTBEATREQUEST']._serialized_end=2217
+  _globals['_HEARTBEATREPLY']._serialized_start=2219
+  _globals['_HEARTBEATREPLY']._serialized_end=2250
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=2252
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=2274
+  _globals['_MEMBERSTATUS']._serialized_start=2277
+  _globals['_MEMBERSTATUS']._serialized_end=2502
+  _globals['_CLUSTERSTATUSREPLY']._serialized_start=2504
+  _globals['_CLUSTERSTATUSREPLY']._serialized_end=2624
+  _globals['_KVSTORE']._serialized_start=2627
+  _globals['_KVSTORE']._serialized_end=2934
+  _globals['_WORKER']._serialized_start=2937
+  _globals['_WORKER']._serialized_end=3078
+  _globals['_COORDINATOR']._serialized_start=3081
+  _globals['_COORDINATOR']._serialized_end=3386
 # @@protoc_insertion_point(module_scope)

@@ -97,7 +97,9 @@ class KVStoreServicer:
     def PutPages(self, request_iterator, context):
         """Store pages. A page may be split over consecutive items: the first carries
         key and parent, the following ones only data, until page_bytes arrived.
-        A root page has an empty parent. Answers one result per page.
+        A root page has an empty parent. The final item sets `last`: a stream that
+        ends without it (cut short, or a message the server could not take) stores
+        nothing. Answers one result per page.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

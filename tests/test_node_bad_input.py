@@ -181,9 +181,22 @@ def expect_rpc_error(call, code: grpc.StatusCode, *fragments: str) -> grpc.RpcEr
 
 def test_a_raw_put_stream_is_accepted(node, client):
     """The hand-made streams below are well formed but for their one flaw: this one has none."""
-    reply = pb.PutReply.FromString(put_raw(node.address, [wire.put_item(key(50), b"", pages(1)[0])]))
+    reply = pb.PutReply.FromString(put_raw(node.address, [wire.put_item(key(50), b"", pages(1)[0], last=True)]))
     assert list(reply.outcomes) == [pb.PutReply.STORED]
     assert key(50) in node.store
+
+
+def test_a_stream_without_its_last_mark_stores_nothing(seeded, client):
+    """Only the final item's mark tells a complete stream from one grpcio ended early."""
+    items = [wire.put_item(key(50), GOOD[2], pages(1)[0]), wire.put_item(key(51), key(50), pages(1)[0])]
+    expect_rpc_error(lambda: put_raw(seeded.address, items), INVALID, "without an item marked last")
+    assert_unharmed(seeded, client, set(GOOD))
+
+
+def test_an_item_after_the_last_one_stores_nothing(seeded, client):
+    items = [wire.put_item(key(50), GOOD[2], pages(1)[0], last=True), wire.put_item(key(51), key(50), pages(1)[0])]
+    expect_rpc_error(lambda: put_raw(seeded.address, items), INVALID, "after the one marked last")
+    assert_unharmed(seeded, client, set(GOOD))
 
 
 def test_a_stream_that_ends_mid_page_stores_nothing(seeded, client):

@@ -42,22 +42,23 @@ def test_page_chunk_framing_is_byte_identical_when_no_field_is_default(index, of
     assert framed_chunk(index, offset, data) == pb.PageChunk(index=index, offset=offset, data=data).SerializeToString()
 
 
-@given(key=keys, parent=keys, data=blobs)
-def test_hand_framed_put_item_reads_as_protobuf(key, parent, data):
-    message = pb.PutItem.FromString(wire.put_item(key, parent, data))
-    assert (message.key, message.parent, message.data) == (key, parent, data)
+@given(key=keys, parent=keys, data=blobs, last=st.booleans())
+def test_hand_framed_put_item_reads_as_protobuf(key, parent, data, last):
+    message = pb.PutItem.FromString(wire.put_item(key, parent, data, last))
+    assert (message.key, message.parent, message.data, message.last) == (key, parent, data, last)
 
 
-@given(key=keys, parent=keys, data=blobs)
-def test_protobuf_put_item_reads_by_hand(key, parent, data):
-    buf = pb.PutItem(key=key, parent=parent, data=data).SerializeToString()
-    got_key, got_parent, got_data = wire.parse_put_item(buf)
-    assert (got_key, got_parent, bytes(got_data)) == (key, parent, data)
+@given(key=keys, parent=keys, data=blobs, last=st.booleans())
+def test_protobuf_put_item_reads_by_hand(key, parent, data, last):
+    buf = pb.PutItem(key=key, parent=parent, data=data, last=last).SerializeToString()
+    got_key, got_parent, got_data, got_last = wire.parse_put_item(buf)
+    assert (got_key, got_parent, bytes(got_data), got_last) == (key, parent, data, last)
 
 
-@given(key=keys, parent=keys, data=st.binary(min_size=1, max_size=400))
-def test_put_item_framing_is_byte_identical_when_data_is_present(key, parent, data):
-    assert wire.put_item(key, parent, data) == pb.PutItem(key=key, parent=parent, data=data).SerializeToString()
+@given(key=keys, parent=keys, data=st.binary(min_size=1, max_size=400), last=st.booleans())
+def test_put_item_framing_is_byte_identical_when_data_is_present(key, parent, data, last):
+    expected = pb.PutItem(key=key, parent=parent, data=data, last=last).SerializeToString()
+    assert wire.put_item(key, parent, data, last) == expected
 
 
 @pytest.mark.parametrize("size", [0, 127, 128, 16383, 16384, 2_000_000])
