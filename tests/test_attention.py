@@ -25,11 +25,11 @@ def _setup(rng, lens, new, n_kv, group, hd, P, fp16):
     # Store every token's K/V (layer 1) through the write path.
     all_pos = np.concatenate([np.arange(n) for n in lens])
     all_starts = np.concatenate([[0], np.cumsum(lens)])
-    meta_all = AttentionMetadata.build(all_pos, all_starts, np.array(lens), tables, P)
+    meta_all = AttentionMetadata.build(all_pos, all_starts, np.array(lens), tables, pool.shape)
     write_kv(pool, 1, meta_all, np.concatenate(ks), np.concatenate(vs))
     positions = np.concatenate([np.arange(n - m, n) for n, m in zip(lens, new)])
     starts = np.concatenate([[0], np.cumsum(new)])
-    meta = AttentionMetadata.build(positions, starts, np.array(lens), tables, P)
+    meta = AttentionMetadata.build(positions, starts, np.array(lens), tables, pool.shape)
     q = rng.standard_normal((len(positions), H, hd), dtype=np.float32)
     return pool, meta, q, ks, vs, positions, starts
 
@@ -57,7 +57,8 @@ def test_decode_batch_of_different_lengths_gqa():
     rng = np.random.default_rng(42)
     lens = [1, 5, 16, 17, 64, 33]
     pool, meta, q, ks, vs, positions, starts = _setup(rng, lens, [1] * len(lens), 2, 3, 16, 16, False)
-    assert len(meta.decode_rows) == len(lens) and not meta.prefills
+    assert sum(len(g.rows) for g in meta.decode_groups) == len(lens) and not meta.prefills
+    assert len(meta.decode_groups) > 1   # lengths 1..64 blocks apart: grouped to limit padding
     got = paged_attention(q, pool, 1, meta, 0.25)
     for s in range(len(lens)):
         want = dense_attention(q[s:s + 1], ks[s], vs[s], positions[s:s + 1], 0.25)
@@ -71,7 +72,7 @@ def test_write_kv_lands_in_the_block_table_slots():
     table = np.array([5, 2, 0], dtype=np.int32)
     k = rng.standard_normal((10, n_kv, hd), dtype=np.float32)
     v = rng.standard_normal((10, n_kv, hd), dtype=np.float32)
-    meta = AttentionMetadata.build(np.arange(10), np.array([0, 10]), np.array([10]), [table], P)
+    meta = AttentionMetadata.build(np.arange(10), np.array([0, 10]), np.array([10]), [table], pool.shape)
     write_kv(pool, 0, meta, k, v)
     for p in range(10):
         np.testing.assert_array_equal(pool[table[p // P], 0, 0, :, p % P], k[p])

@@ -184,7 +184,7 @@ def test_batch_validation_refuses_bad_input():
             model.forward(ForwardBatch(**{**ok, **change}), pool)
     with pytest.raises(ValueError, match="kv_dtype"):
         model.forward(ForwardBatch(**ok), pool, "bfloat16")
-    with pytest.raises(ValueError, match="kv_pool should be float32"):
+    with pytest.raises(ValueError, match="kv_pool should be C-ordered float32"):
         model.forward(ForwardBatch(**ok), pool[:, :1])
 
 

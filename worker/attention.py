@@ -6,13 +6,18 @@ A sequence's block table maps its position p to block table[p // P], offset p % 
 Notes:
 1. New tokens' K/V are written into the pool first, then attention reads every position from the
    pool, so cached-prefix positions (filled by the engine) and new ones are treated alike.
-2. Decode (one new token per sequence) runs all sequences in one pass: their blocks are gathered
-   into a padded [S, max_blocks] table, positions past each context length are masked out.
-   Scores are computed block by block (batched matmul over [S, block, kv_head]) so the gathered
-   keys are never re-laid out.
-3. Prefill (several new tokens of one sequence, on top of a cached prefix) loops over sequences;
+2. Reads gather a sequence's pages head-major, [2, kv_heads, blocks * P, head_dim]: one copy, after
+   which each head's keys are contiguous and attention is plain batched matmuls, as in a dense
+   cache. The gather is one np.take of (block, layer, k|v, head) rows of P * head_dim floats into a
+   scratch buffer that every layer of the forward reuses (fresh memory each layer cost more than
+   the copy itself here).
+3. Decode (one new token per sequence) runs many sequences in one pass: each group's tables are
+   padded to the group's longest (pad entries repeat a real block; positions past each context
+   length are masked). Sequences are grouped by length so padding stays under ~25% of the copy.
+4. Prefill (several new tokens of one sequence, on top of a cached prefix) loops over sequences;
    within one, queries attend causally with one batched matmul per KV head (GQA: the G query heads
-   of a group share their K/V), in query chunks that bound the score matrix's memory.
+   of a group share their K/V), in query chunks that each read only the keys up to their last
+   position and bound the score matrix's memory.
 """
 
 from __future__ import annotations
@@ -21,67 +26,107 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Largest score matrix a prefill builds at once (floats): 64 MiB.
-MAX_SCORE_ELEMENTS = 16 * 1024 * 1024
+# Largest score matrix a prefill builds at once (floats): 16 MiB. Also keeps chunks short enough
+# that skipping keys after a chunk's last query saves most of the causal triangle.
+MAX_SCORE_ELEMENTS = 4 * 1024 * 1024
+PREFILL_QUERY_CHUNK = 128
+# A decode group grows while its padded size stays within this factor of its real size.
+MAX_PADDING = 1.25
+
+
+@dataclass
+class GatherPlan:
+    """Which pool rows to copy for a set of sequences, padded to [S, 2, KV, max_blocks]."""
+
+    rows: np.ndarray        # [S, 2, KV, MB] row of (block, layer 0, k|v, head) in the pool seen as [rows, P*hd]
+    layer_stride: int       # add layer * layer_stride for another layer
+
+    def gather(self, kv_pool: np.ndarray, layer: int, meta: "AttentionMetadata") -> np.ndarray:
+        """-> [S, 2, KV, MB * P, hd] (in the forward's scratch buffer)."""
+        S, _, KV, MB = self.rows.shape
+        P, hd = kv_pool.shape[4], kv_pool.shape[5]
+        n = self.rows.size
+        if meta.scratch is None or meta.scratch.shape[0] < n:
+            meta.scratch = np.empty((meta.max_gather_rows, P * hd), dtype=np.float32)
+        out = meta.scratch[:n]
+        # mode="clip" skips take's defensive copy (block ids were validated by the caller).
+        np.take(kv_pool.reshape(-1, P * hd), (self.rows + layer * self.layer_stride).reshape(-1), axis=0,
+                out=out, mode="clip")
+        return out.reshape(S, 2, KV, MB * P, hd)
+
+
+def _plan(tables: list[np.ndarray], n_blocks: list[int], pool_shape: tuple[int, ...]) -> GatherPlan:
+    _, n_layers, _, KV, _, _ = pool_shape
+    MB = max(n_blocks)
+    padded = np.empty((len(tables), MB), dtype=np.int64)
+    for i, (table, nb) in enumerate(zip(tables, n_blocks)):
+        padded[i, :nb] = table[:nb]
+        padded[i, nb:] = table[0]
+    kv_and_head = (np.arange(2)[:, None] * KV + np.arange(KV)[None, :])          # [2, KV]
+    rows = (padded[:, None, None, :] * n_layers) * (2 * KV) + kv_and_head[None, :, :, None]
+    return GatherPlan(rows, 2 * KV)
+
+
+@dataclass
+class DecodeGroup:
+    rows: np.ndarray        # [Sg] batch rows of these sequences' new tokens
+    plan: GatherPlan
+    bias: np.ndarray        # [Sg, MB * P]: 0 where a position exists, -inf past the context length
 
 
 @dataclass
 class PrefillSeq:
     start: int              # first row of this sequence's new tokens in the batch
     end: int                # one past its last row
-    blocks: np.ndarray      # [n_blocks] block ids covering positions [0, context_len)
     context_len: int        # tokens after this step
     positions: np.ndarray   # [end - start] absolute positions of the new tokens
+    plan: GatherPlan
 
 
 @dataclass
 class AttentionMetadata:
     """Where each new token's K/V goes and what each query reads; built once per forward."""
 
-    page_tokens: int
     slot_blocks: np.ndarray     # [T] block of each new token
     slot_offsets: np.ndarray    # [T] offset of each new token within its block
-    decode_rows: np.ndarray     # [Sd] rows of sequences that add exactly one token
-    decode_blocks: np.ndarray   # [Nb] their blocks, sequence after sequence (no padding)
-    decode_block_seq: np.ndarray  # [Nb] which decode sequence (0..Sd-1) each block belongs to
-    decode_block_idx: np.ndarray  # [Nb] index of the block within its sequence's table
-    decode_first_block: np.ndarray  # [Sd] where each sequence's blocks start in decode_blocks
-    decode_bias: np.ndarray     # [Sd, max_blocks * P] 0 where a position exists, -inf past context_len
-    prefills: list[PrefillSeq]  # sequences that add several tokens
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillSeq]
+    max_gather_rows: int        # largest gather of any group or sequence
+    scratch: np.ndarray | None = None   # the gather buffer (note 2)
 
     @classmethod
     def build(cls, positions: np.ndarray, query_starts: np.ndarray, context_lens: np.ndarray,
-              block_tables: list[np.ndarray], page_tokens: int) -> "AttentionMetadata":
-        P = page_tokens
-        num_seqs = len(context_lens)
+              block_tables: list[np.ndarray], pool_shape: tuple[int, ...]) -> "AttentionMetadata":
+        P = pool_shape[4]
         counts = np.diff(query_starts)
         slot_blocks = np.empty(len(positions), dtype=np.int64)
-        for s in range(num_seqs):
+        for s in range(len(context_lens)):
             rows = slice(int(query_starts[s]), int(query_starts[s + 1]))
-            slot_blocks[rows] = block_tables[s][positions[rows] // P]
-        slot_offsets = positions % P
+            slot_blocks[rows] = np.asarray(block_tables[s])[positions[rows] // P]
+        n_blocks = [int(n) for n in (np.asarray(context_lens) + P - 1) // P]
 
-        decode_seqs = np.flatnonzero(counts == 1)
-        decode_rows = query_starts[decode_seqs].astype(np.int64)
-        n_blocks = (context_lens + P - 1) // P
-        decode_nb = n_blocks[decode_seqs]
-        max_blocks = int(decode_nb.max()) if len(decode_seqs) else 0
-        decode_blocks = np.concatenate(
-            [np.asarray(block_tables[s][: n_blocks[s]], dtype=np.int64) for s in decode_seqs] or [np.zeros(0, np.int64)])
-        decode_block_seq = np.repeat(np.arange(len(decode_seqs)), decode_nb)
-        decode_first_block = np.concatenate([[0], np.cumsum(decode_nb)[:-1]]).astype(np.int64)
-        decode_block_idx = np.arange(len(decode_blocks)) - decode_first_block[decode_block_seq]
-        bias = np.zeros((len(decode_seqs), max_blocks * P), dtype=np.float32)
-        bias[np.arange(max_blocks * P)[None, :] >= context_lens[decode_seqs][:, None]] = -np.inf
+        groups = []
+        decode_seqs = sorted(np.flatnonzero(counts == 1), key=lambda s: -n_blocks[s])
+        while decode_seqs:
+            group = [decode_seqs.pop(0)]
+            total = n_blocks[group[0]]
+            longest = n_blocks[group[0]]
+            while decode_seqs and (len(group) + 1) * longest <= MAX_PADDING * (total + n_blocks[decode_seqs[0]]):
+                total += n_blocks[decode_seqs[0]]
+                group.append(decode_seqs.pop(0))
+            plan = _plan([np.asarray(block_tables[s]) for s in group], [n_blocks[s] for s in group], pool_shape)
+            MB = plan.rows.shape[3]
+            bias = np.zeros((len(group), MB * P), dtype=np.float32)
+            bias[np.arange(MB * P)[None, :] >= np.asarray(context_lens)[group][:, None]] = -np.inf
+            groups.append(DecodeGroup(np.asarray(query_starts)[group].astype(np.int64), plan, bias))
 
         prefills = []
         for s in np.flatnonzero(counts > 1):
             start, end = int(query_starts[s]), int(query_starts[s + 1])
-            ctx = int(context_lens[s])
-            prefills.append(PrefillSeq(start, end, np.asarray(block_tables[s][: int(n_blocks[s])], dtype=np.int64),
-                                       ctx, positions[start:end]))
-        return cls(P, slot_blocks, slot_offsets, decode_rows, decode_blocks, decode_block_seq, decode_block_idx,
-                   decode_first_block, bias, prefills)
+            plan = _plan([np.asarray(block_tables[s])], [n_blocks[s]], pool_shape)
+            prefills.append(PrefillSeq(start, end, int(context_lens[s]), positions[start:end], plan))
+        sizes = [g.plan.rows.size for g in groups] + [p.plan.rows.size for p in prefills]
+        return cls(slot_blocks, positions % P, groups, prefills, max(sizes))
 
 
 def write_kv(kv_pool: np.ndarray, layer: int, meta: AttentionMetadata, k: np.ndarray, v: np.ndarray) -> None:
@@ -94,70 +139,51 @@ def paged_attention(q: np.ndarray, kv_pool: np.ndarray, layer: int, meta: Attent
                     scale: float) -> np.ndarray:
     """Attention of new queries over their sequences' pages. q [T, n_heads, hd] -> [T, n_heads, hd]."""
     out = np.empty_like(q)
-    layer_kv = kv_pool[:, layer]  # [blocks, 2, kv_heads, P, hd] (view)
-    if len(meta.decode_rows):
-        out[meta.decode_rows] = _decode(q[meta.decode_rows], layer_kv, meta, scale)
+    for group in meta.decode_groups:
+        kv = group.plan.gather(kv_pool, layer, meta)          # [Sg, 2, KV, MB*P, hd]
+        out[group.rows] = _decode(q[group.rows], kv[:, 0], kv[:, 1], group.bias, scale)
     for seq in meta.prefills:
-        out[seq.start:seq.end] = _prefill(q[seq.start:seq.end], layer_kv, seq, scale)
+        kv = seq.plan.gather(kv_pool, layer, meta)[0]         # [2, KV, nb*P, hd]
+        k, v = kv[0, :, : seq.context_len], kv[1, :, : seq.context_len]
+        out[seq.start:seq.end] = causal_attention(q[seq.start:seq.end], k, v, seq.positions, scale)
     return out
 
 
-def _decode(q: np.ndarray, layer_kv: np.ndarray, meta: AttentionMetadata, scale: float) -> np.ndarray:
-    # q [S, H, hd] -> [S, H, hd]; one query per sequence, contexts of different lengths.
+def _decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray, scale: float) -> np.ndarray:
+    # q [S, H, hd], k, v [S, KV, L, hd] (L = padded context), bias [S, L] -> [S, H, hd]
     S, H, hd = q.shape
-    _, _, KV, P, _ = layer_kv.shape
+    KV = k.shape[1]
     G = H // KV
-    MB = meta.decode_bias.shape[1] // P
-    seq, idx = meta.decode_block_seq, meta.decode_block_idx
-    kv = layer_kv[meta.decode_blocks]                      # [Nb, 2, KV, P, hd] (gather)
-    k, v = kv[:, 0], kv[:, 1]                              # [Nb, KV, P, hd]
-    qb = q.reshape(S, KV, G, hd)[seq]                      # [Nb, KV, G, hd]: each block's query
-    block_scores = np.matmul(qb, k.swapaxes(-1, -2))       # [Nb, KV, G, P]
-    scores = np.empty((S, KV, G, MB, P), dtype=q.dtype)
-    if MB * S > len(seq):                                  # sequences shorter than the longest
-        scores.fill(-np.inf)
-    scores[seq, :, :, idx] = block_scores
-    scores = scores.reshape(S, KV, G, MB * P)
+    scores = np.matmul(q.reshape(S, KV, G, hd), k.swapaxes(-1, -2))   # [S, KV, G, L]
     scores *= scale
-    scores += meta.decode_bias[:, None, None, :]
+    scores += bias[:, None, None, :]
     weights, denom = _exp_normalizer_(scores)
-    probs = weights.reshape(S, KV, G, MB, P)[seq, :, :, idx]   # [Nb, KV, G, P]
-    out = np.add.reduceat(np.matmul(probs, v), meta.decode_first_block, axis=0)  # [S, KV, G, hd]
-    out /= denom.reshape(S, KV, G, 1)
+    out = np.matmul(weights, v)                                        # [S, KV, G, hd]
+    out /= denom
     return out.reshape(S, H, hd)
-
-
-def _prefill(q: np.ndarray, layer_kv: np.ndarray, seq: PrefillSeq, scale: float) -> np.ndarray:
-    # q [n, H, hd] -> [n, H, hd]; gathers one sequence's pages into contiguous [KV, ctx, hd].
-    hd = q.shape[2]
-    KV = layer_kv.shape[2]
-    kv = layer_kv[seq.blocks]                              # [nb, 2, KV, P, hd]
-    k = kv[:, 0].transpose(1, 0, 2, 3).reshape(KV, -1, hd)[:, : seq.context_len]
-    v = kv[:, 1].transpose(1, 0, 2, 3).reshape(KV, -1, hd)[:, : seq.context_len]
-    return causal_attention(q, k, v, seq.positions, scale)
 
 
 def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray,
                      scale: float) -> np.ndarray:
-    """Queries q [n, H, hd] at q_positions over one sequence's keys/values k, v [KV, ctx, hd]
-    (position j at index j), causal. Used by paged prefill and by the dense runner."""
+    """Queries q [n, H, hd] at increasing q_positions over one sequence's keys/values k, v
+    [KV, ctx, hd] (position j at index j), causal. Used by paged prefill and the dense runner."""
     n, H, hd = q.shape
     KV, ctx, _ = k.shape
     G = H // KV
-    kt = k.transpose(0, 2, 1)                              # [KV, hd, ctx]
     out = np.empty((n, KV, G, hd), dtype=q.dtype)
-    chunk = max(1, MAX_SCORE_ELEMENTS // (H * ctx))
+    chunk = max(1, min(PREFILL_QUERY_CHUNK, MAX_SCORE_ELEMENTS // (H * ctx)))
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
         m = hi - lo
+        keys = int(q_positions[hi - 1]) + 1                 # no query of this chunk sees past this
         qc = q[lo:hi].reshape(m, KV, G, hd).transpose(1, 2, 0, 3).reshape(KV, G * m, hd)
-        scores = np.matmul(qc, kt).reshape(KV, G, m, ctx)  # [KV, G, m, ctx]
+        scores = np.matmul(qc, k[:, :keys].transpose(0, 2, 1)).reshape(KV, G, m, keys)
         scores *= scale
-        if q_positions[lo] < ctx - 1 or m > 1:            # some keys lie in some query's future
-            scores += np.where(np.arange(ctx)[None, :] > q_positions[lo:hi, None], np.float32(-np.inf),
-                               np.float32(0))              # causal mask [m, ctx]
+        if m > 1 or q_positions[lo] < keys - 1:
+            scores += np.where(np.arange(keys)[None, :] > q_positions[lo:hi, None], np.float32(-np.inf),
+                               np.float32(0))               # causal mask [m, keys]
         weights, denom = _exp_normalizer_(scores)
-        o = np.matmul(weights.reshape(KV, G * m, ctx), v).reshape(KV, G, m, hd)
+        o = np.matmul(weights.reshape(KV, G * m, keys), v[:, :keys]).reshape(KV, G, m, hd)
         o /= denom
         out[lo:hi] = o.transpose(2, 0, 1, 3)
     return out.reshape(n, H, hd)

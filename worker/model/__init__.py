@@ -73,7 +73,7 @@ class Model:
         -> [S, vocab] (last new token of each sequence) or [T, vocab] with all_logits."""
         _check_kv_dtype(kv_dtype)
         token_ids, positions, query_starts, context_lens = _validate(self.config, batch, kv_pool)
-        meta = AttentionMetadata.build(positions, query_starts, context_lens, batch.block_tables, kv_pool.shape[4])
+        meta = AttentionMetadata.build(positions, query_starts, context_lens, batch.block_tables, kv_pool.shape)
         scale = self.attn_scale
 
         def attend(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -118,9 +118,9 @@ def _check_kv_dtype(kv_dtype: str) -> str:
 def _validate(c: ModelConfig, batch: ForwardBatch, kv_pool: np.ndarray):
     """Refuse a malformed batch with a ValueError before anything is written to the pool."""
     expected_pool = (c.n_layers, 2, c.n_kv_heads, None, c.head_dim)
-    if (kv_pool.dtype != np.float32 or kv_pool.ndim != 6
+    if (kv_pool.dtype != np.float32 or kv_pool.ndim != 6 or not kv_pool.flags.c_contiguous
             or any(e is not None and e != g for e, g in zip(expected_pool, kv_pool.shape[1:]))):
-        raise ValueError(f"kv_pool should be float32 [blocks, {c.n_layers}, 2, {c.n_kv_heads}, page_tokens, "
+        raise ValueError(f"kv_pool should be C-ordered float32 [blocks, {c.n_layers}, 2, {c.n_kv_heads}, page_tokens, "
                          f"{c.head_dim}], got {kv_pool.dtype} {list(kv_pool.shape)}")
     num_blocks, page_tokens = kv_pool.shape[0], kv_pool.shape[4]
     token_ids = np.asarray(batch.token_ids, dtype=np.int64).reshape(-1)
