@@ -61,6 +61,13 @@ class PutResult:
         return sum(1 for o in self.outcomes if o.startswith("refused"))
 
 
+def _byte_view(page, index: int) -> memoryview:
+    try:
+        return memoryview(page).cast("B")
+    except TypeError as exc:
+        raise ValueError(f"page {index} is not a C-contiguous bytes-like buffer: {exc}") from None
+
+
 class NodeClient:
     def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S):
         self.address = address
@@ -143,11 +150,14 @@ class NodeClient:
         """Store pages, parents first; `pages` is (n, page_bytes) bytes-like rows (a root's parent is b"")."""
         if not len(keys) == len(parents) == len(pages):
             raise ValueError(f"got {len(keys)} keys, {len(parents)} parents and {len(pages)} pages: give one of each per page")
+        # Checked here, in the caller's thread: a flaw found while gRPC pulls the stream
+        # surfaces only as "UNKNOWN: Exception iterating requests!".
+        items = [(bytes(memoryview(k)), bytes(memoryview(p)), _byte_view(page, i))
+                 for i, (k, p, page) in enumerate(zip(keys, parents, pages))]
         chunk = self._known_info().max_message_bytes - 64
 
         def messages():
-            for number, (key, parent, page) in enumerate(zip(keys, parents, pages), start=1):
-                view = memoryview(page).cast("B")
+            for number, (key, parent, view) in enumerate(items, start=1):
                 for offset in range(0, max(view.nbytes, 1), chunk):
                     first, last = offset == 0, number == len(keys) and offset + chunk >= view.nbytes
                     yield wire.put_item(

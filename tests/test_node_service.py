@@ -283,3 +283,21 @@ def test_a_call_to_a_node_that_is_not_there_fails_within_its_deadline():
 def test_put_pages_needs_one_parent_and_one_page_per_key(client):
     with pytest.raises(ValueError, match="give one of each per page"):
         client.put_pages([key(1), key(2)], [b""], random_pages(2, NODE_PAGE_BYTES))
+
+
+def test_put_pages_takes_any_contiguous_rows(node, client):
+    rows = np.arange(2 * NODE_PAGE_BYTES // 4, dtype=np.float32).reshape(2, -1)  # float32 rows of page_bytes
+    keys, parents = chain(2)
+    assert client.put_pages(keys, parents, rows).stored == 2
+    np.testing.assert_array_equal(client.get_pages(keys).view(np.float32), rows)
+
+
+def test_put_pages_refuses_pages_it_cannot_send_before_sending_anything(node, client):
+    strided = np.zeros((2, 2 * NODE_PAGE_BYTES), dtype=np.uint8)[:, ::2]  # rows of page_bytes, not contiguous
+    keys, parents = chain(2)
+    with pytest.raises(ValueError, match="page 0 is not a C-contiguous bytes-like buffer"):
+        client.put_pages(keys, parents, strided)
+    with pytest.raises(TypeError):
+        client.put_pages(["not bytes"], [b""], random_pages(1, NODE_PAGE_BYTES))
+    assert client.stats()["puts"] == 0
+    assert node.store.keys() == []
