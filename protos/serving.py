@@ -75,17 +75,23 @@ def make_server(
     return server, health_servicer
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port` as gRPC targets read it: an IPv6 literal goes in brackets ([::1]:50051)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def bind(server: grpc.Server, host: str, port: int) -> int:
     """Bind host:port (port 0 picks a free one) and return the port, or raise a clear error."""
-    reason = _why_unbindable(host, port)
+    where = host_port(host, port)
+    reason = _why_unbindable(host.strip("[]"), port)
     if reason:
-        raise OSError(f"cannot listen on {host}:{port}: {reason}")
+        raise OSError(f"cannot listen on {where}: {reason}")
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = server.add_insecure_port(where)
     except RuntimeError as exc:
-        raise OSError(f"cannot listen on {host}:{port} ({exc}): is the port taken?") from exc
+        raise OSError(f"cannot listen on {where} ({exc}): is the port taken?") from exc
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}: is the port taken or the host not local?")
+        raise OSError(f"cannot listen on {where}: is the port taken or the host not local?")
     return bound
 
 
