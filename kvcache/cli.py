@@ -9,25 +9,55 @@ from kvcache import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from coordinator import daemon as coordinator_daemon
+    from kvcache import cluster, generate, status
+    from kvcache.bench import cli as bench_cli
+    from kvnode import daemon as node_daemon
+    from worker import daemon as worker_daemon
+
     parser = argparse.ArgumentParser(
         prog="kvcache",
         description="A distributed KV-cache service for LLM inference.",
+        epilog="`kvcache COMMAND --help` explains each command. Start here: kvcache cluster up",
     )
     parser.add_argument("--version", action="version", version=f"kvcache {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
 
+    def command(name: str, module, help: str, run=None) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help, description=module.__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(sub)
+        if run or hasattr(module, "run"):
+            sub.set_defaults(run=run or module.run)
+        return sub
+
+    node = command("node", node_daemon, "start a KV-store node", run=_run_node)
+    node.add_argument("--model", default=None,
+                      help="size pages for this model (tiny, gpt2-small-shape or a checkpoint folder); "
+                           "overrides --page-bytes")
+    node.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32",
+                      help="with --model: the workers' KV dtype (default float32)")
+    command("worker", worker_daemon, "start an inference worker")
+    command("coordinator", coordinator_daemon, "start a coordinator (membership, ring, routing)")
+    command("cluster", cluster, "start or stop a local multi-process cluster")
+    command("generate", generate, "send a prompt and stream the answer")
+    command("status", status, "show the cluster: members, pages, load")
+    command("bench", bench_cli, "measure a part of the service")
+    return parser
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    from kvcache.model_pages import model_page_bytes
     from kvnode import daemon as node_daemon
 
-    node = commands.add_parser("node", help="start a KV-store node", description=node_daemon.__doc__)
-    node_daemon.add_arguments(node)
-    node.set_defaults(run=node_daemon.run)
-
-    from kvcache.bench import cli as bench_cli
-
-    bench = commands.add_parser("bench", help="measure a part of the service", description=bench_cli.__doc__)
-    bench_cli.add_arguments(bench)
-    return parser
+    if args.model:
+        try:
+            args.page_bytes = model_page_bytes(args.model, args.kv_dtype)
+        except ValueError as exc:
+            print(f"kvcache node: error: {exc}", file=sys.stderr)
+            return 2
+    return node_daemon.run(args)
 
 
 def main(argv: list[str] | None = None) -> int:

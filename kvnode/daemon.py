@@ -8,9 +8,11 @@ import signal
 import sys
 import threading
 
+from coordinator import agent
 from kvcache.units import format_size, parse_size
 from kvnode.service import DEFAULT_MAX_KEYS, SERVICE_NAME, KVStoreService, handler
 from kvnode.store import PageStore
+from protos import kvcache_pb2 as pb
 from protos import serving
 
 log = logging.getLogger("kvnode")
@@ -41,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest gRPC message sent or accepted; larger pages are chunked (default 8MiB)",
     )
     parser.add_argument("--grace", type=float, default=2.0, help="seconds to finish running calls on stop (default 2)")
+    agent.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,9 +78,23 @@ def run(args: argparse.Namespace) -> int:
         f"({capacity_pages} pages of {args.page_bytes} bytes, {format_size(capacity_pages * args.page_bytes)})",
         flush=True,
     )
+    registration = pb.RegisterRequest(
+        role="node", capacity_bytes=capacity_pages * args.page_bytes, page_bytes=args.page_bytes
+    )
+    membership = agent.start_from_args(args, port, registration, lambda: node_load(store))
     while not stopping.wait(timeout=1.0):
         pass
+    if membership is not None:
+        membership.stop()
     log.info("stopping: finishing running calls for up to %.1fs", args.grace)
     serving.stop(server, health, args.grace)
     log.info("stopped")
     return 0
+
+
+def node_load(store: PageStore) -> pb.MemberLoad:
+    stats = store.stats
+    return pb.MemberLoad(
+        used_pages=store.num_used(), capacity_pages=store.capacity_pages,
+        hit_pages=stats.hit_pages, miss_pages=stats.miss_pages, evictions=stats.evictions,
+    )

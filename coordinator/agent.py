@@ -1,0 +1,115 @@
+"""The member's side of membership: register with every coordinator, then beat.
+
+kvnode and worker daemons run one MembershipAgent when started with --coordinators.
+A coordinator that does not answer is retried every beat; one that forgot the member
+(it restarted) gets a fresh registration. Logs one line per change, not per beat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+from typing import Callable, Sequence
+
+import grpc
+
+from protos import kvcache_pb2 as pb
+
+log = logging.getLogger("membership")
+_SERVICE = "/kvcache.v1.Coordinator/"
+
+
+class _Coordinator:
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpc.insecure_channel(address)
+        self.register = self.channel.unary_unary(
+            _SERVICE + "Register", pb.RegisterRequest.SerializeToString, pb.RegisterReply.FromString
+        )
+        self.heartbeat = self.channel.unary_unary(
+            _SERVICE + "Heartbeat", pb.HeartbeatRequest.SerializeToString, pb.HeartbeatReply.FromString
+        )
+        self.member_id: str | None = None
+        self.reachable: bool | None = None
+
+
+class MembershipAgent:
+    def __init__(
+        self,
+        coordinators: Sequence[str],
+        registration: pb.RegisterRequest,
+        load: Callable[[], pb.MemberLoad],
+        interval_s: float = 1.0,
+    ):
+        self.registration = registration
+        self.load = load
+        self.interval_s = interval_s
+        self._coordinators = [_Coordinator(a) for a in dict.fromkeys(coordinators)]
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=5.0)
+        for coordinator in self._coordinators:
+            coordinator.channel.close()
+
+    def registered_with(self) -> list[str]:
+        return [c.address for c in self._coordinators if c.member_id]
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            for coordinator in self._coordinators:
+                self._beat(coordinator)
+            self._stopping.wait(self.interval_s)
+
+    def _beat(self, coordinator: _Coordinator) -> None:
+        timeout = max(0.2, self.interval_s * 0.8)
+        try:
+            if coordinator.member_id is None:
+                reply = coordinator.register(self.registration, timeout=timeout)
+                coordinator.member_id = reply.member_id
+                log.info("registered with coordinator %s as %s", coordinator.address, reply.member_id)
+            else:
+                request = pb.HeartbeatRequest(member_id=coordinator.member_id, load=self.load())
+                if not coordinator.heartbeat(request, timeout=timeout).known:
+                    log.info("coordinator %s no longer knows us; registering again", coordinator.address)
+                    coordinator.member_id = None
+                    return self._beat(coordinator)
+            if coordinator.reachable is False:
+                log.info("coordinator %s reachable again", coordinator.address)
+            coordinator.reachable = True
+        except grpc.RpcError as exc:
+            if coordinator.reachable is not False:
+                log.warning("coordinator %s unreachable (%s); retrying every beat", coordinator.address, exc.code().name)
+            coordinator.reachable = False
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The membership options of `kvcache node` and `kvcache worker`."""
+    parser.add_argument(
+        "--coordinators", default="", help="coordinators to register with and beat to: A,B (default: none, standalone)"
+    )
+    parser.add_argument(
+        "--advertise", default=None, help="host:port others reach this daemon at (default: the listening address)"
+    )
+
+
+def start_from_args(args: argparse.Namespace, port: int, registration: pb.RegisterRequest,
+                    load: Callable[[], pb.MemberLoad]) -> MembershipAgent | None:
+    """Start beating to args.coordinators (None when there are none: a standalone daemon)."""
+    coordinators = [a.strip() for a in args.coordinators.split(",") if a.strip()]
+    if not coordinators:
+        return None
+    if args.advertise:
+        registration.address = args.advertise
+    else:
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        registration.address = f"{host}:{port}"
+    membership = MembershipAgent(coordinators, registration, load)
+    membership.start()
+    return membership

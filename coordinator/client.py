@@ -1,0 +1,123 @@
+"""Client: the usual way to use a kvcache cluster from Python.
+
+Client(["host:port", ...]) talks to any of several coordinators: one that does not
+answer is skipped, and a greedy or seeded request whose coordinator dies mid-stream
+is resumed through another without repeating or losing a token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import grpc
+
+from protos import kvcache_pb2 as pb
+from worker.client import Finished, Piece, Usage, generate_request, parse_reply
+
+__all__ = ["Client", "ClusterError", "Finished", "Piece", "Usage"]
+
+_SERVICE = "/kvcache.v1.Coordinator/"
+_TRY_ELSEWHERE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+
+
+class ClusterError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass
+class _Coordinator:
+    address: str
+    channel: grpc.Channel
+    generate: object = field(default=None)
+    status: object = field(default=None)
+
+
+class Client:
+    def __init__(self, coordinators: Sequence[str], timeout: float = 600.0):
+        if not coordinators:
+            raise ValueError("give at least one coordinator address (host:port)")
+        self.timeout = timeout
+        self._coordinators = []
+        for address in dict.fromkeys(coordinators):
+            channel = grpc.insecure_channel(address)
+            self._coordinators.append(_Coordinator(
+                address,
+                channel,
+                channel.unary_stream(_SERVICE + "Generate", pb.GenerateRequest.SerializeToString,
+                                     pb.GenerateReply.FromString),
+                channel.unary_unary(_SERVICE + "ClusterStatus", pb.ClusterStatusRequest.SerializeToString,
+                                    pb.ClusterStatusReply.FromString),
+            ))
+        self._preferred = 0
+
+    def generate(self, prompt: str | Sequence[int], session_id: str = "", **options) -> Iterator[Piece | Finished]:
+        """Pieces as they come, then one Finished; options as worker.client.generate_request."""
+        request = generate_request(prompt, **options)
+        request.session_id = session_id
+        resumable = request.temperature == 0 or request.HasField("seed")
+        sent: list[int] = []
+        errors = []
+        for coordinator in self._in_order():
+            attempt = request
+            if sent:
+                attempt = pb.GenerateRequest()
+                attempt.CopyFrom(request)
+                attempt.resume_token_ids.extend(sent)
+                attempt.max_tokens = request.max_tokens - len(sent)
+            stream = coordinator.generate(attempt, timeout=self.timeout)
+            try:
+                for reply in stream:
+                    event = parse_reply(reply)
+                    if isinstance(event, Finished) and attempt.resume_token_ids:
+                        event = Finished(_with_resumed(event.usage, len(attempt.resume_token_ids)), event.finish_reason)
+                    if isinstance(event, Piece):
+                        sent.extend(event.token_ids)
+                    yield event
+                    if isinstance(event, Finished):
+                        self._preferred = self._coordinators.index(coordinator)
+                        return
+                errors.append(f"{coordinator.address}: stream ended without finishing")
+            except grpc.RpcError as exc:
+                if exc.code() not in _TRY_ELSEWHERE:
+                    raise ClusterError(exc.code(), exc.details() or "no details") from None
+                errors.append(f"{coordinator.address}: {exc.code().name}: {exc.details()}")
+            finally:
+                stream.cancel()
+            if sent and not resumable:
+                raise ClusterError(grpc.StatusCode.UNAVAILABLE,
+                                   f"coordinator failed after {len(sent)} tokens ({errors[-1]}); a sampled request "
+                                   f"without a seed cannot be resumed exactly: retry it")
+        raise ClusterError(grpc.StatusCode.UNAVAILABLE, "no coordinator could serve the request: " + "; ".join(errors))
+
+    def status(self, timeout: float = 5.0) -> pb.ClusterStatusReply:
+        errors = []
+        for coordinator in self._in_order():
+            try:
+                return coordinator.status(pb.ClusterStatusRequest(), timeout=timeout)
+            except grpc.RpcError as exc:
+                errors.append(f"{coordinator.address}: {exc.code().name}")
+        raise ClusterError(grpc.StatusCode.UNAVAILABLE, "no coordinator answered: " + "; ".join(errors))
+
+    def _in_order(self) -> list[_Coordinator]:
+        first = self._preferred
+        return self._coordinators[first:] + self._coordinators[:first]
+
+    def close(self) -> None:
+        for coordinator in self._coordinators:
+            coordinator.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _with_resumed(usage: Usage, resumed: int) -> Usage:
+    """The coordinator counted resumed tokens as prompt; count them as completion again."""
+    return Usage(usage.prompt_tokens, usage.cached_tokens_local, usage.cached_tokens_remote, usage.computed_tokens,
+                 usage.completion_tokens + resumed, usage.ttft_ms)

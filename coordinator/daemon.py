@@ -1,0 +1,64 @@
+"""`kvcache coordinator`: membership, the ring, and routing of client prompts to workers."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from coordinator.membership import Membership
+from coordinator.ring import DEFAULT_PREFIX_CHARS
+from coordinator.service import SERVICE_NAME, CoordinatorService, handler, run_sweeper
+from protos import serving
+
+log = logging.getLogger("coordinator")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=50050, help="port to listen on; 0 picks a free one (default 50050)")
+    parser.add_argument("--replicas", type=int, default=2, help="kvnodes each sequence's pages go to (default 2)")
+    parser.add_argument(
+        "--prefix-chars",
+        type=int,
+        default=DEFAULT_PREFIX_CHARS,
+        help=f"prompt characters that pick the placement when no session id is given (default {DEFAULT_PREFIX_CHARS})",
+    )
+    parser.add_argument("--coordinator-id", default=None, help="name shown in status and logs (default: random)")
+    parser.add_argument("--grace", type=float, default=5.0, help="seconds running requests get on stop (default 5)")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        if args.replicas < 1:
+            raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+        if args.prefix_chars < 1:
+            raise ValueError(f"--prefix-chars must be at least 1, got {args.prefix_chars}")
+        membership = Membership()
+        service = CoordinatorService(membership, args.replicas, args.prefix_chars, args.coordinator_id)
+        server, health = serving.make_server([handler(service)], [SERVICE_NAME], max_workers=64)
+        port = serving.bind(server, args.host, args.port)
+    except (ValueError, OSError) as exc:
+        print(f"kvcache coordinator: error: {exc}", file=sys.stderr)
+        return 2
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    sweeper = threading.Thread(target=run_sweeper, args=(membership, stopping), name="sweeper", daemon=True)
+    sweeper.start()
+    server.start()
+    print(
+        f"coordinator {service.coordinator_id} listening on {args.host}:{port} "
+        f"(replicas {args.replicas}, placement by the first {args.prefix_chars} characters or the session id)",
+        flush=True,
+    )
+    while not stopping.wait(timeout=1.0):
+        pass
+    log.info("stopping: finishing running requests for up to %.1fs", args.grace)
+    serving.stop(server, health, args.grace)
+    service.close()
+    log.info("stopped")
+    return 0

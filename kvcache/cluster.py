@@ -1,0 +1,276 @@
+"""`kvcache cluster up|down`: a local multi-process cluster on free loopback ports.
+
+`up` starts coordinators, then kvnodes and workers registered with them, waits until
+every coordinator sees every member alive, writes the cluster file (JSON: each member's
+role, address, pid and log), and stays in the foreground until Ctrl-C (or --detach).
+`down` reads the cluster file and stops every process in it. No process outlives either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coordinator.client import Client, ClusterError
+from kvcache.launch import Daemon, DaemonFailed
+from kvcache.units import parse_size
+from kvcache.model_pages import model_page_bytes
+
+DEFAULT_RUN_DIR = ".kvcache"
+CLUSTER_FILE = "cluster.json"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+    up = actions.add_parser("up", help="start a local cluster", description=__doc__)
+    up.add_argument("--nodes", type=int, default=3, help="kvnodes (default 3)")
+    up.add_argument("--workers", type=int, default=2, help="workers (default 2)")
+    up.add_argument("--coordinators", type=int, default=2, help="coordinators (default 2)")
+    up.add_argument("--replicas", type=int, default=2, help="kvnodes per sequence (default 2)")
+    up.add_argument("--model", default="tiny", help="tiny, gpt2-small-shape or a checkpoint folder (default tiny)")
+    up.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32", help="KV dtype (default float32)")
+    up.add_argument("--node-capacity", default="64MiB", help="page pool per kvnode (default 64MiB)")
+    up.add_argument("--worker-kv-cache", default="64MiB", help="local KV pool per worker (default 64MiB)")
+    up.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help=f"cluster file and logs (default ./{DEFAULT_RUN_DIR})")
+    up.add_argument("--detach", action="store_true", help="return once healthy; stop later with `kvcache cluster down`")
+    up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a healthy cluster (default 120)")
+    up.set_defaults(run=run_up)
+    down = actions.add_parser("down", help="stop the cluster in the run directory")
+    down.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help=f"where `up` wrote its cluster file (default ./{DEFAULT_RUN_DIR})")
+    down.set_defaults(run=run_down)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    try:
+        _check_counts(args)
+        model_page_bytes(args.model, args.kv_dtype)
+        parse_size(args.node_capacity), parse_size(args.worker_kv_cache)
+    except ValueError as exc:
+        print(f"kvcache cluster up: error: {exc}", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir).resolve()
+    cluster_file = run_dir / CLUSTER_FILE
+    if cluster_file.exists():
+        print(f"kvcache cluster up: error: {cluster_file} exists: a cluster may be running; "
+              f"run `kvcache cluster down --run-dir {args.run_dir}` first", file=sys.stderr)
+        return 2
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    cluster = LocalCluster()
+    try:
+        start_cluster(logs, args.nodes, args.workers, args.coordinators, args.replicas, args.model, args.kv_dtype,
+                      args.node_capacity, args.worker_kv_cache,
+                      on_start=lambda c: _write_cluster_file(cluster_file, args, c.daemons), cluster=cluster)
+        coordinators = cluster.coordinator_addresses
+        wait_healthy(coordinators, args.nodes, args.workers, args.timeout, stopping)
+    except (DaemonFailed, TimeoutError, InterruptedError, ValueError) as exc:
+        print(f"kvcache cluster up: error: {exc}", file=sys.stderr)
+        cluster.stop()
+        cluster_file.unlink(missing_ok=True)
+        return 1
+    print(f"cluster up: {args.coordinators} coordinators, {args.nodes} kvnodes, {args.workers} workers, model {args.model}")
+    print(f"coordinators: {','.join(coordinators)}")
+    print(f"logs: {logs}")
+    print(f"cluster file: {cluster_file}")
+    print(f"try: kvcache generate --coordinators {','.join(coordinators)} \"Hello\"", flush=True)
+    if args.detach:
+        return 0
+    print("Ctrl-C stops the cluster.", flush=True)
+    reported: set[int] = set()
+    while not stopping.wait(1.0):
+        for daemon in cluster.daemons:
+            if not daemon.alive() and daemon.pid not in reported:
+                reported.add(daemon.pid)
+                print(f"{daemon.role} {daemon.address} exited (code {daemon.process.returncode}); see {daemon.log_path}",
+                      flush=True)
+    print("stopping the cluster ...", flush=True)
+    cluster.stop()
+    cluster_file.unlink(missing_ok=True)
+    print("cluster stopped", flush=True)
+    return 0
+
+
+def run_down(args: argparse.Namespace) -> int:
+    cluster_file = Path(args.run_dir).resolve() / CLUSTER_FILE
+    try:
+        cluster = json.loads(cluster_file.read_text())
+    except FileNotFoundError:
+        print(f"kvcache cluster down: no cluster file at {cluster_file}: nothing to stop", file=sys.stderr)
+        return 1
+    except json.JSONDecodeError as exc:
+        print(f"kvcache cluster down: error: {cluster_file} is not valid JSON ({exc})", file=sys.stderr)
+        return 2
+    members = cluster.get("members", [])
+    for member in _stop_order(members):
+        _terminate(member["pid"])
+    deadline = time.monotonic() + 20.0
+    while any(_is_ours(m["pid"]) for m in members) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for member in members:
+        if _is_ours(member["pid"]):
+            os.kill(member["pid"], signal.SIGKILL)
+    cluster_file.unlink(missing_ok=True)
+    print(f"stopped {len(members)} processes")
+    return 0
+
+
+# ---- internals -----------------------------------------------------------------------
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    for name in ("nodes", "workers", "coordinators", "replicas"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.replicas > args.nodes:
+        raise ValueError(f"--replicas {args.replicas} exceeds --nodes {args.nodes}: each replica needs its own kvnode")
+
+
+@dataclass
+class LocalCluster:
+    """Daemons started by start_cluster, in start order; stop() ends them all by pid."""
+
+    daemons: list[Daemon] = field(default_factory=list)
+
+    def role(self, role: str) -> list[Daemon]:
+        return [d for d in self.daemons if d.role == role]
+
+    @property
+    def coordinator_addresses(self) -> list[str]:
+        return [d.address for d in self.role("coordinator")]
+
+    def stop(self) -> None:
+        _stop_all(self.daemons)
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: int = 2, replicas: int = 2,
+                  model: str = "tiny", kv_dtype: str = "float32", node_capacity: str = "64MiB",
+                  worker_kv_cache: str = "64MiB", on_start=None, cluster: LocalCluster | None = None) -> LocalCluster:
+    """Start coordinators, then kvnodes and workers registered with them (not yet waiting for health).
+
+    `on_start(cluster)` runs after each start, so a caller can record pids as they appear; on
+    failure whatever started is stopped before the error propagates.
+    """
+    cluster = cluster or LocalCluster()
+    page_bytes = model_page_bytes(model, kv_dtype)
+    logs.mkdir(parents=True, exist_ok=True)
+
+    def launch(role: str, name: str, daemon_args: list[str]) -> Daemon:
+        daemon = Daemon(role, ["--port", "0", *daemon_args], log_path=logs / f"{name}.log")
+        cluster.daemons.append(daemon)
+        if on_start:
+            on_start(cluster)
+        return daemon
+
+    try:
+        for i in range(coordinators):
+            launch("coordinator", f"coordinator-{i}", ["--replicas", str(replicas), "--coordinator-id", f"coordinator-{i}"])
+        joined = ",".join(cluster.coordinator_addresses)
+        for i in range(nodes):
+            launch("node", f"node-{i}", ["--coordinators", joined, "--node-id", f"node-{i}",
+                                         "--page-bytes", str(page_bytes), "--capacity", node_capacity])
+        for i in range(workers):
+            add_worker(cluster, logs, f"worker-{i}", model, kv_dtype, worker_kv_cache, launch)
+    except Exception:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def add_worker(cluster: LocalCluster, logs: Path, name: str, model: str = "tiny", kv_dtype: str = "float32",
+               kv_cache: str = "64MiB", launch=None) -> Daemon:
+    """Start one more worker registered with the cluster's coordinators."""
+    args = ["--coordinators", ",".join(cluster.coordinator_addresses), "--worker-id", name, "--model", model,
+            "--kv-dtype", kv_dtype, "--kv-cache", kv_cache]
+    if launch:
+        return launch("worker", name, args)
+    daemon = Daemon("worker", ["--port", "0", *args], log_path=logs / f"{name}.log")
+    cluster.daemons.append(daemon)
+    return daemon
+
+
+def _write_cluster_file(path: Path, args, started: list[Daemon]) -> None:
+    cluster = {
+        "model": args.model,
+        "replicas": args.replicas,
+        "members": [
+            {"role": d.role, "address": d.address, "pid": d.pid, "log": str(d.log_path)} for d in started
+        ],
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cluster, indent=2))
+    tmp.replace(path)
+
+
+def wait_healthy(coordinators: list[str], nodes: int, workers: int, timeout_s: float = 60.0,
+                 stopping: threading.Event | None = None) -> None:
+    """Until every coordinator sees `nodes` kvnodes and `workers` workers alive (TimeoutError after timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(coordinators)
+    seen = "nothing yet"
+    while pending:
+        if stopping is not None and stopping.is_set():
+            raise InterruptedError("interrupted while starting")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"cluster not healthy after {timeout_s:.0f}s: coordinator {pending[0]} sees {seen}")
+        address = pending[0]
+        try:
+            with Client([address]) as client:
+                status = client.status(timeout=2.0)
+            alive = [m.role for m in status.members if m.alive]
+            seen = f"{alive.count('node')}/{nodes} kvnodes, {alive.count('worker')}/{workers} workers"
+            if alive.count("node") >= nodes and alive.count("worker") >= workers:
+                pending.pop(0)
+                continue
+        except ClusterError:
+            pass
+        time.sleep(0.2)
+
+
+def _stop_order(members: list[dict]) -> list[dict]:
+    """Workers first (they drain), then kvnodes, then coordinators."""
+    rank = {"worker": 0, "node": 1, "coordinator": 2}
+    return sorted(members, key=lambda m: rank.get(m["role"], 3))
+
+
+def _stop_all(started: list[Daemon]) -> None:
+    order = {"worker": 0, "node": 1, "coordinator": 2}
+    for daemon in sorted(started, key=lambda d: order.get(d.role, 3)):
+        if daemon.alive():
+            os.kill(daemon.pid, signal.SIGTERM)
+    for daemon in started:
+        daemon.stop(timeout_s=20.0)
+
+
+def _terminate(pid: int) -> None:
+    if _is_ours(pid):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def _is_ours(pid: int) -> bool:
+    """The pid still runs a kvcache daemon (not a process that reused the number)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"kvcache.cli" in cmdline

@@ -1,0 +1,204 @@
+"""Whole clusters of real processes (coordinators, kvnodes, workers) on loopback: routing,
+cache hits through the cluster, and every kind of member dying."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from cluster_helpers import wait_for
+from coordinator.client import Client, ClusterError, Finished, Piece
+from coordinator.ring import Ring, placement_key
+from kvcache.cluster import add_worker, start_cluster, wait_healthy
+from kvnode.client import NodeClient
+from worker.client import WorkerClient
+from worker.engine import Engine
+
+PAGE_TOKENS = 16
+SYSTEM = "You are the support assistant of a small bakery. Be kind, be brief, and never invent prices. "
+
+
+def ask(client: Client, prompt: str, **options) -> tuple[list[int], Finished]:
+    tokens, finished = [], None
+    for event in client.generate(prompt, **options):
+        if isinstance(event, Piece):
+            tokens.extend(event.token_ids)
+        else:
+            finished = event
+    assert finished is not None
+    return tokens, finished
+
+
+def used_pages(address: str) -> int:
+    with NodeClient(address) as node:
+        return node.info().used_pages
+
+
+def alive(client: Client, role: str) -> list[str]:
+    return sorted(m.address for m in client.status().members if m.role == role and m.alive)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load("tiny")
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory):
+    with start_cluster(tmp_path_factory.mktemp("cluster"), nodes=2, workers=2, coordinators=2, replicas=2,
+                       node_capacity="16MiB", worker_kv_cache="16MiB") as cluster:
+        wait_healthy(cluster.coordinator_addresses, nodes=2, workers=2)
+        yield cluster
+
+
+def test_tokens_through_the_cluster_equal_the_engine_alone(shared_cluster, engine):
+    prompt = SYSTEM + "Do you sell rye bread?"
+    expected = engine.generate(prompt, max_new_tokens=12)[0].token_ids
+    with Client(shared_cluster.coordinator_addresses) as client:
+        tokens, done = ask(client, prompt, max_tokens=12)
+    assert tokens == expected
+    assert done.usage.completion_tokens == 12 and done.finish_reason == "length"
+
+
+def test_a_shared_prefix_is_served_from_the_cluster(shared_cluster, engine):
+    first, second = SYSTEM + "When do you open?", SYSTEM + "Do you deliver on Sundays?"
+    pages = len(SYSTEM.encode()) // PAGE_TOKENS
+    with Client(shared_cluster.coordinator_addresses) as client:
+        ask(client, first, max_tokens=4)
+        tokens, done = ask(client, second, max_tokens=6)
+    cached = done.usage.cached_tokens_local + done.usage.cached_tokens_remote
+    assert cached >= pages * PAGE_TOKENS
+    assert done.usage.computed_tokens == done.usage.prompt_tokens - cached
+    assert tokens == engine.generate(second, max_new_tokens=6)[0].token_ids
+
+
+def test_status_shows_members_and_an_epoch_both_coordinators_share(shared_cluster):
+    epochs = []
+    for address in shared_cluster.coordinator_addresses:
+        with Client([address]) as client:
+            status = client.status()
+        assert len([m for m in status.members if m.role == "node" and m.alive]) == 2
+        assert len([m for m in status.members if m.role == "worker" and m.alive]) == 2
+        epochs.append(status.epoch)
+    assert epochs[0] == epochs[1]
+
+
+def test_bad_request_is_refused_with_its_reason(shared_cluster):
+    with Client(shared_cluster.coordinator_addresses) as client:
+        with pytest.raises(ClusterError) as error:
+            ask(client, "hello", max_tokens=0)
+        assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in error.value.details
+        with pytest.raises(ClusterError) as empty:
+            ask(client, "", max_tokens=3)
+        assert empty.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_killed_kvnode_leaves_the_ring_and_no_request_fails(tmp_path, engine):
+    prompts = [SYSTEM + f"Question {i}: which cake is best?" for i in range(10)]
+    expected = [engine.generate(p, max_new_tokens=4)[0].token_ids for p in prompts]
+    with start_cluster(tmp_path, nodes=3, workers=1, coordinators=1, replicas=1, node_capacity="16MiB",
+                       worker_kv_cache="16MiB") as cluster:
+        wait_healthy(cluster.coordinator_addresses, nodes=3, workers=1)
+        with Client(cluster.coordinator_addresses) as client:
+            epoch = client.status().epoch
+            results = []
+            for i, prompt in enumerate(prompts):
+                if i == 3:
+                    victim = cluster.role("node")[0]
+                    victim.kill()
+                results.append(ask(client, prompt, max_tokens=4)[0])
+            assert results == expected
+            assert wait_for(lambda: victim.address not in alive(client, "node"), timeout_s=5.0)
+            assert client.status().epoch != epoch
+
+
+def test_killing_the_primary_keeps_the_hit_with_two_replicas(tmp_path, engine):
+    prompt = SYSTEM + "Is the croissant vegan?"
+    pages = len(prompt.encode()) // PAGE_TOKENS
+    with start_cluster(tmp_path, nodes=3, workers=1, coordinators=1, replicas=2, node_capacity="16MiB",
+                       worker_kv_cache="16MiB") as cluster:
+        wait_healthy(cluster.coordinator_addresses, nodes=3, workers=1)
+        with Client(cluster.coordinator_addresses) as client:
+            ask(client, prompt, max_tokens=2)
+            status = client.status()
+            ring = Ring({m.address: m.capacity_bytes for m in status.members if m.role == "node" and m.alive})
+            primary, replica = ring.placement(placement_key(prompt), 2)
+            assert wait_for(lambda: used_pages(primary) >= pages and used_pages(replica) >= pages, timeout_s=10.0)
+            nodes = {d.address: d for d in cluster.role("node")}
+            nodes[primary].kill()
+            # A fresh worker has no local copy: the pages can only come from the replica.
+            cluster.role("worker")[0].kill()
+            add_worker(cluster, tmp_path, "worker-fresh", kv_cache="16MiB")
+            assert wait_for(lambda: len(alive(client, "worker")) == 1 and primary not in alive(client, "node"),
+                            timeout_s=10.0)
+            tokens, done = ask(client, prompt + " Thanks!", max_tokens=4)
+    assert done.usage.cached_tokens_remote == pages * PAGE_TOKENS
+    assert tokens == engine.generate(prompt + " Thanks!", max_new_tokens=4)[0].token_ids
+
+
+def test_worker_killed_mid_stream_is_resumed_without_a_lost_or_repeated_token(tmp_path, engine):
+    prompt = SYSTEM + "Tell me a long story about bread."
+    expected = engine.generate(prompt, max_new_tokens=120, ignore_eos=True)[0].token_ids
+    with start_cluster(tmp_path, nodes=1, workers=2, coordinators=1, replicas=1, node_capacity="16MiB",
+                       worker_kv_cache="16MiB") as cluster:
+        wait_healthy(cluster.coordinator_addresses, nodes=1, workers=2)
+        with Client(cluster.coordinator_addresses) as client:
+            tokens, finished = [], None
+            killed = None
+            for event in client.generate(prompt, max_tokens=120, ignore_eos=True):
+                if isinstance(event, Piece):
+                    tokens.extend(event.token_ids)
+                    if killed is None and len(tokens) >= 10:
+                        killed = _busy_worker(cluster)
+                        killed.kill()
+                else:
+                    finished = event
+    assert killed is not None
+    assert tokens == expected
+    assert finished.usage.completion_tokens == 120
+
+
+def test_sampled_request_without_seed_gets_unavailable_when_its_worker_dies(tmp_path):
+    with start_cluster(tmp_path, nodes=1, workers=2, coordinators=1, replicas=1, node_capacity="16MiB",
+                       worker_kv_cache="16MiB") as cluster:
+        wait_healthy(cluster.coordinator_addresses, nodes=1, workers=2)
+        with Client(cluster.coordinator_addresses) as client:
+            with pytest.raises(ClusterError) as error:
+                received, killed = 0, False
+                for event in client.generate(SYSTEM, max_tokens=200, temperature=1.0, ignore_eos=True):
+                    received += len(getattr(event, "token_ids", []))
+                    if received >= 10 and not killed:
+                        _busy_worker(cluster).kill()
+                        killed = True
+    assert error.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "retry" in error.value.details
+
+
+def test_either_coordinator_can_die(tmp_path, engine):
+    prompt = SYSTEM + "Are you open today?"
+    expected = engine.generate(prompt, max_new_tokens=5)[0].token_ids
+    with start_cluster(tmp_path, nodes=1, workers=1, coordinators=2, replicas=1, node_capacity="16MiB",
+                       worker_kv_cache="16MiB") as cluster:
+        wait_healthy(cluster.coordinator_addresses, nodes=1, workers=1)
+        first, second = cluster.role("coordinator")
+        with Client(cluster.coordinator_addresses) as client:
+            assert ask(client, prompt, max_tokens=5)[0] == expected
+            first.kill()
+            assert ask(client, prompt, max_tokens=5)[0] == expected
+            assert client.status().coordinator_id == "coordinator-1"
+
+
+def _busy_worker(cluster):
+    """The worker running a request right now (bounded wait)."""
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        for daemon in cluster.role("worker"):
+            if daemon.alive():
+                with WorkerClient(daemon.address) as client:
+                    if client.info().running:
+                        return daemon
+        time.sleep(0.01)
+    raise AssertionError("no worker is running a request")

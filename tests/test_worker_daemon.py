@@ -1,0 +1,208 @@
+"""Workers and kvnodes as real processes: pages written back by one worker are served to
+another, a dead kvnode costs hits and never a request, replicas, page-size mismatch,
+cancellation and graceful drain."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from cluster_helpers import wait_for
+from kvcache.launch import Daemon
+from kvnode.client import NodeClient
+from worker.client import Finished, Piece, WorkerClient, WorkerError
+
+PAGE_TOKENS = 16
+SYSTEM = "You are a careful assistant. Answer briefly and precisely, citing the page you used. "
+
+
+@contextlib.contextmanager
+def daemons(tmp_path, *specs):
+    """Start (role, name, args) daemons; stop each by its pid at the end, whatever happened."""
+    started = []
+    try:
+        for role, name, args in specs:
+            started.append(Daemon(role, ["--port", "0", *args], log_path=tmp_path / f"{name}.log"))
+        yield started
+    finally:
+        for daemon in started:
+            daemon.stop(timeout_s=10.0)
+
+
+def node(name, *extra):
+    return ("node", name, ["--model", "tiny", "--capacity", "16MiB", *extra])
+
+
+def worker(name, *extra):
+    return ("worker", name, ["--model", "tiny", "--kv-cache", "8MiB", "--grace", "5", *extra])
+
+
+def run(client: WorkerClient, prompt: str, **options) -> tuple[list[int], Finished]:
+    tokens, finished = [], None
+    for event in client.generate(prompt, **options):
+        if isinstance(event, Piece):
+            tokens.extend(event.token_ids)
+        else:
+            finished = event
+    assert finished is not None
+    return tokens, finished
+
+
+def used_pages(address: str) -> int:
+    with NodeClient(address) as client:
+        return client.info().used_pages
+
+
+def test_second_worker_gets_first_workers_pages_from_the_kvnode(tmp_path):
+    with daemons(tmp_path, node("node"), worker("worker-a"), worker("worker-b")) as (kv, a, b):
+        first_prompt = SYSTEM + "Question one?"
+        pages = len(first_prompt.encode()) // PAGE_TOKENS  # the tiny model's tokens are bytes
+        assert pages == 6
+        with WorkerClient(a.address) as client_a, WorkerClient(b.address) as client_b:
+            _, done = run(client_a, first_prompt, max_tokens=4, placement=[kv.address])
+            assert done.usage.cached_tokens_remote == 0 and done.usage.prompt_tokens == len(first_prompt.encode())
+            assert wait_for(lambda: used_pages(kv.address) >= pages, timeout_s=10.0)
+
+            longer = first_prompt + " And a follow-up that is longer than the first question."
+            warm_tokens, warm = run(client_b, longer, max_tokens=8, placement=[kv.address])
+            cold_tokens, cold = run(client_b, longer, max_tokens=8, no_cache=True)
+        assert warm.usage.cached_tokens_remote == pages * PAGE_TOKENS
+        assert warm.usage.cached_tokens_local == 0
+        assert warm.usage.computed_tokens == warm.usage.prompt_tokens - pages * PAGE_TOKENS
+        assert cold.usage.cached_tokens_remote == cold.usage.cached_tokens_local == 0
+        assert warm_tokens == cold_tokens and len(warm_tokens) == 8
+
+
+def test_kvnode_killed_mid_run_fails_no_request(tmp_path):
+    with daemons(tmp_path, node("node"), worker("worker")) as (kv, w):
+        prompts = [SYSTEM + f"Question number {i}: what comes next?" for i in range(8)]
+        with WorkerClient(w.address) as client:
+            expected = [run(client, p, max_tokens=6, no_cache=True)[0] for p in prompts]
+            results, errors = [None] * len(prompts), []
+
+            def send(i):
+                try:
+                    results[i] = run(client, prompts[i], max_tokens=6, placement=[kv.address])[0]
+                except Exception as exc:  # the assertion below reports it
+                    errors.append(exc)
+
+            threads = []
+            for i in range(len(prompts)):
+                threads.append(threading.Thread(target=send, args=(i,)))
+                threads[-1].start()
+                if i == 3:
+                    kv.kill()
+                time.sleep(0.05)
+            for thread in threads:
+                thread.join(timeout=120)
+        assert not errors
+        assert results == expected
+
+
+def test_replica_serves_when_the_primary_is_dead(tmp_path):
+    with daemons(tmp_path, node("primary"), node("replica"), worker("worker-a"), worker("worker-b")) as (p, r, a, b):
+        prompt = SYSTEM + "Which replica answers?"
+        pages = len(prompt.encode()) // PAGE_TOKENS
+        placement = [p.address, r.address]
+        with WorkerClient(a.address) as client_a, WorkerClient(b.address) as client_b:
+            run(client_a, prompt, max_tokens=2, placement=placement)
+            assert wait_for(lambda: used_pages(p.address) >= pages and used_pages(r.address) >= pages, timeout_s=10.0)
+            p.kill()
+            tokens, done = run(client_b, prompt + " Tell me.", max_tokens=4, placement=placement)
+            cold, _ = run(client_b, prompt + " Tell me.", max_tokens=4, no_cache=True)
+        assert done.usage.cached_tokens_remote == pages * PAGE_TOKENS
+        assert tokens == cold
+
+
+def test_node_with_another_page_size_is_refused_and_counts_as_a_miss(tmp_path):
+    with daemons(tmp_path, node("node", "--kv-dtype", "float16"), worker("worker")) as (kv, w):
+        with WorkerClient(w.address) as client:
+            for _ in range(2):
+                _, done = run(client, SYSTEM + "mismatch", max_tokens=2, placement=[kv.address])
+                assert done.usage.cached_tokens_remote == 0
+        assert used_pages(kv.address) == 0
+        log = (tmp_path / "worker.log").read_text()
+        assert log.count("refusing kvnode") == 1
+        assert "Traceback" not in log
+
+
+def test_cancelled_request_frees_its_blocks(tmp_path):
+    with daemons(tmp_path, worker("worker")) as (w,):
+        with WorkerClient(w.address) as client:
+            total = client.info().total_blocks
+            events = client.generate(SYSTEM * 4, max_tokens=2000, ignore_eos=True)
+            for _, event in zip(range(3), events):
+                assert isinstance(event, Piece)
+            assert client.info().running == 1
+            events.close()  # cancels the call
+            assert wait_for(lambda: client.info().running == 0, timeout_s=10.0)
+            info = client.info()
+            # Only the prompt's full pages may stay, as the local prefix cache (free to evict).
+            assert info.free_blocks >= total - (len(SYSTEM * 4) // PAGE_TOKENS) - 1
+
+
+def test_sigterm_drains_running_requests_then_exits(tmp_path):
+    with daemons(tmp_path, worker("worker")) as (w,):
+        with WorkerClient(w.address) as client:
+            events = client.generate(SYSTEM, max_tokens=150, ignore_eos=True)
+            first = next(events)
+            assert isinstance(first, Piece)
+            w.process.send_signal(signal.SIGTERM)
+            rest = list(events)
+        assert isinstance(rest[-1], Finished) and rest[-1].finish_reason == "length"
+        assert rest[-1].usage.completion_tokens == 150
+        assert w.process.wait(timeout=20) == 0
+        with pytest.raises(WorkerError) as refused:
+            with WorkerClient(w.address, timeout=5) as late:
+                list(late.generate("too late", max_tokens=2))
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.fixture(scope="module")
+def shared_worker(tmp_path_factory):
+    with daemons(tmp_path_factory.mktemp("shared"), worker("worker")) as (w,):
+        yield w
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 5, "temperature": -1.0}, "temperature"),
+        ({"max_tokens": 5, "top_p": 1.5}, "top_p"),
+        ({"max_tokens": 5, "placement": ["not an address"]}, "placement"),
+        ({"max_tokens": 5, "placement": ["127.0.0.1:99999"]}, "placement"),
+    ],
+)
+def test_bad_requests_get_invalid_argument_and_the_worker_goes_on(shared_worker, options, message):
+    with WorkerClient(shared_worker.address) as client:
+        with pytest.raises(WorkerError) as error:
+            list(client.generate("hello", **options))
+        assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in error.value.details
+        tokens, _ = run(client, "still serving", max_tokens=2)
+        assert len(tokens) == 2
+
+
+def test_empty_prompt_and_too_long_prompt_are_refused(shared_worker):
+    with WorkerClient(shared_worker.address) as client:
+        with pytest.raises(WorkerError) as empty:
+            list(client.generate("", max_tokens=2))
+        assert empty.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(WorkerError) as too_long:
+            list(client.generate("x" * 5000, max_tokens=2))
+        assert too_long.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "5000 tokens" in too_long.value.details
+
+
+def test_info_describes_the_worker(shared_worker):
+    with WorkerClient(shared_worker.address) as client:
+        info = client.info()
+    assert info.model == "tiny" and info.kv_dtype == "float32" and info.page_tokens == PAGE_TOKENS
+    assert info.page_bytes == 131072 and len(info.fingerprint) == 32
+    assert 0 < info.free_blocks <= info.total_blocks

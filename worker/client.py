@@ -1,0 +1,160 @@
+"""WorkerClient: talk to one worker's `Worker` service (the coordinator and tools use this)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Sequence
+
+import grpc
+
+from protos import kvcache_pb2 as pb
+
+_SERVICE = "/kvcache.v1.Worker/"
+
+
+class WorkerError(Exception):
+    """A worker call failed; `code` is the grpc.StatusCode, `details` the worker's message."""
+
+    def __init__(self, address: str, code: grpc.StatusCode, details: str):
+        super().__init__(f"worker {address}: {code.name}: {details}")
+        self.address = address
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Where a request's tokens came from; these names are used in every output."""
+
+    prompt_tokens: int = 0
+    cached_tokens_local: int = 0
+    cached_tokens_remote: int = 0
+    computed_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_ms: float = 0.0
+
+    @classmethod
+    def from_proto(cls, usage: pb.Usage) -> "Usage":
+        return cls(**{name: getattr(usage, name) for name in cls.__dataclass_fields__})
+
+    def to_proto(self) -> pb.Usage:
+        return pb.Usage(**asdict(self))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """New text and the token ids it came from."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Finished:
+    usage: Usage
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    version: str
+    model: str
+    fingerprint: str
+    kv_dtype: str
+    page_tokens: int
+    page_bytes: int
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    max_tokens_limit: int
+    max_positions: int
+
+
+def generate_request(
+    prompt: str | Sequence[int],
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    placement: Sequence[str] = (),
+    no_cache: bool = False,
+    request_id: str = "",
+    ignore_eos: bool = False,
+) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        placement=list(placement),
+        no_cache=no_cache,
+        request_id=request_id,
+        ignore_eos=ignore_eos,
+    )
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt_token_ids.extend(prompt)
+    if seed is not None:
+        request.seed = seed
+    return request
+
+
+def parse_reply(reply: pb.GenerateReply) -> Piece | Finished:
+    if reply.finish_reason:
+        return Finished(Usage.from_proto(reply.usage), reply.finish_reason)
+    return Piece(reply.text, list(reply.token_ids))
+
+
+class WorkerClient:
+    def __init__(self, address: str, timeout: float = 300.0):
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(address)
+        self._generate = self._channel.unary_stream(
+            _SERVICE + "Generate", pb.GenerateRequest.SerializeToString, pb.GenerateReply.FromString
+        )
+        self._info = self._channel.unary_unary(
+            _SERVICE + "Info", pb.WorkerInfoRequest.SerializeToString, pb.WorkerInfo.FromString
+        )
+
+    def generate(self, prompt: str | Sequence[int], timeout: float | None = None, **options) -> Iterator[Piece | Finished]:
+        """Pieces as the worker produces them, then one Finished; options as in generate_request."""
+        stream = self.generate_stream(generate_request(prompt, **options), timeout)
+        try:
+            for reply in stream:
+                yield parse_reply(reply)
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None
+        finally:
+            stream.cancel()  # a caller that stops early frees the worker's blocks at once
+
+    def generate_stream(self, request: pb.GenerateRequest, timeout: float | None = None):
+        """The raw reply stream (a grpc call: iterate it, `cancel()` it); for relays such as the coordinator."""
+        return self._generate(request, timeout=timeout or self.timeout)
+
+    def info(self, timeout: float = 5.0) -> WorkerInfo:
+        try:
+            reply = self._info(pb.WorkerInfoRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None
+        return WorkerInfo(**{name: getattr(reply, name) for name in WorkerInfo.__dataclass_fields__})
+
+    def _error(self, exc: grpc.RpcError) -> WorkerError:
+        return WorkerError(self.address, exc.code(), exc.details() or "no details")
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "WorkerClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,117 @@
+"""`kvcache worker`: serve a model over gRPC, with kvnodes as a remote KV tier.
+
+SIGTERM or Ctrl-C: stop taking requests, let running ones finish within --grace
+seconds, abort what is left, exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+
+from coordinator import agent
+from kvcache.units import format_size, parse_size
+from protos import kvcache_pb2 as pb
+from protos import serving
+from worker.engine import Engine
+from worker.remote import RemoteTier
+from worker.service import SERVICE_NAME, WorkerService, handler
+
+log = logging.getLogger("worker")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=50061, help="port to listen on; 0 picks a free one (default 50061)")
+    parser.add_argument("--model", default="tiny", help="tiny, gpt2-small-shape, or a Hugging Face checkpoint folder")
+    parser.add_argument(
+        "--kv-dtype", choices=["float32", "float16"], default="float32", help="KV dtype on the wire (default float32)"
+    )
+    parser.add_argument("--kv-cache", default="256MiB", help="memory for the local paged KV pool (default 256MiB)")
+    parser.add_argument("--page-tokens", type=int, default=16, help="tokens per page (default 16)")
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="most requests decoding at once (default 32)")
+    parser.add_argument(
+        "--max-batched-tokens", type=int, default=1024, help="token budget per step; longer prefills are chunked"
+    )
+    parser.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
+    parser.add_argument("--lease-ms", type=int, default=2000, help="how long kvnodes hold looked-up pages for the fetch")
+    parser.add_argument("--worker-id", default=None, help="name shown in Info and logs (default: random)")
+    parser.add_argument("--grace", type=float, default=10.0, help="seconds running requests get on stop (default 10)")
+    agent.add_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        kv_cache_bytes = parse_size(args.kv_cache)
+        serving.tune_allocator()
+        engine = Engine.load(
+            args.model,
+            kv_dtype=args.kv_dtype,
+            page_tokens=args.page_tokens,
+            kv_cache_bytes=kv_cache_bytes,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_batched_tokens,
+        )
+        tier = RemoteTier(engine.kv_pool, args.kv_dtype, lease_ms=args.lease_ms)
+        engine.attach_remote_tier(tier)
+        service = WorkerService(engine, args.worker_id, args.max_tokens_limit)
+        server, health = serving.make_server([handler(service)], [SERVICE_NAME])
+        port = serving.bind(server, args.host, args.port)
+    except (ValueError, OSError, MemoryError) as exc:
+        print(f"kvcache worker: error: {exc}", file=sys.stderr)
+        return 2
+
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    service.start()
+    server.start()
+    page_bytes = engine.model.page_bytes(args.kv_dtype, args.page_tokens)
+    print(
+        f"worker {service.worker_id} listening on {args.host}:{port} (model {engine.model.name}, "
+        f"{args.kv_dtype} KV, pages of {page_bytes} bytes, {engine.pool.num_blocks} blocks, "
+        f"{format_size(kv_cache_bytes)})",
+        flush=True,
+    )
+    registration = pb.RegisterRequest(
+        role="worker", page_bytes=page_bytes, model=engine.model.name, fingerprint=engine.fingerprint.hex()
+    )
+    membership = agent.start_from_args(args, port, registration, lambda: worker_load(engine))
+    while not stopping.wait(timeout=1.0):
+        pass
+    if membership is not None:
+        membership.stop()  # coordinators stop routing here within a few beats
+    health.enter_graceful_shutdown()  # coordinators stop routing here first
+    drain(service, args.grace)
+    serving.stop(server, health, grace_s=1.0)
+    service.stop()
+    tier.close()
+    log.info("stopped")
+    return 0
+
+
+def drain(service: WorkerService, grace_s: float) -> None:
+    """Stop taking requests; give running ones grace_s seconds; abort the rest."""
+    service.accepting = False
+    engine = service.engine
+    log.info("stopping: %d requests running, waiting up to %.1fs", engine.num_running() + engine.num_waiting(), grace_s)
+    deadline = time.monotonic() + grace_s
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = engine.live_request_ids()
+    for request_id in left:
+        engine.abort(request_id)
+    if left:
+        log.info("aborted %d requests still running after %.1fs", len(left), grace_s)
+
+
+def worker_load(engine: Engine) -> pb.MemberLoad:
+    return pb.MemberLoad(
+        running=engine.num_running(), waiting=engine.num_waiting(),
+        free_blocks=engine.get_num_free_blocks(), total_blocks=engine.pool.num_blocks,
+    )
