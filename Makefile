@@ -21,8 +21,7 @@ protos: $(STAMP)
 	$(BIN)/python protos/generate.py
 
 demo: $(STAMP)
-	@echo "make demo arrives with the coordinator (a local cluster); for now start a node:"
-	@echo "  $(BIN)/kvcache node --port 0 --capacity 64MiB"
+	$(BIN)/python -m kvcache.demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
