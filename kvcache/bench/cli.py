@@ -21,3 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                        description=engine.__doc__)
     engine.add_arguments(engine_parser)
     engine_parser.set_defaults(run=engine.run)
+
+    from kvcache.bench import remote
+
+    remote_parser = benches.add_parser("remote", help="TTFT cold vs warm from a kvnode vs warm local",
+                                       description=remote.__doc__)
+    remote.add_arguments(remote_parser)
+    remote_parser.set_defaults(run=remote.run)

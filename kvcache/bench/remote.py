@@ -1,0 +1,126 @@
+"""`kvcache bench remote`: time to first token for one long prompt computed cold, fetched
+warm from a kvnode in another process, and warm from the worker's local prefix cache,
+in one run, with the ratios, the KV bytes fetched and the fetch rate achieved.
+
+Two engines share this process: A computes each prompt (cold, caches bypassed), then
+runs it again to write its pages to the node; B, whose local cache has never seen the
+prompt, fetches them from the node (warm remote), then runs it once more (warm local).
+Every repeat uses a fresh random prompt. Goal: warm-remote >= 10x faster than cold and
+within 2x of warm-local.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import numpy as np
+
+from kvcache.bench.report import dump_json, machine, print_table
+from kvcache.launch import Daemon
+from kvcache.model_pages import model_page_bytes
+from protos import serving
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="gpt2-small-shape", help="tiny, gpt2-small-shape or a checkpoint folder")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length (default 1024)")
+    parser.add_argument("--kv-dtype", choices=["float32", "float16"], default="float16",
+                        help="KV dtype on the wire (default float16, half the bytes)")
+    parser.add_argument("--repeats", type=int, default=3, help="prompts measured; medians are shown (default 3)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    from worker.engine import Engine
+    from worker.remote import Placement, RemoteTier
+
+    if min(args.prompt_tokens, args.repeats) < 1:
+        print("kvcache bench remote: error: --prompt-tokens and --repeats must be positive", file=sys.stderr)
+        return 2
+    try:
+        page_bytes = model_page_bytes(args.model, args.kv_dtype)
+        engines = [Engine.load(args.model, kv_dtype=args.kv_dtype, max_num_batched_tokens=args.prompt_tokens,
+                               kv_cache_bytes=_pool_bytes(args)) for _ in range(2)]
+    except ValueError as exc:
+        print(f"kvcache bench remote: error: {exc}", file=sys.stderr)
+        return 2
+    limit = engines[0].max_total_tokens
+    if args.prompt_tokens > limit:
+        print(f"kvcache bench remote: error: --prompt-tokens {args.prompt_tokens} exceeds the model's {limit}",
+              file=sys.stderr)
+        return 2
+    serving.tune_allocator()
+    pages_needed = (args.prompt_tokens // engines[0].page_tokens + 1) * (2 * args.repeats + 2)
+    capacity = str(page_bytes * pages_needed)
+    with Daemon("node", ["--port", "0", "--page-bytes", str(page_bytes), "--capacity", capacity]) as node:
+        tiers = [RemoteTier(engine.kv_pool, args.kv_dtype) for engine in engines]
+        for engine, tier in zip(engines, tiers):
+            engine.attach_remote_tier(tier)
+        placement = Placement([node.address])
+        writer, reader = engines
+        vocab = writer.model.config.vocab_size
+        rng = np.random.default_rng(0)
+        samples = {"cold": [], "warm_remote": [], "warm_local": []}
+        fetched = []
+        try:
+            for _ in range(args.repeats):
+                prompt = rng.integers(0, vocab - 1, size=args.prompt_tokens).tolist()
+                cold = writer.generate(prompt, max_new_tokens=1, bypass_cache=True)[0]
+                writer.generate(prompt, max_new_tokens=1, tier_context=placement)
+                if not tiers[0].flush(timeout_s=60.0):
+                    raise RuntimeError("write-back to the node did not finish within 60 s")
+                bytes_before = tiers[1].stats.bytes_fetched
+                remote = reader.generate(prompt, max_new_tokens=1, tier_context=placement)[0]
+                fetch_bytes = tiers[1].stats.bytes_fetched - bytes_before
+                local = reader.generate(prompt, max_new_tokens=1, tier_context=placement)[0]
+                if not cold.token_ids == remote.token_ids == local.token_ids:
+                    raise RuntimeError("a cache hit changed the first token: this is a bug")
+                if remote.usage.cached_tokens_remote == 0:
+                    raise RuntimeError("the warm run got nothing from the node: see the node and worker logs")
+                samples["cold"].append(cold.usage.ttft_ms)
+                samples["warm_remote"].append(remote.usage.ttft_ms)
+                samples["warm_local"].append(local.usage.ttft_ms)
+                fetched.append((fetch_bytes, remote.usage.cached_tokens_remote))
+        finally:
+            for tier in tiers:
+                tier.close()
+    ttft = {name: statistics.median(values) for name, values in samples.items()}
+    fetch_bytes, remote_tokens = fetched[-1]
+    result = {
+        "bench": "remote",
+        "machine": machine(),
+        "options": {k: v for k, v in vars(args).items() if k != "run"},
+        "page_bytes": page_bytes,
+        "ttft_ms": ttft,
+        "samples_ms": samples,
+        "cached_tokens_remote": remote_tokens,
+        "kv_bytes_fetched": fetch_bytes,
+        "speedup_remote_vs_cold": ttft["cold"] / ttft["warm_remote"],
+        "remote_vs_local": ttft["warm_remote"] / ttft["warm_local"],
+        # An upper bound on transfer time is the whole warm TTFT (it also computes the last page).
+        "fetch_gb_per_s_lower_bound": fetch_bytes / (ttft["warm_remote"] / 1000) / 1e9,
+    }
+    if args.json:
+        dump_json(result)
+        return 0
+    print(f"{args.model}, {args.prompt_tokens}-token prompt, {args.kv_dtype} KV, pages of {page_bytes} bytes; "
+          f"median of {args.repeats}")
+    print_table(
+        ["run", "ttft ms", "vs cold"],
+        [["cold (computed)", ttft["cold"], 1.0],
+         ["warm from kvnode", ttft["warm_remote"], ttft["cold"] / ttft["warm_remote"]],
+         ["warm from local cache", ttft["warm_local"], ttft["cold"] / ttft["warm_local"]]],
+    )
+    print(f"\nwarm-from-kvnode / warm-local: {result['remote_vs_local']:.2f}x   "
+          f"fetched {fetch_bytes / 2**20:.1f} MiB for {remote_tokens} tokens, "
+          f">= {result['fetch_gb_per_s_lower_bound']:.2f} GB/s (whole warm TTFT counted as transfer)")
+    return 0
+
+
+def _pool_bytes(args: argparse.Namespace) -> int:
+    """Enough local blocks for a few prompts (float32 pool) without holding gigabytes."""
+    float32_page = model_page_bytes(args.model, "float32")
+    pages = (args.prompt_tokens // 16 + 2) * 4
+    return float32_page * pages

@@ -1,0 +1,28 @@
+"""`kvcache bench remote` runs end to end on the tiny model and reports all three paths; figures are not asserted."""
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_remote_short_run_reports_cold_remote_and_local():
+    result = subprocess.run(
+        [sys.executable, "-m", "kvcache.cli", "bench", "remote", "--model", "tiny", "--prompt-tokens", "100",
+         "--repeats", "1", "--json"],
+        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert set(report["ttft_ms"]) == {"cold", "warm_remote", "warm_local"}
+    assert all(v > 0 for v in report["ttft_ms"].values())
+    assert report["cached_tokens_remote"] == 96  # six full pages of 16; the last is computed for its logits
+    assert report["kv_bytes_fetched"] == 6 * report["page_bytes"]
+
+
+def test_bench_remote_refuses_a_prompt_longer_than_the_model():
+    result = subprocess.run(
+        [sys.executable, "-m", "kvcache.cli", "bench", "remote", "--model", "tiny", "--prompt-tokens", "5000"],
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 2
+    assert "--prompt-tokens" in result.stderr and "Traceback" not in result.stderr
