@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import threading
 
@@ -44,9 +43,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"kvcache coordinator: error: {exc}", file=sys.stderr)
         return 2
-    stopping = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stopping.set())
+    stopping = serving.stop_on_signals()
     sweeper = threading.Thread(target=run_sweeper, args=(membership, stopping), name="sweeper", daemon=True)
     sweeper.start()
     server.start()
@@ -55,8 +52,7 @@ def run(args: argparse.Namespace) -> int:
         f"(replicas {args.replicas}, placement by the first {args.prefix_chars} characters or the session id)",
         flush=True,
     )
-    while not stopping.wait(timeout=1.0):
-        pass
+    serving.wait_until(stopping)
     log.info("stopping: finishing running requests for up to %.1fs", args.grace)
     serving.stop(server, health, args.grace)
     service.close()

@@ -22,7 +22,7 @@ from coordinator.membership import HEARTBEAT_INTERVAL_S, NODE, WORKER, Membershi
 from coordinator.ring import DEFAULT_PREFIX_CHARS, placement_key
 from coordinator.router import Router
 from protos import kvcache_pb2 as pb
-from protos.serving import Malformed, tolerant
+from protos import serving
 from worker.client import WorkerClient
 
 log = logging.getLogger("coordinator")
@@ -179,22 +179,15 @@ def run_sweeper(membership: Membership, stopping: threading.Event, interval_s: f
 
 
 def _check_parsed(request, context) -> None:
-    if isinstance(request, Malformed):
-        _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+    serving.abort_if_malformed(request, context, log)
 
 
 def _abort(context, code: grpc.StatusCode, message: str):
-    log.info("refused request: %s: %s", code.name, message)
-    context.abort(code, message)
+    serving.abort(context, code, message, log)
 
 
 def handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
-    def parse(message_cls):
-        return tolerant(message_cls.FromString, message_cls.DESCRIPTOR.name)
-
-    def serialize(message):
-        return message.SerializeToString()
-
+    parse, serialize = serving.parser_for, serving.serialize
     unary = grpc.unary_unary_rpc_method_handler
     methods = {
         "Generate": grpc.unary_stream_rpc_method_handler(service.generate, parse(pb.GenerateRequest), serialize),

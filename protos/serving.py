@@ -7,7 +7,9 @@ import ctypes
 import ctypes.util
 import errno
 import logging
+import signal
 import socket
+import threading
 from concurrent import futures
 from typing import Callable, Iterable
 
@@ -39,6 +41,41 @@ def tolerant(parse: Callable[[bytes], object], name: str) -> Callable[[bytes], o
             return Malformed(f"{name} message does not parse: {exc}")
 
     return deserialize
+
+
+def parser_for(message_cls) -> Callable[[bytes], object]:
+    """A request deserializer for a protobuf message class that never raises (see Malformed)."""
+    return tolerant(message_cls.FromString, message_cls.DESCRIPTOR.name)
+
+
+def serialize(message) -> bytes:
+    return message.SerializeToString()
+
+
+def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str, logger: logging.Logger):
+    """End the call with `code`: one log line, no traceback (the caller's mistake, not ours)."""
+    logger.info("refused request: %s: %s", code.name, message)
+    context.abort(code, message)
+
+
+def abort_if_malformed(request: object, context: grpc.ServicerContext, logger: logging.Logger) -> None:
+    if isinstance(request, Malformed):
+        abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason, logger)
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGTERM or SIGINT (Ctrl-C). Install before printing the listening line,
+    so a supervisor's early SIGTERM still stops the daemon gracefully."""
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    return stopping
+
+
+def wait_until(stopping: threading.Event) -> None:
+    """Block the main thread until `stopping` is set, waking often enough for signals to run."""
+    while not stopping.wait(timeout=1.0):
+        pass
 
 
 def make_server(

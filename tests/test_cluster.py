@@ -3,7 +3,6 @@ cache hits through the cluster, and every kind of member dying."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc

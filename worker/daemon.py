@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 import time
 
 from coordinator import agent
@@ -66,9 +64,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvcache worker: error: {exc}", file=sys.stderr)
         return 2
 
-    stopping = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stopping.set())
+    stopping = serving.stop_on_signals()
     service.start()
     server.start()
     page_bytes = engine.model.page_bytes(args.kv_dtype, args.page_tokens)
@@ -82,8 +78,7 @@ def run(args: argparse.Namespace) -> int:
         role="worker", page_bytes=page_bytes, model=engine.model.name, fingerprint=engine.fingerprint.hex()
     )
     membership = agent.start_from_args(args, port, registration, lambda: worker_load(engine))
-    while not stopping.wait(timeout=1.0):
-        pass
+    serving.wait_until(stopping)
     if membership is not None:
         membership.stop()  # coordinators stop routing here within a few beats
     health.enter_graceful_shutdown()  # coordinators stop routing here first

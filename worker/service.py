@@ -15,7 +15,7 @@ import grpc
 
 from kvcache import __version__
 from protos import kvcache_pb2 as pb
-from protos.serving import Malformed, tolerant
+from protos import serving
 from worker.client import Usage
 from worker.engine import Engine
 from worker.remote import Placement
@@ -57,8 +57,7 @@ class WorkerService:
     # ---- handlers ------------------------------------------------------------
 
     def generate(self, request, context):
-        if isinstance(request, Malformed):
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        serving.abort_if_malformed(request, context, log)
         if not self.accepting:
             _abort(context, grpc.StatusCode.UNAVAILABLE, "this worker is shutting down: send the request to another")
         prompt, params, placement = self._parse(request, context)
@@ -83,8 +82,7 @@ class WorkerService:
                 yield pb.GenerateReply(usage=usage.to_proto(), finish_reason=completion.finish_reason)
 
     def info(self, request, context) -> pb.WorkerInfo:
-        if isinstance(request, Malformed):
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        serving.abort_if_malformed(request, context, log)
         engine = self.engine
         return pb.WorkerInfo(
             worker_id=self.worker_id,
@@ -138,17 +136,11 @@ class WorkerService:
 
 
 def _abort(context, code: grpc.StatusCode, message: str):
-    log.info("refused request: %s: %s", code.name, message)
-    context.abort(code, message)
+    serving.abort(context, code, message, log)
 
 
 def handler(service: WorkerService) -> grpc.GenericRpcHandler:
-    def parse(message_cls):
-        return tolerant(message_cls.FromString, message_cls.DESCRIPTOR.name)
-
-    def serialize(message):
-        return message.SerializeToString()
-
+    parse, serialize = serving.parser_for, serving.serialize
     methods = {
         "Generate": grpc.unary_stream_rpc_method_handler(service.generate, parse(pb.GenerateRequest), serialize),
         "Info": grpc.unary_unary_rpc_method_handler(service.info, parse(pb.WorkerInfoRequest), serialize),
