@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..attention import AttentionMetadata, paged_attention, write_kv
+from .blas import threads_for_rows
 from .checkpoint import ARCH_MODULES, load_checkpoint
 from .config import PRESET_SEEDS, PRESETS, CheckpointError, ModelConfig
 from .init import random_tensors
@@ -66,7 +67,8 @@ class Model:
     def run(self, token_ids: np.ndarray, positions: np.ndarray, attend: Attend,
             head_rows: np.ndarray | None = None) -> np.ndarray:
         """The family's forward with any KV storage (`attend`); logits at head_rows (None = all)."""
-        return self.arch.forward(self.params, self.config, token_ids, positions, attend, head_rows)
+        with threads_for_rows(len(token_ids)):
+            return self.arch.forward(self.params, self.config, token_ids, positions, attend, head_rows)
 
     def forward(self, batch: ForwardBatch, kv_pool: np.ndarray, kv_dtype: str = "float32") -> np.ndarray:
         """Compute the batch's new tokens over the paged pool, writing their K/V into it.

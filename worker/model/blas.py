@@ -1,0 +1,28 @@
+"""How many BLAS threads a forward uses.
+
+Measured on the 2-core box this project runs on, with another process busy on one core (the
+normal case in a local cluster: kvnodes, coordinator and worker share the cores): a [8, 768] x
+[768, 3072] matmul took ~20 ms with OpenBLAS's 2 threads and ~2 ms with 1, because the second
+thread waits for a core. From ~64 rows up, two threads pay off. So forwards of few rows
+(decode steps, short prefill chunks) run single-threaded; larger ones keep the default.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+SINGLE_THREAD_MAX_ROWS = 48
+
+_controller = None   # threadpoolctl inspects the loaded libraries once (a few ms); reused after
+
+
+def threads_for_rows(rows: int) -> AbstractContextManager:
+    """Context in which BLAS runs with the thread count suited to a forward of `rows` tokens."""
+    if rows > SINGLE_THREAD_MAX_ROWS:
+        return nullcontext()
+    global _controller
+    if _controller is None:
+        from threadpoolctl import ThreadpoolController
+
+        _controller = ThreadpoolController()
+    return _controller.limit(limits=1, user_api="blas")
