@@ -338,15 +338,28 @@ def test_pages_filled_by_the_tier_give_the_tokens_of_a_cold_run():
         assert again.token_ids == cold.token_ids and again.usage.cached_tokens_local == 32
 
 
-def test_the_tier_is_asked_only_after_local_hits_and_a_failing_tier_costs_nothing():
+def test_the_tier_sees_the_whole_chain_and_a_failing_tier_costs_nothing():
     engine, tier = engine_with_tier()
-    engine.generate(["u" * 20], max_new_tokens=1)
+    engine.generate(["u" * 20], max_new_tokens=1)  # pages 0-1 reach the tier
     tier.calls.clear()
     out = engine.generate(["u" * 20 + "more text here"], max_new_tokens=5)[0]
     assert out.usage.cached_tokens_local == 16
-    assert tier.calls[0] == ("lookup", 4 - 2, None)
+    assert tier.calls[0] == ("lookup", 4, None)  # local hits included: the node's copy stays fresh
+    assert not [c for c in tier.calls[1:] if c[0] == "fill"]  # the tier's pages are the ones held locally
     broken, _ = engine_with_tier(fail=True)
     assert broken.generate(["t" * 40], max_new_tokens=5)[0].token_ids == alone("t" * 40, max_new_tokens=5).token_ids
+
+
+def test_local_pages_the_tier_lacks_are_written_back_parents_first():
+    engine, tier = engine_with_tier()
+    first = engine.generate(["u" * 20], max_new_tokens=1, tier_context="node-x")[0]
+    keys = page_keys(engine.fingerprint, first.prompt_token_ids, P)  # 2 full pages
+    tier.pages.clear(), tier.parents.clear(), tier.calls.clear()  # as if placed on another node
+    engine.generate(["u" * 20 + "more text here"], max_new_tokens=5, tier_context="node-y")
+    announced = [c[1] for c in tier.calls if c[0] == "page"]
+    assert announced[:2] == keys[:2]
+    assert tier.parents[keys[0]] == b"" and tier.parents[keys[1]] == keys[0]
+    np.testing.assert_array_equal(tier.pages[keys[1]], engine.kv_pool[engine.pool.lookup(keys)[1]])
 
 
 def test_bypass_cache_skips_local_reuse_the_tier_and_write_back():

@@ -78,6 +78,24 @@ def test_second_worker_gets_first_workers_pages_from_the_kvnode(tmp_path):
         assert warm_tokens == cold_tokens and len(warm_tokens) == 8
 
 
+def test_local_pages_are_written_to_a_new_placement_that_lacks_them(tmp_path):
+    """Worker A holds a prefix locally (placed on node X); a request placed on node Y must leave
+    the whole chain on Y, or Y refuses every later page for want of its parent."""
+    with daemons(tmp_path, node("node-x"), node("node-y"), worker("worker-a"), worker("worker-b")) as (x, y, a, b):
+        prompt = SYSTEM + "First question?"
+        longer = prompt + " And the follow-up, placed elsewhere by its session."
+        with WorkerClient(a.address) as client_a, WorkerClient(b.address) as client_b:
+            run(client_a, prompt, max_tokens=2, placement=[x.address])
+            _, local = run(client_a, longer, max_tokens=2, placement=[y.address])
+            assert local.usage.cached_tokens_local >= (len(prompt.encode()) // PAGE_TOKENS) * PAGE_TOKENS
+            full_pages = len(longer.encode()) // PAGE_TOKENS
+            assert wait_for(lambda: used_pages(y.address) >= full_pages, timeout_s=10.0)
+            tokens, remote = run(client_b, longer, max_tokens=4, placement=[y.address])
+            cold, _ = run(client_b, longer, max_tokens=4, no_cache=True)
+        assert remote.usage.cached_tokens_remote == full_pages * PAGE_TOKENS
+        assert tokens == cold
+
+
 def test_kvnode_killed_mid_run_fails_no_request(tmp_path):
     with daemons(tmp_path, node("node"), worker("worker")) as (kv, w):
         prompts = [SYSTEM + f"Question number {i}: what comes next?" for i in range(8)]

@@ -133,7 +133,8 @@ class RemoteTier:
 
     def on_page_full(self, key: bytes, parent: bytes, block_id: int, placement: Placement) -> None:
         """Queue a copy of a newly full page for every placed node; never blocks (a full queue drops it)."""
-        if not placement.addresses:
+        if not any(self._may_be_usable(a) for a in placement.addresses):
+            self._count("pages_dropped", len(placement.addresses))
             return
         data = self.pool[block_id].astype(self.wire_dtype, copy=True)  # a copy: the block may be reused
         try:
@@ -146,6 +147,11 @@ class RemoteTier:
             setattr(self.stats, name, getattr(self.stats, name) + amount)
 
     # ---- nodes ---------------------------------------------------------------
+
+    def _may_be_usable(self, address: str) -> bool:
+        """No RPC: False only for a node known to be down or refused."""
+        node = self._nodes.get(address)
+        return node is None or not (node.refused or time.monotonic() < node.down_until)
 
     def _usable(self, address: str) -> _Node | None:
         with self._nodes_lock:

@@ -244,8 +244,13 @@ class Scheduler:
         if blocks_needed(0) > available:
             return 0
         num_remote = 0
-        if self.tier is not None and num_hits < reusable:
-            num_remote = self._tier_lookup(request, keys[num_hits:])
+        if self.tier is not None and reusable:
+            # The whole chain, local hits included: it keeps popular prefixes fresh on the node,
+            # and shows which of our pages the node lacks (their children would be refused there).
+            found = self._tier_lookup(request, keys)
+            if found < num_hits:
+                self._tier_write_back(request, keys, hits, found)
+            num_remote = max(0, found - num_hits)
             while num_remote and blocks_needed(num_remote) > available:
                 num_remote -= 1
         self.pool.ref(hits)
@@ -268,6 +273,15 @@ class Scheduler:
             log.exception("remote tier lookup failed for request %s; computing instead", request.request_id)
             return 0
         return max(0, min(found, len(keys)))
+
+    def _tier_write_back(self, request: Request, keys: list[bytes], hits: list[int], start: int) -> None:
+        """Hand the tier our cached pages from `start` on, which its nodes lack."""
+        for page in range(start, len(hits)):
+            try:
+                self.tier.on_page_full(keys[page], keys[page - 1] if page else b"", hits[page], request.tier_context)
+            except Exception:  # a tier never fails a request
+                log.exception("remote tier on_page_full failed for request %s", request.request_id)
+                return
 
     def _tier_fill(self, request: Request, keys: list[bytes], num_hits: int, num_remote: int) -> int:
         """Allocate `num_remote` blocks after the hits, let the tier fill a prefix of them, index those."""
