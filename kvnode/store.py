@@ -1,17 +1,19 @@
-"""The page store: a preallocated page pool, a content-addressed index, prefix-aware
-LRU eviction and short leases. Plain Python over NumPy; knows nothing of gRPC.
+"""The page store: a preallocated page pool, a content-addressed index, eviction in the
+caller's chosen policy (prefix-aware LRU by default) and short leases. Plain Python over
+NumPy; knows nothing of gRPC.
 
 Design notes
-1. Only leaves are evicted (pages no cached page names as parent), least recently
-   used first, and a put whose parent is not cached is refused: so every cached
-   page's whole prefix is cached.
-2. Evictable leaves sit in a heap keyed by their last-touch tick. Entries are never
-   removed from the middle: an entry is valid only while its page still exists, is
-   still a leaf, is not leased, and has not been touched since (same tick). Stale
-   entries are skipped when popped and dropped when the heap is rebuilt. Every
-   operation is O(log n) amortized.
-3. Leases expire lazily: a second heap holds (expiry, key); each operation first
-   retires the leases that ran out, so an abandoned lease frees itself.
+1. The policy (kvnode/eviction.py) picks victims and says whether a put needs its
+   parent cached; the store carries it out. Under prefix-aware, the node's policy, only
+   leaves are evicted, least recently used first, and a put whose parent is not cached
+   is refused: so every cached page's whole prefix is cached. Under lru and fifo any
+   page may go, and a cached page whose parent is not cached is an orphan: the store
+   counts them in O(1) per operation, keeping per missing parent how many cached pages
+   name it, so a parent stored again adopts its orphans.
+2. A put never evicts the parent it names, under every policy.
+3. Leases expire lazily: a heap holds (expiry, key); each operation first retires the
+   leases that ran out, so an abandoned lease frees itself. A leased page is never
+   evicted, under every policy.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
+
+from kvnode.eviction import PREFIX_AWARE, EvictionPolicy, EvictionQueue, get_policy
 
 KEY_BYTES = 16
 MAX_LEASE_MS = 60_000
@@ -57,8 +61,9 @@ class PutOutcome(enum.IntEnum):
 class _Page:
     slot: int
     parent: bytes  # b"" for a root page
-    tick: int
-    children: int = 0
+    tick: int  # last touch
+    stored_tick: int
+    children: int = 0  # cached pages that name it as parent
     lease_until: float = 0.0
 
 
@@ -82,9 +87,13 @@ def check_key(key: bytes, what: str = "key") -> None:
 
 
 class PageStore:
-    """A fixed pool of `capacity_pages` pages of `page_bytes` each, safe to share between threads."""
+    """A fixed pool of `capacity_pages` pages of `page_bytes` each, safe to share between threads.
 
-    def __init__(self, capacity_pages: int, page_bytes: int, clock: Callable[[], float] = time.monotonic):
+    `policy` is an eviction policy's name ("prefix-aware", "lru", "fifo"; kvnode/eviction.py).
+    """
+
+    def __init__(self, capacity_pages: int, page_bytes: int, clock: Callable[[], float] = time.monotonic,
+                 policy: str = PREFIX_AWARE.name):
         if capacity_pages < 1:
             raise ValueError(f"capacity must be at least one page, got {capacity_pages}")
         if page_bytes < 1:
@@ -92,12 +101,15 @@ class PageStore:
         self.capacity_pages = capacity_pages
         self.page_bytes = page_bytes
         self.clock = clock
+        self.policy: EvictionPolicy = get_policy(policy)
         self.stats = StoreStats()
         self._pool = np.zeros((capacity_pages, page_bytes), dtype=np.uint8)
         self._pool.fill(0)  # touch every page now, so serving never waits on the kernel
         self._free_slots: list[int] = list(range(capacity_pages - 1, -1, -1))
         self._index: dict[bytes, _Page] = {}
-        self._leaf_heap: list[tuple[int, bytes]] = []
+        self._queue = EvictionQueue(self.policy, self._index)
+        self._orphans_by_parent: dict[bytes, int] = {}  # missing parent key -> cached pages naming it
+        self._num_orphans = 0
         self._lease_heap: list[tuple[float, bytes]] = []
         self._num_leased = 0
         self._tick = 0
@@ -115,6 +127,10 @@ class PageStore:
         with self._lock:
             self._retire_leases(self.clock())
             return self._num_leased
+
+    def num_orphans(self) -> int:
+        """Cached pages whose parent is not cached (always 0 under prefix-aware)."""
+        return self._num_orphans
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._index
@@ -184,8 +200,7 @@ class PageStore:
             if page is not None:
                 self._touch(key, page)
                 return PutOutcome.ALREADY_PRESENT
-            parent_page = self._index.get(parent) if parent else None
-            if parent and parent_page is None:
+            if parent and self.policy.requires_parent and parent not in self._index:
                 self.stats.refusals += 1
                 return PutOutcome.REFUSED_NO_PARENT
             slot = self._take_slot(now, protect=parent)
@@ -193,12 +208,7 @@ class PageStore:
                 self.stats.refusals += 1
                 return PutOutcome.REFUSED_NO_ROOM
             self._pool[slot] = np.frombuffer(data, dtype=np.uint8)
-            page = _Page(slot=slot, parent=parent, tick=0)
-            self._index[key] = page
-            if parent_page is not None:
-                parent_page.children += 1
-                self._touch(parent, parent_page)
-            self._touch(key, page)
+            self._add(key, parent, slot)
             self.stats.stored_pages += 1
             return PutOutcome.STORED
 
@@ -217,14 +227,23 @@ class PageStore:
     def _touch(self, key: bytes, page: _Page) -> None:
         self._tick += 1
         page.tick = self._tick
-        if page.children == 0:
-            self._push_leaf(key, page)
+        self._queue.touched(key, page)
 
-    def _push_leaf(self, key: bytes, page: _Page) -> None:
-        heapq.heappush(self._leaf_heap, (page.tick, key))
-        if len(self._leaf_heap) > 2 * len(self._index) + 64:
-            self._leaf_heap = [(p.tick, k) for k, p in self._index.items() if p.children == 0]
-            heapq.heapify(self._leaf_heap)
+    def _add(self, key: bytes, parent: bytes, slot: int) -> None:
+        """Index a new page in `slot`: a cached parent is touched first; a missing one makes it an orphan."""
+        parent_page = self._index.get(parent) if parent else None
+        if parent_page is not None:
+            parent_page.children += 1
+            self._touch(parent, parent_page)
+        elif parent:
+            self._orphans_by_parent[parent] = self._orphans_by_parent.get(parent, 0) + 1
+            self._num_orphans += 1
+        adopted = self._orphans_by_parent.pop(key, 0)  # pages stored while this one was missing
+        self._num_orphans -= adopted
+        self._tick += 1
+        page = _Page(slot=slot, parent=parent, tick=self._tick, stored_tick=self._tick, children=adopted)
+        self._index[key] = page
+        self._queue.offer(key, page)
 
     def _lease(self, key: bytes, page: _Page, until: float) -> None:
         if until <= page.lease_until:
@@ -243,28 +262,13 @@ class PageStore:
                 continue  # renewed since, or gone
             page.lease_until = 0.0
             self._num_leased -= 1
-            if page.children == 0:
-                self._push_leaf(key, page)
+            self._queue.offer(key, page)
 
     def _take_slot(self, now: float, protect: bytes) -> int | None:
-        """A free slot, evicting the least recently used unleased leaf (never `protect`) if needed."""
+        """A free slot, evicting the policy's next unleased victim (never `protect`) if needed."""
         if self._free_slots:
             return self._free_slots.pop()
-        held = []
-        victim = None
-        heap = self._leaf_heap
-        while heap:
-            tick, key = heapq.heappop(heap)
-            page = self._index.get(key)
-            if page is None or page.tick != tick or page.children or page.lease_until > now:
-                continue  # stale entry; a leased leaf is pushed again when its lease ends
-            if key == protect:
-                held.append((tick, key))
-                continue
-            victim = key
-            break
-        for entry in held:
-            heapq.heappush(heap, entry)
+        victim = self._queue.pop(now, protect)
         if victim is None:
             return None
         return self._evict(victim)
@@ -272,11 +276,19 @@ class PageStore:
     def _evict(self, key: bytes) -> int:
         page = self._index.pop(key)
         self.stats.evictions += 1
-        if page.parent:
-            parent = self._index[page.parent]
+        parent = self._index.get(page.parent) if page.parent else None
+        if parent is not None:
             parent.children -= 1
             if parent.children == 0:
-                self._push_leaf(page.parent, parent)
+                self._queue.lost_last_child(page.parent, parent)
+        elif page.parent:  # an orphan goes
+            left = self._orphans_by_parent.pop(page.parent) - 1
+            if left:
+                self._orphans_by_parent[page.parent] = left
+            self._num_orphans -= 1
+        if page.children:  # only lru and fifo evict a page with cached children: they become orphans
+            self._orphans_by_parent[key] = page.children
+            self._num_orphans += page.children
         return page.slot
 
     # ---- invariants (tests call this after every step) -----------------------
@@ -290,15 +302,17 @@ class PageStore:
             assert not set(slots) & set(self._free_slots), "a slot is both free and indexed"
             assert len(set(self._free_slots)) == free, "a slot is free twice"
             children: dict[bytes, int] = {}
+            orphans: dict[bytes, int] = {}
             for key, page in self._index.items():
-                if page.parent:
-                    assert page.parent in self._index, f"page {key.hex()} is cached but its parent is not"
+                if page.parent in self._index:
                     children[page.parent] = children.get(page.parent, 0) + 1
+                elif page.parent:
+                    assert not self.policy.requires_parent, f"page {key.hex()} is cached but its parent is not"
+                    orphans[page.parent] = orphans.get(page.parent, 0) + 1
             for key, page in self._index.items():
                 assert page.children == children.get(key, 0), f"page {key.hex()} child count is off"
+            assert orphans == self._orphans_by_parent, "orphan counts per missing parent are off"
+            assert self._num_orphans == sum(orphans.values()), f"orphan count {self._num_orphans} is off"
             leased = sum(1 for p in self._index.values() if p.lease_until > 0.0)
             assert leased == self._num_leased, f"leased count {self._num_leased} != {leased}"
-            valid = {(t, k) for t, k in self._leaf_heap}
-            for key, page in self._index.items():
-                if page.children == 0 and page.lease_until == 0.0:
-                    assert (page.tick, key) in valid, f"leaf {key.hex()} cannot be evicted: no heap entry"
+            self._queue.check()
