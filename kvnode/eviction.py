@@ -77,7 +77,7 @@ class EvictionQueue:
 
     def offer(self, key: bytes, page: Page) -> None:
         """Queue `key` at its current rank, if the policy may evict it: stored, or its lease ended."""
-        if not self.may_evict(page):
+        if self.policy.leaves_only and page.children:
             return
         heapq.heappush(self._heap, (self.rank(page), key))
         if len(self._heap) > 2 * len(self._pages) + 64:
