@@ -28,3 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                        description=remote.__doc__)
     remote.add_arguments(remote_parser)
     remote_parser.set_defaults(run=remote.run)
+
+    from kvcache.bench import eviction
+
+    eviction_parser = benches.add_parser("eviction", help="hit rate and orphans of prefix-aware vs LRU vs FIFO eviction",
+                                         description=eviction.__doc__)
+    eviction.add_arguments(eviction_parser)
+    eviction_parser.set_defaults(run=eviction.run)

@@ -50,3 +50,14 @@ def _cell(value: object) -> str:
 def dump_json(result: dict, out=sys.stdout) -> None:
     json.dump(result, out, indent=2, sort_keys=True)
     print(file=out)
+
+
+def progress(items: Sequence, label: str, out=None):
+    """Yield `items`, showing `label: done/total` on `out` (stderr): rewritten in place on a terminal, a line each elsewhere."""
+    out = out or sys.stderr
+    total = len(items)
+    in_place = out.isatty()
+    for done, item in enumerate(items):
+        yield item
+        end = "" if in_place and done + 1 < total else "\n"
+        print(f"{chr(13) if in_place else ''}{label}: {done + 1}/{total}", end=end, file=out, flush=True)
