@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, node_process, raw_channel, read_log, run_kvcache
+from kvcache import cli
 from kvnode import wire
 from kvnode.client import NodeClient
 from kvnode.service import SERVICE_NAME
@@ -73,19 +75,31 @@ def assert_one_clear_error(result, *fragments: str) -> None:
     "args, fragments",
     [
         (["--capacity", "1000", "--page-bytes", "1024"], ["--capacity 1000 holds no page of 1024 bytes"]),
-        (["--capacity", "0"], ["holds no page"]),
         (["--capacity", "lots"], ["cannot read size 'lots'"]),
-        (["--capacity", "12XB"], ["cannot read size '12XB'"]),
-        (["--max-message-bytes", "big"], ["cannot read size 'big'"]),
         (["--max-message-bytes", "100"], ["max_message_bytes must exceed"]),
-        (["--page-bytes", "0"], ["--page-bytes must be positive"]),
-        (["--max-keys", "0"], ["--max-keys must be positive"]),
         (["--host", "192.0.2.1"], ["cannot listen on 192.0.2.1:0"]),  # an address of no local interface
     ],
 )
 def test_bad_arguments_exit_with_one_clear_error_line(args, fragments):
     result = run_kvcache(["node", "--port", "0", *args])
     assert_one_clear_error(result, *fragments)
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--capacity", "0"], ["holds no page"]),
+        (["--capacity", "12XB"], ["cannot read size '12XB'"]),
+        (["--max-message-bytes", "big"], ["cannot read size 'big'"]),
+        (["--page-bytes", "0"], ["--page-bytes must be positive"]),
+        (["--max-keys", "0"], ["--max-keys must be positive"]),
+    ],
+)
+def test_more_bad_arguments_in_process(capsys, args, fragments):
+    """The same checks without a process each: they fail before anything is allocated or bound."""
+    code = cli.main(["node", "--port", "0", "--capacity", "64KiB", *args])
+    captured = capsys.readouterr()
+    assert_one_clear_error(subprocess.CompletedProcess([], code, captured.out, captured.err), *fragments)
 
 
 def test_a_taken_port_exits_with_one_clear_error_line(node_proc):
