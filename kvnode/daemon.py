@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stopping.set())
     server.start()
     print(
-        f"kvnode {service.node_id} listening on {args.host}:{port} "
+        f"kvnode {service.node_id} listening on {serving.host_port(args.host, port)} "
         f"({capacity_pages} pages of {args.page_bytes} bytes, {format_size(capacity_pages * args.page_bytes)})",
         flush=True,
     )
