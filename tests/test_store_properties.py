@@ -138,7 +138,7 @@ def check_agrees(store: PageStore, model: ReferenceStore, clock: FakeClock) -> N
     store.check_invariants()
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), capacity=st.integers(1, 5), num_steps=st.integers(1, 40))
 def test_store_agrees_with_the_reference_model(data, capacity, num_steps):
     clock = FakeClock()
@@ -161,7 +161,7 @@ def test_long_random_runs_agree_with_the_reference_model(seed):
     capacity = 6
     store = PageStore(capacity, PAGE_BYTES, clock=clock)
     model = ReferenceStore(capacity)
-    for number in range(2000):
+    for number in range(1200):
         roll = rng.random()
         cached = sorted(model.pages)
         if roll < 0.45:
