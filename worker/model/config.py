@@ -35,7 +35,9 @@ class ModelConfig:
     max_positions: int          # positions >= this are refused (learned table size / trained context)
     norm_eps: float             # LayerNorm (GPT-2) or RMSNorm (Llama) epsilon
     eos_token_id: int           # end-of-text: generation stops here
-    tie_word_embeddings: bool   # LM head reuses the token embedding matrix
+    # LM head reuses the token embedding matrix. None only from read_config when a Llama
+    # config.json does not say: load_checkpoint then decides by whether lm_head.weight exists.
+    tie_word_embeddings: bool | None
     activation: str             # "gelu_tanh" (GPT-2) or "silu" (Llama SwiGLU)
     rope_theta: float | None = None   # Llama only: RoPE base
     # Llama only: RoPE scaling as in config.json, e.g. {"rope_type": "llama3", "factor": 8.0, ...};

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..attention import causal_attention, dense_attention
 from . import Model
+from .blas import single_thread
 from .layers import round_kv
 
 
@@ -49,6 +50,8 @@ class DenseRunner:
     def prefill(self, token_ids) -> tuple[np.ndarray, DenseState]:
         """A whole prompt -> (logits at its last token [vocab], state)."""
         ids = np.asarray(token_ids, dtype=np.int64)
+        if len(ids) == 0:
+            raise ValueError("prefill needs at least one token")
         state = self.new_state(2 * len(ids))
         positions = np.arange(len(ids))
         self._check_positions(positions)
@@ -58,7 +61,8 @@ class DenseRunner:
             n = len(q)
             state.k[layer, :, :n] = round_kv(k, kv_dtype).transpose(1, 0, 2)
             state.v[layer, :, :n] = round_kv(v, kv_dtype).transpose(1, 0, 2)
-            return causal_attention(q, state.k[layer, :, :n], state.v[layer, :, :n], positions, scale)
+            with single_thread():   # as the paged forward's attention (blas.py)
+                return causal_attention(q, state.k[layer, :, :n], state.v[layer, :, :n], positions, scale)
 
         logits = self.model.run(ids, positions, attend, head_rows=np.array([len(ids) - 1]))
         state.length = len(ids)
@@ -78,7 +82,7 @@ class DenseRunner:
             k, v = round_kv(k, kv_dtype), round_kv(v, kv_dtype)
             B, H, hd = q.shape
             out = np.empty_like(q)
-            for i, s in enumerate(states):
+            for i, s in enumerate(states):   # (already on one BLAS thread: decode rows are few)
                 n = s.length + 1
                 s.k[layer, :, s.length] = k[i]
                 s.v[layer, :, s.length] = v[i]
