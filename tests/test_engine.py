@@ -429,3 +429,15 @@ def test_generate_with_one_bad_prompt_runs_none_of_them():
     with pytest.raises(ValueError, match="empty"):
         engine.generate(["fine", ""], max_new_tokens=3)
     assert not engine.has_unfinished() and engine.get_num_free_blocks() == engine.pool.num_blocks
+
+
+def test_closing_a_stream_early_aborts_its_request():
+    engine = make_engine()
+    stream = engine.stream("abandon this " * 2, max_new_tokens=30)
+    first = next(stream)
+    assert first.token_ids and engine.live_request_ids() == [first.request_id]
+    stream.close()
+    assert engine.live_request_ids() == [] and engine.get_num_free_blocks() == engine.pool.num_blocks
+    assert not engine.wait_for_work(timeout=0.01)
+    engine.add_request("again", max_new_tokens=1)
+    assert engine.wait_for_work(timeout=0.01) and engine.num_waiting() == 1
