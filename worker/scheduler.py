@@ -12,8 +12,9 @@ Design notes
    is preempted: its blocks are released (its full pages stay in the prefix cache), its
    tokens so far are kept, and it waits at the front of the queue to be recomputed. A
    request alone always fits, because prompts and lengths are capped at the pool's size.
-4. Admission reuses the longest locally cached prefix, then asks the remote tier for more
-   of the page chain and has it fill fresh blocks; whatever the tier does not fill is
+4. Admission reuses the longest locally cached prefix, then asks the remote tier about the
+   whole page chain (local hits included, so the tier learns which of our pages it lacks)
+   and has it fill fresh blocks past the local hits; whatever the tier does not fill is
    computed. At least one prompt token is always computed (its logits give the next token),
    so only pages before the last token are reused. A tier that fails counts as a miss.
 5. Each page that becomes full is indexed in the prefix cache and announced to the tier.
@@ -42,7 +43,7 @@ class RemoteTier(Protocol):
     """
 
     def lookup(self, keys: Sequence[bytes], context: Any) -> int:
-        """How many of these page keys (a chain, after the local hits) can you fill, from the first?"""
+        """How many of these page keys (the request's reusable chain, from its first page) do you hold?"""
 
     def fill(self, keys: Sequence[bytes], block_ids: Sequence[int], context: Any) -> int:
         """Write page keys[i] into block block_ids[i], in order; return how many were really filled."""
