@@ -205,3 +205,41 @@ def test_tiny_preset_is_deterministic_and_not_degenerate():
         outputs.append(out)
         assert len(set(out)) >= 10, out      # not one repeated token
     assert outputs[0] != outputs[1]          # continuations depend on the prompt
+
+
+def test_blas_threads_one_for_small_forwards_and_attention(monkeypatch):
+    from threadpoolctl import ThreadpoolController
+
+    import worker.model as model_module
+    from worker.model import gpt2
+
+    controller = ThreadpoolController()   # scans the loaded libraries once; info() re-reads thread counts
+
+    def blas_threads():
+        return [i["num_threads"] for i in controller.info() if i["user_api"] == "blas"]
+
+    seen = {"attention": [], "mlp": []}
+    real_attention, real_mlp = model_module.paged_attention, gpt2.mlp
+
+    def attention(*args):
+        seen["attention"].append(blas_threads())
+        return real_attention(*args)
+
+    def mlp(*args):
+        seen["mlp"].append(blas_threads())
+        return real_mlp(*args)
+
+    monkeypatch.setattr(model_module, "paged_attention", attention)
+    monkeypatch.setattr(gpt2, "mlp", mlp)
+    runner = PagedRunner(random_model(gpt2_config(), seed=8))
+    assert blas_threads(), "threadpoolctl finds numpy's BLAS"
+    with controller.limit(limits=2, user_api="blas"):   # a default of 2 threads even on a 1-core machine
+        two = blas_threads()
+        runner.step({0: _prompt(60, 100)})      # 100 rows: weight matmuls keep the default
+        assert seen["mlp"] and all(t == two for t in seen["mlp"])
+        seen["mlp"].clear()
+        runner.step({0: [5]})                   # a decode step: everything on one thread
+        one = [1] * len(two)
+        assert seen["mlp"] and all(t == one for t in seen["mlp"])
+        assert seen["attention"] and all(t == one for t in seen["attention"])
+        assert blas_threads() == two            # restored afterwards
