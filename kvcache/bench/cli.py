@@ -35,3 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                          description=eviction.__doc__)
     eviction.add_arguments(eviction_parser)
     eviction_parser.set_defaults(run=eviction.run)
+
+    from kvcache.bench import load
+
+    load_parser = benches.add_parser("load", help="the cluster under concurrent load, with the cache and without",
+                                     description=load.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    load.add_arguments(load_parser)
+    load_parser.set_defaults(run=load.run)

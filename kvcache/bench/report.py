@@ -61,3 +61,74 @@ def progress(items: Sequence, label: str, out=None):
         yield item
         end = "" if in_place and done + 1 < total else "\n"
         print(f"{chr(13) if in_place else ''}{label}: {done + 1}/{total}", end=end, file=out, flush=True)
+
+
+def versions() -> dict[str, str]:
+    """Versions of kvcache and of the libraries a bench's figures depend on ("absent" when not installed)."""
+    from importlib import metadata
+
+    found = {}
+    for name in ("kvcache", "numpy", "grpcio", "protobuf", "matplotlib", "rich"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "absent"
+    return found
+
+
+MATPLOTLIB_MISSING = "matplotlib is not installed: install the bench extra (pip install -e '.[bench]') to draw charts"
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend; ImportError with MATPLOTLIB_MISSING when not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(MATPLOTLIB_MISSING) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+class Progress:
+    """A progress bar on stderr (rich, when installed and stderr is a terminal), else a plain line per ~10%.
+
+    with Progress("cache pass", total=80) as bar: ... bar.advance()
+    """
+
+    def __init__(self, label: str, total: int, enabled: bool = True):
+        self.label = label
+        self.total = max(1, total)
+        self.enabled = enabled
+        self.done = 0
+        self._next_line = 0
+        self._rich = None
+
+    def __enter__(self) -> "Progress":
+        if self.enabled and sys.stderr.isatty():
+            try:
+                from rich.console import Console
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TimeElapsedColumn
+
+                self._rich = RichProgress("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                          console=Console(stderr=True), transient=True)
+                self._rich.start()
+                self._task = self._rich.add_task(self.label, total=self.total)
+            except ImportError:
+                self._rich = None
+        return self
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        if self._rich is not None:
+            self._rich.update(self._task, completed=self.done)
+        elif self.done >= self._next_line or self.done >= self.total:
+            print(f"{self.label}: {self.done}/{self.total}", file=sys.stderr, flush=True)
+            self._next_line = self.done + max(1, self.total // 10)
+
+    def __exit__(self, *exc) -> None:
+        if self._rich is not None:
+            self._rich.stop()

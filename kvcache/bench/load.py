@@ -1,0 +1,299 @@
+"""`kvcache bench load`: the whole cluster under concurrent load, with the cache and without.
+
+Starts a local cluster (or uses --coordinators), then runs one seeded workload (shared system
+prompts with Zipf-like popularity, multi-turn sessions, one-off prompts; see workload.py) from N
+concurrent clients, twice on the same cluster: once with every request carrying no_cache (no
+local reuse, no kvnode lookup, no write-back: every prompt recomputed), then with the cache.
+Every figure is shown beside its baseline with the gain. Goals: time to first token p50 at least
+5x lower with the cache, and at least 80% of prompt tokens served from cache once warm.
+
+Order: a few uncached warm-up requests (not counted), the no-cache pass, then the cache pass.
+The no-cache pass writes nothing, so the cache pass starts cold and its first request of each
+prompt family pays full price ("once warm" leaves those out). Every prompt starts with a tag
+unique to this run, so pages left on a long-running cluster by earlier runs never count as hits.
+
+The default model is gpt2-small-shape: with the tiny preset a 700-token prefill takes a few
+milliseconds, and fixed per-request costs (gRPC hops, page fetches) hide what the cache saves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from coordinator.client import Client, ClusterError
+from kvcache.bench import workload as wl
+from kvcache.bench.loadrun import PassRun, run_pass, warm_up
+from kvcache.bench.loadreport import plot_charts, print_report
+from kvcache.bench.report import MATPLOTLIB_MISSING, dump_json, machine, versions
+from kvcache.bench.stats import gain, summarize_pass
+
+TTFT_GOAL = 5.0
+WARM_SHARE_GOAL = 0.80
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--coordinators", default=None, help="use a running cluster (A,B) instead of starting one")
+    cluster.add_argument("--model", default="gpt2-small-shape", help="tiny, gpt2-small-shape or a checkpoint folder "
+                         "(default gpt2-small-shape; see the description)")
+    cluster.add_argument("--nodes", type=int, default=3, help="kvnodes of the local cluster (default 3)")
+    cluster.add_argument("--workers", type=int, default=2, help="workers of the local cluster (default 2)")
+    cluster.add_argument("--replicas", type=int, default=2, help="kvnodes per sequence (default 2)")
+    cluster.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32", help="KV dtype (default float32)")
+    cluster.add_argument("--node-capacity", default="512MiB", help="page pool per kvnode (default 512MiB)")
+    cluster.add_argument("--worker-kv-cache", default="256MiB", help="local KV pool per worker (default 256MiB)")
+    load = parser.add_argument_group("load")
+    load.add_argument("--concurrency", default="4", help="concurrent clients; a list such as 1,2,4 runs each level "
+                      "(default 4)")
+    load.add_argument("--requests", type=int, default=60, help="requests per pass (default 60)")
+    load.add_argument("--duration", type=float, default=90.0, help="seconds per pass before no new request starts "
+                      "(default 90)")
+    load.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request, EOS ignored (default 8)")
+    load.add_argument("--warmup", type=int, default=None, help="uncached warm-up requests (default 2 per worker)")
+    load.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    mix = parser.add_argument_group("workload")
+    defaults = wl.WorkloadConfig()
+    mix.add_argument("--mix", default=_pair(defaults.mix), help="shares of shared-system-prompt, session and one-off "
+                     f"requests (default {_pair(defaults.mix)})")
+    mix.add_argument("--system-prompts", type=int, default=defaults.system_prompts, help="distinct system prompts")
+    mix.add_argument("--zipf", type=float, default=defaults.zipf_s, help="popularity skew of the system prompts")
+    mix.add_argument("--system-chars", type=int, default=defaults.system_chars, help="length of a system prompt")
+    mix.add_argument("--question-chars", default=_pair(defaults.question_chars), help="question after it, MIN,MAX")
+    mix.add_argument("--session-turns", type=int, default=defaults.session_turns, help="turns per session")
+    mix.add_argument("--session-context-chars", type=int, default=defaults.session_context_chars,
+                     help="a session's opening context")
+    mix.add_argument("--turn-chars", default=_pair(defaults.turn_chars), help="user message per turn, MIN,MAX")
+    mix.add_argument("--reply-chars", type=int, default=defaults.reply_chars, help="scripted reply per turn")
+    mix.add_argument("--unique-chars", default=_pair(defaults.unique_chars), help="one-off prompt, MIN,MAX")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    out.add_argument("--plot", metavar="DIR", default=None, help="write PNG charts into DIR (needs the bench extra)")
+    out.add_argument("--logs", metavar="DIR", default=None, help="daemon logs of the local cluster (default: a temp dir)")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar or lines on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config, levels = _check(args)
+    except ValueError as exc:
+        print(f"kvcache bench load: error: {exc}", file=sys.stderr)
+        return 2
+    if args.plot:
+        try:
+            from kvcache.bench.report import pyplot
+
+            pyplot()
+        except ImportError:
+            print(f"kvcache bench load: error: --plot: {MATPLOTLIB_MISSING}", file=sys.stderr)
+            return 2
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so the local cluster is stopped on the way out
+    try:
+        with _cluster(args) as coordinators:
+            return _bench(args, config, levels, coordinators)
+    except (ClusterError, TimeoutError, OSError, RuntimeError, ValueError) as exc:
+        print(f"kvcache bench load: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _bench(args, config: wl.WorkloadConfig, levels: list[int], coordinators: list[str]) -> int:
+    members = _members(coordinators)
+    _check_positions(config, args, members["worker_limits"])
+    run_id = uuid.uuid4().hex[:6]
+    warmup = args.warmup if args.warmup is not None else 2 * len(members["workers"])
+    say = (lambda *a: None) if args.json or args.no_progress else (lambda m: print(m, file=sys.stderr, flush=True))
+    say(f"cluster: {len(members['nodes'])} kvnodes, {len(members['workers'])} workers, model {members['model']}")
+    warm_up(coordinators, warmup, args.max_tokens, run_id)
+    result = {
+        "bench": "load",
+        "machine": machine(),
+        "versions": versions(),
+        "options": {k: v for k, v in vars(args).items() if k != "run"},
+        "workload": {**config.__dict__, "mix": list(config.mix)},
+        "cluster": {"started_here": args.coordinators is None, "coordinators": coordinators,
+                    "nodes": members["nodes"], "workers": members["workers"], "model": members["model"]},
+        "order": f"{warmup} uncached warm-up requests (not counted), then per concurrency level the no-cache "
+                 "pass, then the cache pass (which starts cold: the no-cache pass writes nothing)",
+        "goals": {"ttft_p50_gain": TTFT_GOAL, "cached_share_once_warm": WARM_SHARE_GOAL},
+        "levels": [],
+    }
+    for level in levels:
+        tag = f"{run_id}.{level} "  # short: a family's number must fall in the first page
+        jobs = wl.build_workload(config, tag)
+        passes = {}
+        for name, no_cache in (("no_cache", True), ("cache", False)):
+            run_ = PassRun(coordinators, members["nodes"], members["workers"], level, no_cache, args.max_tokens,
+                           args.duration, progress=not (args.json or args.no_progress))
+            results, wall_s, nodes, workers = run_pass(run_, jobs, f"{name.replace('_', '-')} pass, {level} clients")
+            passes[name] = {"summary": summarize_pass(results, wall_s), "nodes": nodes, "workers": workers,
+                            "ttft_ms_all": [round(r.ttft_ms, 3) for r in results if r.ok]}
+        result["levels"].append(_level(level, tag, jobs, passes))
+    if args.plot:
+        result["plots"] = plot_charts(result, Path(args.plot))
+    if args.json:
+        dump_json(result)
+    else:
+        print_report(result)
+    return 0
+
+
+def _level(level: int, tag: str, jobs: list[wl.Job], passes: dict) -> dict:
+    requests = wl.all_requests(jobs)
+    cache, base = passes["cache"]["summary"], passes["no_cache"]["summary"]
+    gains = {
+        "requests_per_s": gain(cache["requests_per_s"], base["requests_per_s"], False),
+        "generated_tokens_per_s": gain(cache["generated_tokens_per_s"], base["generated_tokens_per_s"], False),
+        **{f"ttft_{p}": gain(cache["ttft_ms"][p], base["ttft_ms"][p], True) for p in cache["ttft_ms"]},
+        **{f"latency_{p}": gain(cache["latency_ms"][p], base["latency_ms"][p], True) for p in cache["latency_ms"]},
+    }
+    evicted = sum(n["evictions"] for n in passes["cache"]["nodes"].values())
+    return {
+        "concurrency": level,
+        "tag": tag,
+        "requests_by_kind": {k: sum(r.kind == k for r in requests) for k in wl.KINDS},
+        "families": len({r.family for r in requests}),
+        "passes": passes,
+        "gains": gains,
+        "pages_evicted": evicted,
+        "goals_met": {"ttft_p50_gain": gains["ttft_p50"] >= TTFT_GOAL,
+                      "cached_share_once_warm": cache["cache_once_warm"]["total"] >= WARM_SHARE_GOAL},
+    }
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+# ---- the cluster -------------------------------------------------------------------------
+
+
+class _cluster:
+    """The coordinator addresses: given ones, or a local cluster started here and stopped on exit."""
+
+    def __init__(self, args):
+        self.args = args
+        self.local = None
+
+    def __enter__(self) -> list[str]:
+        from kvcache.cluster import start_cluster, wait_healthy
+
+        a = self.args
+        if a.coordinators:
+            return [c.strip() for c in a.coordinators.split(",") if c.strip()]
+        logs = Path(a.logs) if a.logs else Path(tempfile.mkdtemp(prefix="kvcache-bench-load-")) / "logs"
+        if not (a.json or a.no_progress):
+            print(f"starting a local cluster ({a.nodes} kvnodes, {a.workers} workers, model {a.model}); logs in {logs}",
+                  file=sys.stderr, flush=True)
+        self.local = start_cluster(logs, nodes=a.nodes, workers=a.workers, coordinators=2, replicas=a.replicas,
+                                   model=a.model, kv_dtype=a.kv_dtype, node_capacity=a.node_capacity,
+                                   worker_kv_cache=a.worker_kv_cache)
+        try:
+            wait_healthy(self.local.coordinator_addresses, a.nodes, a.workers, timeout_s=180.0)
+        except BaseException:
+            self.local.stop()
+            raise
+        return self.local.coordinator_addresses
+
+    def __exit__(self, *exc) -> None:
+        if self.local is not None:
+            self.local.stop()
+
+
+def _members(coordinators: list[str]) -> dict:
+    from worker.client import WorkerClient
+
+    with Client(coordinators) as client:
+        status = client.status()
+    alive = [m for m in status.members if m.alive]
+    nodes = sorted(m.address for m in alive if m.role == "node")
+    workers = sorted(m.address for m in alive if m.role == "worker")
+    if not workers:
+        raise RuntimeError("the cluster has no live worker")
+    limits = []
+    for address in workers:
+        with WorkerClient(address) as worker:
+            info = worker.info()
+        limits.append((info.max_positions, info.max_tokens_limit))
+    models = sorted({m.model for m in alive if m.role == "worker"})
+    return {"nodes": nodes, "workers": workers, "model": ",".join(models), "worker_limits": limits}
+
+
+# ---- options ----------------------------------------------------------------------------
+
+
+def _check(args) -> tuple[wl.WorkloadConfig, list[int]]:
+    levels = _ints(args.concurrency, "--concurrency")
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency needs positive counts such as 4 or 1,2,4, got {args.concurrency!r}")
+    for name in ("requests", "max_tokens", "nodes", "workers", "replicas"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.replicas > args.nodes:
+        raise ValueError(f"--replicas {args.replicas} exceeds --nodes {args.nodes}")
+    if args.duration <= 0:
+        raise ValueError(f"--duration must be positive, got {args.duration}")
+    if args.warmup is not None and args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    mix = _floats(args.mix, "--mix")
+    if len(mix) != 3:
+        raise ValueError(f"--mix needs three shares (shared,session,unique), got {args.mix!r}")
+    config = wl.WorkloadConfig(
+        requests=args.requests, seed=args.seed, mix=tuple(mix), system_prompts=args.system_prompts,
+        zipf_s=args.zipf, system_chars=args.system_chars, question_chars=_bounds(args.question_chars, "--question-chars"),
+        session_turns=args.session_turns, session_context_chars=args.session_context_chars,
+        turn_chars=_bounds(args.turn_chars, "--turn-chars"), reply_chars=args.reply_chars,
+        unique_chars=_bounds(args.unique_chars, "--unique-chars"),
+    )
+    config.check()
+    if args.coordinators is None:
+        from kvcache.model_pages import model_page_bytes
+        from kvcache.units import parse_size
+
+        model_page_bytes(args.model, args.kv_dtype)  # ValueError for an unknown model
+        parse_size(args.node_capacity), parse_size(args.worker_kv_cache)
+        from worker.model.config import PRESETS
+
+        if args.model in PRESETS:
+            _check_positions(config, args, [(PRESETS[args.model].max_positions, None)])
+    return config, sorted(set(levels))
+
+
+def _check_positions(config: wl.WorkloadConfig, args, limits) -> None:
+    longest = config.longest_prompt_chars() + len("012345.1000 ")
+    for max_positions, max_tokens_limit in limits:
+        if longest + args.max_tokens > max_positions:
+            raise ValueError(f"prompts of up to {longest} characters plus --max-tokens {args.max_tokens} may exceed "
+                             f"the model's {max_positions} positions: shorten the prompts or sessions")
+        if max_tokens_limit is not None and args.max_tokens > max_tokens_limit:
+            raise ValueError(f"--max-tokens {args.max_tokens} exceeds the worker's limit {max_tokens_limit}")
+
+
+def _ints(text: str, option: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{option} takes comma-separated integers, got {text!r}") from None
+
+
+def _floats(text: str, option: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{option} takes comma-separated numbers, got {text!r}") from None
+
+
+def _bounds(text: str, option: str) -> tuple[int, int]:
+    values = _ints(text, option)
+    if len(values) == 1:
+        values *= 2
+    if len(values) != 2:
+        raise ValueError(f"{option} takes MIN,MAX (or one number), got {text!r}")
+    return values[0], values[1]
+
+
+def _pair(values) -> str:
+    return ",".join(str(v) for v in values)

@@ -1,0 +1,91 @@
+"""`kvcache bench load` end to end on a small local cluster (tiny model, a few requests): both passes
+are reported with their ratios; the figures themselves are never asserted as timings."""
+
+import importlib.util
+import json
+import math
+import signal
+import subprocess
+import sys
+
+import pytest
+
+BENCH = [sys.executable, "-m", "kvcache.cli", "bench", "load"]
+SMALL = ["--model", "tiny", "--nodes", "2", "--workers", "1", "--replicas", "1", "--node-capacity", "16MiB",
+         "--worker-kv-cache", "16MiB", "--requests", "6", "--concurrency", "2", "--max-tokens", "2",
+         "--duration", "60", "--warmup", "1", "--system-chars", "96", "--session-context-chars", "48",
+         "--unique-chars", "40,80", "--session-turns", "2"]
+
+
+def run_bench(args, timeout=240):
+    """Run the bench; on timeout SIGTERM it (it stops its cluster), then kill it."""
+    process = subprocess.Popen(BENCH + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               stdin=subprocess.DEVNULL)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGTERM)
+        try:
+            out, err = process.communicate(timeout=60)
+        finally:
+            process.kill()
+        pytest.fail(f"bench load did not finish in {timeout}s: {err[-2000:]}")
+    return process.returncode, out, err
+
+
+def test_short_run_reports_both_passes_and_ratios(tmp_path):
+    plots = importlib.util.find_spec("matplotlib") is not None
+    extra = ["--plot", str(tmp_path / "charts")] if plots else []
+    code, out, err = run_bench(SMALL + ["--json", "--logs", str(tmp_path / "logs"), *extra])
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["bench"] == "load" and report["cluster"]["started_here"]
+    assert report["machine"]["cpus"] and report["versions"]["kvcache"] != "absent"
+    assert report["options"]["requests"] == 6 and "no-cache pass" in report["order"]
+    [level] = report["levels"]
+    assert level["concurrency"] == 2 and sum(level["requests_by_kind"].values()) == 6
+    base, cache = level["passes"]["no_cache"], level["passes"]["cache"]
+    for p in (base, cache):
+        s = p["summary"]
+        assert s["requests"] + s["failed"] <= 6 and s["failed"] == 0, s["errors"]
+        assert s["requests"] == 6 and s["generated_tokens"] == 6 * 2
+        assert s["requests_per_s"] > 0 and s["ttft_ms"]["p50"] > 0 and s["latency_ms"]["p99"] >= s["ttft_ms"]["p50"]
+        assert set(s["ttft_ms"]) == {"p50", "p90", "p99"} and len(p["ttft_ms_all"]) == 6
+        assert len(p["nodes"]) == 2 and len(p["workers"]) == 1
+    # Without the cache nothing is served from it nor written to the kvnodes.
+    assert base["summary"]["cache"]["total"] == 0
+    assert all(n["puts"] == 0 and n["lookups"] == 0 for n in base["nodes"].values())
+    # With it, full pages are written back and the warm requests reuse their prefix.
+    assert sum(n["stored_pages"] for n in cache["nodes"].values()) > 0
+    assert cache["summary"]["cache_once_warm"]["total"] > 0
+    gains = level["gains"]
+    assert {"requests_per_s", "generated_tokens_per_s", "ttft_p50", "ttft_p90", "ttft_p99", "latency_p50",
+            "latency_p99"} <= set(gains)
+    assert all(math.isfinite(g) and g > 0 for g in gains.values())
+    assert level["pages_evicted"] >= 0 and set(level["goals_met"]) == {"ttft_p50_gain", "cached_share_once_warm"}
+    if plots:
+        assert [p.rsplit("/", 1)[-1] for p in report["plots"]] == ["load_ttft_c2.png"]
+        assert (tmp_path / "charts" / "load_ttft_c2.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--concurrency", "0"], "--concurrency needs positive counts"),
+    (["--mix", "1,1"], "--mix needs three shares"),
+    (["--question-chars", "9,3"], "question_chars must satisfy"),
+    (["--model", "tiny", "--system-chars", "2000"], "exceed the model's 1024 positions"),
+    (["--model", "no-such-model"], "no-such-model"),
+])
+def test_bad_options_are_one_line_and_exit_2(args, message):
+    code, out, err = run_bench(args, timeout=60)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_plot_without_matplotlib_says_so(tmp_path):
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "matplotlib.py").write_text("raise ImportError('hidden for this test')\n")
+    process = subprocess.run(BENCH + ["--model", "tiny", "--plot", str(tmp_path / "charts")], capture_output=True,
+                             text=True, timeout=60, env={**__import__("os").environ, "PYTHONPATH": str(hide)})
+    assert process.returncode == 2 and "pip install -e '.[bench]'" in process.stderr
+    assert not (tmp_path / "charts").exists()
