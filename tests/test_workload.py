@@ -54,11 +54,15 @@ def test_the_last_session_is_cut_to_the_request_count():
     assert [len(job.requests) for job in jobs] == [4, 4, 2]
 
 
-def test_mix_shares_are_followed():
+def test_mix_shares_are_followed_in_requests():
     requests = all_requests(build_workload(WorkloadConfig(requests=2000, seed=5, mix=(0.6, 0.0, 0.4))))
     kinds = Counter(r.kind for r in requests)
     assert kinds["session"] == 0
     assert 0.55 < kinds["shared"] / 2000 < 0.65
+    # A session brings several requests at once; the shares still count requests.
+    requests = all_requests(build_workload(WorkloadConfig(requests=4000, seed=6, mix=(0.5, 0.3, 0.2), session_turns=4)))
+    kinds = Counter(r.kind for r in requests)
+    assert 0.45 < kinds["shared"] / 4000 < 0.55 and 0.25 < kinds["session"] / 4000 < 0.35
 
 
 def test_system_prompt_popularity_is_zipf_skewed():

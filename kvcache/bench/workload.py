@@ -102,7 +102,9 @@ def build_workload(config: WorkloadConfig, tag: str = "") -> list[Job]:
     rng = np.random.default_rng(config.seed)
     systems = [f"{tag}S{i} system prompt. " + _text(rng, config.system_chars) for i in range(config.system_prompts)]
     popularity = zipf_weights(config.system_prompts, config.zipf_s)
-    mix = np.asarray(config.mix, dtype=np.float64) / sum(config.mix)
+    # The mix is in requests; a session job brings session_turns of them, so it is drawn less often.
+    per_job = np.asarray(config.mix, dtype=np.float64) / (1.0, config.session_turns, 1.0)
+    mix = per_job / per_job.sum()
     jobs: list[Job] = []
     seen_systems: set[int] = set()
     left = config.requests
@@ -122,7 +124,7 @@ def build_workload(config: WorkloadConfig, tag: str = "") -> list[Job]:
             left -= turns
         else:
             opening = f"{tag}U{uniques} one-off. "
-            prompt = opening + _text(rng, max(1, _length(rng, config.unique_chars) - len(opening)))
+            prompt = opening + _text(rng, max(1, _length(rng, config.unique_chars) - len(opening) + len(tag)))
             jobs.append(Job((Request("unique", f"unique-{uniques}", prompt, "", True),)))
             uniques += 1
             left -= 1
