@@ -12,8 +12,10 @@ The no-cache pass writes nothing, so the cache pass starts cold and its first re
 prompt family pays full price ("once warm" leaves those out). Every prompt starts with a tag
 unique to this run, so pages left on a long-running cluster by earlier runs never count as hits.
 
-The default model is gpt2-small-shape: with the tiny preset a 700-token prefill takes a few
-milliseconds, and fixed per-request costs (gRPC hops, page fetches) hide what the cache saves.
+The default model is gpt2-small-shape: the tiny preset recomputes a 600-token prompt so cheaply
+that fixed per-request costs (the coordinator hop, streaming, page fetches) make up much of its
+time to first token (`kvcache bench remote --model tiny` shows warm-from-kvnode only a few times
+faster than cold), which would hide what the cache saves on a model worth caching.
 """
 
 from __future__ import annotations
@@ -56,20 +58,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request, EOS ignored (default 8)")
     load.add_argument("--warmup", type=int, default=None, help="uncached warm-up requests (default 2 per worker)")
     load.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    mix = parser.add_argument_group("workload")
+    mix = parser.add_argument_group("workload", "lengths are in characters (tokens for the byte-level presets)")
     defaults = wl.WorkloadConfig()
     mix.add_argument("--mix", default=_pair(defaults.mix), help="shares of shared-system-prompt, session and one-off "
                      f"requests (default {_pair(defaults.mix)})")
-    mix.add_argument("--system-prompts", type=int, default=defaults.system_prompts, help="distinct system prompts")
-    mix.add_argument("--zipf", type=float, default=defaults.zipf_s, help="popularity skew of the system prompts")
-    mix.add_argument("--system-chars", type=int, default=defaults.system_chars, help="length of a system prompt")
-    mix.add_argument("--question-chars", default=_pair(defaults.question_chars), help="question after it, MIN,MAX")
-    mix.add_argument("--session-turns", type=int, default=defaults.session_turns, help="turns per session")
+    mix.add_argument("--system-prompts", type=int, default=defaults.system_prompts, help="distinct system prompts (default %(default)s)")
+    mix.add_argument("--zipf", type=float, default=defaults.zipf_s, help="popularity skew of the system prompts (default %(default)s)")
+    mix.add_argument("--system-chars", type=int, default=defaults.system_chars, help="length of a system prompt (default %(default)s)")
+    mix.add_argument("--question-chars", default=_pair(defaults.question_chars), help="question after it, MIN,MAX (default %(default)s)")
+    mix.add_argument("--session-turns", type=int, default=defaults.session_turns, help="turns per session (default %(default)s)")
     mix.add_argument("--session-context-chars", type=int, default=defaults.session_context_chars,
-                     help="a session's opening context")
-    mix.add_argument("--turn-chars", default=_pair(defaults.turn_chars), help="user message per turn, MIN,MAX")
-    mix.add_argument("--reply-chars", type=int, default=defaults.reply_chars, help="scripted reply per turn")
-    mix.add_argument("--unique-chars", default=_pair(defaults.unique_chars), help="one-off prompt, MIN,MAX")
+                     help="a session's opening context (default %(default)s)")
+    mix.add_argument("--turn-chars", default=_pair(defaults.turn_chars), help="user message per turn, MIN,MAX (default %(default)s)")
+    mix.add_argument("--reply-chars", type=int, default=defaults.reply_chars, help="scripted reply per turn (default %(default)s)")
+    mix.add_argument("--unique-chars", default=_pair(defaults.unique_chars), help="one-off prompt, MIN,MAX (default %(default)s)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     out.add_argument("--plot", metavar="DIR", default=None, help="write PNG charts into DIR (needs the bench extra)")
