@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test protos demo clean
+.PHONY: install test protos demo bench-deps clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,16 @@ protos: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m kvcache.demo
+
+# Benchmark baselines and charts: redis-server (Debian package, only when missing) and the
+# `bench` extra (redis, hiredis, matplotlib, rich) in .venv.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+bench-deps: $(STAMP)
+	@command -v redis-server >/dev/null || { \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server \
+		|| { $(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y --no-install-recommends redis-server; }; }
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -42,3 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                      description=load.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     load.add_arguments(load_parser)
     load_parser.set_defaults(run=load.run)
+
+    from kvcache.bench import transfer
+
+    transfer_parser = benches.add_parser("transfer", help="page get/put through a kvnode, Redis and a raw TCP socket",
+                                         description=transfer.__doc__)
+    transfer.add_arguments(transfer_parser)
+    transfer_parser.set_defaults(run=transfer.run)

@@ -9,15 +9,13 @@ see the same machine load. Defaults: batches of 16 pages of 589,824 bytes, one p
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
-import socket
-import struct
 import sys
 import time
 
 import numpy as np
 
+from kvcache.bench.loopback import SocketBaseline
 from kvcache.bench.report import dump_json, latency_summary_ms, machine, print_table
 from kvcache.launch import Daemon
 from kvnode.client import NodeClient
@@ -81,23 +79,15 @@ def measure_transfer(args: argparse.Namespace) -> dict:
         capacity = args.page_bytes * args.pages_per_batch * 8
         node_daemon = Daemon("node", ["--port", "0", "--page-bytes", str(args.page_bytes), "--capacity", str(capacity)])
         address = node_daemon.address
-    ctx = multiprocessing.get_context("spawn")
-    ready = ctx.Queue()
-    sink = ctx.Process(target=_socket_server, args=(ready,), daemon=True)
-    sink.start()
     try:
-        raw_port = ready.get(timeout=30)
-        with NodeClient(address, timeout=60.0) as client, socket.create_connection(("127.0.0.1", raw_port)) as raw:
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with NodeClient(address, timeout=60.0) as client, SocketBaseline() as raw:
             return _interleaved(client, raw, args)
     finally:
-        sink.terminate()
-        sink.join(5)
         if node_daemon is not None:
             node_daemon.stop()
 
 
-def _interleaved(client: NodeClient, raw: socket.socket, args: argparse.Namespace) -> dict:
+def _interleaved(client: NodeClient, raw: SocketBaseline, args: argparse.Namespace) -> dict:
     page_bytes = client.info().page_bytes
     n = args.pages_per_batch
     rng = np.random.default_rng(0)
@@ -115,13 +105,10 @@ def _interleaved(client: NodeClient, raw: socket.socket, args: argparse.Namespac
         client.put_pages([os.urandom(16) for _ in range(n)], [b""] * n, pages)  # fresh keys: a real store
 
     def socket_get():
-        raw.sendall(struct.pack("!cQ", b"G", batch_bytes))
-        _recv_exactly(raw, memoryview(out).cast("B"))
+        raw.get(out)
 
     def socket_put():
-        raw.sendall(struct.pack("!cQ", b"P", batch_bytes))
-        raw.sendall(memoryview(pages).cast("B"))
-        _recv_exactly(raw, memoryview(bytearray(1)))
+        raw.put(pages)
 
     ops = [("node", "get", node_get), ("socket", "get", socket_get), ("node", "put", node_put), ("socket", "put", socket_put)]
     for i in range(args.warmup + args.batches):
@@ -143,39 +130,6 @@ def _interleaved(client: NodeClient, raw: socket.socket, args: argparse.Namespac
         "node": {op: summary(t) for op, t in times["node"].items()},
         "socket": {op: summary(t) for op, t in times["socket"].items()},
     }
-
-
-def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("socket closed mid-transfer")
-        got += n
-
-
-def _socket_server(ready) -> None:
-    """The raw baseline: a separate process that sends (G) or swallows (P) the requested bytes."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    ready.put(listener.getsockname()[1])
-    conn, _ = listener.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buffer = bytearray()
-    header = memoryview(bytearray(9))
-    while True:
-        try:
-            _recv_exactly(conn, header)
-        except ConnectionError:
-            return
-        op, length = struct.unpack("!cQ", header)
-        if len(buffer) < length:
-            buffer = bytearray(length)
-        view = memoryview(buffer)[:length]
-        if op == b"G":
-            conn.sendall(view)
-        else:
-            _recv_exactly(conn, view)
-            conn.sendall(b"k")
 
 
 # ---- lookup cost ------------------------------------------------------------------
