@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from kvcache.bench.transfer import ratios
+from kvcache.bench.transfer import ratios, rotated_order
 
 TINY = ["--batches", "3", "--warmup", "1", "--pages-per-batch", "3", "--page-bytes", "5000", "--json"]
 
@@ -92,3 +92,14 @@ def test_ratios_divide_gb_per_s_and_leave_missing_baselines_empty():
     assert found["get"]["kvnode/socket"] == 0.5 and found["put"]["kvnode/socket"] == 0.25
     assert found["get"]["kvnode/redis"] is None and found["get"]["redis/socket"] is None
     assert found["get"]["socket/redis"] is None
+
+
+def test_rotation_puts_each_transport_in_each_place_equally_often():
+    names = ["kvnode", "redis", "socket"]
+    rounds = [rotated_order(names, i) for i in range(6)]
+    for order in rounds:
+        assert [op for _, op in order] == ["get"] * 3 + ["put"] * 3
+        assert sorted(t for t, _ in order[:3]) == names and [t for t, _ in order[3:]] == [t for t, _ in order[:3]]
+    for place in range(3):
+        assert sorted(order[place][0] for order in rounds) == sorted(names * 2)
+    assert rotated_order(["kvnode", "socket"], 1) == [("socket", "get"), ("kvnode", "get"), ("socket", "put"), ("kvnode", "put")]

@@ -1,9 +1,9 @@
 """`kvcache bench node`: kvnode put/get throughput and latency beside a raw loopback TCP
 socket moving the same bytes in the same run, and the cost of a lookup as the index grows.
 
-Batches are interleaved (node get, socket get, node put, socket put, ...) so both sides
-see the same machine load. Defaults: batches of 16 pages of 589,824 bytes, one page of
-16 tokens of a GPT-2-small-sized model in float16.
+Batches are interleaved (node get, socket get, node put, socket put, ..., which side goes
+first alternating) so both sides see the same machine load. Defaults: batches of 16 pages
+of 589,824 bytes, one page of 16 tokens of a GPT-2-small-sized model in float16.
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ def _interleaved(client: NodeClient, raw: SocketBaseline, args: argparse.Namespa
 
     ops = [("node", "get", node_get), ("socket", "get", socket_get), ("node", "put", node_put), ("socket", "put", socket_put)]
     for i in range(args.warmup + args.batches):
-        for side, op, fn in ops:
+        # Odd rounds swap the sides, so neither always runs first after the puts.
+        for side, op, fn in ops if i % 2 == 0 else [ops[1], ops[0], ops[3], ops[2]]:
             start = time.perf_counter()
             fn()
             if i >= args.warmup:

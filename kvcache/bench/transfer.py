@@ -2,8 +2,8 @@
 and through a raw loopback TCP socket, interleaved in one run: GB/s and p50/p99 latency per
 batch, for get and put, each beside Redis and the socket with the ratio.
 
-Batches are interleaved (kvnode get, redis get, socket get, kvnode put, ...) so every
-transport sees the same machine load. Each get lands in one reused (pages, page_bytes)
+Batches are interleaved (kvnode get, redis get, socket get, kvnode put, ..., the order rotating
+every round) so every transport sees the same machine load. Each get lands in one reused (pages, page_bytes)
 array, as a worker's fetch would. Puts store fresh pages: new keys on the kvnode (which
 evicts, its pool holding 8 batches), and on Redis a rotation over 8 batches of keys, each
 SET replacing a whole value. Defaults: batches of 16 pages of 589,824 bytes, one page of
@@ -129,10 +129,9 @@ def _interleaved(client: NodeClient, redis, raw: SocketBaseline, n: int, page_by
     if redis is not None:
         ops[("redis", "get")] = lambda i: redis.get(redis_keys, out)
         ops[("redis", "put")] = lambda i: redis.put(redis_put_keys[i % RING_BATCHES], pages)
-    order = [(t, op) for op in OPS for t in TRANSPORTS if (t, op) in ops]
     times: dict[str, dict[str, list[float]]] = {t: {op: [] for op in OPS} for t in TRANSPORTS}
     for i in range(warmup + batches):
-        for transport, op in order:
+        for transport, op in rotated_order([t for t in TRANSPORTS if (t, "get") in ops], i):
             start = time.perf_counter()
             ops[(transport, op)](i)
             if i >= warmup:
@@ -145,6 +144,15 @@ def _interleaved(client: NodeClient, redis, raw: SocketBaseline, n: int, page_by
             if not np.array_equal(out, pages):
                 raise RuntimeError(f"{transport} returned different bytes than were stored")
     return times
+
+
+def rotated_order(transports: list[str], round_index: int) -> list[tuple[str, str]]:
+    """This round's (transport, op) order: every get, then every put, each list rotated by the
+    round, so each transport takes each place equally often (whichever runs first after the
+    puts was seen to pay for them)."""
+    shift = round_index % len(transports)
+    turn = transports[shift:] + transports[:shift]
+    return [(t, op) for op in OPS for t in turn]
 
 
 def _summary(samples: list[float], batch_bytes: int) -> dict:
