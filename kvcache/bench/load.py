@@ -39,6 +39,7 @@ WARM_SHARE_GOAL = 0.80
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = wl.WorkloadConfig()
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--coordinators", default=None, help="use a running cluster (A,B) instead of starting one")
     cluster.add_argument("--model", default="gpt2-small-shape", help="tiny, gpt2-small-shape or a checkpoint folder "
@@ -52,14 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load = parser.add_argument_group("load")
     load.add_argument("--concurrency", default="4", help="concurrent clients; a list such as 1,2,4 runs each level "
                       "(default 4)")
-    load.add_argument("--requests", type=int, default=60, help="requests per pass (default 60)")
+    load.add_argument("--requests", type=int, default=defaults.requests, help="requests per pass (default %(default)s)")
     load.add_argument("--duration", type=float, default=90.0, help="seconds per pass before no new request starts "
                       "(default 90)")
     load.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request, EOS ignored (default 8)")
     load.add_argument("--warmup", type=int, default=None, help="uncached warm-up requests (default 2 per worker)")
     load.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     mix = parser.add_argument_group("workload", "lengths are in characters (tokens for the byte-level presets)")
-    defaults = wl.WorkloadConfig()
     mix.add_argument("--mix", default=_pair(defaults.mix), help="shares of shared-system-prompt, session and one-off "
                      f"requests (default {_pair(defaults.mix)})")
     mix.add_argument("--system-prompts", type=int, default=defaults.system_prompts, help="distinct system prompts (default %(default)s)")

@@ -36,9 +36,9 @@ _WORDS = (
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    requests: int = 80                 # requests in the whole workload (session turns count one each)
+    requests: int = 48                 # requests in the whole workload (session turns count one each)
     seed: int = 0
-    mix: tuple[float, float, float] = (0.5, 0.3, 0.2)   # shares of shared / session / unique requests
+    mix: tuple[float, float, float] = (0.6, 0.3, 0.1)   # shares of shared / session / unique requests
     system_prompts: int = 4            # distinct shared system prompts
     zipf_s: float = 1.2                # popularity skew of the system prompts
     system_chars: int = 512            # length of each system prompt
