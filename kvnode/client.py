@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import grpc
-import grpc.experimental
 import numpy as np
 
 from kvnode import wire
@@ -78,9 +77,6 @@ class NodeClient:
             options=[
                 ("grpc.max_receive_message_length", _CLIENT_MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", _CLIENT_MAX_MESSAGE_BYTES),
-                # GetPages replies are read in the calling thread instead of being handed over
-                # from the channel's polling thread (one thread switch less per message).
-                (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
             ],
         )
         self._info = self._channel.unary_unary(
@@ -140,10 +136,7 @@ class NodeClient:
                 received += data.nbytes
         except grpc.RpcError as exc:
             raise self._error(exc) from None
-        except (wire.MalformedMessage, NodeError) as exc:
-            stream.cancel()  # read in this thread: nobody else would end the call
-            if isinstance(exc, NodeError):
-                raise
+        except wire.MalformedMessage as exc:
             raise NodeError(self.address, grpc.StatusCode.DATA_LOSS, f"PageChunk does not parse: {exc}") from None
         if received != out.nbytes:
             raise NodeError(

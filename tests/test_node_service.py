@@ -3,7 +3,6 @@ counters, leases, health and reflection."""
 
 from __future__ import annotations
 
-import functools
 import socket
 import threading
 import time
@@ -18,7 +17,7 @@ from cluster_helpers import NODE_CAPACITY_PAGES, NODE_PAGE_BYTES, raw_channel, s
 from kvcache import __version__
 from kvnode import wire
 from kvnode.client import NodeClient, NodeError
-from kvnode.service import SERVICE_NAME, KVStoreService
+from kvnode.service import SERVICE_NAME
 from kvnode.store import PageStore
 from protos import kvcache_pb2 as pb
 from store_helpers import key
@@ -182,21 +181,6 @@ def test_small_pages_are_grouped_into_few_messages_within_the_limit(make_node):
     assert all(len(m) <= max_message for m in messages)
     assert len(messages) == 2
     assert b"".join(bytes(wire.parse_page_chunk(m)[2]) for m in messages) == pages.tobytes()
-
-
-@pytest.mark.parametrize("group_bytes, pages_per_message", [(2500, 2), (999, 1), (10**9, 6)])
-def test_grouping_follows_group_bytes_within_the_limit(clock, group_bytes, pages_per_message):
-    page_bytes, max_message = 1000, 8192  # the limit alone would put 8 pages in a message
-    service_cls = functools.partial(KVStoreService, group_bytes=group_bytes)
-    with serve_node(PageStore(8, page_bytes, clock=clock), service_cls=service_cls, max_message_bytes=max_message) as node:
-        keys, parents = chain(6)
-        pages = random_pages(6, page_bytes, seed=3)
-        with node.client() as client:
-            client.put_pages(keys, parents, pages)
-            np.testing.assert_array_equal(client.get_pages(keys), pages)
-        messages = get_pages_messages(node.address, keys)
-    assert [len(wire.parse_page_chunk(m)[2]) for m in messages] == [pages_per_message * page_bytes] * (6 // pages_per_message)
-    assert [wire.parse_page_chunk(m)[0] for m in messages] == list(range(0, 6, pages_per_message))
 
 
 def test_a_page_of_exactly_the_chunk_size_and_one_byte_more(make_node):
