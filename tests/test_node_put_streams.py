@@ -65,7 +65,7 @@ def build(pages, flaw, flawed, keys, root):
                 items.insert(0, [b"", b"", b"", False])
             elif flaw == "last mark too early":
                 items[first_of_page][3] = True
-                if len(pages) == 1 and len(sizes) == 1:
+                if number == len(pages) - 1 and len(sizes) == 1:
                     items.append([b"", b"", b"", False])  # something must follow the early mark
     if flaw != "no last mark":
         items[-1][3] = True
