@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 
 from coordinator import agent
 from kvcache.units import format_size, parse_size
@@ -69,9 +67,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvcache node: error: {exc}", file=sys.stderr)
         return 2
 
-    stopping = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stopping.set())
+    stopping = serving.stop_on_signals()
     server.start()
     print(
         f"kvnode {service.node_id} listening on {serving.host_port(args.host, port)} "
@@ -82,8 +78,7 @@ def run(args: argparse.Namespace) -> int:
         role="node", capacity_bytes=capacity_pages * args.page_bytes, page_bytes=args.page_bytes
     )
     membership = agent.start_from_args(args, port, registration, lambda: node_load(store))
-    while not stopping.wait(timeout=1.0):
-        pass
+    serving.wait_until(stopping)
     if membership is not None:
         membership.stop()
     log.info("stopping: finishing running calls for up to %.1fs", args.grace)

@@ -111,3 +111,17 @@ def raw_channel(address: str, max_message_bytes: int = 256 * 1024 * 1024) -> grp
             ("grpc.max_send_message_length", max_message_bytes),
         ],
     )
+
+
+def collect(events) -> tuple[list[int], object]:
+    """Token ids of a generate() stream and its Finished event (asserting there is one)."""
+    from worker.client import Finished, Piece
+
+    tokens, finished = [], None
+    for event in events:
+        if isinstance(event, Piece):
+            tokens.extend(event.token_ids)
+        elif isinstance(event, Finished):
+            finished = event
+    assert finished is not None, "the stream ended without a final message"
+    return tokens, finished

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from cluster_helpers import wait_for
+from cluster_helpers import collect, wait_for
 from coordinator.client import Client, ClusterError, Finished, Piece
 from coordinator.ring import Ring, placement_key
 from kvcache.cluster import add_worker, start_cluster, wait_healthy
@@ -21,14 +21,7 @@ SYSTEM = "You are the support assistant of a small bakery. Be kind, be brief, an
 
 
 def ask(client: Client, prompt: str, **options) -> tuple[list[int], Finished]:
-    tokens, finished = [], None
-    for event in client.generate(prompt, **options):
-        if isinstance(event, Piece):
-            tokens.extend(event.token_ids)
-        else:
-            finished = event
-    assert finished is not None
-    return tokens, finished
+    return collect(client.generate(prompt, **options))
 
 
 def used_pages(address: str) -> int:

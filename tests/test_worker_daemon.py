@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from cluster_helpers import wait_for
+from cluster_helpers import collect, wait_for
 from kvcache.launch import Daemon
 from kvnode.client import NodeClient
 from worker.client import Finished, Piece, WorkerClient, WorkerError
@@ -43,14 +43,7 @@ def worker(name, *extra):
 
 
 def run(client: WorkerClient, prompt: str, **options) -> tuple[list[int], Finished]:
-    tokens, finished = [], None
-    for event in client.generate(prompt, **options):
-        if isinstance(event, Piece):
-            tokens.extend(event.token_ids)
-        else:
-            finished = event
-    assert finished is not None
-    return tokens, finished
+    return collect(client.generate(prompt, **options))
 
 
 def used_pages(address: str) -> int:
