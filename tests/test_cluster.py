@@ -153,6 +153,22 @@ def test_worker_killed_mid_stream_is_resumed_without_a_lost_or_repeated_token(tm
     assert finished.usage.completion_tokens == 120
 
 
+def test_worker_dead_before_its_first_token_is_invisible(tmp_path, engine):
+    prompt = SYSTEM + "Is there bread left?"
+    expected = engine.generate(prompt, max_new_tokens=5, ignore_eos=True)[0].token_ids
+    with start_cluster(tmp_path, nodes=1, workers=2, coordinators=1, replicas=1, node_capacity="16MiB",
+                       worker_kv_cache="16MiB") as cluster:
+        wait_healthy(cluster.coordinator_addresses, nodes=1, workers=2)
+        # Among idle workers the router picks the first address: kill that one, and ask at once,
+        # before the coordinator has missed any heartbeat.
+        first = min(cluster.role("worker"), key=lambda d: d.address)
+        first.kill()
+        with Client(cluster.coordinator_addresses) as client:
+            tokens, done = ask(client, prompt, max_tokens=5, ignore_eos=True)
+            assert tokens == expected and done.usage.completion_tokens == 5
+            assert first.address not in alive(client, "worker")  # marked dead on the failed call
+
+
 def test_sampled_request_without_seed_gets_unavailable_when_its_worker_dies(tmp_path):
     with start_cluster(tmp_path, nodes=1, workers=2, coordinators=1, replicas=1, node_capacity="16MiB",
                        worker_kv_cache="16MiB") as cluster:
