@@ -139,3 +139,22 @@ def test_float32_pages_round_trip_exactly(nodes):
                 assert client.info().used_pages == 2
         finally:
             tier.close()
+
+
+def test_fill_into_scattered_blocks_lands_each_page_in_its_block(nodes):
+    tier = make_tier()
+    try:
+        keys = chain_keys(5, b"scatter")
+        write_chain(tier, keys, Placement([nodes[0]]))  # from blocks 0-4
+        expected = tier.pool[0:5].copy()
+        tier.pool[5:] = 0.0
+        placement = Placement([nodes[0]])
+        targets = [9, 10, 14, 6, 7]  # a run, a single, a run that goes back down the pool
+        assert tier.lookup(keys, placement) == 5
+        assert tier.fill(keys, targets, placement) == 5
+        for page, target in enumerate(targets):
+            np.testing.assert_array_equal(tier.pool[target], expected[page])
+        untouched = [b for b in range(5, 16) if b not in targets]
+        assert not tier.pool[untouched].any()
+    finally:
+        tier.close()

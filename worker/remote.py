@@ -125,11 +125,25 @@ class RemoteTier:
                 self._failed(address, node, exc)
                 continue
             count = len(wanted)
-            self.pool[np.asarray(block_ids[:count])] = rows.view(self.wire_dtype).reshape(count, *self.block_shape)
+            self._write_blocks(block_ids[:count], rows.view(self.wire_dtype).reshape(count, *self.block_shape))
             self._count("pages_fetched", count)
             self._count("bytes_fetched", rows.nbytes)
             return count
         return 0
+
+    def _write_blocks(self, block_ids: Sequence[int], pages: np.ndarray) -> None:
+        """pages[i] -> pool[block_ids[i]], one slice copy per run of consecutive blocks.
+
+        A fancy-indexed assignment that also casts float16 to float32 ran 3x slower here.
+        """
+        start = 0
+        while start < len(block_ids):
+            end = start + 1
+            while end < len(block_ids) and block_ids[end] == block_ids[end - 1] + 1:
+                end += 1
+            first = block_ids[start]
+            np.copyto(self.pool[first : first + end - start], pages[start:end])
+            start = end
 
     def on_page_full(self, key: bytes, parent: bytes, block_id: int, placement: Placement) -> None:
         """Queue a copy of a newly full page for every placed node; never blocks (a full queue drops it)."""
