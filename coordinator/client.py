@@ -7,6 +7,7 @@ is resumed through another without repeating or losing a token.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -119,5 +120,4 @@ class Client:
 
 def _with_resumed(usage: Usage, resumed: int) -> Usage:
     """The coordinator counted resumed tokens as prompt; count them as completion again."""
-    return Usage(usage.prompt_tokens, usage.cached_tokens_local, usage.cached_tokens_remote, usage.computed_tokens,
-                 usage.completion_tokens + resumed, usage.ttft_ms)
+    return dataclasses.replace(usage, completion_tokens=usage.completion_tokens + resumed)

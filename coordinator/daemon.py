@@ -16,8 +16,7 @@ log = logging.getLogger("coordinator")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
-    parser.add_argument("--port", type=int, default=50050, help="port to listen on; 0 picks a free one (default 50050)")
+    serving.add_listen_arguments(parser, default_port=50050)
     parser.add_argument("--replicas", type=int, default=2, help="kvnodes each sequence's pages go to (default 2)")
     parser.add_argument(
         "--prefix-chars",

@@ -20,8 +20,7 @@ DEFAULT_PAGE_BYTES = 4 * 2 * 4 * 16 * 64 * 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
-    parser.add_argument("--port", type=int, default=50051, help="port to listen on; 0 picks a free one (default 50051)")
+    serving.add_listen_arguments(parser, default_port=50051)
     parser.add_argument(
         "--capacity", default="256MiB", help="memory for the page pool, allocated at start (default 256MiB)"
     )

@@ -43,6 +43,13 @@ def tolerant(parse: Callable[[bytes], object], name: str) -> Callable[[bytes], o
     return deserialize
 
 
+def add_listen_arguments(parser, default_port: int) -> None:
+    """--host and --port, the same for every daemon."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=default_port,
+                        help=f"port to listen on; 0 picks a free one (default {default_port})")
+
+
 def parser_for(message_cls) -> Callable[[bytes], object]:
     """A request deserializer for a protobuf message class that never raises (see Malformed)."""
     return tolerant(message_cls.FromString, message_cls.DESCRIPTOR.name)

@@ -14,20 +14,10 @@ import numpy as np
 import pytest
 
 from worker.engine import Engine
+from worker.model.tokenizer import ByteTokenizer
 from worker.pages import page_keys
-from worker.sampling import SamplingParams
 
 P = 8
-
-
-class ByteTokenizer:
-    eos_token_id = 256
-
-    def encode(self, text):
-        return list(text.encode())
-
-    def decode(self, ids):
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 @dataclass
@@ -371,57 +361,6 @@ def test_bypass_cache_skips_local_reuse_the_tier_and_write_back():
     assert out.usage.cached_tokens_local == 0 and out.usage.computed_tokens == 30
     assert tier.calls == [] and engine.pool.get_num_cached_blocks() == cached
     assert out.token_ids == alone("s" * 30, max_new_tokens=6).token_ids
-
-
-# ---- the real tiny model ------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny():
-    from worker.model import load_model
-
-    return load_model("tiny")
-
-
-def tiny_engine(model, **options):
-    options = {"num_blocks": 64, "page_tokens": 16, "max_num_batched_tokens": 256, "seed": 0, **options}
-    return Engine(model, **options)
-
-
-TINY_PROMPTS = ["The cache remembers what the model computed. ", "x", "Paged attention reads keys and values " * 2]
-
-
-def test_tiny_engine_tokens_equal_a_full_recompute_without_cache(tiny):
-    from worker.model.dense import reference_logits
-
-    out = tiny_engine(tiny).generate([TINY_PROMPTS[0]], max_new_tokens=6)[0]
-    ids = list(out.prompt_token_ids)
-    for _ in range(6):
-        ids.append(int(np.argmax(reference_logits(tiny, ids)[-1])))
-    assert out.token_ids == ids[len(out.prompt_token_ids):]
-
-
-def test_tiny_engine_batched_chunked_cached_and_preempted_runs_agree(tiny):
-    params = dict(max_new_tokens=10)
-    expected = [tiny_engine(tiny).generate([p], **params)[0].token_ids for p in TINY_PROMPTS]
-    together = tiny_engine(tiny, max_num_batched_tokens=16, max_num_seqs=4).generate(TINY_PROMPTS, **params)
-    assert [o.token_ids for o in together] == expected
-    cramped = tiny_engine(tiny, num_blocks=10)
-    outs = cramped.generate(TINY_PROMPTS * 2, **params)
-    assert cramped.scheduler.num_preemptions > 0
-    assert [o.token_ids for o in outs] == expected * 2
-    cramped.pool.check_invariants()
-
-
-@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
-def test_tiny_engine_prefix_cache_hit_gives_the_cold_tokens(tiny, kv_dtype):
-    engine = Engine.load("tiny", kv_dtype=kv_dtype, num_blocks=32, page_tokens=16)
-    system = "You are a helpful assistant. Answer briefly. "  # 45 bytes: two full pages
-    engine.generate([system + "first question?"], max_new_tokens=3)
-    warm = engine.generate([system + "second question?"], max_new_tokens=8, seed=3, temperature=0.8)[0]
-    cold = Engine.load("tiny", kv_dtype=kv_dtype, num_blocks=32, page_tokens=16).generate(
-        [system + "second question?"], max_new_tokens=8, seed=3, temperature=0.8)[0]
-    assert warm.usage.cached_tokens_local == 32 and cold.usage.cached_tokens_local == 0
-    assert warm.token_ids == cold.token_ids and warm.text == cold.text
 
 
 def test_generate_with_one_bad_prompt_runs_none_of_them():

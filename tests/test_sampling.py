@@ -4,16 +4,7 @@ import numpy as np
 import pytest
 
 from worker.sampling import FINISH_LENGTH, FINISH_STOP, SamplingParams, StopChecker, sample
-
-
-class ByteTokenizer:
-    eos_token_id = 256
-
-    def encode(self, text):
-        return list(text.encode())
-
-    def decode(self, ids):
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+from worker.model.tokenizer import ByteTokenizer
 
 
 LOGITS = np.log(np.array([0.05, 0.4, 0.3, 0.2, 0.05]))

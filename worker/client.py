@@ -8,6 +8,7 @@ from typing import Iterator, Sequence
 import grpc
 
 from protos import kvcache_pb2 as pb
+from worker.usage import Usage
 
 _SERVICE = "/kvcache.v1.Worker/"
 
@@ -22,23 +23,12 @@ class WorkerError(Exception):
         self.details = details
 
 
-@dataclass(frozen=True)
-class Usage:
-    """Where a request's tokens came from; these names are used in every output."""
+def usage_from_proto(usage: pb.Usage) -> Usage:
+    return Usage(**{name: getattr(usage, name) for name in Usage.__dataclass_fields__})
 
-    prompt_tokens: int = 0
-    cached_tokens_local: int = 0
-    cached_tokens_remote: int = 0
-    computed_tokens: int = 0
-    completion_tokens: int = 0
-    ttft_ms: float = 0.0
 
-    @classmethod
-    def from_proto(cls, usage: pb.Usage) -> "Usage":
-        return cls(**{name: getattr(usage, name) for name in cls.__dataclass_fields__})
-
-    def to_proto(self) -> pb.Usage:
-        return pb.Usage(**asdict(self))
+def usage_to_proto(usage: Usage) -> pb.Usage:
+    return pb.Usage(**asdict(usage))
 
 
 @dataclass(frozen=True)
@@ -109,7 +99,7 @@ def generate_request(
 
 def parse_reply(reply: pb.GenerateReply) -> Piece | Finished:
     if reply.finish_reason:
-        return Finished(Usage.from_proto(reply.usage), reply.finish_reason)
+        return Finished(usage_from_proto(reply.usage), reply.finish_reason)
     return Piece(reply.text, list(reply.token_ids))
 
 

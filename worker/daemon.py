@@ -23,8 +23,7 @@ log = logging.getLogger("worker")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
-    parser.add_argument("--port", type=int, default=50061, help="port to listen on; 0 picks a free one (default 50061)")
+    serving.add_listen_arguments(parser, default_port=50061)
     parser.add_argument("--model", default="tiny", help="tiny, gpt2-small-shape, or a Hugging Face checkpoint folder")
     parser.add_argument(
         "--kv-dtype", choices=["float32", "float16"], default="float32", help="KV dtype on the wire (default float32)"

@@ -18,7 +18,7 @@ import itertools
 import queue
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -26,22 +26,10 @@ import numpy as np
 from worker.block_pool import BlockPool
 from worker.model import ForwardBatch, load_model
 from worker.sampling import FINISH_ABORT, SamplingParams, StopChecker, sample
+from worker.usage import Usage
 from worker.scheduler import RemoteTier, Request, Scheduler
 
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    cached_tokens_local: int
-    cached_tokens_remote: int
-    computed_tokens: int
-    completion_tokens: int
-    ttft_ms: float         # arrival to first token; 0.0 if none was produced (aborted first)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import grpc
 from kvcache import __version__
 from protos import kvcache_pb2 as pb
 from protos import serving
-from worker.client import Usage
+from worker.client import usage_to_proto
 from worker.engine import Engine
 from worker.remote import Placement
 from worker.sampling import SamplingParams
@@ -74,12 +74,7 @@ class WorkerService:
                 yield pb.GenerateReply(text=delta.text, token_ids=delta.token_ids)
             if delta.finished:
                 completion = delta.completion
-                u = completion.usage
-                usage = Usage(
-                    u.prompt_tokens, u.cached_tokens_local, u.cached_tokens_remote, u.computed_tokens,
-                    u.completion_tokens, u.ttft_ms or 0.0,
-                )
-                yield pb.GenerateReply(usage=usage.to_proto(), finish_reason=completion.finish_reason)
+                yield pb.GenerateReply(usage=usage_to_proto(completion.usage), finish_reason=completion.finish_reason)
 
     def info(self, request, context) -> pb.WorkerInfo:
         serving.abort_if_malformed(request, context, log)
