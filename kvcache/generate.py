@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
             events = client.generate(args.prompt, **options)
         else:
             del options["placement"]
-            client = Client(_coordinators(args.coordinators), timeout=args.timeout)
+            client = Client(coordinator_addresses(args.coordinators), timeout=args.timeout)
             events = client.generate(args.prompt, session_id=args.session, **options)
         with client:
             for event in events:
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _coordinators(text: str | None) -> list[str]:
+def coordinator_addresses(text: str | None) -> list[str]:
     text = text or os.environ.get("KVCACHE_COORDINATORS") or DEFAULT_COORDINATORS
     return [a.strip() for a in text.split(",") if a.strip()]
 

@@ -10,7 +10,7 @@ from google.protobuf.json_format import MessageToDict
 
 from coordinator.client import Client, ClusterError
 from kvcache.bench.report import print_table
-from kvcache.generate import _coordinators
+from kvcache.generate import coordinator_addresses
 from kvcache.units import format_size
 
 
@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with Client(_coordinators(args.coordinators)) as client:
+        with Client(coordinator_addresses(args.coordinators)) as client:
             status = client.status()
     except ClusterError as exc:
         print(f"kvcache status: error: {exc}", file=sys.stderr)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvcache import __version__
 from kvcache.bench.prefix_trace import TraceConfig, generate, working_set_pages
-from kvcache.bench.report import dump_json, machine, print_table, progress
+from kvcache.bench.report import dump_json, machine, print_table, progress, pyplot
 from kvnode.eviction import POLICIES
 from kvnode.store import PageStore
 
@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         capacities, policies = _parse_options(args)
-        plt = _import_pyplot() if args.plot else None
-    except ValueError as exc:
+        plt = pyplot() if args.plot else None
+    except (ValueError, ImportError) as exc:
         print(f"kvcache bench eviction: error: {exc}", file=sys.stderr)
         return 2
     started = time.perf_counter()
@@ -157,14 +157,3 @@ def _parse_options(args: argparse.Namespace) -> tuple[list[float], list[str]]:
     if unknown or len(set(policies)) != len(policies):
         raise ValueError(f"--policies takes distinct names from {', '.join(POLICIES)}, got {args.policies!r}")
     return sorted(set(capacities)), policies
-
-
-def _import_pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise ValueError("--plot needs matplotlib, which is not installed: pip install -e '.[bench]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
