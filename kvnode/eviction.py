@@ -20,8 +20,8 @@ Design notes
    has that rank, may be evicted under the policy (is a leaf, for prefix-aware) and is
    not leased. Stale entries are skipped when popped and dropped when the heap is
    rebuilt. Every operation is O(log n) amortized.
-3. A leased candidate is dropped when popped; the store offers it again when its lease
-   ends, at its unchanged rank.
+3. A leased or pinned candidate is dropped when popped; the store offers it again when its
+   lease ends or its last pin is released, at its unchanged rank.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class Page(Protocol):
     stored_tick: int  # when it was stored
     children: int  # cached pages that name it as parent
     lease_until: float  # 0.0 when not leased
+    pins: int  # readers sending the page's bytes straight from the pool right now
 
 
 class EvictionQueue:
@@ -100,8 +101,9 @@ class EvictionQueue:
         while heap:
             rank, key = heapq.heappop(heap)
             page = self._pages.get(key)
-            if page is None or self.rank(page) != rank or not self.may_evict(page) or page.lease_until > now:
-                continue  # stale entry; a leased page is offered again when its lease ends
+            if (page is None or self.rank(page) != rank or not self.may_evict(page) or page.lease_until > now
+                    or page.pins):
+                continue  # stale entry; a leased or pinned page is offered again when that ends
             if key == protect:
                 held.append((rank, key))
                 continue
@@ -114,5 +116,5 @@ class EvictionQueue:
     def check(self) -> None:
         entries = set(self._heap)
         for key, page in self._pages.items():
-            if self.may_evict(page) and page.lease_until == 0.0:
+            if self.may_evict(page) and page.lease_until == 0.0 and not page.pins:
                 assert (self.rank(page), key) in entries, f"page {key.hex()} cannot be evicted: no queue entry"

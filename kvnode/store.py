@@ -14,6 +14,9 @@ Design notes
 3. Leases expire lazily: a heap holds (expiry, key); each operation first retires the
    leases that ran out, so an abandoned lease frees itself. A leased page is never
    evicted, under every policy.
+4. Pins are for the data plane, which sends pages straight from the pool: a pinned page
+   is never evicted, so its slot is not overwritten while its bytes are on their way.
+   Unlike a lease a pin does not expire: the pinner releases it in a `finally`.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class _Page:
     stored_tick: int
     children: int = 0  # cached pages that name it as parent
     lease_until: float = 0.0
+    pins: int = 0  # readers sending straight from its slot (pin_pages)
 
 
 @dataclass
@@ -188,6 +192,36 @@ class PageStore:
             self.stats.bytes_out += self.page_bytes * len(keys)
             return b"".join(views)
 
+    def pin_pages(self, keys: Sequence[bytes]) -> list[memoryview]:
+        """Read-only views of the pages' bytes in the pool, pinned until unpin_pages(keys);
+        touches them and counts them as sent. Nothing is pinned when a key is not cached."""
+        with self._lock:
+            pages = []
+            for key in keys:
+                page = self._index.get(key)
+                if page is None:
+                    raise PageNotFound(key)
+                pages.append(page)
+            for key, page in zip(keys, pages):
+                self._touch(key, page)
+                page.pins += 1
+            self.stats.get_pages += len(keys)
+            self.stats.bytes_out += self.page_bytes * len(keys)
+            return [memoryview(self._pool[page.slot]).toreadonly() for page in pages]
+
+    def unpin_pages(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                page = self._index[key]  # a pinned page is never evicted
+                assert page.pins > 0, f"page {key.hex()} unpinned more often than pinned"
+                page.pins -= 1
+                if not page.pins and page.lease_until == 0.0:
+                    self._queue.offer(key, page)
+
+    def num_pinned(self) -> int:
+        with self._lock:
+            return sum(1 for page in self._index.values() if page.pins)
+
     def put(self, key: bytes, parent: bytes, data) -> PutOutcome:
         """Store one page whose parent is `parent` (b"" for a root page)."""
         self.validate_put(key, parent, data)
@@ -262,7 +296,8 @@ class PageStore:
                 continue  # renewed since, or gone
             page.lease_until = 0.0
             self._num_leased -= 1
-            self._queue.offer(key, page)
+            if not page.pins:
+                self._queue.offer(key, page)
 
     def _take_slot(self, now: float, protect: bytes) -> int | None:
         """A free slot, evicting the policy's next unleased victim (never `protect`) if needed."""
