@@ -1,10 +1,15 @@
 """NodeClient: the one way other parts talk to a kvnode.
 
 Every call has a deadline; failures raise NodeError, which keeps the gRPC status code.
+get_pages and put_pages go over the node's data plane (kvnode/data_plane.py) when its
+Info advertises one, else over gRPC; a data plane that cannot be reached at all (a
+firewall, say) makes this client use gRPC from then on, with one log line.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -12,7 +17,10 @@ import grpc
 import numpy as np
 
 from kvnode import wire
+from kvnode.data_client import DataPlaneClient, DataPlaneError
 from protos import kvcache_pb2 as pb
+
+log = logging.getLogger("kvnode.client")
 
 _SERVICE = "/kvcache.v1.KVStore/"
 DEFAULT_TIMEOUT_S = 5.0
@@ -40,6 +48,7 @@ class NodeInfo:
     free_pages: int
     max_keys_per_request: int
     max_message_bytes: int
+    data_port: int = 0  # 0: the node has no data plane
 
 
 @dataclass(frozen=True)
@@ -68,10 +77,37 @@ def _byte_view(page, index: int) -> memoryview:
         raise ValueError(f"page {index} is not a C-contiguous bytes-like buffer: {exc}") from None
 
 
+_OUTCOME_NAMES = {o: pb.PutReply.Outcome.Name(o).lower() for o in pb.PutReply.Outcome.values()}
+
+
+def _host_of(address: str) -> str | None:
+    """The host of a gRPC target "host:port" or "[v6]:port"; None for other target forms."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host or "/" in host:
+        return None
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _check_keys(address: str, keys: Sequence[bytes], parents: Sequence[bytes] = ()) -> None:
+    """The data plane's framing carries 16-byte keys only: say so as the node would."""
+    for key in keys:
+        if len(key) != 16:
+            raise NodeError(address, grpc.StatusCode.INVALID_ARGUMENT, f"key must be 16 bytes, got {len(key)}")
+    for parent in parents:
+        if len(parent) not in (0, 16):
+            raise NodeError(address, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"parent key must be 16 bytes, got {len(parent)}")
+
+
 class NodeClient:
-    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S):
+    """`use_data_plane=False` keeps every call on gRPC (benches and tests compare the two)."""
+
+    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S, use_data_plane: bool = True):
         self.address = address
         self.timeout = timeout
+        self.use_data_plane = use_data_plane
+        self._data: DataPlaneClient | None = None
+        self._data_lock = threading.Lock()
         self._channel = grpc.insecure_channel(
             address,
             options=[
@@ -108,6 +144,7 @@ class NodeClient:
             reply.free_pages,
             reply.max_keys_per_request,
             reply.max_message_bytes,
+            reply.data_port,
         )
         return self._node_info
 
@@ -123,6 +160,18 @@ class NodeClient:
             out = np.empty(shape, dtype=np.uint8)
         elif out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
             raise ValueError(f"out must be a C-contiguous uint8 array of shape {shape}, got {out.dtype} {out.shape}")
+        plane = self._data_plane()
+        if plane is not None:
+            _check_keys(self.address, keys)
+            try:
+                plane.get_into(keys, memoryview(out).cast("B"), timeout or self.timeout)
+                return out
+            except DataPlaneError as exc:
+                self._data_plane_failed(plane, exc)  # returns only to fall back to gRPC
+        return self._grpc_get_pages(keys, out, timeout)
+
+    def _grpc_get_pages(self, keys: Sequence[bytes], out: np.ndarray, timeout: float | None) -> np.ndarray:
+        page_bytes = out.shape[1]
         received = 0
         try:
             stream = self._get_pages(pb.GetPagesRequest(keys=keys), timeout=timeout or self.timeout)
@@ -154,7 +203,22 @@ class NodeClient:
         # surfaces only as "UNKNOWN: Exception iterating requests!".
         items = [(bytes(memoryview(k)), bytes(memoryview(p)), _byte_view(page, i))
                  for i, (k, p, page) in enumerate(zip(keys, parents, pages))]
-        chunk = self._known_info().max_message_bytes - 64
+        info = self._known_info()
+        plane = self._data_plane() if items else None
+        if plane is not None:
+            keys, parents, views = zip(*items)
+            _check_keys(self.address, keys, parents)
+            for key, view in zip(keys, views):
+                if view.nbytes != info.page_bytes:
+                    raise NodeError(self.address, grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"page {key.hex()} has {view.nbytes} bytes; this node stores pages of "
+                                    f"{info.page_bytes} bytes")
+            try:
+                outcomes = plane.put(keys, parents, views, info.page_bytes, timeout or self.timeout)
+                return PutResult(tuple(_OUTCOME_NAMES.get(o, "unknown") for o in outcomes))
+            except DataPlaneError as exc:
+                self._data_plane_failed(plane, exc)  # returns only to fall back to gRPC
+        chunk = info.max_message_bytes - 64
 
         def messages():
             for number, (key, parent, view) in enumerate(items, start=1):
@@ -165,8 +229,7 @@ class NodeClient:
                     )
 
         reply = self._call(self._put_pages, messages(), timeout)
-        names = {o: pb.PutReply.Outcome.Name(o).lower() for o in pb.PutReply.Outcome.values()}
-        return PutResult(tuple(names[o] for o in reply.outcomes))
+        return PutResult(tuple(_OUTCOME_NAMES[o] for o in reply.outcomes))
 
     def stats(self, timeout: float | None = None) -> dict[str, int]:
         reply = self._call(self._stats, pb.StatsRequest(), timeout)
@@ -176,6 +239,40 @@ class NodeClient:
 
     def _known_info(self) -> NodeInfo:
         return self._node_info or self.info()
+
+    def data_plane_address(self) -> str | None:
+        """host:port of the node's data plane this client uses, or None when it uses gRPC."""
+        plane = self._data_plane()
+        return plane.address if plane is not None else None
+
+    def _data_plane(self) -> DataPlaneClient | None:
+        if not self.use_data_plane:
+            return None
+        port = self._known_info().data_port
+        if not port:
+            return None
+        with self._data_lock:
+            if self._data is None or self._data.port != port:
+                host = _host_of(self.address)
+                if host is None:
+                    log.warning("kvnode %s: cannot tell its host for the data plane; using gRPC", self.address)
+                    self.use_data_plane = False
+                    return None
+                if self._data is not None:
+                    self._data.close()
+                self._data = DataPlaneClient(host, port)
+            return self._data
+
+    def _data_plane_failed(self, plane: DataPlaneClient, exc: DataPlaneError) -> None:
+        """Fall back to gRPC for good when the data plane was never reachable; else raise."""
+        if exc.connect_failed and not plane.connected_once:
+            log.warning("kvnode %s: data plane %s unreachable (%s); using gRPC for this client",
+                        self.address, plane.address, exc.details)
+            self.use_data_plane = False
+            return
+        if exc.connect_failed:
+            self._node_info = None  # a restarted node may listen on another data port: ask Info again
+        raise NodeError(self.address, exc.code, exc.details) from None
 
     def _call(self, method, request, timeout: float | None):
         try:
@@ -189,6 +286,9 @@ class NodeClient:
         return NodeError(self.address, code, details or "no details")
 
     def close(self) -> None:
+        with self._data_lock:
+            if self._data is not None:
+                self._data.close()
         self._channel.close()
 
     def __enter__(self) -> "NodeClient":

@@ -8,6 +8,7 @@ import sys
 
 from coordinator import agent
 from kvcache.units import format_size, parse_size
+from kvnode.data_plane import DataPlaneServer
 from kvnode.service import DEFAULT_MAX_KEYS, SERVICE_NAME, KVStoreService, handler
 from kvnode.store import PageStore
 from protos import kvcache_pb2 as pb
@@ -39,6 +40,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="8MiB",
         help="largest gRPC message sent or accepted; larger pages are chunked (default 8MiB)",
     )
+    parser.add_argument(
+        "--data-port", type=int, default=0,
+        help="TCP port of the data plane, a plain binary protocol beside gRPC that moves page bytes "
+             "(clients fetch and store pages over it, ~2x faster than gRPC); 0 picks a free one (default 0); "
+             "Info advertises it",
+    )
+    parser.add_argument(
+        "--no-data-plane", action="store_true",
+        help="serve pages over gRPC only (clients then use GetPages/PutPages)",
+    )
     parser.add_argument("--grace", type=float, default=2.0, help="seconds to finish running calls on stop (default 2)")
     agent.add_arguments(parser)
 
@@ -62,17 +73,33 @@ def run(args: argparse.Namespace) -> int:
         service = KVStoreService(store, args.node_id, args.max_keys, max_message_bytes)
         server, health = serving.make_server([handler(service)], [SERVICE_NAME], max_message_bytes)
         port = serving.bind(server, args.host, args.port)
+        data_plane = None
+        if not args.no_data_plane:
+            if not 0 <= args.data_port <= 65535:
+                raise ValueError(f"--data-port must be between 0 and 65535, got {args.data_port}")
+            try:
+                data_plane = DataPlaneServer(store, args.host, args.data_port, args.max_keys)
+            except OSError as exc:
+                raise OSError(f"cannot listen on {serving.host_port(args.host, args.data_port)} "
+                              f"for the data plane: {exc.strerror or exc}") from None
+            service.data_port = data_plane.port
     except (ValueError, OSError, MemoryError) as exc:
         print(f"kvcache node: error: {exc}", file=sys.stderr)
         return 2
 
     stopping = serving.stop_on_signals()
     server.start()
+    if data_plane is not None:
+        data_plane.start()
     print(
         f"kvnode {service.node_id} listening on {serving.host_port(args.host, port)} "
         f"({capacity_pages} pages of {args.page_bytes} bytes, {format_size(capacity_pages * args.page_bytes)})",
         flush=True,
     )
+    if data_plane is not None:
+        log.info("data plane (GET/PUT of pages over plain TCP) on %s", serving.host_port(args.host, data_plane.port))
+    else:
+        log.info("data plane off (--no-data-plane): pages move over gRPC only")
     registration = pb.RegisterRequest(
         role="node", capacity_bytes=capacity_pages * args.page_bytes, page_bytes=args.page_bytes
     )
@@ -81,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
     if membership is not None:
         membership.stop()
     log.info("stopping: finishing running calls for up to %.1fs", args.grace)
+    if data_plane is not None:
+        data_plane.stop(args.grace)
     serving.stop(server, health, args.grace)
     log.info("stopped")
     return 0

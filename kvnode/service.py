@@ -42,6 +42,7 @@ class KVStoreService:
         self.max_keys = max_keys_per_request
         self.max_message_bytes = max_message_bytes
         self.chunk_bytes = max_message_bytes - _CHUNK_HEADROOM
+        self.data_port = 0  # the node's data plane port, advertised in Info; 0 = none
 
     # ---- handlers ------------------------------------------------------------
 
@@ -59,6 +60,7 @@ class KVStoreService:
             free_pages=store.num_free(),
             max_keys_per_request=self.max_keys,
             max_message_bytes=self.max_message_bytes,
+            data_port=self.data_port,
         )
 
     def lookup(self, request, context) -> pb.LookupReply:

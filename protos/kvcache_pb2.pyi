@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "version", "page_bytes", "capacity_pages", "used_pages", "leased_pages", "free_pages", "max_keys_per_request", "max_message_bytes")
+    __slots__ = ("node_id", "version", "page_bytes", "capacity_pages", "used_pages", "leased_pages", "free_pages", "max_keys_per_request", "max_message_bytes", "data_port")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class NodeInfo(_message.Message):
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_KEYS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     page_bytes: int
@@ -31,7 +32,8 @@ class NodeInfo(_message.Message):
     free_pages: int
     max_keys_per_request: int
     max_message_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., page_bytes: _Optional[int] = ..., capacity_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., leased_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    data_port: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., page_bytes: _Optional[int] = ..., capacity_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., leased_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("keys", "lease_ms")

@@ -1,0 +1,190 @@
+"""The client side of a kvnode's data plane (framing in kvnode/data_wire.py): GET into the
+caller's buffer with recv_into, PUT straight from the caller's pages. NodeClient uses it;
+nothing else should.
+
+Design notes
+1. A small pool of connections, safe to share between threads: a call takes an idle
+   connection (or opens one) and gives it back once its reply was read in full; any
+   failure closes it instead.
+2. Sockets are blocking with kernel timeouts set to what is left of the call's deadline
+   (no poll before each recv); the deadline is also checked after every recv.
+3. A pooled connection may have been closed by the node while idle: a call that fails on
+   a reused connection before any byte of its reply arrived is sent once more on a new
+   connection (GET and PUT are both idempotent).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Sequence
+
+import grpc
+
+from kvnode import data_wire as dw
+
+_MAX_IDLE = 4
+
+
+class DataPlaneError(Exception):
+    """`code` is a grpc.StatusCode; `connect_failed` says no connection could be opened at all."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, connect_failed: bool = False):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+        self.connect_failed = connect_failed
+
+
+class _Retry(Exception):
+    pass
+
+
+class DataPlaneClient:
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.connected_once = False
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def get_into(self, keys: Sequence[bytes], out: memoryview, timeout_s: float) -> None:
+        """The pages of `keys`, back to back, received straight into `out` (len(keys) x page_bytes bytes)."""
+        request = dw.get_request(keys)
+
+        def exchange(sock: socket.socket, deadline: float, reused: bool) -> None:
+            self._send(sock, [request], deadline, reused)
+            payload = self._reply_header(sock, deadline, reused)
+            if payload != out.nbytes:
+                raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers {payload} bytes, expected {out.nbytes}")
+            _receive(sock, out, deadline)
+
+        self._call(exchange, timeout_s)
+
+    def put(self, keys: Sequence[bytes], parents: Sequence[bytes], pages: Sequence[memoryview],
+            page_bytes: int, timeout_s: float) -> list[int]:
+        """Store pages; one PutOutcome value per page."""
+        head = dw.put_request_head(keys, parents, page_bytes)
+
+        def exchange(sock: socket.socket, deadline: float, reused: bool) -> list[int]:
+            self._send(sock, [head, *pages], deadline, reused)
+            count = self._reply_header(sock, deadline, reused)
+            if count != len(keys):
+                raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers {count} outcomes for {len(keys)} pages")
+            outcomes = memoryview(bytearray(count))
+            _receive(sock, outcomes, deadline)
+            return list(outcomes)
+
+        return self._call(exchange, timeout_s)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+    # ---- plumbing ----------------------------------------------------------------
+
+    def _call(self, exchange, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        for attempt in range(2):
+            sock, reused = self._take(deadline)
+            try:
+                dw.set_kernel_timeouts(sock, max(0.001, deadline - time.monotonic()))
+                result = exchange(sock, deadline, reused and attempt == 0)
+            except _Retry:
+                sock.close()
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            self._give_back(sock)
+            return result
+        raise AssertionError("a retried data plane call asked for another retry")
+
+    def _take(self, deadline: float) -> tuple[socket.socket, bool]:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(), True
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=max(0.001, deadline - time.monotonic()))
+        except socket.timeout:
+            raise DataPlaneError(grpc.StatusCode.DEADLINE_EXCEEDED, f"connecting to {self.address} timed out",
+                                 connect_failed=not self.connected_once) from None
+        except OSError as exc:
+            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"cannot connect to {self.address}: {exc}",
+                                 connect_failed=True) from None
+        sock.settimeout(None)  # blocking; deadlines come from kernel timeouts (note 2)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.connected_once = True
+        return sock, False
+
+    def _give_back(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < _MAX_IDLE:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def _send(self, sock: socket.socket, parts: list, deadline: float, reused: bool) -> None:
+        try:
+            dw.send_parts(sock, parts)
+        except (BlockingIOError, socket.timeout):
+            raise DataPlaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "sending the request timed out") from None
+        except OSError as exc:
+            # The node may have refused early and closed: its answer says why, if it arrived.
+            self._reply_header(sock, deadline, reused, broken=exc)
+
+    def _reply_header(self, sock: socket.socket, deadline: float, reused: bool, broken: OSError | None = None) -> int:
+        """The payload length of an OK reply; raises the node's status otherwise."""
+        header = memoryview(bytearray(dw.REPLY.size))
+        try:
+            _receive(sock, header, deadline, first=True)
+        except _NothingReceived as exc:
+            if reused:
+                raise _Retry() from None  # an idle connection the node had closed (note 3)
+            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE,
+                                 f"connection to {self.address} closed before a reply: {broken or exc}") from None
+        code, message_bytes, payload = dw.parse_reply_header(header)
+        if code == grpc.StatusCode.OK:
+            if broken is not None:
+                raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"connection broke while sending: {broken}")
+            return payload
+        message = memoryview(bytearray(message_bytes))
+        try:
+            _receive(sock, message, deadline)
+            details = bytes(message).decode("utf-8", errors="replace")
+        except DataPlaneError:
+            details = "(the node's message was cut off)"
+        raise DataPlaneError(code, details)
+
+
+class _NothingReceived(DataPlaneError):
+    pass
+
+
+def _receive(sock: socket.socket, view: memoryview, deadline: float, first: bool = False) -> None:
+    """Fill `view` from `sock`; _NothingReceived when `first` and the peer closed before any byte."""
+    got, size = 0, view.nbytes
+    while got < size:
+        try:
+            n = sock.recv_into(view[got:])
+        except (BlockingIOError, socket.timeout):
+            raise DataPlaneError(grpc.StatusCode.DEADLINE_EXCEEDED, f"timed out after {got} of {size} bytes") from None
+        except OSError as exc:
+            if first and got == 0:
+                raise _NothingReceived(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"connection broke after {got} of {size} bytes: {exc}") from None
+        if n == 0:
+            if first and got == 0:
+                raise _NothingReceived(grpc.StatusCode.UNAVAILABLE, "closed by the node")
+            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"connection closed after {got} of {size} bytes")
+        got += n
+        if got < size and time.monotonic() > deadline:
+            raise DataPlaneError(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline passed after {got} of {size} bytes")

@@ -1,0 +1,158 @@
+"""Framing of the kvnode's data plane: GET and PUT of whole pages over a plain TCP stream,
+shared by the server (kvnode/data_plane.py) and NodeClient.
+
+Why not gRPC: grpcio moves at most ~1 GB/s here (Python-level message handling per
+chunk); a blocking socket with recv_into / sendall moves page bytes at memory speed.
+
+Design notes
+1. A request is one fixed header, then its keys, then (PUT) the pages back to back:
+     header   magic "KVDP", version, op, key_bytes, count (u32), page_bytes (u64; 0 for GET)
+     GET      count x key
+     PUT      count x (key, parent_len (u8: 0 for a root, else key_bytes), parent (key_bytes,
+              zeros for a root)), then count x page_bytes bytes of pages
+   Keys go before pages so the server validates them before it receives a byte of data.
+2. Every reply starts with one header: status (a grpc.StatusCode value, 0 = OK), the
+   length of a UTF-8 message and the payload's length. OK to a GET: the pages' bytes,
+   back to back, in request order. OK to a PUT: one outcome byte per page
+   (kvnode.store.PutOutcome values). Not OK: the message, then the server closes the
+   connection (the rest of the request is not read as a request).
+3. A connection carries any number of requests, one at a time.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+import grpc
+
+MAGIC = b"KVDP"
+VERSION = 1
+OP_GET, OP_PUT = 1, 2
+OPS = {OP_GET: "GET", OP_PUT: "PUT"}
+
+REQUEST = struct.Struct("!4sBBBxIQ")  # magic, version, op, key_bytes, count, page_bytes
+REPLY = struct.Struct("!BxxxIQ")  # status, message bytes, payload bytes
+PARENT_LEN = struct.Struct("!B")
+
+STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class FrameError(ValueError):
+    """A request that cannot be served; `code` is the grpc.StatusCode it is answered with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class RequestHeader:
+    op: int
+    key_bytes: int
+    count: int
+    page_bytes: int
+
+
+# ---- requests ---------------------------------------------------------------------
+
+
+def request_header(op: int, count: int, key_bytes: int = 16, page_bytes: int = 0,
+                   magic: bytes = MAGIC, version: int = VERSION) -> bytes:
+    return REQUEST.pack(magic, version, op, key_bytes, count, page_bytes)
+
+
+def get_request(keys: Sequence[bytes]) -> bytes:
+    """A whole GET request: header and keys (every key as long as the first)."""
+    key_bytes = len(keys[0]) if keys else 16
+    return request_header(OP_GET, len(keys), key_bytes) + b"".join(keys)
+
+
+def put_request_head(keys: Sequence[bytes], parents: Sequence[bytes], page_bytes: int) -> bytes:
+    """A PUT request up to its pages: header, then (key, parent_len, parent) per page."""
+    key_bytes = len(keys[0]) if keys else 16
+    parts = [request_header(OP_PUT, len(keys), key_bytes, page_bytes)]
+    for key, parent in zip(keys, parents):
+        parts += [key, PARENT_LEN.pack(len(parent)), parent or bytes(key_bytes)]
+    return b"".join(parts)
+
+
+def parse_request_header(buf) -> RequestHeader:
+    """The header's fields, or FrameError(INVALID_ARGUMENT) saying what is wrong with it."""
+    magic, version, op, key_bytes, count, page_bytes = REQUEST.unpack(buf)
+    if magic != MAGIC:
+        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"not a kvnode data plane request (magic {bytes(magic)!r}, expected {MAGIC!r})")
+    if version != VERSION:
+        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"data plane version {version} is not spoken here (this node speaks {VERSION})")
+    if op not in OPS:
+        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown data plane op {op} (GET is 1, PUT is 2)")
+    return RequestHeader(op, key_bytes, count, page_bytes)
+
+
+def put_entry_bytes(key_bytes: int) -> int:
+    return key_bytes + PARENT_LEN.size + key_bytes
+
+
+def parse_put_entries(buf, count: int, key_bytes: int) -> list[tuple[bytes, bytes]]:
+    """(key, parent) per page from a PUT's key block; a root's parent is b""."""
+    view = memoryview(buf)
+    size = put_entry_bytes(key_bytes)
+    entries = []
+    for i in range(count):
+        entry = view[i * size : (i + 1) * size]
+        key = bytes(entry[:key_bytes])
+        parent_len = entry[key_bytes]
+        if parent_len not in (0, key_bytes):
+            raise FrameError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"page {key.hex()}: parent key must be {key_bytes} bytes or empty, got {parent_len}")
+        entries.append((key, bytes(entry[key_bytes + 1 : key_bytes + 1 + parent_len])))
+    return entries
+
+
+# ---- replies ----------------------------------------------------------------------
+
+
+def ok_reply(payload_bytes: int) -> bytes:
+    return REPLY.pack(0, 0, payload_bytes)
+
+
+def error_reply(code: grpc.StatusCode, message: str) -> bytes:
+    text = message.encode("utf-8")
+    return REPLY.pack(code.value[0], len(text), 0) + text
+
+
+def parse_reply_header(buf) -> tuple[grpc.StatusCode, int, int]:
+    """(status, message bytes, payload bytes); an unknown status reads as UNKNOWN."""
+    value, message_bytes, payload_bytes = REPLY.unpack(buf)
+    return STATUS_BY_VALUE.get(value, grpc.StatusCode.UNKNOWN), message_bytes, payload_bytes
+
+
+# ---- sockets ----------------------------------------------------------------------
+
+
+def set_kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
+    """SO_RCVTIMEO and SO_SNDTIMEO on a blocking socket: a stalled recv or send raises
+    BlockingIOError after timeout_s, with no poll before each call."""
+    seconds = int(timeout_s)
+    value = struct.pack("ll", seconds, int((timeout_s - seconds) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+
+
+_IOV_BATCH = 512  # buffers per sendmsg, under the kernel's IOV_MAX (1024)
+
+
+def send_parts(sock: socket.socket, parts: list) -> None:
+    """Send the buffers back to back with as few syscalls as sendmsg allows (no joining copy)."""
+    parts = [memoryview(p).cast("B") for p in parts]
+    while parts:
+        sent = sock.sendmsg(parts[:_IOV_BATCH])
+        while parts and sent >= parts[0].nbytes:
+            sent -= parts[0].nbytes
+            parts.pop(0)
+        if sent:
+            parts[0] = parts[0][sent:]

@@ -1,0 +1,369 @@
+"""The kvnode's data plane (kvnode/data_plane.py) beside its gRPC service on one store:
+pages through it equal pages through gRPC, byte for byte; every bad input gets its status
+or is dropped cleanly while the node goes on serving with its invariants intact
+(DESIGN.md invariants 3 and 4); NodeClient falls back to gRPC when it cannot reach it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from cluster_helpers import NODE_PAGE_BYTES, wait_for
+from kvnode import data_wire as dw
+from kvnode.client import NodeClient, NodeError
+from kvnode.data_plane import DataPlaneServer
+from store_helpers import key
+
+MAX_KEYS = 8
+GOOD = [key(i) for i in range(3)]
+GOOD_PARENTS = [b"", GOOD[0], GOOD[1]]
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def pages(n: int, first: int = 1) -> np.ndarray:
+    rng = np.random.default_rng(first)
+    return rng.integers(0, 256, size=(n, NODE_PAGE_BYTES), dtype=np.uint8)
+
+
+@pytest.fixture
+def plane(node):
+    """A data plane on the in-process node's store, advertised in its Info."""
+    server = DataPlaneServer(node.store, "127.0.0.1", 0, max_keys=MAX_KEYS, max_connections=4, timeout_s=2.0)
+    server.start()
+    node.service.data_port = server.port
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def seeded(node, plane):
+    with node.client(use_data_plane=False) as grpc_client:
+        assert grpc_client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3
+    return node
+
+
+def assert_unharmed(node, plane, stored: set[bytes]) -> None:
+    """Invariants hold, exactly `stored` is cached, nothing stays pinned, and a data plane round trip works."""
+    assert wait_for(lambda: node.store.num_pinned() == 0, timeout_s=5.0)
+    node.store.check_invariants()
+    assert set(node.store.keys()) == stored
+    with node.client() as client:
+        assert client.data_plane_address() == f"127.0.0.1:{plane.port}"
+        np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))
+        probe = key(1000)
+        assert client.put_pages([probe], [b""], pages(1, 9)).stored == 1
+        np.testing.assert_array_equal(client.get_pages([probe]), pages(1, 9))
+    node.store.check_invariants()
+
+
+@pytest.fixture(autouse=True)
+def no_errors_logged(caplog):
+    """A bad peer is refused or dropped with an info line, never an error with a traceback."""
+    with caplog.at_level(logging.INFO, logger="kvnode"):
+        yield
+    errors = [r for r in caplog.records if r.name == "kvnode" and r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]
+
+
+# ---- raw requests -------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def raw_connection(plane):
+    sock = socket.create_connection(("127.0.0.1", plane.port), timeout=5.0)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def read_exactly(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(data)} of {size} bytes")
+        data += chunk
+    return bytes(data)
+
+
+def read_reply(sock: socket.socket) -> tuple[grpc.StatusCode, str, bytes]:
+    code, message_bytes, payload = dw.parse_reply_header(read_exactly(sock, dw.REPLY.size))
+    message = read_exactly(sock, message_bytes).decode("utf-8")
+    return code, message, read_exactly(sock, payload)
+
+
+def closed_by_node(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def expect_refusal(plane, request: bytes, code: grpc.StatusCode, *fragments: str) -> str:
+    with raw_connection(plane) as sock:
+        sock.sendall(request)
+        got, message, payload = read_reply(sock)
+        assert got == code, message
+        assert payload == b""
+        for fragment in fragments:
+            assert fragment in message, message
+        assert closed_by_node(sock)
+        return message
+
+
+def put_request(keys, parents, data: bytes, page_bytes: int = NODE_PAGE_BYTES) -> bytes:
+    return dw.put_request_head(keys, parents, page_bytes) + data
+
+
+def test_a_raw_get_answers_ok_then_the_pages_back_to_back(seeded, plane):
+    with raw_connection(plane) as sock:
+        for _ in range(2):  # one connection, several requests
+            sock.sendall(dw.get_request(GOOD[1:]))
+            code, message, payload = read_reply(sock)
+            assert (code, message) == (grpc.StatusCode.OK, "")
+            assert payload == pages(3)[1:].tobytes()
+
+
+def test_a_raw_put_answers_one_outcome_per_page(seeded, plane):
+    new = [key(10), key(11), key(12)]
+    request = put_request([GOOD[0], new[0], new[1], new[2]], [b"", GOOD[2], key(99), b""],
+                          pages(4, 5).tobytes())
+    with raw_connection(plane) as sock:
+        sock.sendall(request)
+        code, _, outcomes = read_reply(sock)
+    assert code == grpc.StatusCode.OK
+    assert list(outcomes) == [2, 1, 3, 1]  # already present, stored, refused: no parent, stored
+    assert_unharmed(seeded, plane, {*GOOD, new[0], new[2]})
+
+
+# ---- bad input ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "request_bytes, fragment",
+    [
+        (dw.request_header(dw.OP_GET, 1, magic=b"GET ") + GOOD[0], "magic"),
+        (dw.request_header(dw.OP_GET, 1, version=2) + GOOD[0], "version 2"),
+        (dw.request_header(9, 1) + GOOD[0], "unknown data plane op 9"),
+        (dw.request_header(dw.OP_GET, 1, key_bytes=15) + GOOD[0][:15], "keys must be 16 bytes"),
+        (dw.request_header(dw.OP_PUT, 1, key_bytes=32, page_bytes=NODE_PAGE_BYTES), "keys must be 16 bytes"),
+        (dw.request_header(dw.OP_GET, MAX_KEYS + 1) + GOOD[0] * (MAX_KEYS + 1), f"at most {MAX_KEYS}"),
+        (dw.request_header(dw.OP_GET, 0), "at least one key"),
+        (dw.request_header(dw.OP_PUT, 0, page_bytes=NODE_PAGE_BYTES), "at least one key"),
+    ],
+    ids=["magic", "version", "op", "short key", "long key", "too many keys", "no keys", "empty put"],
+)
+def test_a_bad_header_is_invalid_argument_and_changes_nothing(seeded, plane, request_bytes, fragment):
+    expect_refusal(plane, request_bytes, INVALID, fragment)
+    assert_unharmed(seeded, plane, set(GOOD))
+
+
+def test_an_unknown_key_is_not_found_naming_it_and_nothing_is_sent(seeded, plane):
+    missing = key(77)
+    sent_before = seeded.store.stats.get_pages
+    expect_refusal(plane, dw.get_request([GOOD[0], missing]), grpc.StatusCode.NOT_FOUND, missing.hex(), "not cached")
+    assert seeded.store.stats.get_pages == sent_before
+    assert_unharmed(seeded, plane, set(GOOD))
+
+
+@pytest.mark.parametrize("page_bytes", [NODE_PAGE_BYTES - 1, NODE_PAGE_BYTES * 2])
+def test_a_put_of_the_wrong_page_size_stores_nothing(seeded, plane, page_bytes):
+    request = put_request([key(10)], [b""], bytes(page_bytes), page_bytes=page_bytes)
+    expect_refusal(plane, request, INVALID, f"pages of {page_bytes} bytes", f"stores pages of {NODE_PAGE_BYTES}")
+    assert_unharmed(seeded, plane, set(GOOD))
+
+
+def test_a_put_with_a_bad_parent_stores_none_of_its_pages(seeded, plane):
+    head = bytearray(dw.put_request_head([key(10), key(11)], [b"", key(10)], NODE_PAGE_BYTES))
+    head[dw.REQUEST.size + dw.put_entry_bytes(16) + 16] = 7  # second page's parent_len
+    expect_refusal(plane, bytes(head) + pages(2).tobytes(), INVALID, "parent key must be 16 bytes")
+    assert_unharmed(seeded, plane, set(GOOD))
+
+
+def test_a_put_of_a_page_naming_itself_stores_none_of_its_pages(seeded, plane):
+    request = put_request([key(10), key(11)], [b"", key(11)], pages(2).tobytes())
+    expect_refusal(plane, request, INVALID, "names itself as its parent", "nothing stored")
+    assert_unharmed(seeded, plane, set(GOOD))
+
+
+def test_a_truncated_put_stores_nothing(seeded, plane):
+    request = put_request([key(10), key(11)], [b"", key(10)], pages(2).tobytes())
+    with raw_connection(plane) as sock:
+        sock.sendall(request[: len(request) - NODE_PAGE_BYTES // 2])
+        sock.shutdown(socket.SHUT_WR)
+        assert closed_by_node(sock)  # dropped without an answer: the request never completed
+    assert_unharmed(seeded, plane, set(GOOD))
+
+
+@pytest.mark.parametrize("sent", [0, 5, dw.REQUEST.size + 3], ids=["nothing", "short header", "short keys"])
+def test_a_client_that_stops_sending_is_dropped_after_the_timeout(seeded, plane, sent):
+    request = dw.get_request(GOOD)
+    with raw_connection(plane) as sock:
+        sock.sendall(request[:sent])
+        with node_client(seeded) as other:  # meanwhile the node serves others
+            np.testing.assert_array_equal(other.get_pages(GOOD), pages(3))
+        started = time.monotonic()
+        assert closed_by_node(sock)
+        assert time.monotonic() - started < plane.timeout_s + 3.0
+    assert_unharmed(seeded, plane, set(GOOD))
+
+
+def test_a_client_that_disconnects_mid_header_is_dropped(seeded, plane):
+    with raw_connection(plane) as sock:
+        sock.sendall(dw.get_request(GOOD)[:7])
+    assert wait_for(lambda: plane.num_connections() == 0, timeout_s=5.0)
+    assert_unharmed(seeded, plane, set(GOOD))
+
+
+def test_a_client_that_disconnects_mid_reply_leaves_no_pin(make_node):
+    page_bytes, n = 256 * 1024, 32  # an 8 MiB reply: more than the sockets buffer, so the node is mid-send
+    node = make_node(capacity_pages=n, page_bytes=page_bytes, max_keys=n)
+    server = DataPlaneServer(node.store, "127.0.0.1", 0, max_keys=n, timeout_s=5.0).start()
+    node.service.data_port = server.port
+    try:
+        keys = [key(i) for i in range(n)]
+        with node.client(use_data_plane=False) as c:
+            assert c.put_pages(keys, [b""] * n, np.zeros((n, page_bytes), np.uint8)).stored == n
+        for _ in range(3):
+            with socket.socket() as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+                sock.settimeout(5.0)
+                sock.connect(("127.0.0.1", server.port))
+                sock.sendall(dw.get_request(keys))
+                sock.recv(100)  # a little of the reply, then gone
+                assert wait_for(lambda: node.store.num_pinned() == n)  # the node is sending from the pool
+        assert wait_for(lambda: server.num_connections() == 0 and node.store.num_pinned() == 0, timeout_s=5.0)
+        node.store.check_invariants()
+        with node.client() as c:
+            assert c.data_plane_address() is not None
+            assert c.get_pages(keys).shape == (n, page_bytes)
+    finally:
+        server.stop()
+
+
+def test_connections_over_the_bound_get_resource_exhausted(seeded, plane):
+    with contextlib.ExitStack() as stack:
+        held = [stack.enter_context(raw_connection(plane)) for _ in range(plane.max_connections)]
+        assert wait_for(lambda: plane.num_connections() == plane.max_connections)
+        with raw_connection(plane) as extra:
+            code, message, _ = read_reply(extra)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 4" in message
+        held[0].sendall(dw.get_request(GOOD[:1]))  # the held ones still serve
+        assert read_reply(held[0])[0] == grpc.StatusCode.OK
+    assert_unharmed(seeded, plane, set(GOOD))
+
+
+# ---- through NodeClient -------------------------------------------------------------
+
+
+def node_client(node, **kwargs) -> NodeClient:
+    return node.client(**kwargs)
+
+
+def test_pages_through_the_data_plane_equal_pages_through_grpc(node, plane):
+    data = pages(3, 4)
+    with node_client(node) as fast, node_client(node, use_data_plane=False) as slow:
+        assert fast.data_plane_address() == f"127.0.0.1:{plane.port}"
+        assert slow.data_plane_address() is None
+        assert fast.put_pages(GOOD, GOOD_PARENTS, data).outcomes == ("stored",) * 3
+        assert slow.put_pages(GOOD, GOOD_PARENTS, data).outcomes == ("already_present",) * 3
+        other = [key(20), key(21)]
+        assert slow.put_pages(other, [b"", other[0]], pages(2, 6)).stored == 2
+        for keys, expected in ((GOOD, data), (other, pages(2, 6)), (GOOD[1:] + other[:1], np.vstack([data[1:], pages(2, 6)[:1]]))):
+            via_plane, via_grpc = fast.get_pages(keys), slow.get_pages(keys)
+            assert via_plane.tobytes() == via_grpc.tobytes() == expected.tobytes()
+        out = np.empty((3, NODE_PAGE_BYTES), np.uint8)
+        assert fast.get_pages(GOOD, out=out) is out and out.tobytes() == data.tobytes()
+        stats = fast.stats()
+    assert stats["puts"] == 8 and stats["stored_pages"] == 5
+    assert stats["get_pages"] == 2 * (3 + 2 + 3) + 3 and stats["bytes_out"] == stats["get_pages"] * NODE_PAGE_BYTES
+    node.store.check_invariants()
+
+
+def test_client_errors_keep_the_nodes_status(seeded, plane):
+    with node_client(seeded) as client:
+        missing = key(77)
+        with pytest.raises(NodeError) as raised:
+            client.get_pages([GOOD[0], missing])
+        assert raised.value.code == grpc.StatusCode.NOT_FOUND and missing.hex() in raised.value.details
+        with pytest.raises(NodeError) as raised:
+            client.get_pages([key(100 + i) for i in range(MAX_KEYS + 1)])
+        assert raised.value.code == INVALID and f"at most {MAX_KEYS}" in raised.value.details
+        with pytest.raises(NodeError) as raised:
+            client.put_pages([key(10)], [b""], [bytes(NODE_PAGE_BYTES + 1)])
+        assert raised.value.code == INVALID and f"pages of {NODE_PAGE_BYTES} bytes" in raised.value.details
+        with pytest.raises(NodeError) as raised:
+            client.get_pages([b"short"])
+        assert raised.value.code == INVALID and "16 bytes" in raised.value.details
+        np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))  # after errors, on a new connection
+    assert_unharmed(seeded, plane, set(GOOD))
+
+
+def test_a_node_that_does_not_answer_is_deadline_exceeded(seeded, plane):
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (in the kernel) and never answers
+    try:
+        seeded.service.data_port = silent.getsockname()[1]
+        with node_client(seeded) as client:
+            started = time.monotonic()
+            with pytest.raises(NodeError) as raised:
+                client.get_pages(GOOD, timeout=0.3)
+            assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.monotonic() - started < 2.0
+    finally:
+        silent.close()
+
+
+def test_an_unreachable_data_plane_falls_back_to_grpc_with_one_log_line(seeded, plane, caplog):
+    closed = socket.create_server(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    seeded.service.data_port = closed_port
+    with caplog.at_level(logging.WARNING, logger="kvnode.client"), node_client(seeded) as client:
+        np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))
+        assert client.put_pages([key(10)], [b""], pages(1, 3)).stored == 1
+        np.testing.assert_array_equal(client.get_pages([key(10)]), pages(1, 3))
+        assert client.data_plane_address() is None
+    lines = [r.getMessage() for r in caplog.records if "data plane" in r.getMessage()]
+    assert len(lines) == 1 and "using gRPC" in lines[0] and str(closed_port) in lines[0]
+    seeded.store.check_invariants()
+
+
+def test_a_data_plane_that_goes_away_after_serving_is_unavailable_not_a_silent_fallback(seeded, plane):
+    with node_client(seeded) as client:
+        np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))
+        plane.stop()
+        with pytest.raises(NodeError) as raised:
+            client.get_pages(GOOD)
+        assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_one_client_serves_several_threads_at_once(seeded, plane):
+    errors, rounds = [], 20
+
+    def fetch(client):
+        try:
+            for _ in range(rounds):
+                assert client.get_pages(GOOD).tobytes() == pages(3).tobytes()
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    with node_client(seeded) as client:
+        threads = [threading.Thread(target=fetch, args=(client,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    assert seeded.store.stats.get_pages >= 4 * rounds * 3
+    assert_unharmed(seeded, plane, set(GOOD))

@@ -1,0 +1,94 @@
+"""The data plane's framing (kvnode/data_wire.py): what one side writes the other reads back,
+and a header that is not ours says why."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import grpc
+import pytest
+
+from kvnode import data_wire as dw
+from store_helpers import key
+
+
+def test_a_get_request_round_trips():
+    keys = [key(1), key(2), key(3)]
+    request = dw.get_request(keys)
+    header = dw.parse_request_header(request[: dw.REQUEST.size])
+    assert header == dw.RequestHeader(dw.OP_GET, 16, 3, 0)
+    assert request[dw.REQUEST.size :] == b"".join(keys)
+
+
+def test_a_put_request_head_round_trips_roots_and_children():
+    keys, parents = [key(1), key(2)], [b"", key(1)]
+    head = dw.put_request_head(keys, parents, page_bytes=4096)
+    header = dw.parse_request_header(head[: dw.REQUEST.size])
+    assert header == dw.RequestHeader(dw.OP_PUT, 16, 2, 4096)
+    entries = head[dw.REQUEST.size :]
+    assert len(entries) == 2 * dw.put_entry_bytes(16)
+    assert dw.parse_put_entries(entries, 2, 16) == [(key(1), b""), (key(2), key(1))]
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED])
+def test_reply_headers_round_trip_every_status(code):
+    reply = dw.ok_reply(123) if code == grpc.StatusCode.OK else dw.error_reply(code, "page ü is gone")
+    status, message_bytes, payload = dw.parse_reply_header(reply[: dw.REPLY.size])
+    assert status == code
+    if code == grpc.StatusCode.OK:
+        assert (message_bytes, payload, len(reply)) == (0, 123, dw.REPLY.size)
+    else:
+        assert payload == 0 and reply[dw.REPLY.size :].decode("utf-8") == "page ü is gone"
+        assert message_bytes == len("page ü is gone".encode("utf-8"))
+
+
+def test_an_unknown_status_reads_as_unknown():
+    assert dw.parse_reply_header(dw.REPLY.pack(200, 0, 0))[0] == grpc.StatusCode.UNKNOWN
+
+
+@pytest.mark.parametrize(
+    "header, fragment",
+    [
+        (dw.request_header(dw.OP_GET, 1, magic=b"HTTP"), "magic"),
+        (dw.request_header(dw.OP_GET, 1, version=9), "version 9"),
+        (dw.request_header(7, 1), "unknown data plane op 7"),
+    ],
+    ids=["magic", "version", "op"],
+)
+def test_a_foreign_header_is_invalid_argument(header, fragment):
+    with pytest.raises(dw.FrameError) as raised:
+        dw.parse_request_header(header)
+    assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in str(raised.value)
+
+
+def test_a_parent_of_a_wrong_length_is_invalid_argument():
+    entry = bytearray(dw.put_request_head([key(1)], [key(2)], 64)[dw.REQUEST.size :])
+    entry[16] = 5  # parent_len
+    with pytest.raises(dw.FrameError) as raised:
+        dw.parse_put_entries(entry, 1, 16)
+    assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT and "got 5" in str(raised.value)
+
+
+def test_send_parts_sends_every_buffer_back_to_back_in_order():
+    a, b = socket.socketpair()
+    try:
+        parts = [b"head", memoryview(bytes(range(256)) * 3000), b"", bytearray(b"tail")]
+        expected = b"".join(bytes(p) for p in parts)
+        a.settimeout(5)
+        b.settimeout(5)
+        received = bytearray()
+
+        sender = threading.Thread(target=dw.send_parts, args=(a, parts))
+        sender.start()
+        while len(received) < len(expected):
+            chunk = b.recv(1 << 16)
+            assert chunk
+            received += chunk
+        sender.join(5)
+        assert bytes(received) == expected
+    finally:
+        a.close()
+        b.close()
