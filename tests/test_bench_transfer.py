@@ -23,15 +23,16 @@ def _check_measured(figures: dict) -> None:
         assert figures[op]["batches"] == 3
 
 
-def test_short_run_reports_all_three_transports():
+def test_short_run_reports_every_transport_and_both_kvnode_paths():
     result = _bench(*TINY)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["page_bytes"] == 5000 and report["batch_bytes"] == 15000
     assert report["options"]["pages_per_batch"] == 3 and report["machine"]["cpus"] >= 1
     transports = report["transports"]
-    assert set(transports) == {"kvnode", "redis", "socket"}
+    assert set(transports) == {"kvnode", "kvnode_grpc", "redis", "socket"}
     _check_measured(transports["kvnode"])
+    _check_measured(transports["kvnode_grpc"])
     _check_measured(transports["socket"])
     redis = transports["redis"]
     if "missing" in redis:  # measured where redis-server and redis-py are installed, else said so
@@ -54,7 +55,7 @@ def test_missing_redis_server_is_a_row_that_says_so():
     assert len(redis_lines) == 2  # one for get, one for put: the rows stay, with the reason
     for line in redis_lines:
         assert "no-such-redis-server-here not installed: run make bench-deps" in line
-    assert "kvnode" in result.stdout and "socket" in result.stdout
+    assert "kvnode data plane" in result.stdout and "kvnode gRPC" in result.stdout and "raw socket" in result.stdout
 
 
 def test_plot_without_matplotlib_is_one_clear_error(tmp_path):

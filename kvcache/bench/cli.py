@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 BENCHES = [
-    ("node", "kvnode put/get throughput against a raw TCP socket"),
-    ("transfer", "page get/put through a kvnode, Redis and a raw TCP socket"),
+    ("node", "kvnode put/get throughput (data plane and gRPC) against a raw TCP socket"),
+    ("transfer", "page get/put through a kvnode (data plane and gRPC), Redis and a raw TCP socket"),
     ("engine", "paged engine prefill/decode/TTFT against a dense runner"),
     ("remote", "TTFT cold vs warm from a kvnode vs warm local"),
     ("eviction", "hit rate and orphans of prefix-aware vs LRU vs FIFO eviction"),

@@ -1,9 +1,10 @@
-"""`kvcache bench node`: kvnode put/get throughput and latency beside a raw loopback TCP
-socket moving the same bytes in the same run, and the cost of a lookup as the index grows.
+"""`kvcache bench node`: kvnode put/get throughput and latency, over its data plane and over
+gRPC as separate rows, beside a raw loopback TCP socket moving the same bytes in the same
+run, and the cost of a lookup as the index grows.
 
-Batches are interleaved (node get, socket get, node put, socket put, ..., which side goes
-first alternating) so both sides see the same machine load. Defaults: batches of 16 pages
-of 589,824 bytes, one page of 16 tokens of a GPT-2-small-sized model in float16.
+Batches are interleaved (every path's get, then every path's put, the order rotating each
+round) so every path sees the same machine load. Defaults: batches of 16 pages of 589,824
+bytes, one page of 16 tokens of a GPT-2-small-sized model in float16.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 import numpy as np
 
 from kvcache.bench.loopback import SocketBaseline
-from kvcache.bench.report import dump_json, latency_summary_ms, machine, print_table
+from kvcache.bench.report import dump_json, latency_summary_ms, machine, print_table, rotated_order
 from kvcache.launch import Daemon
 from kvnode.client import NodeClient
 from kvnode.store import PageStore
@@ -56,12 +57,16 @@ def run(args: argparse.Namespace) -> int:
     batch_mib = transfer["batch_bytes"] / 2**20
     print(f"transfer: {args.batches} batches of {args.pages_per_batch} pages x {transfer['page_bytes']} bytes ({batch_mib:.1f} MiB)")
     rows = []
-    for op in ("get", "put"):
-        node, raw = transfer["node"][op], transfer["socket"][op]
-        rows.append([op, node["gb_per_s"], raw["gb_per_s"], node["gb_per_s"] / raw["gb_per_s"],
-                     node["p50_ms"], node["p99_ms"], raw["p50_ms"], raw["p99_ms"]])
-    print_table(["op", "node GB/s", "socket GB/s", "node/socket", "node p50 ms", "node p99 ms", "socket p50 ms",
-                 "socket p99 ms"], rows)
+    for op in OPS:
+        raw = transfer["socket"][op]
+        for side in SIDES:
+            figures = transfer[side]
+            if "missing" in figures:
+                rows.append([op, LABELS[side], "-", "-", "-", "-", figures["missing"]])
+                continue
+            f = figures[op]
+            rows.append([op, LABELS[side], f["gb_per_s"], f["gb_per_s"] / raw["gb_per_s"], f["p50_ms"], f["p99_ms"], ""])
+    print_table(["op", "path", "GB/s", "x socket", "p50 ms", "p99 ms", "note"], rows)
     print()
     print("lookup + touch on the page store (no network):")
     print_table(["cached pages", "lookup 1 key us", "lookup 32-key chain us"],
@@ -70,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- transfer ---------------------------------------------------------------------
+
+OPS = ("get", "put")
+SIDES = ("node", "node_grpc", "socket")  # "node" is the path clients take: the data plane
+LABELS = {"node": "node data plane", "node_grpc": "node gRPC", "socket": "raw socket"}
 
 
 def measure_transfer(args: argparse.Namespace) -> dict:
@@ -80,47 +89,45 @@ def measure_transfer(args: argparse.Namespace) -> dict:
         node_daemon = Daemon("node", ["--port", "0", "--page-bytes", str(args.page_bytes), "--capacity", str(capacity)])
         address = node_daemon.address
     try:
-        with NodeClient(address, timeout=60.0) as client, SocketBaseline() as raw:
-            return _interleaved(client, raw, args)
+        with NodeClient(address, timeout=60.0) as client, \
+                NodeClient(address, timeout=60.0, use_data_plane=False) as grpc_client, SocketBaseline() as raw:
+            return _interleaved(client, grpc_client, raw, args)
     finally:
         if node_daemon is not None:
             node_daemon.stop()
 
 
-def _interleaved(client: NodeClient, raw: SocketBaseline, args: argparse.Namespace) -> dict:
+def _interleaved(client: NodeClient, grpc_client: NodeClient, raw: SocketBaseline, args: argparse.Namespace) -> dict:
     page_bytes = client.info().page_bytes
     n = args.pages_per_batch
     rng = np.random.default_rng(0)
     pages = rng.integers(0, 256, size=(n, page_bytes), dtype=np.uint8)
     out = np.empty_like(pages)
     get_keys = [os.urandom(16) for _ in range(n)]
-    client.put_pages(get_keys, [b""] * n, pages)
+    grpc_client.put_pages(get_keys, [b""] * n, pages)
     batch_bytes = pages.nbytes
-    times: dict[str, dict[str, list[float]]] = {"node": {"get": [], "put": []}, "socket": {"get": [], "put": []}}
+    clients = {"node": client, "node_grpc": grpc_client}
+    missing = {}
+    if client.data_plane_address() is None:
+        missing["node"] = "the node serves no data plane (started with --no-data-plane?)"
 
-    def node_get():
-        client.get_pages(get_keys, out=out)
+    def node_ops(c: NodeClient) -> dict:
+        return {"get": lambda: c.get_pages(get_keys, out=out),
+                # fresh keys: a real store, evicting as the pool fills
+                "put": lambda: c.put_pages([os.urandom(16) for _ in range(n)], [b""] * n, pages)}
 
-    def node_put():
-        client.put_pages([os.urandom(16) for _ in range(n)], [b""] * n, pages)  # fresh keys: a real store
-
-    def socket_get():
-        raw.get(out)
-
-    def socket_put():
-        raw.put(pages)
-
-    ops = [("node", "get", node_get), ("socket", "get", socket_get), ("node", "put", node_put), ("socket", "put", socket_put)]
+    ops = {side: node_ops(c) for side, c in clients.items() if side not in missing}
+    ops["socket"] = {"get": lambda: raw.get(out), "put": lambda: raw.put(pages)}
+    times: dict[str, dict[str, list[float]]] = {side: {op: [] for op in OPS} for side in ops}
     for i in range(args.warmup + args.batches):
-        # Odd rounds swap the sides, so neither always runs first after the puts.
-        for side, op, fn in ops if i % 2 == 0 else [ops[1], ops[0], ops[3], ops[2]]:
+        for side, op in rotated_order(list(ops), i):
             start = time.perf_counter()
-            fn()
+            ops[side][op]()
             if i >= args.warmup:
                 times[side][op].append(time.perf_counter() - start)
-    got = client.get_pages(get_keys)
-    if not np.array_equal(got, pages):
-        raise RuntimeError("the node returned different bytes than were stored")
+    for side, c in clients.items():
+        if side not in missing and not np.array_equal(c.get_pages(get_keys), pages):
+            raise RuntimeError(f"the node returned different bytes than were stored ({LABELS[side]})")
 
     def summary(samples: list[float]) -> dict:
         return {"gb_per_s": batch_bytes * len(samples) / sum(samples) / 1e9, **latency_summary_ms(samples)}
@@ -128,8 +135,8 @@ def _interleaved(client: NodeClient, raw: SocketBaseline, args: argparse.Namespa
     return {
         "page_bytes": page_bytes,
         "batch_bytes": batch_bytes,
-        "node": {op: summary(t) for op, t in times["node"].items()},
-        "socket": {op: summary(t) for op, t in times["socket"].items()},
+        **{side: {"missing": why} for side, why in missing.items()},
+        **{side: {op: summary(t) for op, t in per_op.items()} for side, per_op in times.items()},
     }
 
 

@@ -20,6 +20,15 @@ def latency_summary_ms(seconds: Sequence[float]) -> dict[str, float]:
     }
 
 
+def rotated_order(transports: list[str], round_index: int, ops: Sequence[str] = ("get", "put")) -> list[tuple[str, str]]:
+    """This round's (transport, op) order for interleaved transfer benches: every get, then every
+    put, each list rotated by the round, so each transport takes each place equally often
+    (whichever runs first after the puts was seen to pay for them)."""
+    shift = round_index % len(transports)
+    turn = transports[shift:] + transports[:shift]
+    return [(t, op) for op in ops for t in turn]
+
+
 def machine() -> dict[str, object]:
     import grpc
 

@@ -1,6 +1,7 @@
-"""`kvcache bench transfer`: the same pages fetched and stored through a kvnode, through Redis
-and through a raw loopback TCP socket, interleaved in one run: GB/s and p50/p99 latency per
-batch, for get and put, each beside Redis and the socket with the ratio.
+"""`kvcache bench transfer`: the same pages fetched and stored through a kvnode (over its data
+plane, the path NodeClient takes, and over gRPC, as separate rows), through Redis and through
+a raw loopback TCP socket, interleaved in one run: GB/s and p50/p99 latency per batch, for
+get and put, each beside Redis and the socket with the ratio.
 
 Batches are interleaved (kvnode get, redis get, socket get, kvnode put, ..., the order rotating
 every round) so every transport sees the same machine load. Each get lands in one reused (pages, page_bytes)
@@ -24,12 +25,13 @@ import numpy as np
 from kvcache.bench import redis_baseline
 from kvcache.bench.loopback import SocketBaseline
 from kvcache.bench.node import GPT2_SMALL_FP16_PAGE
-from kvcache.bench.report import dump_json, latency_summary_ms, machine, print_table, pyplot, versions
+from kvcache.bench.report import dump_json, latency_summary_ms, machine, print_table, pyplot, rotated_order, versions
 from kvcache.launch import Daemon
 from kvnode.client import NodeClient
 from protos import serving
 
-TRANSPORTS = ("kvnode", "redis", "socket")
+TRANSPORTS = ("kvnode", "kvnode_grpc", "redis", "socket")  # "kvnode": its data plane
+LABELS = {"kvnode": "kvnode data plane", "kvnode_grpc": "kvnode gRPC", "redis": "redis", "socket": "raw socket"}
 OPS = ("get", "put")
 RING_BATCHES = 8  # the kvnode's pool and Redis's put keys hold this many batches
 
@@ -90,13 +92,16 @@ def measure(args: argparse.Namespace) -> dict:
         node = stack.enter_context(Daemon("node", [
             "--port", "0", "--page-bytes", str(page_bytes), "--capacity", str(batch_bytes * RING_BATCHES)]))
         client = stack.enter_context(NodeClient(node.address, timeout=60.0))
+        grpc_client = stack.enter_context(NodeClient(node.address, timeout=60.0, use_data_plane=False))
+        if client.data_plane_address() is None:
+            raise RuntimeError("the kvnode started for the bench serves no data plane")
         raw = stack.enter_context(SocketBaseline())
         redis_missing = redis_baseline.why_unavailable(args.redis_server)
         redis = None
         if redis_missing is None:
             redis = stack.enter_context(redis_baseline.RedisBaseline(
                 args.redis_server, max_memory_bytes=batch_bytes * (RING_BATCHES + 2) + 64 * 2**20))
-        times = _interleaved(client, redis, raw, n, page_bytes, args.warmup, args.batches)
+        times = _interleaved(client, grpc_client, redis, raw, n, page_bytes, args.warmup, args.batches)
 
     transports: dict[str, dict] = {}
     for name in TRANSPORTS:
@@ -108,7 +113,7 @@ def measure(args: argparse.Namespace) -> dict:
             "ratios": ratios(transports)}
 
 
-def _interleaved(client: NodeClient, redis, raw: SocketBaseline, n: int, page_bytes: int,
+def _interleaved(client: NodeClient, grpc_client: NodeClient, redis, raw: SocketBaseline, n: int, page_bytes: int,
                  warmup: int, batches: int) -> dict[str, dict[str, list[float]]]:
     rng = np.random.default_rng(0)
     pages = rng.integers(0, 256, size=(n, page_bytes), dtype=np.uint8)
@@ -123,6 +128,8 @@ def _interleaved(client: NodeClient, redis, raw: SocketBaseline, n: int, page_by
     ops = {
         ("kvnode", "get"): lambda i: client.get_pages(node_keys, out=out),
         ("kvnode", "put"): lambda i: client.put_pages([os.urandom(16) for _ in range(n)], [b""] * n, pages),
+        ("kvnode_grpc", "get"): lambda i: grpc_client.get_pages(node_keys, out=out),
+        ("kvnode_grpc", "put"): lambda i: grpc_client.put_pages([os.urandom(16) for _ in range(n)], [b""] * n, pages),
         ("socket", "get"): lambda i: raw.get(out),
         ("socket", "put"): lambda i: raw.put(pages),
     }
@@ -137,22 +144,13 @@ def _interleaved(client: NodeClient, redis, raw: SocketBaseline, n: int, page_by
             if i >= warmup:
                 times[transport][op].append(time.perf_counter() - start)
 
-    for transport, fetch in (("kvnode", ops[("kvnode", "get")]), ("redis", ops.get(("redis", "get")))):
+    for transport, fetch in ((t, ops.get((t, "get"))) for t in ("kvnode", "kvnode_grpc", "redis")):
         if fetch is not None:
             out[:] = 0
             fetch(0)
             if not np.array_equal(out, pages):
                 raise RuntimeError(f"{transport} returned different bytes than were stored")
     return times
-
-
-def rotated_order(transports: list[str], round_index: int) -> list[tuple[str, str]]:
-    """This round's (transport, op) order: every get, then every put, each list rotated by the
-    round, so each transport takes each place equally often (whichever runs first after the
-    puts was seen to pay for them)."""
-    shift = round_index % len(transports)
-    turn = transports[shift:] + transports[:shift]
-    return [(t, op) for op in OPS for t in turn]
 
 
 def _summary(samples: list[float], batch_bytes: int) -> dict:
@@ -165,7 +163,7 @@ def ratios(transports: dict[str, dict]) -> dict[str, dict[str, float | None]]:
     found: dict[str, dict[str, float | None]] = {}
     for op in OPS:
         found[op] = {}
-        for name in TRANSPORTS:
+        for name in (t for t in TRANSPORTS if t in transports):
             for base in ("redis", "socket"):
                 if name == base:
                     continue
@@ -186,10 +184,10 @@ def print_report(result: dict) -> None:
         for name in TRANSPORTS:
             figures = transports[name]
             if "missing" in figures:
-                rows.append([op, name, "-", "-", "-", "-", "-", figures["missing"]])
+                rows.append([op, LABELS[name], "-", "-", "-", "-", "-", figures["missing"]])
                 continue
             f = figures[op]
-            rows.append([op, name, f["gb_per_s"], f["p50_ms"], f["p99_ms"],
+            rows.append([op, LABELS[name], f["gb_per_s"], f["p50_ms"], f["p99_ms"],
                          _ratio(f, transports["redis"].get(op)), _ratio(f, transports["socket"][op]), ""])
     print_table(["op", "transport", "GB/s", "p50 ms", "p99 ms", "x redis", "x socket", "note"], rows)
     if "plot" in result:
@@ -212,7 +210,7 @@ def plot(result: dict, folder: Path) -> Path:
         values = [transports[t][op]["gb_per_s"] for t in names]
         bars = ax.bar(xs, values, width, label=op)
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
-    ax.set_xticks(range(len(names)), names)
+    ax.set_xticks(range(len(names)), [LABELS[t] for t in names], fontsize=8)
     ax.set_ylabel("GB/s (higher is better)")
     missing = [f"{t}: {transports[t]['missing']}" for t in TRANSPORTS if "missing" in transports[t]]
     ax.set_title(f"batches of {result['options']['pages_per_batch']} pages x {result['page_bytes']:,} bytes"
