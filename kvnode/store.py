@@ -229,7 +229,6 @@ class PageStore:
             now = self.clock()
             self._retire_leases(now)
             self.stats.puts += 1
-            self.stats.bytes_in += self.page_bytes
             page = self._index.get(key)
             if page is not None:
                 self._touch(key, page)
@@ -244,6 +243,7 @@ class PageStore:
             self._pool[slot] = np.frombuffer(data, dtype=np.uint8)
             self._add(key, parent, slot)
             self.stats.stored_pages += 1
+            self.stats.bytes_in += self.page_bytes  # pages stored, not pages offered
             return PutOutcome.STORED
 
     def validate_put(self, key: bytes, parent: bytes, data) -> None:

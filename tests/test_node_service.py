@@ -120,7 +120,7 @@ def test_stats_counters_move_as_expected(node, client):
         "stored_pages": 3,
         "evictions": 0,
         "refusals": 0,
-        "bytes_in": 4 * NODE_PAGE_BYTES,
+        "bytes_in": 3 * NODE_PAGE_BYTES,  # the page already present adds nothing
         "bytes_out": 2 * NODE_PAGE_BYTES,
         "get_pages": 2,
     }
@@ -133,6 +133,7 @@ def test_evictions_and_refusals_are_counted(make_node):
         client.put_pages([key(5)], [key(4)], random_pages(1, NODE_PAGE_BYTES))
         stats = client.stats()
     assert (stats["evictions"], stats["refusals"], stats["stored_pages"]) == (1, 1, 3)
+    assert stats["bytes_in"] == 3 * NODE_PAGE_BYTES  # the refused page's bytes do not count
 
 
 # ---- chunking -----------------------------------------------------------------------
