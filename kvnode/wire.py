@@ -11,6 +11,8 @@ _VARINT, _LEN = 0, 2
 
 
 def _varint(value: int) -> bytes:
+    if value < 0:  # shifting a negative int right never reaches 0: it would loop forever
+        raise ValueError(f"a varint here is unsigned; got {value}")
     out = bytearray()
     while True:
         low = value & 0x7F

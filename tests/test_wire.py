@@ -221,3 +221,16 @@ def test_every_truncation_of_a_put_item_parses_or_raises_malformed_message(key, 
         wire.parse_put_item(buf[: min(cut, len(buf))])
     except wire.MalformedMessage:
         pass
+
+
+@pytest.mark.parametrize("value", [-1, -(2**70)])
+def test_a_negative_varint_is_a_value_error_not_an_endless_loop(value):
+    with pytest.raises(ValueError, match="unsigned"):
+        wire._varint(value)
+    with pytest.raises(ValueError, match="unsigned"):
+        wire.page_chunk_header(value, 0, 1)
+
+
+@pytest.mark.parametrize("value", [0, 1, 127, 128, 2**63, 2**64 - 1])
+def test_varints_at_the_edges_read_back_as_protobuf_does(value):
+    assert pb.PageChunk.FromString(wire.page_chunk_header(0, value, 0)).offset == value
