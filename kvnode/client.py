@@ -160,6 +160,8 @@ class NodeClient:
             out = np.empty(shape, dtype=np.uint8)
         elif out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
             raise ValueError(f"out must be a C-contiguous uint8 array of shape {shape}, got {out.dtype} {out.shape}")
+        if not keys:
+            return out  # nothing to fetch: (0, page_bytes), no call
         plane = self._data_plane()
         if plane is not None:
             _check_keys(self.address, keys)

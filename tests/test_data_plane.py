@@ -306,6 +306,7 @@ def test_client_errors_keep_the_nodes_status(seeded, plane):
             client.get_pages([b"short"])
         assert raised.value.code == INVALID and "16 bytes" in raised.value.details
         np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))  # after errors, on a new connection
+        assert client.get_pages([]).shape == (0, NODE_PAGE_BYTES)  # nothing asked, nothing sent
     assert_unharmed(seeded, plane, set(GOOD))
 
 

@@ -133,8 +133,21 @@ def test_fetch_of_a_page_that_is_not_cached_names_it(seeded, client):
     assert_unharmed(seeded, client, set(GOOD))
 
 
-def test_fetch_of_no_keys(seeded, client):
-    expect_error(lambda: client.get_pages([]), INVALID, "at least one key")
+def test_fetch_of_no_keys_is_an_empty_array_without_a_call(seeded, client):
+    got = client.get_pages([])
+    assert got.shape == (0, NODE_PAGE_BYTES) and got.dtype == np.uint8
+    assert client.stats()["get_pages"] == 0
+    assert_unharmed(seeded, client, set(GOOD))
+
+
+def test_a_raw_get_pages_of_no_keys_is_invalid_argument(seeded, client):
+    channel = raw_channel(seeded.address)
+    try:
+        call = channel.unary_stream(f"/{SERVICE_NAME}/GetPages", None, None)
+        expect_rpc_error(lambda: list(call(pb.GetPagesRequest().SerializeToString(), timeout=5)), INVALID,
+                         "at least one key")
+    finally:
+        channel.close()
     assert_unharmed(seeded, client, set(GOOD))
 
 
