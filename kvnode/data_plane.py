@@ -45,6 +45,10 @@ class _Dropped(Exception):
     """The peer went away, stalled or cut a request short: close without an answer."""
 
 
+class _Idle(_Dropped):
+    """No request for timeout_s: a pooled client connection, closed quietly (the client reconnects)."""
+
+
 class DataPlaneServer:
     """Serves GET and PUT on `host:port` (0 picks a free port) until stop()."""
 
@@ -127,6 +131,8 @@ class DataPlaneServer:
             while not self._stopping.is_set():
                 if not self._serve_one(connection):
                     break
+        except _Idle as exc:
+            log.debug("data plane closed %s: %s", peer, exc)
         except _Dropped as exc:
             log.info("data plane dropped %s: %s", peer, exc)
         except dw.FrameError as exc:
@@ -253,7 +259,7 @@ class _Connection:
                 n = self.conn.recv_into(view[got:])
             except (BlockingIOError, socket.timeout):
                 if first and got == 0:
-                    raise _Dropped("idle for too long") from None
+                    raise _Idle("idle for too long") from None
                 raise _Dropped(f"stalled after {got} of {size} bytes") from None
             except OSError as exc:
                 raise _Dropped(f"connection broke: {exc}") from None

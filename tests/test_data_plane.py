@@ -348,6 +348,20 @@ def test_a_data_plane_that_goes_away_after_serving_is_unavailable_not_a_silent_f
         assert raised.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_pooled_connection_the_node_closed_while_idle_is_replaced_transparently(make_node):
+    node = make_node()
+    server = DataPlaneServer(node.store, "127.0.0.1", 0, max_keys=MAX_KEYS, timeout_s=0.3).start()
+    node.service.data_port = server.port
+    try:
+        with node.client() as client:
+            assert client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3
+            assert wait_for(lambda: server.num_connections() == 0, timeout_s=5.0)  # the node closed it
+            np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))
+            assert client.data_plane_address() is not None
+    finally:
+        server.stop()
+
+
 def test_one_client_serves_several_threads_at_once(seeded, plane):
     errors, rounds = [], 20
 
