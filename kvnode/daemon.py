@@ -42,9 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--data-port", type=int, default=0,
-        help="TCP port of the data plane, a plain binary protocol beside gRPC that moves page bytes "
-             "(clients fetch and store pages over it, ~2x faster than gRPC); 0 picks a free one (default 0); "
-             "Info advertises it",
+        help="TCP port of the data plane, a plain binary protocol on --host beside gRPC that moves page "
+             "bytes without gRPC's per-message costs (NodeClient fetches and stores pages over it); "
+             "0 picks a free one (default 0); Info advertises it, so open it beside --port in a firewall",
     )
     parser.add_argument(
         "--no-data-plane", action="store_true",
