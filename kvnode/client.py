@@ -243,7 +243,7 @@ class NodeClient:
         return self._node_info or self.info()
 
     def data_plane_address(self) -> str | None:
-        """host:port of the node's data plane this client uses, or None when it uses gRPC."""
+        """host:port of the node's data plane this client uses (or tries first), or None when it uses gRPC."""
         plane = self._data_plane()
         return plane.address if plane is not None else None
 
