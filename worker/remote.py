@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from kvnode.client import NodeClient, NodeError
+from worker.half import float16_to_float32
 
 log = logging.getLogger("worker.remote")
 
@@ -132,7 +133,7 @@ class RemoteTier:
         return 0
 
     def _write_blocks(self, block_ids: Sequence[int], pages: np.ndarray) -> None:
-        """pages[i] -> pool[block_ids[i]], one slice copy per run of consecutive blocks.
+        """pages[i] -> pool[block_ids[i]], one slice copy (or cast) per run of consecutive blocks.
 
         A fancy-indexed assignment that also casts float16 to float32 ran 3x slower here.
         """
@@ -142,7 +143,10 @@ class RemoteTier:
             while end < len(block_ids) and block_ids[end] == block_ids[end - 1] + 1:
                 end += 1
             first = block_ids[start]
-            np.copyto(self.pool[first : first + end - start], pages[start:end])
+            if pages.dtype == np.float16:
+                float16_to_float32(pages[start:end], self.pool[first : first + end - start])
+            else:
+                np.copyto(self.pool[first : first + end - start], pages[start:end])
             start = end
 
     def on_page_full(self, key: bytes, parent: bytes, block_id: int, placement: Placement) -> None:

@@ -1,0 +1,71 @@
+"""float16 -> float32, bit for bit, about twice as fast as NumPy's own cast here.
+
+NumPy (2.4 on these x86 cores) converts float16 element by element (~0.7 GB/s of float16
+read), although the CPU has F16C. Fetched pages are converted on every remote cache hit,
+so that cast was a large part of a warm time to first token.
+
+The trick: a half's 15 magnitude bits shifted left by 13 are a float32 whose exponent is
+short by 127 - 15 = 112; multiplying by 2**112 restores it exactly, subnormals included
+(the product is exactly representable, nothing rounds). The sign comes along for free
+from an int16 -> int32 sign-extending cast: after the shift the sign fills bits 31..28;
+masking bits 30..28 away leaves it in bit 31. Every step is a NumPy ufunc on int32 or
+float32, which are vectorised, run over chunks that stay in the core's cache.
+
+Infinities and NaNs (exponent all ones) would come out as large finite numbers, so a chunk
+holding any is converted by NumPy instead. And because the multiply depends on the thread's
+floating-point mode (a library that turns on flush-to-zero would break subnormals), each
+thread checks all 65,536 halves once against NumPy's cast before using the trick.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+CHUNK = 32 * 1024  # elements: 64 KiB read, 128 KiB written, stays in L2
+_SCALE = np.float32(2.0**112)
+_KEEP_SIGN_AND_MAGNITUDE = np.int32(-0x70000001)  # 0x8FFFFFFF: clears the sign's copies in bits 30..28
+_EXPONENT = np.uint16(0x7C00)
+
+_checked = threading.local()
+
+
+def float16_to_float32(src: np.ndarray, out: np.ndarray) -> None:
+    """out[...] = src as float32, exactly as `np.copyto(out, src)` would; both C-contiguous, same size."""
+    if src.dtype != np.float16 or out.dtype != np.float32 or src.size != out.size:
+        raise ValueError(f"need float16 -> float32 of one size, got {src.dtype}[{src.size}] -> {out.dtype}[{out.size}]")
+    if not (src.flags.c_contiguous and out.flags.c_contiguous):
+        raise ValueError("float16_to_float32 needs C-contiguous arrays")
+    halves, floats = src.reshape(-1), out.reshape(-1)
+    if not _trick_is_exact_here():
+        np.copyto(floats, halves)
+        return
+    signed, bits = halves.view(np.int16), halves.view(np.uint16)
+    work = np.empty(min(CHUNK, halves.size), dtype=np.int32)
+    exponents = np.empty(work.size, dtype=np.uint16)
+    for start in range(0, halves.size, CHUNK):
+        end = min(start + CHUNK, halves.size)
+        w, e = work[: end - start], exponents[: end - start]
+        np.bitwise_and(bits[start:end], _EXPONENT, out=e)
+        if e.max() == _EXPONENT:  # an infinity or NaN in this chunk
+            np.copyto(floats[start:end], halves[start:end])
+            continue
+        np.copyto(w, signed[start:end])  # sign-extends
+        np.left_shift(w, 13, out=w)
+        np.bitwise_and(w, _KEEP_SIGN_AND_MAGNITUDE, out=w)
+        np.multiply(w.view(np.float32), _SCALE, out=floats[start:end])
+
+
+def _trick_is_exact_here() -> bool:
+    """Once per thread: does the trick give NumPy's result for every finite half?"""
+    exact = getattr(_checked, "exact", None)
+    if exact is None:
+        every = np.arange(65536, dtype=np.uint16).view(np.float16)
+        finite = every[np.isfinite(every)]
+        w = finite.view(np.int16).astype(np.int32)
+        w <<= 13
+        w &= _KEEP_SIGN_AND_MAGNITUDE
+        exact = _checked.exact = bool(np.array_equal((w.view(np.float32) * _SCALE).view(np.uint32),
+                                                     finite.astype(np.float32).view(np.uint32)))
+    return exact
