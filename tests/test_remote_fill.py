@@ -1,10 +1,23 @@
-"""The remote tier's fetch path: the fast float16 -> float32 cast must give NumPy's bits."""
+"""The remote tier's fetch path: the fast float16 -> float32 cast and the batched, pipelined fill.
 
+Both must leave the pool exactly as the simple path (one GetPages, NumPy's cast) would, and a
+fetch that fails part way must count only the pages that really arrived.
+"""
+
+import hashlib
+
+import grpc
 import numpy as np
 import pytest
 
+from kvnode.client import NodeClient, NodeError
 from worker import half
 from worker.half import float16_to_float32
+from worker.remote import Placement, RemoteTier
+
+BLOCK_SHAPE = (2, 2, 2, 4, 8)  # layers, k/v, kv_heads, page_tokens, head_dim
+PAGES = 11
+BLOCKS = 2 * PAGES + 4
 
 
 def bits(array):
@@ -43,3 +56,157 @@ def test_wrong_dtypes_sizes_or_layouts_are_refused():
         float16_to_float32(src, np.empty(7, dtype=np.float32))
     with pytest.raises(ValueError, match="C-contiguous"):
         float16_to_float32(np.zeros(16, dtype=np.float16)[::2], np.empty(8, dtype=np.float32))
+
+
+# ---- batches -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch_pages,min_pages,max_keys", [(1, 1, 256), (3, 1, 256), (28, 3, 256), (28, 3, 5), (4, 4, 2)])
+def test_batches_cover_every_page_once_within_the_limits(batch_pages, min_pages, max_keys):
+    tier = make_tier("float16", batch_pages, min_pages)
+    try:
+        for count in [1, 2, 3, 7, 8, 63, 200]:
+            bounds = tier._batches(count, max_keys)
+            assert bounds[0][0] == 0 and bounds[-1][1] == count
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            assert all(0 < end - start <= min(batch_pages, max_keys) for start, end in bounds)
+    finally:
+        tier.close()
+
+
+# ---- fill against a node -----------------------------------------------------------
+
+
+def chain_keys(n, salt):
+    keys, parent = [], b"root"
+    for i in range(n):
+        parent = hashlib.blake2b(parent + salt + bytes([i]), digest_size=16).digest()
+        keys.append(parent)
+    return keys
+
+
+def make_tier(kv_dtype, batch_pages=3, min_pages=1):
+    """A tier over a pool whose blocks 0..PAGES-1 hold the pages to write; the rest is zero."""
+    pool = np.zeros((BLOCKS, *BLOCK_SHAPE), dtype=np.float32)
+    pages = np.random.default_rng(1).standard_normal((PAGES, *BLOCK_SHAPE)).astype(np.float32) * 100
+    pages[0, 0, 0, 0, 0, :4] = [6e-8, -3e-5, 0.0, -0.0]  # float16 subnormals and signed zeros
+    pool[:PAGES] = pages.astype(np.float16).astype(np.float32) if kv_dtype == "float16" else pages
+    page_bytes = int(np.prod(BLOCK_SHAPE)) * np.dtype(kv_dtype).itemsize
+    return RemoteTier(pool, kv_dtype, retry_after_s=30.0,
+                      fetch_batch_bytes=batch_pages * page_bytes, min_batch_bytes=min_pages * page_bytes)
+
+
+def stored_node(make_node, kv_dtype, keys, max_keys=256):
+    """A node holding `keys` as the pages of a fresh tier's blocks 0..; returns (node, those pages)."""
+    page_bytes = int(np.prod(BLOCK_SHAPE)) * np.dtype(kv_dtype).itemsize
+    node = make_node(capacity_pages=4 * PAGES, page_bytes=page_bytes, max_keys=max_keys)
+    writer = make_tier(kv_dtype)
+    try:
+        placement = Placement([node.address])
+        for i, key in enumerate(keys):
+            writer.on_page_full(key, keys[i - 1] if i else b"", i, placement)
+        assert writer.flush(timeout_s=10.0) and writer.stats.pages_written == len(keys)
+        return node, writer.pool[: len(keys)].copy()
+    finally:
+        writer.close()
+
+
+def simple_fill(address, keys, block_ids, pool, kv_dtype, max_keys):
+    """The path before batching: GetPages for all pages (within the node's limit), NumPy's cast, page by page."""
+    with NodeClient(address) as client:
+        rows = np.concatenate([client.get_pages(keys[i : i + max_keys]) for i in range(0, len(keys), max_keys)])
+    pages = rows.view(kv_dtype).reshape(len(keys), *BLOCK_SHAPE)
+    for page, block in zip(pages, block_ids):
+        pool[block] = page.astype(np.float32)
+
+
+TARGETS = {
+    "consecutive": list(range(PAGES + 2, 2 * PAGES + 2)),
+    "scattered": [25, 12, 13, 14, 20, 19, 21, 22, 15, 16, 24],
+}
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
+@pytest.mark.parametrize("batch_pages,min_pages,max_keys", [(1, 1, 256), (3, 1, 256), (4, 2, 256), (64, 64, 256), (64, 2, 3)])
+@pytest.mark.parametrize("targets", sorted(TARGETS))
+def test_pipelined_fill_writes_what_the_simple_path_writes(make_node, kv_dtype, batch_pages, min_pages, max_keys, targets):
+    keys = chain_keys(PAGES, kv_dtype.encode())
+    node, pages = stored_node(make_node, kv_dtype, keys, max_keys=max_keys)
+    block_ids = TARGETS[targets]
+    expected = np.zeros((BLOCKS, *BLOCK_SHAPE), dtype=np.float32)
+    simple_fill(node.address, keys, block_ids, expected, kv_dtype, max_keys)
+    tier = make_tier(kv_dtype, batch_pages, min_pages)
+    tier.pool[PAGES:] = 0.0
+    try:
+        placement = Placement([node.address])
+        assert tier.lookup(keys, placement) == PAGES
+        assert tier.fill(keys, block_ids, placement) == PAGES
+        np.testing.assert_array_equal(bits(tier.pool[PAGES:]), bits(expected[PAGES:]))
+        for page, block in enumerate(block_ids):
+            np.testing.assert_array_equal(bits(tier.pool[block]), bits(pages[page]))
+        assert tier.stats.pages_fetched == PAGES
+        assert tier.stats.bytes_fetched == PAGES * tier.page_bytes
+    finally:
+        tier.close()
+
+
+def fail_on_call(tier, address, call_number):
+    """Make the tier's client for `address` fail its `call_number`-th GetPages, after scribbling on its buffer."""
+    client = tier._nodes[address].client
+    real = client.get_pages
+    calls = []
+
+    def get_pages(keys, out=None, timeout=None):
+        calls.append(len(keys))
+        if len(calls) == call_number:
+            if out is not None:
+                out[: len(out) // 2] = 0xAB  # half a batch arrived before the node went away
+            raise NodeError(address, grpc.StatusCode.UNAVAILABLE, "connection reset (test)")
+        return real(keys, out=out, timeout=timeout)
+
+    client.get_pages = get_pages
+    return calls
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
+def test_a_fetch_failing_part_way_counts_only_the_batches_that_arrived(make_node, kv_dtype):
+    keys = chain_keys(PAGES, b"partial" + kv_dtype.encode())
+    node, pages = stored_node(make_node, kv_dtype, keys)
+    tier = make_tier(kv_dtype, batch_pages=3, min_pages=3)  # batches of 3, 3, 3, 2
+    tier.pool[PAGES:] = 0.0
+    try:
+        placement = Placement([node.address])
+        assert tier.lookup(keys, placement) == PAGES
+        calls = fail_on_call(tier, node.address, call_number=3)
+        block_ids = TARGETS["consecutive"]
+        assert tier.fill(keys, block_ids, placement) == 6
+        assert calls == [3, 3, 3]  # nothing asked after the failure
+        for page in range(6):
+            np.testing.assert_array_equal(bits(tier.pool[block_ids[page]]), bits(pages[page]))
+        assert tier.stats.pages_fetched == 6 and tier.stats.fetch_failures == 1
+        assert tier.lookup(keys, placement) == 0  # the failed node is skipped for a while
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
+def test_a_replica_serves_the_rest_after_the_source_fails_part_way(make_node, kv_dtype):
+    keys = chain_keys(PAGES, b"replica" + kv_dtype.encode())
+    source, pages = stored_node(make_node, kv_dtype, keys)
+    replica, _ = stored_node(make_node, kv_dtype, keys)
+    tier = make_tier(kv_dtype, batch_pages=4, min_pages=1)
+    tier.pool[PAGES:] = 0.0
+    try:
+        placement = Placement([source.address, replica.address])
+        assert tier.lookup(keys, placement) == PAGES and placement.source == source.address
+        fail_on_call(tier, source.address, call_number=2)
+        replica_stats_before = replica.store.stats.hit_pages
+        block_ids = TARGETS["scattered"]
+        assert tier.fill(keys, block_ids, placement) == PAGES
+        for page, block in enumerate(block_ids):
+            np.testing.assert_array_equal(bits(tier.pool[block]), bits(pages[page]))
+        # The replica was asked only for the pages after the first batch.
+        assert replica.store.stats.hit_pages - replica_stats_before == PAGES - 4
+        assert tier.stats.pages_fetched == PAGES and tier.stats.fetch_failures == 1
+    finally:
+        tier.close()

@@ -2,8 +2,10 @@
 
 A kvnode never makes a request fail: every call has a short deadline, a node that
 fails is skipped for a while, and whatever cannot be fetched is computed instead.
-Write-back runs on one background thread with a bounded queue; what cannot be sent
-is counted and dropped.
+Fetched pages come in batches: a fetch thread receives batch i+1 while the engine's
+thread writes batch i into the pool (casting float16 to float32 on the way), so the
+transfer and the cast overlap instead of adding up. Write-back runs on one background
+thread with a bounded queue; what cannot be sent is counted and dropped.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -48,6 +51,7 @@ class TierStats:
 class _Node:
     client: NodeClient
     checked: bool = False  # page size verified
+    max_keys: int = 1  # most pages the node takes in one request (from its info)
     refused: bool = False  # page size does not match: never used
     down_until: float = 0.0
 
@@ -67,6 +71,8 @@ class RemoteTier:
         lookup_timeout_s: float = 0.5,
         retry_after_s: float = 2.0,
         queue_pages: int = 1024,
+        fetch_batch_bytes: int = 16 * 2**20,
+        min_batch_bytes: int = 2 * 2**20,
     ):
         self.pool = pool
         self.wire_dtype = np.dtype(kv_dtype)
@@ -75,11 +81,16 @@ class RemoteTier:
         self.lease_ms = lease_ms
         self.lookup_timeout_s = lookup_timeout_s
         self.retry_after_s = retry_after_s
+        self.fetch_batch_pages = max(1, fetch_batch_bytes // self.page_bytes)
+        self.min_batch_pages = max(1, min(min_batch_bytes // self.page_bytes, self.fetch_batch_pages))
         self.stats = TierStats()
         self._stats_lock = threading.Lock()  # counted from the engine thread and the sender thread
         self._nodes: dict[str, _Node] = {}
         self._nodes_lock = threading.Lock()
         self._outbox: queue.Queue = queue.Queue(maxsize=queue_pages)
+        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fetch")
+        self._fetch_lock = threading.Lock()  # one fill at a time owns the staging buffers
+        self._staging: list[np.ndarray] = []  # two reused receive buffers (fresh memory is written far slower)
         self._sender = threading.Thread(target=self._send_loop, name="kv-writeback", daemon=True)
         self._stopping = threading.Event()
         self._sender.start()
@@ -95,7 +106,7 @@ class RemoteTier:
             if node is None:
                 continue
             try:
-                hits = node.client.lookup(keys, lease_ms=self.lease_ms, timeout=self.lookup_timeout_s)
+                hits = self._lookup(node, keys)
             except NodeError as exc:
                 self._failed(address, node, exc)
                 continue
@@ -103,34 +114,107 @@ class RemoteTier:
             return hits
         return 0
 
+    def _lookup(self, node: _Node, keys: Sequence[bytes]) -> int:
+        """The node's hits among `keys`, leased, asked in requests of at most the node's key limit."""
+        hits = 0
+        for start in range(0, len(keys), node.max_keys):
+            part = keys[start : start + node.max_keys]
+            found = node.client.lookup(part, lease_ms=self.lease_ms, timeout=self.lookup_timeout_s)
+            hits += found
+            if found < len(part):
+                break
+        return hits
+
     def fill(self, keys: Sequence[bytes], block_ids: Sequence[int], placement: Placement) -> int:
-        """Fetch `keys` into `block_ids`; returns how many leading pages really arrived (the engine computes the rest)."""
+        """Fetch `keys` into `block_ids`; returns how many leading pages really arrived (the engine computes the rest).
+
+        A node that fails part way keeps the pages that arrived; the next node is asked for the rest.
+        """
         if not keys:
             return 0
         candidates = [placement.source] if placement.source else []
         candidates += [a for a in placement.addresses if a not in candidates]
+        filled = 0
         for address in candidates:
             node = self._usable(address)
             if node is None:
                 continue
+            wanted = keys[filled:]
+            if address != placement.source:  # a replica: ask what it holds first
+                try:
+                    hits = self._lookup(node, wanted)
+                except NodeError as exc:
+                    self._failed(address, node, exc)
+                    continue
+                wanted = wanted[:hits]
+                if not wanted:
+                    continue
+            arrived, error = self._fetch(node, wanted, block_ids[filled : filled + len(wanted)])
+            filled += arrived
+            if error is None:
+                return filled
+            self._count("fetch_failures", 1)
+            self._failed(address, node, error)
+        return filled
+
+    def _fetch(self, node: _Node, keys: Sequence[bytes], block_ids: Sequence[int]) -> tuple[int, NodeError | None]:
+        """Receive batches on the fetch thread, write each into the pool here; (pages written, error or None)."""
+        client = node.client
+        batches = self._batches(len(keys), node.max_keys)
+        with self._fetch_lock:
+            written = 0
+            pending: Future | None = self._fetcher.submit(self._receive, client, keys, block_ids, *batches[0], 0)
             try:
-                wanted = keys
-                if address != placement.source:  # a replica: ask what it holds first
-                    hits = node.client.lookup(keys, lease_ms=self.lease_ms, timeout=self.lookup_timeout_s)
-                    wanted = keys[:hits]
-                    if not wanted:
-                        continue
-                rows = node.client.get_pages(wanted, timeout=self._fetch_timeout(len(wanted)))
-            except NodeError as exc:
-                self._count("fetch_failures", 1)
-                self._failed(address, node, exc)
-                continue
-            count = len(wanted)
-            self._write_blocks(block_ids[:count], rows.view(self.wire_dtype).reshape(count, *self.block_shape))
-            self._count("pages_fetched", count)
-            self._count("bytes_fetched", rows.nbytes)
-            return count
-        return 0
+                for number, (start, end) in enumerate(batches):
+                    try:
+                        rows = pending.result()
+                    except NodeError as exc:
+                        return written, exc
+                    finally:
+                        pending = None
+                    if number + 1 < len(batches):
+                        pending = self._fetcher.submit(
+                            self._receive, client, keys, block_ids, *batches[number + 1], (number + 1) % 2
+                        )
+                    if rows is not None:
+                        self._write_blocks(block_ids[start:end], rows.view(self.wire_dtype).reshape(-1, *self.block_shape))
+                    written = end
+                    self._count("pages_fetched", end - start)
+                    self._count("bytes_fetched", (end - start) * self.page_bytes)
+                return written, None
+            finally:
+                if pending is not None:  # it writes into a staging buffer: let it finish before anyone reuses that
+                    pending.exception()
+
+    def _batches(self, count: int, max_keys: int) -> list[tuple[int, int]]:
+        """(start, end) of each batch: halving sizes, so the last write, which nothing overlaps, is short.
+
+        Each batch is a request of its own (~1 ms apiece over gRPC here), hence few of them.
+        """
+        most = min(self.fetch_batch_pages, max_keys)
+        bounds, start = [], 0
+        while start < count:
+            left = count - start
+            size = min(most, left if left <= 2 * self.min_batch_pages else -(-left // 2))
+            bounds.append((start, start + size))
+            start += size
+        return bounds
+
+    def _receive(self, client: NodeClient, keys, block_ids, start: int, end: int, buffer: int) -> np.ndarray | None:
+        """On the fetch thread: pages start..end as (n, page_bytes) uint8 rows to write, or None if already in place.
+
+        float32 pages bound for consecutive blocks are received straight into the pool.
+        """
+        count = end - start
+        first = block_ids[start]
+        timeout = self._fetch_timeout(count)
+        if self.wire_dtype == self.pool.dtype and list(block_ids[start:end]) == list(range(first, first + count)):
+            client.get_pages(keys[start:end], out=self.pool[first : first + count].reshape(count, -1).view(np.uint8),
+                             timeout=timeout)
+            return None
+        if not self._staging:
+            self._staging = [np.empty((self.fetch_batch_pages, self.page_bytes), dtype=np.uint8) for _ in range(2)]
+        return client.get_pages(keys[start:end], out=self._staging[buffer][:count], timeout=timeout)
 
     def _write_blocks(self, block_ids: Sequence[int], pages: np.ndarray) -> None:
         """pages[i] -> pool[block_ids[i]], one slice copy (or cast) per run of consecutive blocks.
@@ -185,6 +269,7 @@ class RemoteTier:
                 self._failed(address, node, exc)
                 return None
             node.checked = True
+            node.max_keys = max(1, info.max_keys_per_request)
             if info.page_bytes != self.page_bytes:
                 node.refused = True
                 log.warning(
@@ -232,15 +317,17 @@ class RemoteTier:
         if node is None:
             self._count("pages_dropped", len(items))
             return
-        keys, parents, pages = zip(*items)
-        try:
-            result = node.client.put_pages(keys, parents, pages, timeout=self._fetch_timeout(len(items)))
-        except NodeError as exc:
-            self._count("pages_dropped", len(items))
-            self._failed(address, node, exc)
-            return
-        self._count("pages_written", result.stored + result.already_present)
-        self._count("pages_refused", result.refused)
+        for start in range(0, len(items), node.max_keys):  # parents first: in order, each request within the limit
+            part = items[start : start + node.max_keys]
+            keys, parents, pages = zip(*part)
+            try:
+                result = node.client.put_pages(keys, parents, pages, timeout=self._fetch_timeout(len(part)))
+            except NodeError as exc:
+                self._count("pages_dropped", len(items) - start)
+                self._failed(address, node, exc)
+                return
+            self._count("pages_written", result.stored + result.already_present)
+            self._count("pages_refused", result.refused)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued page was sent or dropped (tests, shutdown); False on timeout."""
@@ -252,6 +339,7 @@ class RemoteTier:
     def close(self) -> None:
         self._stopping.set()
         self._sender.join(timeout=5.0)
+        self._fetcher.shutdown(wait=True)
         with self._nodes_lock:
             for node in self._nodes.values():
                 node.client.close()
