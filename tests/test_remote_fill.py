@@ -210,3 +210,23 @@ def test_a_replica_serves_the_rest_after_the_source_fails_part_way(make_node, kv
         assert tier.stats.pages_fetched == PAGES and tier.stats.fetch_failures == 1
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
+def test_a_page_written_back_is_the_page_as_it_was_when_it_became_full(make_node, kv_dtype):
+    keys = chain_keys(3, b"writeback" + kv_dtype.encode())
+    page_bytes = int(np.prod(BLOCK_SHAPE)) * np.dtype(kv_dtype).itemsize
+    node = make_node(capacity_pages=8, page_bytes=page_bytes)
+    tier = make_tier(kv_dtype)
+    try:
+        placement = Placement([node.address])
+        expected = tier.pool[:3].copy()
+        for i, key in enumerate(keys):
+            tier.on_page_full(key, keys[i - 1] if i else b"", i, placement)
+            tier.pool[i] = -1.0  # the block is reused at once
+        assert tier.flush(timeout_s=10.0) and tier.stats.pages_written == 3
+        with NodeClient(node.address) as client:
+            rows = client.get_pages(keys)
+        np.testing.assert_array_equal(rows.view(kv_dtype).reshape(3, *BLOCK_SHAPE), expected.astype(kv_dtype))
+    finally:
+        tier.close()
