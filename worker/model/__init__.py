@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..attention import AttentionMetadata, paged_attention, write_kv
-from .blas import single_thread, threads_for_rows
+from .blas import attention_threads, threads_for_rows
 from .checkpoint import ARCH_MODULES, load_checkpoint
 from .config import PRESET_SEEDS, PRESETS, CheckpointError, ModelConfig
 from .init import random_tensors
@@ -80,7 +80,7 @@ class Model:
 
         def attend(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
             write_kv(kv_pool, layer, meta, round_kv(k, kv_dtype), round_kv(v, kv_dtype))
-            with single_thread():
+            with attention_threads(len(token_ids)):
                 return paged_attention(q, kv_pool, layer, meta, scale)
 
         head_rows = None if batch.all_logits else query_starts[1:] - 1
