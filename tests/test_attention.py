@@ -3,16 +3,18 @@
 import numpy as np
 import pytest
 
-from worker.attention import AttentionMetadata, causal_attention, dense_attention, paged_attention, write_kv
+from worker.attention import (KEYS, VALUES, AttentionMetadata, causal_attention, dense_attention, paged_attention,
+                              write_kv)
 
 
-def _setup(rng, lens, new, n_kv, group, hd, P, fp16):
-    """Random K/V for sequences of `lens` tokens stored in shuffled pool blocks; queries for the
-    last `new[s]` tokens of each sequence. Returns everything both attentions need."""
+def _setup(rng, lens, new, n_kv, group, hd, P, fp16, consecutive=False):
+    """Random K/V for sequences of `lens` tokens stored in shuffled pool blocks (or, with
+    `consecutive`, each sequence in a run of adjacent blocks); queries for the last `new[s]`
+    tokens of each sequence. Returns everything both attentions need."""
     H = n_kv * group
     num_blocks = sum(-(-n // P) for n in lens) + 3
     pool = rng.standard_normal((num_blocks, 2, 2, n_kv, P, hd), dtype=np.float32)  # 2 layers; junk everywhere
-    free = list(rng.permutation(num_blocks))
+    free = list(range(num_blocks - 1, -1, -1)) if consecutive else list(rng.permutation(num_blocks))
     tables = [np.array([free.pop() for _ in range(-(-n // P))], dtype=np.int32) for n in lens]
     ks, vs = [], []
     for n in lens:
@@ -63,6 +65,39 @@ def test_decode_batch_of_different_lengths_gqa():
     for s in range(len(lens)):
         want = dense_attention(q[s:s + 1], ks[s], vs[s], positions[s:s + 1], 0.25)
         np.testing.assert_allclose(got[s:s + 1], want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_decode_equals_dense_over_adjacent_and_scattered_blocks(consecutive):
+    rng = np.random.default_rng(7)
+    lens = [40, 33, 48, 1, 47, 16]
+    pool, meta, q, ks, vs, positions, starts = _setup(rng, lens, [1] * len(lens), 3, 2, 8, 4, False, consecutive)
+    adjacent = []   # per sequence: are its blocks a run of adjacent blocks?
+    for group in meta.decode_groups:
+        for i, s in enumerate(group.rows):
+            blocks = group.plan.rows[i, 0, 0, : -(-lens[s] // 4)] // (2 * 2 * 3)   # 2 layers, K|V, 3 heads
+            adjacent.append(bool((np.diff(blocks) == 1).all()))
+    assert all(adjacent) if consecutive else not any(adjacent[:3])
+    got = paged_attention(q, pool, 1, meta, 0.35)
+    for s in range(len(lens)):
+        want = dense_attention(q[s:s + 1], ks[s], vs[s], positions[s:s + 1], 0.35)
+        np.testing.assert_allclose(got[s:s + 1], want, atol=2e-5, rtol=1e-4)
+
+
+def test_gather_of_keys_or_values_alone_is_that_half_of_the_pages():
+    rng = np.random.default_rng(5)
+    P, n_kv, hd = 4, 2, 8
+    pool = rng.standard_normal((7, 3, 2, n_kv, P, hd), dtype=np.float32)
+    tables = [np.array([6, 1, 3]), np.array([2, 0])]
+    meta = AttentionMetadata.build(np.array([9, 5]), np.array([0, 1, 2]), np.array([10, 6]), tables, pool.shape)
+    (group,) = meta.decode_groups
+    for parts, kv in ((KEYS, 0), (VALUES, 1)):
+        got = group.plan.gather(pool, 2, meta, parts)[:, 0].copy()      # [2 seqs, KV, 3 blocks * P, hd]
+        for s, table in enumerate(tables):
+            want = np.concatenate([pool[b, 2, kv] for b in table], axis=1)   # [KV, len * P, hd]
+            np.testing.assert_array_equal(got[s, :, : want.shape[1]], want)
+    both = group.plan.gather(pool, 2, meta)
+    np.testing.assert_array_equal(both[:, 1], got)                      # the values half of a full gather
 
 
 def test_write_kv_lands_in_the_block_table_slots():
