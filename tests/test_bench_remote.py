@@ -17,6 +17,7 @@ def test_bench_remote_short_run_reports_cold_remote_and_local():
     assert all(v > 0 for v in report["ttft_ms"].values())
     assert report["cached_tokens_remote"] == 96  # six full pages of 16; the last is computed for its logits
     assert report["kv_bytes_fetched"] == 6 * report["page_bytes"]
+    assert 0 < report["fill_ms"] <= report["ttft_ms"]["warm_remote"]  # the fill is part of that TTFT
 
 
 def test_bench_remote_refuses_a_prompt_longer_than_the_model():

@@ -40,6 +40,7 @@ class TierStats:
     lookups: int = 0
     pages_fetched: int = 0
     bytes_fetched: int = 0
+    fill_ms: float = 0.0  # wall time inside fill(): lookups of replicas, transfer, writing into the pool
     fetch_failures: int = 0
     node_failures: int = 0
     pages_written: int = 0
@@ -132,6 +133,13 @@ class RemoteTier:
         """
         if not keys:
             return 0
+        started = time.perf_counter()
+        try:
+            return self._fill(keys, block_ids, placement)
+        finally:
+            self._count("fill_ms", (time.perf_counter() - started) * 1000.0)
+
+    def _fill(self, keys: Sequence[bytes], block_ids: Sequence[int], placement: Placement) -> int:
         candidates = [placement.source] if placement.source else []
         candidates += [a for a in placement.addresses if a not in candidates]
         filled = 0
