@@ -13,8 +13,8 @@ float32, which are vectorised, run over chunks that stay in the caches.
 
 Infinities and NaNs (exponent all ones) would come out as large finite numbers, so a chunk
 holding any is converted by NumPy instead. And because the multiply depends on the thread's
-floating-point mode (a library that turns on flush-to-zero would break subnormals), each
-thread checks all 65,536 halves once against NumPy's cast before using the trick.
+floating-point mode (a library that turns on denormals-are-zero would break subnormals), each
+thread checks the halves at stake once against NumPy's cast before using the trick.
 """
 
 from __future__ import annotations
@@ -58,14 +58,20 @@ def float16_to_float32(src: np.ndarray, out: np.ndarray) -> None:
 
 
 def _trick_is_exact_here() -> bool:
-    """Once per thread: does the trick give NumPy's result for every finite half?"""
+    """Once per thread: does the trick give NumPy's bits for the halves the float mode could spoil?
+
+    Those are the subnormals (their float32 stand-ins are subnormal too, which a thread with
+    denormals-are-zero reads as 0) and, to be safe, the smallest and largest normal exponents.
+    """
     exact = getattr(_checked, "exact", None)
     if exact is None:
-        every = np.arange(65536, dtype=np.uint16).view(np.float16)
-        finite = every[np.isfinite(every)]
-        w = finite.view(np.int16).astype(np.int32)
+        halves = np.concatenate([_EXPONENT_CASES | sign for sign in (np.uint16(0), np.uint16(0x8000))]).view(np.float16)
+        w = halves.view(np.int16).astype(np.int32)
         w <<= 13
         w &= _KEEP_SIGN_AND_MAGNITUDE
         exact = _checked.exact = bool(np.array_equal((w.view(np.float32) * _SCALE).view(np.uint32),
-                                                     finite.astype(np.float32).view(np.uint32)))
+                                                     halves.astype(np.float32).view(np.uint32)))
     return exact
+
+
+_EXPONENT_CASES = np.concatenate([np.arange(1024, dtype=np.uint16) | np.uint16(e << 10) for e in (0, 1, 30)])

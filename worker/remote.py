@@ -171,7 +171,7 @@ class RemoteTier:
         batches = self._batches(len(keys), node.max_keys)
         with self._fetch_lock:
             written = 0
-            pending: Future | None = self._fetcher.submit(self._receive, client, keys, block_ids, *batches[0], 0)
+            pending = self._start(len(batches) == 1, client, keys, block_ids, *batches[0], 0)
             try:
                 for number, (start, end) in enumerate(batches):
                     try:
@@ -193,6 +193,17 @@ class RemoteTier:
             finally:
                 if pending is not None:  # it writes into a staging buffer: let it finish before anyone reuses that
                     pending.exception()
+
+    def _start(self, inline: bool, *receive_args) -> Future:
+        """Begin receiving a batch: on the fetch thread, or here when nothing could overlap it (no thread hop)."""
+        if not inline:
+            return self._fetcher.submit(self._receive, *receive_args)
+        done: Future = Future()
+        try:
+            done.set_result(self._receive(*receive_args))
+        except Exception as exc:  # as the fetch thread would hand it over
+            done.set_exception(exc)
+        return done
 
     def _batches(self, count: int, max_keys: int) -> list[tuple[int, int]]:
         """(start, end) of each batch: halving sizes, so the last write, which nothing overlaps, is short.
