@@ -37,7 +37,7 @@ def test_tiny_engine_batched_chunked_cached_and_preempted_runs_agree(tiny):
     expected = [tiny_engine(tiny).generate([p], **params)[0].token_ids for p in TINY_PROMPTS]
     together = tiny_engine(tiny, max_num_batched_tokens=16, max_num_seqs=4).generate(TINY_PROMPTS, **params)
     assert [o.token_ids for o in together] == expected
-    cramped = tiny_engine(tiny, num_blocks=10)
+    cramped = tiny_engine(tiny, num_blocks=6)  # the longest request alone takes all 6 blocks: preemption is certain
     outs = cramped.generate(TINY_PROMPTS * 2, **params)
     assert cramped.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == expected * 2

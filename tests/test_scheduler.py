@@ -1,4 +1,5 @@
-"""The scheduler without a model: chunked prefill, preemption, admission from the prefix cache."""
+"""The scheduler without a model: chunked prefill, preemption, admission from the prefix cache,
+shortest-prefill-first order with aging."""
 
 import pytest
 from hypothesis import given, settings
@@ -12,9 +13,9 @@ P = 4
 ROOT = bytes(16)
 
 
-def make(pool_blocks=16, budget=64, max_seqs=8):
+def make(pool_blocks=16, budget=64, max_seqs=8, **policy):
     pool = BlockPool(pool_blocks, (1, 2, 1, P, 2))
-    return pool, Scheduler(pool, P, max_num_seqs=max_seqs, max_num_batched_tokens=budget)
+    return pool, Scheduler(pool, P, max_num_seqs=max_seqs, max_num_batched_tokens=budget, **policy)
 
 
 def request(rid, n_prompt, max_new=4, first=0):
@@ -98,7 +99,7 @@ def test_bypass_cache_neither_reuses_nor_leaves_pages():
 
 def test_finish_releases_blocks_at_once_even_while_waiting():
     pool, sched = make(pool_blocks=4, max_seqs=1)
-    a, b = request("a", 9), request("b", 5)
+    a, b = request("a", 5), request("b", 9)
     sched.add(a)
     sched.add(b)
     run_step(sched, pool)
@@ -119,17 +120,91 @@ def test_options_are_checked():
     pool = BlockPool(4, (1, 2, 1, P, 2))
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         Scheduler(pool, P, max_num_seqs=8, max_num_batched_tokens=4)
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        Scheduler(pool, P, max_prefill_tokens=0)
+    with pytest.raises(ValueError, match="aging_steps"):
+        Scheduler(pool, P, aging_steps=-1)
 
 
-@settings(max_examples=60, deadline=None)
+def test_a_mostly_cached_prompt_goes_before_a_long_uncached_one_that_came_first():
+    pool, sched = make(pool_blocks=32, budget=64, max_prefill_tokens=16)
+    sched.add(request("warm", 21, max_new=1))
+    while sched.has_unfinished():
+        run_step(sched, pool)
+    long, cached = request("long", 40, max_new=1, first=500), request("cached", 24, max_new=1)
+    sched.add(long)
+    sched.add(cached)
+    log = []
+    run_step(sched, pool, log)
+    # 20 of cached's 24 tokens are in the prefix cache: 4 left, against 40 for the long one.
+    assert log == [[("cached", 4), ("long", 12)]]
+    assert cached.cached_tokens_local == 20 and cached.status is RequestStatus.FINISHED
+
+
+def test_a_short_prefill_goes_through_while_a_long_one_is_chunked():
+    pool, sched = make(pool_blocks=32, budget=64, max_prefill_tokens=12)
+    sched.add(request("long", 60, max_new=2, first=500))
+    log = []
+    run_step(sched, pool, log)
+    sched.add(request("short", 5, max_new=2))
+    for _ in range(3):
+        run_step(sched, pool, log)
+    assert log == [[("long", 12)], [("short", 5), ("long", 7)], [("short", 1), ("long", 12)], [("long", 12)]]
+
+
+def test_decodes_run_every_step_however_many_prefills_wait():
+    pool, sched = make(pool_blocks=64, budget=16, max_prefill_tokens=8)
+    decoding = request("decoding", 3, max_new=12)
+    sched.add(decoding)
+    run_step(sched, pool)
+    for i in range(6):
+        sched.add(request(f"p{i}", 10, max_new=1, first=100 * (i + 1)))
+    for _ in range(10):
+        batch = run_step(sched, pool)
+        assert batch.requests[0] is decoding and batch.num_new_tokens[0] == 1
+        assert sum(batch.num_new_tokens) <= 1 + 8, "prefill stays within its per-step budget"
+
+
+@pytest.mark.parametrize("aging_steps", [0, 3, 10])
+def test_aging_bounds_the_wait_of_a_long_prompt_under_a_stream_of_short_ones(aging_steps):
+    """Three new short prompts every step fill the prefill budget, so shortest-first alone would
+    never serve the long prompt; it must start once aged and then be computed at full budget."""
+    budget, long_len = 8, 40
+    pool, sched = make(pool_blocks=256, budget=64, max_seqs=64, max_prefill_tokens=budget, aging_steps=aging_steps)
+    long = request("long", long_len, max_new=1, first=10_000)
+    sched.add(long)
+    first_token_step = None
+    for step in range(1, 40):
+        for i in range(3):
+            sched.add(request(f"s{step}.{i}", 3, max_new=1, first=100 * (3 * step + i)))
+        batch = run_step(sched, pool)
+        if step <= aging_steps:
+            assert long not in batch.requests, "shorter prompts go first until the long one is aged"
+        if long.output_token_ids and first_token_step is None:
+            first_token_step = step
+    # Aged from step aging_steps + 1 on, then long_len / budget steps at the full budget.
+    assert first_token_step == aging_steps + -(-long_len // budget)
+
+
+def test_aging_zero_serves_in_arrival_order():
+    pool, sched = make(pool_blocks=64, budget=64, max_prefill_tokens=64, aging_steps=0)
+    for name, n, first in (("a", 30, 100), ("b", 5, 200), ("c", 12, 300)):
+        sched.add(request(name, n, max_new=1, first=first))
+    log = []
+    run_step(sched, pool, log)
+    assert log == [[("a", 30), ("b", 5), ("c", 12)]]
+
+
+@settings(max_examples=150, deadline=None)
 @given(num_blocks=st.integers(3, 12), budget=st.integers(4, 24), max_seqs=st.integers(1, 4),
-       requests=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6), st.integers(0, 3), st.booleans()),
+       prefill=st.integers(1, 24), aging=st.integers(0, 6), requests=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6), st.integers(0, 3), st.booleans()),
                          min_size=1, max_size=6))
 def test_every_request_finishes_with_its_tokens_whatever_the_pool_budget_and_arrivals(num_blocks, budget, max_seqs,
-                                                                                        requests):
+                                                                                        prefill, aging, requests):
     """Random prompts (sharing prefixes), arrivals spread over steps, tiny pools: invariants hold every step,
     nothing deadlocks, and every request ends with exactly the tokens it would get alone."""
-    pool, sched = make(pool_blocks=num_blocks, budget=max(budget, max_seqs), max_seqs=max_seqs)
+    pool, sched = make(pool_blocks=num_blocks, budget=max(budget, max_seqs), max_seqs=max_seqs,
+                       max_prefill_tokens=prefill, aging_steps=aging)
     pending, created = [], []
     for i, (n_prompt, max_new, family, bypass) in enumerate(requests):
         n_prompt = min(n_prompt, num_blocks * P - max_new)

@@ -6,18 +6,27 @@ Design notes
    `num_computed_tokens` (tokens whose K/V are in its blocks); each step it gets
    `min(num_tokens - num_computed_tokens, budget)` new tokens. A step that reaches
    `num_tokens` yields logits for the next token; a shorter one is a prefill chunk.
-2. Running requests are served first, oldest first, so they keep decoding while a long
-   prompt is split into chunks by the per-step token budget.
-3. When a running request needs a block and none is available, the newest running request
-   is preempted: its blocks are released (its full pages stay in the prefix cache), its
-   tokens so far are kept, and it waits at the front of the queue to be recomputed. A
-   request alone always fits, because prompts and lengths are capped at the pool's size.
-4. Admission reuses the longest locally cached prefix, then asks the remote tier about the
+2. Decodes first: every running request with one token left is served each step, oldest
+   first, so decoding is never starved (the budget holds one token per seat).
+3. Then prefill, shortest first: running requests part-way through their prompt and waiting
+   ones compete for at most `max_prefill_tokens` per step, fewest tokens left to compute
+   first (for a waiting request, after its locally cached prefix: kvnode hits are learned only
+   on admission, so they do not count in the order). A request whose prompt is
+   mostly cached thus starts at once instead of queueing behind long uncached prompts, and a
+   long prompt is computed in chunks between them, which also keeps every step short.
+   Aging bounds the wait: a request that has waited through `aging_steps` steps goes before
+   every younger one (oldest first), so a long prompt is never starved by a stream of short
+   ones.
+4. When a request needs a block and none is available, the newest running request not yet in
+   this step is preempted: its blocks are released (its full pages stay in the prefix cache),
+   its tokens so far are kept, and it waits to be recomputed (keeping its age, so it soon goes
+   first). A request alone always fits, because prompts and lengths are capped at the pool's size.
+5. Admission reuses the longest locally cached prefix, then asks the remote tier about the
    whole page chain (local hits included, so the tier learns which of our pages it lacks)
    and has it fill fresh blocks past the local hits; whatever the tier does not fill is
    computed. At least one prompt token is always computed (its logits give the next token),
    so only pages before the last token are reused. A tier that fails counts as a miss.
-5. Each page that becomes full is indexed in the prefix cache and announced to the tier.
+6. Each page that becomes full is indexed in the prefix cache and announced to the tier.
 """
 
 from __future__ import annotations
@@ -75,6 +84,7 @@ class Request:
         self.block_table: list[int] = []
         self.num_cached_pages = 0  # leading pages of block_table that are indexed in the prefix cache
         self.num_preemptions = 0
+        self.arrival_step = 0  # the scheduler's step count when it was added (its age, for aging)
         self.cached_tokens_local: int | None = None  # set by the first admission
         self.cached_tokens_remote: int | None = None
         self._root_key = root_key
@@ -112,66 +122,82 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _tokens_left(request: Request) -> int:
+    return request.num_tokens - request.num_computed_tokens
+
+
+PREFILL_TOKENS_PER_STEP = 256  # prompt tokens computed per step at most (design note 3)
+AGING_STEPS = 64                # steps waited after which a request goes before every younger one
+
+
 class Scheduler:
     def __init__(self, pool: BlockPool, page_tokens: int, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 1024, tier: RemoteTier | None = None):
+                 max_num_batched_tokens: int = 1024, tier: RemoteTier | None = None,
+                 max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP, aging_steps: int = AGING_STEPS):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
                              f"max_num_seqs ({max_num_seqs}), so every running request can decode each step")
+        if max_prefill_tokens < 1 or aging_steps < 0:
+            raise ValueError(f"max_prefill_tokens must be at least 1 and aging_steps at least 0, "
+                             f"got {max_prefill_tokens} and {aging_steps}")
         self.pool = pool
         self.page_tokens = page_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens = max_prefill_tokens
+        self.aging_steps = aging_steps
         self.tier = tier
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in admission order, oldest first
         self.num_preemptions = 0
+        self.num_steps = 0
 
     def add(self, request: Request) -> None:
         max_blocks = self.pool.num_blocks
         if _cdiv(request.num_tokens, self.page_tokens) > max_blocks:
             raise ValueError(f"request {request.request_id} has {request.num_tokens} tokens; the pool holds "
                              f"at most {max_blocks * self.page_tokens} ({max_blocks} blocks of {self.page_tokens})")
+        request.arrival_step = self.num_steps
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        budget = self.max_num_batched_tokens
+        self.num_steps += 1
         batch = ScheduledBatch([], [])
         preempted = False
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
-            while not self._can_grow(request, num_new):
-                victim = self.running.pop()  # the newest (design note 3)
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
+        for request in [r for r in self.running if _tokens_left(r) == 1]:  # decodes (design note 2)
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted to make room for an older one
+            preempted |= self._make_room(request, 1, batch)
+            if request.status is RequestStatus.RUNNING:
+                self._add_to_batch(batch, request, 1)
+        budget = min(self.max_prefill_tokens, self.max_num_batched_tokens - sum(batch.num_new_tokens))
+        pool_short = False
+        for request in self._prefill_order(batch):  # design note 3
+            if budget <= 0:
+                break
+            if request.status is RequestStatus.RUNNING:
+                num_new = min(_tokens_left(request), budget)
+                preempted |= self._make_room(request, num_new, batch)
+                if request.status is not RequestStatus.RUNNING:
+                    continue
+                self._add_to_batch(batch, request, num_new)
             else:
-                self._grow(request, num_new)
+                if preempted or pool_short or len(self.running) >= self.max_num_seqs:
+                    continue  # no admission now; running requests later in the order may still compute
+                num_new = self._admit(request, budget)
+                if num_new == 0:
+                    pool_short = True  # no request later in the order is admitted before this one
+                    continue
+                self.waiting.remove(request)
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
                 batch.requests.append(request)
                 batch.num_new_tokens.append(num_new)
-                budget -= num_new
-                index += 1
-                continue
-            break
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            num_new = self._admit(request, budget)
-            if num_new == 0:
-                break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            batch.requests.append(request)
-            batch.num_new_tokens.append(num_new)
             budget -= num_new
         assert batch.requests or not self.running, "requests are running but none could be scheduled"
         return batch
@@ -223,16 +249,55 @@ class Scheduler:
         request.num_computed_tokens = 0
 
     def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
         self._release(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _make_room(self, request: Request, num_new: int, batch: ScheduledBatch) -> bool:
+        """Preempt the newest running requests outside the batch until `request` can grow (design
+        note 4); it may be preempted itself. True if anything was preempted."""
+        preempted = False
+        while not self._can_grow(request, num_new):
+            victim = next(r for r in reversed(self.running) if r not in batch.requests)
+            self._preempt(victim)
+            preempted = True
+            if victim is request:
+                break
+        return preempted
+
+    def _add_to_batch(self, batch: ScheduledBatch, request: Request, num_new: int) -> None:
+        self._grow(request, num_new)
+        batch.requests.append(request)
+        batch.num_new_tokens.append(num_new)
+
+    def _prefill_order(self, batch: ScheduledBatch) -> list[Request]:
+        """Running requests mid-prompt and waiting ones: aged ones first (oldest first), then the
+        fewest tokens left to compute first; ties keep running before waiting, queue order."""
+        candidates = [r for r in self.running if r not in batch.requests] + list(self.waiting)
+
+        def priority(request: Request) -> tuple[int, int]:
+            if self.num_steps - request.arrival_step > self.aging_steps:
+                return 0, request.arrival_step
+            if request.status is RequestStatus.RUNNING:
+                return 1, _tokens_left(request)
+            return 1, request.num_tokens - self._num_locally_cached(request)
+
+        return sorted(candidates, key=priority)
+
+    def _num_locally_cached(self, request: Request) -> int:
+        """Prompt tokens a waiting request would reuse from the local prefix cache now."""
+        if request.bypass_cache:
+            return 0
+        reusable = (request.num_tokens - 1) // self.page_tokens  # design note 5
+        return len(self.pool.lookup(request.page_keys(reusable))) * self.page_tokens
+
     def _admit(self, request: Request, budget: int) -> int:
         """Give a waiting request its cached prefix and first chunk; 0 if the pool cannot take it now."""
         P = self.page_tokens
-        reusable = 0 if request.bypass_cache else (request.num_tokens - 1) // P  # design note 4
+        reusable = 0 if request.bypass_cache else (request.num_tokens - 1) // P  # design note 5
         keys = request.page_keys(reusable)
         hits = self.pool.lookup(keys)
         num_hits = len(hits)
