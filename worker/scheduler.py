@@ -126,7 +126,7 @@ def _tokens_left(request: Request) -> int:
     return request.num_tokens - request.num_computed_tokens
 
 
-PREFILL_TOKENS_PER_STEP = 256  # prompt tokens computed per step at most (design note 3)
+PREFILL_TOKENS_PER_STEP = 128  # prompt tokens per step at most; a step bounds the wait of a newly arrived prompt
 AGING_STEPS = 64                # steps waited after which a request goes before every younger one
 
 
