@@ -4,6 +4,7 @@ are reported with their ratios; the figures themselves are never asserted as tim
 import importlib.util
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -40,6 +41,7 @@ def test_short_run_reports_both_passes_and_ratios(tmp_path):
     assert code == 0, err
     report = json.loads(out)
     assert report["bench"] == "load" and report["cluster"]["started_here"]
+    assert report["cluster"]["blas_threads_per_worker"] == max(1, (os.cpu_count() or 1) // 1)  # one worker
     assert report["machine"]["cpus"] and report["versions"]["kvcache"] != "absent"
     assert report["options"]["requests"] == 6 and "no-cache pass" in report["order"]
     [level] = report["levels"]
@@ -74,6 +76,7 @@ def test_short_run_reports_both_passes_and_ratios(tmp_path):
     (["--question-chars", "9,3"], "question_chars must satisfy"),
     (["--model", "tiny", "--system-chars", "2000"], "exceed the model's 1024 positions"),
     (["--model", "no-such-model"], "no-such-model"),
+    (["--blas-threads", "0"], "--blas-threads must be at least 1"),
 ])
 def test_bad_options_are_one_line_and_exit_2(args, message):
     code, out, err = run_bench(args, timeout=60)
@@ -86,6 +89,6 @@ def test_plot_without_matplotlib_says_so(tmp_path):
     hide.mkdir()
     (hide / "matplotlib.py").write_text("raise ImportError('hidden for this test')\n")
     process = subprocess.run(BENCH + ["--model", "tiny", "--plot", str(tmp_path / "charts")], capture_output=True,
-                             text=True, timeout=60, env={**__import__("os").environ, "PYTHONPATH": str(hide)})
+                             text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(hide)})
     assert process.returncode == 2 and "pip install -e '.[bench]'" in process.stderr
     assert not (tmp_path / "charts").exists()

@@ -16,11 +16,17 @@ The default model is gpt2-small-shape: the tiny preset recomputes a 600-token pr
 that fixed per-request costs (the coordinator hop, streaming, page fetches) make up much of its
 time to first token (`kvcache bench remote --model tiny` shows warm-from-kvnode only a few times
 faster than cold), which would hide what the cache saves on a model worth caching.
+
+A local cluster's workers get `cores / workers` BLAS threads each (--blas-threads): two workers
+that each run OpenBLAS's default of one thread per core on two cores made every prefill several
+times slower (the threads spin waiting for a core the other worker holds), in both passes alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import sys
 import tempfile
@@ -50,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32", help="KV dtype (default float32)")
     cluster.add_argument("--node-capacity", default="512MiB", help="page pool per kvnode (default 512MiB)")
     cluster.add_argument("--worker-kv-cache", default="256MiB", help="local KV pool per worker (default 256MiB)")
+    cluster.add_argument("--blas-threads", type=int, default=None, help="BLAS threads per worker of the local cluster "
+                         "(default: cores / workers, at least 1; see the description)")
     load = parser.add_argument_group("load")
     load.add_argument("--concurrency", default="4", help="concurrent clients; a list such as 1,2,4 runs each level "
                       "(default 4)")
@@ -117,6 +125,7 @@ def _bench(args, config: wl.WorkloadConfig, levels: list[int], coordinators: lis
         "options": {k: v for k, v in vars(args).items() if k != "run"},
         "workload": {**config.__dict__, "mix": list(config.mix)},
         "cluster": {"started_here": args.coordinators is None, "coordinators": coordinators,
+                    "blas_threads_per_worker": _blas_threads(args) if args.coordinators is None else None,
                     "nodes": members["nodes"], "workers": members["workers"], "model": members["model"]},
         "order": f"{warmup} uncached warm-up requests (not counted), then per concurrency level the no-cache "
                  "pass, then the cache pass (which starts cold: the no-cache pass writes nothing)",
@@ -190,9 +199,10 @@ class _cluster:
         if not (a.json or a.no_progress):
             print(f"starting a local cluster ({a.nodes} kvnodes, {a.workers} workers, model {a.model}); logs in {logs}",
                   file=sys.stderr, flush=True)
-        self.local = start_cluster(logs, nodes=a.nodes, workers=a.workers, coordinators=2, replicas=a.replicas,
-                                   model=a.model, kv_dtype=a.kv_dtype, node_capacity=a.node_capacity,
-                                   worker_kv_cache=a.worker_kv_cache)
+        with _environment({name: str(_blas_threads(a)) for name in BLAS_THREAD_VARIABLES}):
+            self.local = start_cluster(logs, nodes=a.nodes, workers=a.workers, coordinators=2, replicas=a.replicas,
+                                       model=a.model, kv_dtype=a.kv_dtype, node_capacity=a.node_capacity,
+                                       worker_kv_cache=a.worker_kv_cache)
         try:
             wait_healthy(self.local.coordinator_addresses, a.nodes, a.workers, timeout_s=180.0)
         except BaseException:
@@ -203,6 +213,28 @@ class _cluster:
     def __exit__(self, *exc) -> None:
         if self.local is not None:
             self.local.stop()
+
+
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _blas_threads(args) -> int:
+    return args.blas_threads or max(1, (os.cpu_count() or 1) // args.workers)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """These environment variables while the daemons start (they inherit them), restored after."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _members(coordinators: list[str]) -> dict:
@@ -231,6 +263,8 @@ def _check(args) -> tuple[wl.WorkloadConfig, list[int]]:
     levels = _ints(args.concurrency, "--concurrency")
     if not levels or min(levels) < 1:
         raise ValueError(f"--concurrency needs positive counts such as 4 or 1,2,4, got {args.concurrency!r}")
+    if args.blas_threads is not None and args.blas_threads < 1:
+        raise ValueError(f"--blas-threads must be at least 1, got {args.blas_threads}")
     for name in ("requests", "max_tokens", "nodes", "workers", "replicas"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
