@@ -36,7 +36,7 @@ _WORDS = (
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    requests: int = 48                 # requests in the whole workload (session turns count one each)
+    requests: int = 40                 # requests in the whole workload (session turns count one each)
     seed: int = 0
     mix: tuple[float, float, float] = (0.6, 0.3, 0.1)   # shares of shared / session / unique requests
     system_prompts: int = 4            # distinct shared system prompts
