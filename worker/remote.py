@@ -92,6 +92,8 @@ class RemoteTier:
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fetch")
         self._fetch_lock = threading.Lock()  # one fill at a time owns the staging buffers
         self._staging: list[np.ndarray] = []  # two reused receive buffers (fresh memory is written far slower)
+        if self.wire_dtype != pool.dtype:  # float16 pages always pass through them: touch them now, not in a request
+            self._staging = [np.full((self.fetch_batch_pages, self.page_bytes), 0, dtype=np.uint8) for _ in range(2)]
         self._sender = threading.Thread(target=self._send_loop, name="kv-writeback", daemon=True)
         self._stopping = threading.Event()
         self._sender.start()
