@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32", help="KV dtype (default float32)")
     up.add_argument("--node-capacity", default="64MiB", help="page pool per kvnode (default 64MiB)")
     up.add_argument("--worker-kv-cache", default="64MiB", help="local KV pool per worker (default 64MiB)")
+    up.add_argument("--blas-threads", type=int, default=None,
+                    help="BLAS threads per worker (default: cores / workers, at least 1, so workers do not "
+                         "fight over the cores)")
     up.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help=f"cluster file and logs (default ./{DEFAULT_RUN_DIR})")
     up.add_argument("--detach", action="store_true", help="return once healthy; stop later with `kvcache cluster down`")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a healthy cluster (default 120)")
@@ -71,7 +74,7 @@ def run_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster()
     try:
         start_cluster(logs, args.nodes, args.workers, args.coordinators, args.replicas, args.model, args.kv_dtype,
-                      args.node_capacity, args.worker_kv_cache,
+                      args.node_capacity, args.worker_kv_cache, blas_threads=args.blas_threads,
                       on_start=lambda c: _write_cluster_file(cluster_file, args, c.daemons), cluster=cluster)
         coordinators = cluster.coordinator_addresses
         wait_healthy(coordinators, args.nodes, args.workers, args.timeout, stopping)
@@ -133,6 +136,8 @@ def _check_counts(args: argparse.Namespace) -> None:
     for name in ("nodes", "workers", "coordinators", "replicas"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.blas_threads is not None and args.blas_threads < 1:
+        raise ValueError(f"--blas-threads must be at least 1, got {args.blas_threads}")
     if args.replicas > args.nodes:
         raise ValueError(f"--replicas {args.replicas} exceeds --nodes {args.nodes}: each replica needs its own kvnode")
 
@@ -162,8 +167,11 @@ class LocalCluster:
 
 def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: int = 2, replicas: int = 2,
                   model: str = "tiny", kv_dtype: str = "float32", node_capacity: str = "64MiB",
-                  worker_kv_cache: str = "64MiB", on_start=None, cluster: LocalCluster | None = None) -> LocalCluster:
+                  worker_kv_cache: str = "64MiB", blas_threads: int | None = None, on_start=None,
+                  cluster: LocalCluster | None = None) -> LocalCluster:
     """Start coordinators, then kvnodes and workers registered with them (not yet waiting for health).
+
+    Each worker gets `blas_threads` BLAS threads (default: cores / workers, at least 1).
 
     `on_start(cluster)` runs after each start, so a caller can record pids as they appear; on
     failure whatever started is stopped before the error propagates.
@@ -186,8 +194,9 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
         for i in range(nodes):
             launch("node", f"node-{i}", ["--coordinators", joined, "--node-id", f"node-{i}",
                                          "--page-bytes", str(page_bytes), "--capacity", node_capacity])
+        threads = blas_threads or default_blas_threads(workers)
         for i in range(workers):
-            add_worker(cluster, logs, f"worker-{i}", model, kv_dtype, worker_kv_cache, launch)
+            add_worker(cluster, logs, f"worker-{i}", model, kv_dtype, worker_kv_cache, launch, blas_threads=threads)
     except Exception:
         cluster.stop()
         raise
@@ -195,15 +204,22 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
 
 
 def add_worker(cluster: LocalCluster, logs: Path, name: str, model: str = "tiny", kv_dtype: str = "float32",
-               kv_cache: str = "64MiB", launch=None) -> Daemon:
+               kv_cache: str = "64MiB", launch=None, blas_threads: int | None = None) -> Daemon:
     """Start one more worker registered with the cluster's coordinators."""
     args = ["--coordinators", ",".join(cluster.coordinator_addresses), "--worker-id", name, "--model", model,
             "--kv-dtype", kv_dtype, "--kv-cache", kv_cache]
+    if blas_threads is not None:
+        args += ["--blas-threads", str(blas_threads)]
     if launch:
         return launch("worker", name, args)
     daemon = Daemon("worker", ["--port", "0", *args], log_path=logs / f"{name}.log")
     cluster.daemons.append(daemon)
     return daemon
+
+
+def default_blas_threads(workers: int) -> int:
+    """BLAS threads per worker when `workers` share this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers))
 
 
 def _write_cluster_file(path: Path, args, started: list[Daemon]) -> None:

@@ -16,6 +16,7 @@ from kvcache.units import format_size, parse_size
 from protos import kvcache_pb2 as pb
 from protos import serving
 from worker.engine import Engine
+from worker.model import blas
 from worker.remote import RemoteTier
 from worker.service import SERVICE_NAME, WorkerService, handler
 
@@ -37,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
     parser.add_argument("--lease-ms", type=int, default=2000, help="how long kvnodes hold looked-up pages for the fetch")
     parser.add_argument("--worker-id", default=None, help="name shown in Info and logs (default: random)")
+    parser.add_argument(
+        "--blas-threads", type=int, default=None,
+        help="most BLAS threads for the model's matmuls (default: one per core); give cores / workers "
+             "when several workers share a machine",
+    )
     parser.add_argument("--grace", type=float, default=10.0, help="seconds running requests get on stop (default 10)")
     agent.add_arguments(parser)
 
@@ -45,6 +51,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
         kv_cache_bytes = parse_size(args.kv_cache)
+        if args.blas_threads is not None:
+            if args.blas_threads < 1:
+                raise ValueError(f"--blas-threads must be at least 1, got {args.blas_threads}")
+            blas.cap_threads(args.blas_threads)
+            log.info("BLAS capped at %d thread(s)", args.blas_threads)
         serving.tune_allocator()
         engine = Engine.load(
             args.model,

@@ -25,8 +25,6 @@ times slower (the threads spin waiting for a core the other worker holds), in bo
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import signal
 import sys
 import tempfile
@@ -39,6 +37,7 @@ from kvcache.bench.loadrun import PassRun, run_pass, warm_up
 from kvcache.bench.loadreport import plot_charts, print_report
 from kvcache.bench.report import MATPLOTLIB_MISSING, dump_json, machine, versions
 from kvcache.bench.stats import gain, summarize_pass
+from kvcache.cluster import default_blas_threads
 
 TTFT_GOAL = 5.0
 WARM_SHARE_GOAL = 0.80
@@ -199,10 +198,9 @@ class _cluster:
         if not (a.json or a.no_progress):
             print(f"starting a local cluster ({a.nodes} kvnodes, {a.workers} workers, model {a.model}); logs in {logs}",
                   file=sys.stderr, flush=True)
-        with _environment({name: str(_blas_threads(a)) for name in BLAS_THREAD_VARIABLES}):
-            self.local = start_cluster(logs, nodes=a.nodes, workers=a.workers, coordinators=2, replicas=a.replicas,
-                                       model=a.model, kv_dtype=a.kv_dtype, node_capacity=a.node_capacity,
-                                       worker_kv_cache=a.worker_kv_cache)
+        self.local = start_cluster(logs, nodes=a.nodes, workers=a.workers, coordinators=2, replicas=a.replicas,
+                                   model=a.model, kv_dtype=a.kv_dtype, node_capacity=a.node_capacity,
+                                   worker_kv_cache=a.worker_kv_cache, blas_threads=_blas_threads(a))
         try:
             wait_healthy(self.local.coordinator_addresses, a.nodes, a.workers, timeout_s=180.0)
         except BaseException:
@@ -215,26 +213,8 @@ class _cluster:
             self.local.stop()
 
 
-BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-
-
 def _blas_threads(args) -> int:
-    return args.blas_threads or max(1, (os.cpu_count() or 1) // args.workers)
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    """These environment variables while the daemons start (they inherit them), restored after."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return args.blas_threads or default_blas_threads(args.workers)
 
 
 def _members(coordinators: list[str]) -> dict:

@@ -35,9 +35,23 @@ def attention_threads(rows: int) -> AbstractContextManager:
 
 
 def single_thread() -> AbstractContextManager:
+    return _blas_controller().limit(limits=1, user_api="blas")
+
+
+def cap_threads(count: int) -> None:
+    """Cap BLAS at `count` threads for the rest of the process: a worker that shares the cores
+    with other workers must not run one thread per core (two workers prefilling side by side on
+    two cores were ~6x slower with a thread per core each than with one). Forwards of few rows
+    still drop to one thread; when they end, BLAS returns to this cap."""
+    if count < 1:
+        raise ValueError(f"BLAS threads must be at least 1, got {count}")
+    _blas_controller().limit(limits=count, user_api="blas")  # stays in force: never restored
+
+
+def _blas_controller():
     global _controller
     if _controller is None:
         from threadpoolctl import ThreadpoolController
 
         _controller = ThreadpoolController()
-    return _controller.limit(limits=1, user_api="blas")
+    return _controller
