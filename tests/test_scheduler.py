@@ -142,14 +142,16 @@ def test_a_mostly_cached_prompt_goes_before_a_long_uncached_one_that_came_first(
 
 
 def test_a_short_prefill_goes_through_while_a_long_one_is_chunked():
+    """Alone, the long prompt gets the whole step budget; while another request waits or runs,
+    prefill is capped, shortest first."""
     pool, sched = make(pool_blocks=32, budget=64, max_prefill_tokens=12)
-    sched.add(request("long", 60, max_new=2, first=500))
+    sched.add(request("long", 100, max_new=2, first=500))
     log = []
     run_step(sched, pool, log)
     sched.add(request("short", 5, max_new=2))
     for _ in range(3):
         run_step(sched, pool, log)
-    assert log == [[("long", 12)], [("short", 5), ("long", 7)], [("short", 1), ("long", 12)], [("long", 12)]]
+    assert log == [[("long", 64)], [("short", 5), ("long", 7)], [("short", 1), ("long", 12)], [("long", 17)]]
 
 
 def test_decodes_run_every_step_however_many_prefills_wait():

@@ -13,7 +13,10 @@ Design notes
    first (for a waiting request, after its locally cached prefix: kvnode hits are learned only
    on admission, so they do not count in the order). A request whose prompt is
    mostly cached thus starts at once instead of queueing behind long uncached prompts, and a
-   long prompt is computed in chunks between them, which also keeps every step short.
+   long prompt is computed in chunks between them, which also keeps every step short. A
+   request alone gets the whole `max_num_batched_tokens`: with nobody waiting, small chunks
+   would only make it slower (a 1,024-token gpt2-small-shape prefill took ~18% longer in
+   128-token chunks).
    Aging bounds the wait: a request that has waited through `aging_steps` steps goes before
    every younger one (oldest first), so a long prompt is never starved by a stream of short
    ones.
@@ -175,7 +178,9 @@ class Scheduler:
             preempted |= self._make_room(request, 1, batch)
             if request.status is RequestStatus.RUNNING:
                 self._add_to_batch(batch, request, 1)
-        budget = min(self.max_prefill_tokens, self.max_num_batched_tokens - sum(batch.num_new_tokens))
+        budget = self.max_num_batched_tokens - sum(batch.num_new_tokens)
+        if len(self.running) + len(self.waiting) > 1:
+            budget = min(budget, self.max_prefill_tokens)  # others wait for this step (design note 3)
         pool_short = False
         for request in self._prefill_order(batch):  # design note 3
             if budget <= 0:
