@@ -1,5 +1,8 @@
 """The block pool: reference counts, the prefix cache, leaves-first LRU eviction, invariants."""
 
+import os
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -183,3 +186,16 @@ def test_pool_matches_a_reference_model(ops):
         assert set(pool.key_to_block) == ref.cached_keys()
         assert pool.ref_counts == ref.refs
         assert pool.get_num_free_blocks() == ref.available()
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux's /proc to read resident memory")
+def test_the_pool_is_resident_from_the_start():
+    """A fetch must not page-fault its way into untouched blocks: the pool is written at start."""
+
+    def resident_bytes() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident_bytes()
+    pool = BlockPool(64, (4, 2, 4, 16, 64))  # 64 blocks of 128 KiB: 8 MiB
+    assert resident_bytes() - before >= 0.9 * pool.kv.nbytes
+    assert not pool.kv.any()
