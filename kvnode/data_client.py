@@ -10,7 +10,8 @@ Design notes
    (no poll before each recv); the deadline is also checked after every recv.
 3. A pooled connection may have been closed by the node while idle: a call that fails on
    a reused connection before any byte of its reply arrived is sent once more on a new
-   connection (GET and PUT are both idempotent).
+   connection (GET and PUT are both idempotent), and the other idle connections, closed by
+   the node alike, are dropped.
 """
 
 from __future__ import annotations
@@ -85,21 +86,20 @@ class DataPlaneClient:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            idle, self._idle = self._idle, []
-        for sock in idle:
-            sock.close()
+        self._drop_idle()
 
     # ---- plumbing ----------------------------------------------------------------
 
     def _call(self, exchange, timeout_s: float):
         deadline = time.monotonic() + timeout_s
         for attempt in range(2):
-            sock, reused = self._take(deadline)
+            sock, reused = self._take(deadline, fresh=attempt > 0)
             try:
                 dw.set_kernel_timeouts(sock, max(0.001, deadline - time.monotonic()))
                 result = exchange(sock, deadline, reused and attempt == 0)
             except _Retry:
                 sock.close()
+                self._drop_idle()  # the node closed idle connections: the others are as stale
                 continue
             except BaseException:
                 sock.close()
@@ -108,9 +108,9 @@ class DataPlaneClient:
             return result
         raise AssertionError("a retried data plane call asked for another retry")
 
-    def _take(self, deadline: float) -> tuple[socket.socket, bool]:
+    def _take(self, deadline: float, fresh: bool = False) -> tuple[socket.socket, bool]:
         with self._lock:
-            if self._idle:
+            if self._idle and not fresh:
                 return self._idle.pop(), True
         try:
             sock = socket.create_connection((self.host, self.port), timeout=max(0.001, deadline - time.monotonic()))
@@ -125,6 +125,12 @@ class DataPlaneClient:
         self.connected_once = True
         return sock, False
 
+    def _drop_idle(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
     def _give_back(self, sock: socket.socket) -> None:
         with self._lock:
             if not self._closed and len(self._idle) < _MAX_IDLE:
@@ -134,7 +140,7 @@ class DataPlaneClient:
 
     def _send(self, sock: socket.socket, parts: list, deadline: float, reused: bool) -> None:
         try:
-            dw.send_parts(sock, parts)
+            dw.send_parts(sock, parts, deadline)
         except (BlockingIOError, socket.timeout):
             raise DataPlaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "sending the request timed out") from None
         except OSError as exc:

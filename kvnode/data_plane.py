@@ -5,7 +5,8 @@ Design notes
 1. One thread per connection, at most `max_connections`; one over the bound is answered
    RESOURCE_EXHAUSTED and closed. Sockets are blocking (send and recv release the GIL, and
    no poll runs before each call, as with a socket timeout); kernel timeouts (SO_RCVTIMEO,
-   SO_SNDTIMEO) drop a peer that stalls or idles longer than `timeout_s`. TCP_NODELAY.
+   SO_SNDTIMEO) drop a peer that stalls or idles longer than `timeout_s`, and a GET's whole
+   reply must be sent within `timeout_s` (its pages stay pinned meanwhile). TCP_NODELAY.
 2. GET sends the pages straight from the pool (sendmsg over the reply header and the pages'
    slots, no copy in Python), pinned in the store while they are sent so no slot is evicted
    and overwritten mid-send. Measured here, node and client in two processes, 16 pages of
@@ -15,6 +16,8 @@ Design notes
 3. PUT reads the keys and parents first, then the pages into the connection's reused buffer
    with recv_into, checks every page as PutPages does, and stores only once the whole request
    arrived and passed: a request cut short stores nothing. One outcome per page, as PutPages.
+   The bytes of puts being received at once, over all connections, are bounded
+   (`max_put_bytes_in_flight`); a put beyond it is refused RESOURCE_EXHAUSTED.
 4. A refused request is answered with its status and message, then the connection closes.
    While the rest of the request may still be coming, the server first stops sending and
    reads it away (bounded in bytes and time), so the answer is not lost to a reset.
@@ -36,6 +39,7 @@ log = logging.getLogger("kvnode")
 
 DEFAULT_MAX_CONNECTIONS = 64
 DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_MAX_PUT_BYTES_IN_FLIGHT = 512 * 2**20  # PUT pages received at once, over all connections
 _KEEP_BUFFER_BYTES = 64 * 2**20  # a connection keeps a buffer up to this size between requests
 _DRAIN_LIMIT_BYTES = 512 * 2**20
 _DRAIN_TIMEOUT_S = 1.0
@@ -53,11 +57,14 @@ class DataPlaneServer:
     """Serves GET and PUT on `host:port` (0 picks a free port) until stop()."""
 
     def __init__(self, store: PageStore, host: str = "127.0.0.1", port: int = 0, max_keys: int = 256,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS, timeout_s: float = DEFAULT_TIMEOUT_S):
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 max_put_bytes_in_flight: int = DEFAULT_MAX_PUT_BYTES_IN_FLIGHT):
         self.store = store
         self.max_keys = max_keys
         self.max_connections = max_connections
         self.timeout_s = timeout_s
+        self.max_put_bytes_in_flight = max_put_bytes_in_flight
+        self._put_bytes_in_flight = 0
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=128)
         self._listener.settimeout(0.2)  # the accept loop wakes to see stop()
@@ -185,7 +192,9 @@ class DataPlaneServer:
         except PageNotFound as exc:
             raise dw.FrameError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
         try:
-            connection.send_parts([dw.ok_reply(header.count * self.store.page_bytes), *pages])
+            # The whole reply within timeout_s: a reader that trickles must not hold pins for long.
+            connection.send_parts([dw.ok_reply(header.count * self.store.page_bytes), *pages],
+                                  deadline=time.monotonic() + self.timeout_s)
         finally:
             del pages
             self.store.unpin_pages(keys)
@@ -195,6 +204,21 @@ class DataPlaneServer:
         if header.page_bytes != page_bytes:
             raise dw.FrameError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"pages of {header.page_bytes} bytes; this node stores pages of {page_bytes} bytes")
+        size = header.count * page_bytes
+        with self._lock:
+            if self._put_bytes_in_flight + size > self.max_put_bytes_in_flight:
+                raise dw.FrameError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"this node is receiving {self._put_bytes_in_flight} bytes of puts already and "
+                                    f"takes {self.max_put_bytes_in_flight} at once; retry later or send fewer pages")
+            self._put_bytes_in_flight += size
+        try:
+            self._receive_and_store(connection, header)
+        finally:
+            with self._lock:
+                self._put_bytes_in_flight -= size
+
+    def _receive_and_store(self, connection: "_Connection", header: dw.RequestHeader) -> None:
+        page_bytes = self.store.page_bytes
         entry_block = connection.receive(header.count * dw.put_entry_bytes(KEY_BYTES))
         connection.pending -= len(entry_block)
         entries = dw.parse_put_entries(entry_block, header.count, KEY_BYTES)
@@ -237,6 +261,7 @@ class _Connection:
 
     def __init__(self, conn: socket.socket, timeout_s: float):
         self.conn = conn
+        self.timeout_s = timeout_s
         self.pending = 0  # bytes of the current request not yet read
         self._buffer = bytearray()
         self._small = bytearray(dw.REQUEST.size)
@@ -270,13 +295,14 @@ class _Connection:
             got += n
         return view
 
-    def send_parts(self, parts: list) -> None:
+    def send_parts(self, parts: list, deadline: float) -> None:
         try:
-            dw.send_parts(self.conn, parts)
+            dw.send_parts(self.conn, parts, deadline)
         except (BlockingIOError, socket.timeout):
-            raise _Dropped("stopped reading the reply") from None
+            raise _Dropped("did not read the reply in time") from None
         except OSError as exc:
             raise _Dropped(f"connection broke while sending: {exc}") from None
+        dw.set_kernel_timeouts(self.conn, self.timeout_s)  # send_parts shortened the send timeout
 
     def send(self, data) -> None:
         try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -134,22 +135,33 @@ def parse_reply_header(buf) -> tuple[grpc.StatusCode, int, int]:
 # ---- sockets ----------------------------------------------------------------------
 
 
-def set_kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
-    """SO_RCVTIMEO and SO_SNDTIMEO on a blocking socket: a stalled recv or send raises
-    BlockingIOError after timeout_s, with no poll before each call."""
+def set_kernel_timeouts(sock: socket.socket, timeout_s: float, receive: bool = True) -> None:
+    """SO_RCVTIMEO (unless not `receive`) and SO_SNDTIMEO on a blocking socket: a stalled recv
+    or send raises BlockingIOError after timeout_s, with no poll before each call."""
     seconds = int(timeout_s)
     value = struct.pack("ll", seconds, int((timeout_s - seconds) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    if receive:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
 _IOV_BATCH = 512  # buffers per sendmsg, under the kernel's IOV_MAX (1024)
 
 
-def send_parts(sock: socket.socket, parts: list) -> None:
-    """Send the buffers back to back with as few syscalls as sendmsg allows (no joining copy)."""
+def send_parts(sock: socket.socket, parts: list, deadline: float | None = None) -> None:
+    """Send the buffers back to back with as few syscalls as sendmsg allows (no joining copy).
+
+    With a `deadline` (time.monotonic()), the whole send must end by then (socket.timeout
+    otherwise): a kernel send timeout alone bounds each call, and a peer reading a trickle
+    could stretch the send without end. It leaves the socket's send timeout changed.
+    """
     parts = [memoryview(p).cast("B") for p in parts]
     while parts:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("the send's deadline passed")
+            set_kernel_timeouts(sock, left, receive=False)
         sent = sock.sendmsg(parts[:_IOV_BATCH])
         while parts and sent >= parts[0].nbytes:
             sent -= parts[0].nbytes

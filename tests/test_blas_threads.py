@@ -20,7 +20,8 @@ def _blas_threads() -> set[int]:
 def restore_blas_threads():
     before = _blas_threads()
     yield
-    blas.cap_threads(max(before))
+    if before:
+        blas.cap_threads(max(before))
 
 
 def test_cap_holds_across_single_thread_forwards(restore_blas_threads):

@@ -18,6 +18,7 @@ import pytest
 from cluster_helpers import NODE_PAGE_BYTES, wait_for
 from kvnode import data_wire as dw
 from kvnode.client import NodeClient, NodeError
+from kvnode.data_client import DataPlaneClient
 from kvnode.data_plane import DataPlaneServer
 from store_helpers import key
 
@@ -382,3 +383,81 @@ def test_one_client_serves_several_threads_at_once(seeded, plane):
     assert errors == []
     assert seeded.store.stats.get_pages >= 4 * rounds * 3
     assert_unharmed(seeded, plane, set(GOOD))
+
+
+def test_when_every_pooled_connection_went_stale_the_call_still_succeeds(make_node):
+    """After an idle spell the node has closed all of a client's pooled connections, not one:
+    the retry must open a new connection, not take the next stale one."""
+    node = make_node()
+    server = DataPlaneServer(node.store, "127.0.0.1", 0, max_keys=MAX_KEYS, timeout_s=0.3).start()
+    try:
+        with node.client(use_data_plane=False) as grpc_client:
+            assert grpc_client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3
+        plane_client = DataPlaneClient("127.0.0.1", server.port)
+        deadline = time.monotonic() + 5.0
+        opened = [plane_client._take(deadline)[0] for _ in range(3)]  # as three threads' calls would leave them
+        for sock in opened:
+            plane_client._give_back(sock)
+        assert wait_for(lambda: server.num_connections() == 0, timeout_s=5.0)  # the node closed all three
+        out = np.empty((3, NODE_PAGE_BYTES), dtype=np.uint8)
+        plane_client.get_into(GOOD, memoryview(out).cast("B"), timeout_s=5.0)
+        np.testing.assert_array_equal(out, pages(3))
+        plane_client.close()
+    finally:
+        server.stop()
+
+
+def test_a_reader_that_trickles_is_dropped_within_the_timeout_and_leaves_no_pin(make_node):
+    """Reading a few bytes at a time never lets a single send time out; the whole reply's
+    deadline still ends it, so its pages are not pinned (unevictable) for long."""
+    page_bytes, count = 1 << 20, 16
+    node = make_node(capacity_pages=count, page_bytes=page_bytes)
+    server = DataPlaneServer(node.store, "127.0.0.1", 0, max_keys=count, timeout_s=0.5).start()
+    keys = [key(i) for i in range(count)]
+    try:
+        parents, data = [b"", *keys[:-1]], np.zeros((count, page_bytes), np.uint8)
+        with node.client(use_data_plane=False) as grpc_client:
+            for first in range(0, count, MAX_KEYS):  # the gRPC service's key limit
+                part = slice(first, first + MAX_KEYS)
+                assert grpc_client.put_pages(keys[part], parents[part], data[part]).stored == MAX_KEYS
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(2.0)
+        try:
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(dw.get_request(keys))
+            started, pinned_seen, released_after = time.monotonic(), False, None
+            while released_after is None and time.monotonic() - started < 5.0:  # 16 MiB at ~200 KB/s: 80 s
+                pinned = node.store.num_pinned()
+                pinned_seen |= pinned > 0
+                if pinned_seen and pinned == 0:
+                    released_after = time.monotonic() - started
+                with contextlib.suppress(ConnectionResetError, socket.timeout):
+                    sock.recv(1024)
+                time.sleep(0.005)
+        finally:
+            sock.close()
+        assert pinned_seen, "the reply never started"
+        assert released_after is not None and released_after < 3.0, "the pages stayed pinned for the trickling reader"
+        assert wait_for(lambda: server.num_connections() == 0, timeout_s=2.0)
+        node.store.check_invariants()
+    finally:
+        server.stop()
+
+
+def test_puts_beyond_the_bytes_in_flight_are_refused_and_store_nothing(make_node):
+    node = make_node()
+    server = DataPlaneServer(node.store, "127.0.0.1", 0, max_keys=MAX_KEYS,
+                             max_put_bytes_in_flight=2 * NODE_PAGE_BYTES).start()
+    node.service.data_port = server.port
+    try:
+        with node.client() as client:
+            with pytest.raises(NodeError) as raised:
+                client.put_pages(GOOD, GOOD_PARENTS, pages(3))
+            assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "retry later" in raised.value.details
+            assert node.store.keys() == []
+            assert client.put_pages(GOOD[:2], GOOD_PARENTS[:2], pages(2)).stored == 2
+        node.store.check_invariants()
+    finally:
+        server.stop()
