@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data-port", type=int, default=0,
         help="TCP port of the data plane, a plain binary protocol on --host beside gRPC that moves page "
              "bytes without gRPC's per-message costs (NodeClient fetches and stores pages over it); "
-             "0 picks a free one (default 0); Info advertises it, so open it beside --port in a firewall",
+             "0 picks a free one (default 0); Info advertises it. Behind a firewall give a fixed port and "
+             "open it beside --port",
     )
     parser.add_argument(
         "--no-data-plane", action="store_true",
