@@ -158,3 +158,14 @@ def test_fill_into_scattered_blocks_lands_each_page_in_its_block(nodes):
         assert not tier.pool[untouched].any()
     finally:
         tier.close()
+
+
+def test_the_write_back_queue_is_bounded_in_bytes_of_float32_pages():
+    pool = np.zeros((4, *BLOCK_SHAPE), dtype=np.float32)
+    page_f32 = pool[0].nbytes
+    for queue_bytes, pages in ((page_f32 * 100, 100), (page_f32 * 100 + page_f32 - 1, 100), (1, 16)):
+        tier = RemoteTier(pool, "float16", queue_bytes=queue_bytes)
+        try:
+            assert tier._outbox.maxsize == pages  # at least 16 pages, however small the bound
+        finally:
+            tier.close()

@@ -71,7 +71,7 @@ class RemoteTier:
         lease_ms: int = 2_000,
         lookup_timeout_s: float = 0.5,
         retry_after_s: float = 2.0,
-        queue_pages: int = 1024,
+        queue_bytes: int = 256 * 2**20,
         fetch_batch_bytes: int = 16 * 2**20,
         min_batch_bytes: int = 2 * 2**20,
     ):
@@ -88,7 +88,8 @@ class RemoteTier:
         self._stats_lock = threading.Lock()  # counted from the engine thread and the sender thread
         self._nodes: dict[str, _Node] = {}
         self._nodes_lock = threading.Lock()
-        self._outbox: queue.Queue = queue.Queue(maxsize=queue_pages)  # float32 copies, cast when sent
+        # Float32 copies, cast when sent: bounded in bytes (1,024 gpt2-small pages would be 1.2 GB).
+        self._outbox: queue.Queue = queue.Queue(maxsize=max(16, queue_bytes // pool[0].nbytes))
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fetch")
         self._fetch_lock = threading.Lock()  # one fill at a time owns the staging buffers
         self._staging: list[np.ndarray] = []  # two reused receive buffers (fresh memory is written far slower)
