@@ -17,7 +17,8 @@ Design notes
    with recv_into, checks every page as PutPages does, and stores only once the whole request
    arrived and passed: a request cut short stores nothing. One outcome per page, as PutPages.
    The bytes of puts being received at once, over all connections, are bounded
-   (`max_put_bytes_in_flight`); a put beyond it is refused RESOURCE_EXHAUSTED.
+   (`max_put_bytes_in_flight`); a put beyond it is refused RESOURCE_EXHAUSTED, unless it is
+   the only one (pages of a large model may make one request larger than the bound).
 4. A refused request is answered with its status and message, then the connection closes.
    While the rest of the request may still be coming, the server first stops sending and
    reads it away (bounded in bytes and time), so the answer is not lost to a reset.
@@ -77,6 +78,11 @@ class DataPlaneServer:
     def start(self) -> "DataPlaneServer":
         self._acceptor.start()
         return self
+
+    def put_bytes_in_flight(self) -> int:
+        """Bytes of PUT pages being received right now, over all connections."""
+        with self._lock:
+            return self._put_bytes_in_flight
 
     def num_connections(self) -> int:
         with self._lock:
@@ -206,7 +212,8 @@ class DataPlaneServer:
                                 f"pages of {header.page_bytes} bytes; this node stores pages of {page_bytes} bytes")
         size = header.count * page_bytes
         with self._lock:
-            if self._put_bytes_in_flight + size > self.max_put_bytes_in_flight:
+            # One request is always taken when no other is being received, however large its pages.
+            if self._put_bytes_in_flight and self._put_bytes_in_flight + size > self.max_put_bytes_in_flight:
                 raise dw.FrameError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"this node is receiving {self._put_bytes_in_flight} bytes of puts already and "
                                     f"takes {self.max_put_bytes_in_flight} at once; retry later or send fewer pages")

@@ -446,18 +446,25 @@ def test_a_reader_that_trickles_is_dropped_within_the_timeout_and_leaves_no_pin(
 
 
 def test_puts_beyond_the_bytes_in_flight_are_refused_and_store_nothing(make_node):
+    """While one peer's put is still arriving (it holds its bytes reserved), another put that would
+    exceed the bound is refused; alone, a put larger than the bound is taken."""
     node = make_node()
     server = DataPlaneServer(node.store, "127.0.0.1", 0, max_keys=MAX_KEYS,
                              max_put_bytes_in_flight=2 * NODE_PAGE_BYTES).start()
     node.service.data_port = server.port
     try:
         with node.client() as client:
-            with pytest.raises(NodeError) as raised:
-                client.put_pages(GOOD, GOOD_PARENTS, pages(3))
-            assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "retry later" in raised.value.details
+            with raw_connection(server) as stalled:
+                head = dw.put_request_head([key(50)], [b""], NODE_PAGE_BYTES)
+                stalled.sendall(head)  # its page never comes
+                assert wait_for(lambda: server.put_bytes_in_flight() == NODE_PAGE_BYTES, timeout_s=5.0)
+                with pytest.raises(NodeError) as raised:
+                    client.put_pages(GOOD[:2], GOOD_PARENTS[:2], pages(2))
+                assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "retry later" in raised.value.details
+            assert wait_for(lambda: server.put_bytes_in_flight() == 0, timeout_s=5.0)  # the stalled peer left
             assert node.store.keys() == []
-            assert client.put_pages(GOOD[:2], GOOD_PARENTS[:2], pages(2)).stored == 2
+            assert client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3  # 3 pages > the bound, alone
         node.store.check_invariants()
     finally:
         server.stop()
