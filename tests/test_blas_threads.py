@@ -43,7 +43,7 @@ def test_workers_share_the_cores():
     cores = default_blas_threads(1)
     assert cores >= 1
     assert default_blas_threads(2) == max(1, cores // 2)
-    assert default_blas_threads(10 * cores) == 1
+    assert default_blas_threads(10 * cores) == 1  # (the local cluster passing it on: tests/test_cluster.py)
 
 
 def test_worker_logs_its_cap(tmp_path):

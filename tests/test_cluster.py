@@ -11,7 +11,7 @@ import pytest
 from cluster_helpers import collect, wait_for
 from coordinator.client import Client, ClusterError, Finished, Piece
 from coordinator.ring import Ring, placement_key
-from kvcache.cluster import add_worker, start_cluster, wait_healthy
+from kvcache.cluster import add_worker, default_blas_threads, start_cluster, wait_healthy
 from kvnode.client import NodeClient
 from worker.client import WorkerClient
 from worker.engine import Engine
@@ -44,6 +44,12 @@ def shared_cluster(tmp_path_factory):
                        node_capacity="16MiB", worker_kv_cache="16MiB") as cluster:
         wait_healthy(cluster.coordinator_addresses, nodes=2, workers=2)
         yield cluster
+
+
+def test_workers_share_the_cores_blas_threads(shared_cluster):
+    threads = default_blas_threads(2)
+    for worker in shared_cluster.role("worker"):
+        assert f"BLAS capped at {threads} thread(s)" in worker.log_path.read_text()
 
 
 def test_tokens_through_the_cluster_equal_the_engine_alone(shared_cluster, engine):
