@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 
-from kvnode.store import PageStore
+from kvnode.store import PageStore, PutOutcome
 
 
 def key(n: int) -> bytes:
@@ -52,3 +52,27 @@ class CheckedStore:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.store
+
+
+# ---- the small store the unit tests drive by hand ------------------------------------
+
+PAGE_BYTES = 8
+STORED, PRESENT = PutOutcome.STORED, PutOutcome.ALREADY_PRESENT
+NO_PARENT, NO_ROOM = PutOutcome.REFUSED_NO_PARENT, PutOutcome.REFUSED_NO_ROOM
+
+a, b, c, d, e, f = (key(n) for n in range(6))
+
+
+def make_store(capacity: int, clock: FakeClock, policy: str = "prefix-aware") -> CheckedStore:
+    store = CheckedStore(PageStore(capacity, PAGE_BYTES, clock=clock, policy=policy))
+    store.check_invariants()
+    return store
+
+
+def put(store, k: bytes, parent: bytes = b"") -> PutOutcome:
+    """Put key k (content from its first byte) under `parent` (b"" for a root)."""
+    return store.put(k, parent, page(k[0], PAGE_BYTES))
+
+
+def cached(store) -> set[bytes]:
+    return set(store.keys())

@@ -7,28 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvnode.store import MAX_LEASE_MS, InvalidRequest, PageNotFound, PageStore, PutOutcome
-from store_helpers import CheckedStore, FakeClock, key, page  # clock: a FakeClock fixture (conftest)
-
-PAGE_BYTES = 8
-STORED, PRESENT = PutOutcome.STORED, PutOutcome.ALREADY_PRESENT
-NO_PARENT, NO_ROOM = PutOutcome.REFUSED_NO_PARENT, PutOutcome.REFUSED_NO_ROOM
-
-a, b, c, d, e, f = (key(n) for n in range(6))
-
-
-def make_store(capacity: int, clock: FakeClock) -> CheckedStore:
-    store = CheckedStore(PageStore(capacity, PAGE_BYTES, clock=clock))
-    store.check_invariants()
-    return store
-
-
-def put(store, k: bytes, parent: bytes = b"") -> PutOutcome:
-    return store.put(k, parent, page(k[0], PAGE_BYTES))
-
-
-def cached(store) -> set[bytes]:
-    return set(store.keys())
+from kvnode.store import MAX_LEASE_MS, InvalidRequest, PageNotFound, PageStore
+# clock: a FakeClock fixture (conftest)
+from store_helpers import NO_PARENT, NO_ROOM, PAGE_BYTES, PRESENT, STORED, a, b, c, cached, d, e, f, make_store, page, put
 
 
 # ---- pool, free list, index --------------------------------------------------------

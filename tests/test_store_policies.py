@@ -12,28 +12,11 @@ import pytest
 
 from kvnode.eviction import POLICIES
 from kvnode.store import PageStore, PutOutcome
-from store_helpers import CheckedStore, FakeClock, key, page  # clock: a FakeClock fixture (conftest)
+# clock: a FakeClock fixture (conftest)
+from store_helpers import (NO_PARENT, NO_ROOM, PAGE_BYTES, PRESENT, STORED, FakeClock, a, b, c, cached, d, e, key,
+                           make_store, page, put)
 
-PAGE_BYTES = 8
-STORED, PRESENT = PutOutcome.STORED, PutOutcome.ALREADY_PRESENT
-NO_PARENT, NO_ROOM = PutOutcome.REFUSED_NO_PARENT, PutOutcome.REFUSED_NO_ROOM
 ALL_POLICIES = list(POLICIES)
-
-a, b, c, d, e, f = (key(n) for n in range(6))
-
-
-def make_store(capacity: int, clock: FakeClock, policy: str) -> CheckedStore:
-    store = CheckedStore(PageStore(capacity, PAGE_BYTES, clock=clock, policy=policy))
-    store.check_invariants()
-    return store
-
-
-def put(store, k: bytes, parent: bytes = b"") -> PutOutcome:
-    return store.put(k, parent, page(k[0], PAGE_BYTES))
-
-
-def cached(store) -> set[bytes]:
-    return set(store.keys())
 
 
 def test_default_policy_is_prefix_aware():
