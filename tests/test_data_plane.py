@@ -1,14 +1,12 @@
-"""The kvnode's data plane (kvnode/data_plane.py) beside its gRPC service on one store:
-pages through it equal pages through gRPC, byte for byte; every bad input gets its status
-or is dropped cleanly while the node goes on serving with its invariants intact
-(DESIGN.md invariants 3 and 4); NodeClient falls back to gRPC when it cannot reach it."""
+"""The kvnode's data plane (kvnode/data_plane.py) at the byte level: raw requests are answered
+as framed, every bad input gets its status or is dropped cleanly while the node goes on serving
+with its invariants intact (DESIGN.md invariants 3 and 4), and no peer holds pins or memory for
+long. NodeClient over it: tests/test_data_plane_client.py."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import socket
-import threading
 import time
 
 import grpc
@@ -16,63 +14,13 @@ import numpy as np
 import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, wait_for
+from data_plane_helpers import GOOD, GOOD_PARENTS, INVALID, MAX_KEYS, assert_unharmed, pages
 from kvnode import data_wire as dw
-from kvnode.client import NodeClient, NodeError
-from kvnode.data_client import DataPlaneClient
+from kvnode.client import NodeError
 from kvnode.data_plane import DataPlaneServer
 from store_helpers import key
 
-MAX_KEYS = 8
-GOOD = [key(i) for i in range(3)]
-GOOD_PARENTS = [b"", GOOD[0], GOOD[1]]
-INVALID = grpc.StatusCode.INVALID_ARGUMENT
-
-
-def pages(n: int, first: int = 1) -> np.ndarray:
-    rng = np.random.default_rng(first)
-    return rng.integers(0, 256, size=(n, NODE_PAGE_BYTES), dtype=np.uint8)
-
-
-@pytest.fixture
-def plane(node):
-    """A data plane on the in-process node's store, advertised in its Info."""
-    server = DataPlaneServer(node.store, "127.0.0.1", 0, max_keys=MAX_KEYS, max_connections=4, timeout_s=2.0)
-    server.start()
-    node.service.data_port = server.port
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def seeded(node, plane):
-    with node.client(use_data_plane=False) as grpc_client:
-        assert grpc_client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3
-    return node
-
-
-def assert_unharmed(node, plane, stored: set[bytes]) -> None:
-    """Invariants hold, exactly `stored` is cached, nothing stays pinned, and a data plane round trip works."""
-    assert wait_for(lambda: node.store.num_pinned() == 0, timeout_s=5.0)
-    node.store.check_invariants()
-    assert set(node.store.keys()) == stored
-    with node.client() as client:
-        assert client.data_plane_address() == f"127.0.0.1:{plane.port}"
-        np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))
-        probe = key(1000)
-        assert client.put_pages([probe], [b""], pages(1, 9)).stored == 1
-        np.testing.assert_array_equal(client.get_pages([probe]), pages(1, 9))
-    node.store.check_invariants()
-
-
-@pytest.fixture(autouse=True)
-def no_errors_logged(caplog):
-    """A bad peer is refused or dropped with an info line, never an error with a traceback."""
-    with caplog.at_level(logging.INFO, logger="kvnode"):
-        yield
-    errors = [r for r in caplog.records if r.name == "kvnode" and r.levelno >= logging.ERROR]
-    assert errors == [], [r.getMessage() for r in errors]
+pytestmark = pytest.mark.usefixtures("no_kvnode_errors_logged")  # a bad peer gets an info line, never an error
 
 
 # ---- raw requests -------------------------------------------------------------------
@@ -211,7 +159,7 @@ def test_a_client_that_stops_sending_is_dropped_after_the_timeout(seeded, plane,
     request = dw.get_request(GOOD)
     with raw_connection(plane) as sock:
         sock.sendall(request[:sent])
-        with node_client(seeded) as other:  # meanwhile the node serves others
+        with seeded.client() as other:  # meanwhile the node serves others
             np.testing.assert_array_equal(other.get_pages(GOOD), pages(3))
         started = time.monotonic()
         assert closed_by_node(sock)
@@ -262,149 +210,6 @@ def test_connections_over_the_bound_get_resource_exhausted(seeded, plane):
         held[0].sendall(dw.get_request(GOOD[:1]))  # the held ones still serve
         assert read_reply(held[0])[0] == grpc.StatusCode.OK
     assert_unharmed(seeded, plane, set(GOOD))
-
-
-# ---- through NodeClient -------------------------------------------------------------
-
-
-def node_client(node, **kwargs) -> NodeClient:
-    return node.client(**kwargs)
-
-
-def test_pages_through_the_data_plane_equal_pages_through_grpc(node, plane):
-    data = pages(3, 4)
-    with node_client(node) as fast, node_client(node, use_data_plane=False) as slow:
-        assert fast.data_plane_address() == f"127.0.0.1:{plane.port}"
-        assert slow.data_plane_address() is None
-        assert fast.put_pages(GOOD, GOOD_PARENTS, data).outcomes == ("stored",) * 3
-        assert slow.put_pages(GOOD, GOOD_PARENTS, data).outcomes == ("already_present",) * 3
-        other = [key(20), key(21)]
-        assert slow.put_pages(other, [b"", other[0]], pages(2, 6)).stored == 2
-        for keys, expected in ((GOOD, data), (other, pages(2, 6)), (GOOD[1:] + other[:1], np.vstack([data[1:], pages(2, 6)[:1]]))):
-            via_plane, via_grpc = fast.get_pages(keys), slow.get_pages(keys)
-            assert via_plane.tobytes() == via_grpc.tobytes() == expected.tobytes()
-        out = np.empty((3, NODE_PAGE_BYTES), np.uint8)
-        assert fast.get_pages(GOOD, out=out) is out and out.tobytes() == data.tobytes()
-        stats = fast.stats()
-    assert stats["puts"] == 8 and stats["stored_pages"] == 5
-    assert stats["get_pages"] == 2 * (3 + 2 + 3) + 3 and stats["bytes_out"] == stats["get_pages"] * NODE_PAGE_BYTES
-    node.store.check_invariants()
-
-
-def test_client_errors_keep_the_nodes_status(seeded, plane):
-    with node_client(seeded) as client:
-        missing = key(77)
-        with pytest.raises(NodeError) as raised:
-            client.get_pages([GOOD[0], missing])
-        assert raised.value.code == grpc.StatusCode.NOT_FOUND and missing.hex() in raised.value.details
-        with pytest.raises(NodeError) as raised:
-            client.get_pages([key(100 + i) for i in range(MAX_KEYS + 1)])
-        assert raised.value.code == INVALID and f"at most {MAX_KEYS}" in raised.value.details
-        with pytest.raises(NodeError) as raised:
-            client.put_pages([key(10)], [b""], [bytes(NODE_PAGE_BYTES + 1)])
-        assert raised.value.code == INVALID and f"pages of {NODE_PAGE_BYTES} bytes" in raised.value.details
-        with pytest.raises(NodeError) as raised:
-            client.get_pages([b"short"])
-        assert raised.value.code == INVALID and "16 bytes" in raised.value.details
-        np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))  # after errors, on a new connection
-        assert client.get_pages([]).shape == (0, NODE_PAGE_BYTES)  # nothing asked, nothing sent
-    assert_unharmed(seeded, plane, set(GOOD))
-
-
-def test_a_node_that_does_not_answer_is_deadline_exceeded(seeded, plane):
-    silent = socket.create_server(("127.0.0.1", 0))  # accepts (in the kernel) and never answers
-    try:
-        seeded.service.data_port = silent.getsockname()[1]
-        with node_client(seeded) as client:
-            started = time.monotonic()
-            with pytest.raises(NodeError) as raised:
-                client.get_pages(GOOD, timeout=0.3)
-            assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert time.monotonic() - started < 2.0
-    finally:
-        silent.close()
-
-
-def test_an_unreachable_data_plane_falls_back_to_grpc_with_one_log_line(seeded, plane, caplog):
-    closed = socket.create_server(("127.0.0.1", 0))
-    closed_port = closed.getsockname()[1]
-    closed.close()  # nothing listens there now
-    seeded.service.data_port = closed_port
-    with caplog.at_level(logging.WARNING, logger="kvnode.client"), node_client(seeded) as client:
-        np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))
-        assert client.put_pages([key(10)], [b""], pages(1, 3)).stored == 1
-        np.testing.assert_array_equal(client.get_pages([key(10)]), pages(1, 3))
-        assert client.data_plane_address() is None
-    lines = [r.getMessage() for r in caplog.records if "data plane" in r.getMessage()]
-    assert len(lines) == 1 and "using gRPC" in lines[0] and str(closed_port) in lines[0]
-    seeded.store.check_invariants()
-
-
-def test_a_data_plane_that_goes_away_after_serving_is_unavailable_not_a_silent_fallback(seeded, plane):
-    with node_client(seeded) as client:
-        np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))
-        plane.stop()
-        with pytest.raises(NodeError) as raised:
-            client.get_pages(GOOD)
-        assert raised.value.code == grpc.StatusCode.UNAVAILABLE
-
-
-def test_a_pooled_connection_the_node_closed_while_idle_is_replaced_transparently(make_node):
-    node = make_node()
-    server = DataPlaneServer(node.store, "127.0.0.1", 0, max_keys=MAX_KEYS, timeout_s=0.3).start()
-    node.service.data_port = server.port
-    try:
-        with node.client() as client:
-            assert client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3
-            assert wait_for(lambda: server.num_connections() == 0, timeout_s=5.0)  # the node closed it
-            np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))
-            assert client.data_plane_address() is not None
-    finally:
-        server.stop()
-
-
-def test_one_client_serves_several_threads_at_once(seeded, plane):
-    errors, rounds = [], 20
-
-    def fetch(client):
-        try:
-            for _ in range(rounds):
-                assert client.get_pages(GOOD).tobytes() == pages(3).tobytes()
-        except Exception as exc:  # reported below
-            errors.append(exc)
-
-    with node_client(seeded) as client:
-        threads = [threading.Thread(target=fetch, args=(client,)) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert not any(t.is_alive() for t in threads)
-    assert errors == []
-    assert seeded.store.stats.get_pages >= 4 * rounds * 3
-    assert_unharmed(seeded, plane, set(GOOD))
-
-
-def test_when_every_pooled_connection_went_stale_the_call_still_succeeds(make_node):
-    """After an idle spell the node has closed all of a client's pooled connections, not one:
-    the retry must open a new connection, not take the next stale one."""
-    node = make_node()
-    server = DataPlaneServer(node.store, "127.0.0.1", 0, max_keys=MAX_KEYS, timeout_s=0.3).start()
-    try:
-        with node.client(use_data_plane=False) as grpc_client:
-            assert grpc_client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3
-        plane_client = DataPlaneClient("127.0.0.1", server.port)
-        deadline = time.monotonic() + 5.0
-        opened = [plane_client._take(deadline)[0] for _ in range(3)]  # as three threads' calls would leave them
-        for sock in opened:
-            plane_client._give_back(sock)
-        assert wait_for(lambda: server.num_connections() == 0, timeout_s=5.0)  # the node closed all three
-        out = np.empty((3, NODE_PAGE_BYTES), dtype=np.uint8)
-        plane_client.get_into(GOOD, memoryview(out).cast("B"), timeout_s=5.0)
-        np.testing.assert_array_equal(out, pages(3))
-        plane_client.close()
-    finally:
-        server.stop()
 
 
 def test_a_reader_that_trickles_is_dropped_within_the_timeout_and_leaves_no_pin(make_node):

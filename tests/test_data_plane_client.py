@@ -1,0 +1,162 @@
+"""NodeClient over the data plane: pages equal those through gRPC byte for byte, errors keep
+the node's status, pooled connections survive the node closing them, and an unreachable data
+plane falls back to gRPC."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from cluster_helpers import NODE_PAGE_BYTES, wait_for
+from data_plane_helpers import GOOD, GOOD_PARENTS, INVALID, MAX_KEYS, assert_unharmed, pages
+from kvnode.client import NodeError
+from kvnode.data_client import DataPlaneClient
+from kvnode.data_plane import DataPlaneServer
+from store_helpers import key
+
+pytestmark = pytest.mark.usefixtures("no_kvnode_errors_logged")  # a bad peer gets an info line, never an error
+
+
+# ---- through NodeClient -------------------------------------------------------------
+
+
+def test_pages_through_the_data_plane_equal_pages_through_grpc(node, plane):
+    data = pages(3, 4)
+    with node.client() as fast, node.client(use_data_plane=False) as slow:
+        assert fast.data_plane_address() == f"127.0.0.1:{plane.port}"
+        assert slow.data_plane_address() is None
+        assert fast.put_pages(GOOD, GOOD_PARENTS, data).outcomes == ("stored",) * 3
+        assert slow.put_pages(GOOD, GOOD_PARENTS, data).outcomes == ("already_present",) * 3
+        other = [key(20), key(21)]
+        assert slow.put_pages(other, [b"", other[0]], pages(2, 6)).stored == 2
+        for keys, expected in ((GOOD, data), (other, pages(2, 6)), (GOOD[1:] + other[:1], np.vstack([data[1:], pages(2, 6)[:1]]))):
+            via_plane, via_grpc = fast.get_pages(keys), slow.get_pages(keys)
+            assert via_plane.tobytes() == via_grpc.tobytes() == expected.tobytes()
+        out = np.empty((3, NODE_PAGE_BYTES), np.uint8)
+        assert fast.get_pages(GOOD, out=out) is out and out.tobytes() == data.tobytes()
+        stats = fast.stats()
+    assert stats["puts"] == 8 and stats["stored_pages"] == 5
+    assert stats["get_pages"] == 2 * (3 + 2 + 3) + 3 and stats["bytes_out"] == stats["get_pages"] * NODE_PAGE_BYTES
+    node.store.check_invariants()
+
+
+def test_client_errors_keep_the_nodes_status(seeded, plane):
+    with seeded.client() as client:
+        missing = key(77)
+        with pytest.raises(NodeError) as raised:
+            client.get_pages([GOOD[0], missing])
+        assert raised.value.code == grpc.StatusCode.NOT_FOUND and missing.hex() in raised.value.details
+        with pytest.raises(NodeError) as raised:
+            client.get_pages([key(100 + i) for i in range(MAX_KEYS + 1)])
+        assert raised.value.code == INVALID and f"at most {MAX_KEYS}" in raised.value.details
+        with pytest.raises(NodeError) as raised:
+            client.put_pages([key(10)], [b""], [bytes(NODE_PAGE_BYTES + 1)])
+        assert raised.value.code == INVALID and f"pages of {NODE_PAGE_BYTES} bytes" in raised.value.details
+        with pytest.raises(NodeError) as raised:
+            client.get_pages([b"short"])
+        assert raised.value.code == INVALID and "16 bytes" in raised.value.details
+        np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))  # after errors, on a new connection
+        assert client.get_pages([]).shape == (0, NODE_PAGE_BYTES)  # nothing asked, nothing sent
+    assert_unharmed(seeded, plane, set(GOOD))
+
+
+def test_a_node_that_does_not_answer_is_deadline_exceeded(seeded, plane):
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (in the kernel) and never answers
+    try:
+        seeded.service.data_port = silent.getsockname()[1]
+        with seeded.client() as client:
+            started = time.monotonic()
+            with pytest.raises(NodeError) as raised:
+                client.get_pages(GOOD, timeout=0.3)
+            assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.monotonic() - started < 2.0
+    finally:
+        silent.close()
+
+
+def test_an_unreachable_data_plane_falls_back_to_grpc_with_one_log_line(seeded, plane, caplog):
+    closed = socket.create_server(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    seeded.service.data_port = closed_port
+    with caplog.at_level(logging.WARNING, logger="kvnode.client"), seeded.client() as client:
+        np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))
+        assert client.put_pages([key(10)], [b""], pages(1, 3)).stored == 1
+        np.testing.assert_array_equal(client.get_pages([key(10)]), pages(1, 3))
+        assert client.data_plane_address() is None
+    lines = [r.getMessage() for r in caplog.records if "data plane" in r.getMessage()]
+    assert len(lines) == 1 and "using gRPC" in lines[0] and str(closed_port) in lines[0]
+    seeded.store.check_invariants()
+
+
+def test_a_data_plane_that_goes_away_after_serving_is_unavailable_not_a_silent_fallback(seeded, plane):
+    with seeded.client() as client:
+        np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))
+        plane.stop()
+        with pytest.raises(NodeError) as raised:
+            client.get_pages(GOOD)
+        assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_pooled_connection_the_node_closed_while_idle_is_replaced_transparently(make_node):
+    node = make_node()
+    server = DataPlaneServer(node.store, "127.0.0.1", 0, max_keys=MAX_KEYS, timeout_s=0.3).start()
+    node.service.data_port = server.port
+    try:
+        with node.client() as client:
+            assert client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3
+            assert wait_for(lambda: server.num_connections() == 0, timeout_s=5.0)  # the node closed it
+            np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))
+            assert client.data_plane_address() is not None
+    finally:
+        server.stop()
+
+
+def test_one_client_serves_several_threads_at_once(seeded, plane):
+    errors, rounds = [], 20
+
+    def fetch(client):
+        try:
+            for _ in range(rounds):
+                assert client.get_pages(GOOD).tobytes() == pages(3).tobytes()
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    with seeded.client() as client:
+        threads = [threading.Thread(target=fetch, args=(client,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    assert seeded.store.stats.get_pages >= 4 * rounds * 3
+    assert_unharmed(seeded, plane, set(GOOD))
+
+
+def test_when_every_pooled_connection_went_stale_the_call_still_succeeds(make_node):
+    """After an idle spell the node has closed all of a client's pooled connections, not one:
+    the retry must open a new connection, not take the next stale one."""
+    node = make_node()
+    server = DataPlaneServer(node.store, "127.0.0.1", 0, max_keys=MAX_KEYS, timeout_s=0.3).start()
+    try:
+        with node.client(use_data_plane=False) as grpc_client:
+            assert grpc_client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3
+        plane_client = DataPlaneClient("127.0.0.1", server.port)
+        deadline = time.monotonic() + 5.0
+        opened = [plane_client._take(deadline)[0] for _ in range(3)]  # as three threads' calls would leave them
+        for sock in opened:
+            plane_client._give_back(sock)
+        assert wait_for(lambda: server.num_connections() == 0, timeout_s=5.0)  # the node closed all three
+        out = np.empty((3, NODE_PAGE_BYTES), dtype=np.uint8)
+        plane_client.get_into(GOOD, memoryview(out).cast("B"), timeout_s=5.0)
+        np.testing.assert_array_equal(out, pages(3))
+        plane_client.close()
+    finally:
+        server.stop()
