@@ -18,6 +18,7 @@ import numpy as np
 
 from kvnode import wire
 from kvnode.data_client import DataPlaneClient, DataPlaneError
+from kvnode.store import InvalidRequest, check_key
 from protos import kvcache_pb2 as pb
 
 log = logging.getLogger("kvnode.client")
@@ -89,14 +90,15 @@ def _host_of(address: str) -> str | None:
 
 
 def _check_keys(address: str, keys: Sequence[bytes], parents: Sequence[bytes] = ()) -> None:
-    """The data plane's framing carries 16-byte keys only: say so as the node would."""
-    for key in keys:
-        if len(key) != 16:
-            raise NodeError(address, grpc.StatusCode.INVALID_ARGUMENT, f"key must be 16 bytes, got {len(key)}")
-    for parent in parents:
-        if len(parent) not in (0, 16):
-            raise NodeError(address, grpc.StatusCode.INVALID_ARGUMENT,
-                            f"parent key must be 16 bytes, got {len(parent)}")
+    """The data plane's framing carries 16-byte keys only: refuse others as the node would."""
+    try:
+        for key in keys:
+            check_key(key)
+        for parent in parents:
+            if parent:  # a root's parent is empty
+                check_key(parent, "parent key")
+    except InvalidRequest as exc:
+        raise NodeError(address, grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
 class NodeClient:
