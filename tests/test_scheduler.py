@@ -136,9 +136,12 @@ def test_a_mostly_cached_prompt_goes_before_a_long_uncached_one_that_came_first(
     sched.add(cached)
     log = []
     run_step(sched, pool, log)
-    # 20 of cached's 24 tokens are in the prefix cache: 4 left, against 40 for the long one.
-    assert log == [[("cached", 4), ("long", 12)]]
+    # 20 of cached's 24 tokens are in the prefix cache: 4 left, against 40 for the long one,
+    # which waits for the next step rather than delaying cached's first token by its chunk.
+    assert log == [[("cached", 4)]]
     assert cached.cached_tokens_local == 20 and cached.status is RequestStatus.FINISHED
+    run_step(sched, pool, log)
+    assert log[1] == [("long", 40)], "alone, the long prompt gets the whole step budget"
 
 
 def test_a_short_prefill_goes_through_while_a_long_one_is_chunked():
@@ -151,7 +154,19 @@ def test_a_short_prefill_goes_through_while_a_long_one_is_chunked():
     sched.add(request("short", 5, max_new=2))
     for _ in range(3):
         run_step(sched, pool, log)
-    assert log == [[("long", 64)], [("short", 5), ("long", 7)], [("short", 1), ("long", 12)], [("long", 17)]]
+    assert log == [[("long", 64)], [("short", 5)], [("short", 1), ("long", 12)], [("long", 24)]]
+
+
+def test_one_prefill_per_step_so_the_shortest_gets_its_first_token_first():
+    """Three waiting prompts, the budget room for all: each step computes one of them, shortest
+    first, with the decodes of those already through their prompt."""
+    pool, sched = make(pool_blocks=32, budget=64, max_prefill_tokens=32)
+    for name, n, first in (("a", 12, 100), ("b", 3, 200), ("c", 7, 300)):
+        sched.add(request(name, n, max_new=2, first=first))
+    log = []
+    for _ in range(4):
+        run_step(sched, pool, log)
+    assert log == [[("b", 3)], [("b", 1), ("c", 7)], [("c", 1), ("a", 12)], [("a", 1)]]
 
 
 def test_decodes_run_every_step_however_many_prefills_wait():
@@ -193,8 +208,9 @@ def test_aging_zero_serves_in_arrival_order():
     for name, n, first in (("a", 30, 100), ("b", 5, 200), ("c", 12, 300)):
         sched.add(request(name, n, max_new=1, first=first))
     log = []
-    run_step(sched, pool, log)
-    assert log == [[("a", 30), ("b", 5), ("c", 12)]]
+    for _ in range(3):
+        run_step(sched, pool, log)
+    assert log == [[("a", 30)], [("b", 5)], [("c", 12)]]
 
 
 @settings(max_examples=150, deadline=None)

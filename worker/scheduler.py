@@ -8,15 +8,18 @@ Design notes
    `num_tokens` yields logits for the next token; a shorter one is a prefill chunk.
 2. Decodes first: every running request with one token left is served each step, oldest
    first, so decoding is never starved (the budget holds one token per seat).
-3. Then prefill, shortest first: running requests part-way through their prompt and waiting
-   ones compete for at most `max_prefill_tokens` per step, fewest tokens left to compute
-   first (for a waiting request, after its locally cached prefix: kvnode hits are learned only
-   on admission, so they do not count in the order). A request whose prompt is
-   mostly cached thus starts at once instead of queueing behind long uncached prompts, and a
-   long prompt is computed in chunks between them, which also keeps every step short. A
-   request alone gets the whole `max_num_batched_tokens`: with nobody waiting, small chunks
-   would only make it slower (a 1,024-token gpt2-small-shape prefill took ~18% longer in
-   128-token chunks).
+3. Then one prefill, shortest first: of the running requests part-way through their prompt
+   and the waiting ones, the one with the fewest tokens left to compute (for a waiting request,
+   after its locally cached prefix: kvnode hits are learned only on admission, so they do not
+   count in the order) gets at most `max_prefill_tokens` while others wait. A request whose
+   prompt is mostly cached thus starts at once instead of queueing behind long uncached
+   prompts, and a long prompt is computed in chunks between them, which also keeps every step
+   short. Only one prefill per step: on a CPU a prefill token costs about the same in any
+   batch, so a second request's chunk would delay the first one's first token by its whole
+   cost, while a step of its own costs only the weights' pass (~45 ms against ~3 ms a token for
+   gpt2-small-shape on one core). A request alone gets the whole `max_num_batched_tokens`:
+   with nobody waiting, small chunks would only make it slower (a 1,024-token
+   gpt2-small-shape prefill took ~18% longer in 128-token chunks).
    Aging bounds the wait: a request that has waited through `aging_steps` steps goes before
    every younger one (oldest first), so a long prompt is never starved by a stream of short
    ones.
@@ -182,9 +185,7 @@ class Scheduler:
         if len(self.running) + len(self.waiting) > 1:
             budget = min(budget, self.max_prefill_tokens)  # others wait for this step (design note 3)
         pool_short = False
-        for request in self._prefill_order(batch):  # design note 3
-            if budget <= 0:
-                break
+        for request in self._prefill_order(batch) if budget > 0 else []:  # design note 3
             if request.status is RequestStatus.RUNNING:
                 num_new = min(_tokens_left(request), budget)
                 preempted |= self._make_room(request, num_new, batch)
@@ -203,7 +204,7 @@ class Scheduler:
                 self.running.append(request)
                 batch.requests.append(request)
                 batch.num_new_tokens.append(num_new)
-            budget -= num_new
+            break  # one prefill per step
         assert batch.requests or not self.running, "requests are running but none could be scheduled"
         return batch
 
