@@ -174,7 +174,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
     Each worker gets `blas_threads` BLAS threads (default: cores / workers, at least 1).
 
     `on_start(cluster)` runs after each start, so a caller can record pids as they appear; on
-    failure whatever started is stopped before the error propagates.
+    failure, or an interrupt (Ctrl-C, a SIGTERM handler's SystemExit), whatever started is
+    stopped before the exception propagates.
     """
     cluster = cluster or LocalCluster()
     page_bytes = model_page_bytes(model, kv_dtype)
@@ -197,7 +198,7 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
         threads = blas_threads or default_blas_threads(workers)
         for i in range(workers):
             add_worker(cluster, logs, f"worker-{i}", model, kv_dtype, worker_kv_cache, launch, blas_threads=threads)
-    except Exception:
+    except BaseException:
         cluster.stop()
         raise
     return cluster

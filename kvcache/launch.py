@@ -48,7 +48,11 @@ class Daemon:
                 start_new_session=True,  # Ctrl-C in the parent's terminal does not reach it; we stop it ourselves
             )
         self.pid = self.process.pid
-        self.address = self._wait_for_address(timeout_s)
+        try:
+            self.address = self._wait_for_address(timeout_s)
+        except BaseException:  # an interrupt while it starts: nobody else knows this child yet
+            self.stop()
+            raise
 
     def _wait_for_address(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s

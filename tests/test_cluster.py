@@ -11,6 +11,7 @@ import pytest
 from cluster_helpers import collect, wait_for
 from coordinator.client import Client, ClusterError, Finished, Piece
 from coordinator.ring import Ring, placement_key
+from kvcache import launch
 from kvcache.cluster import add_worker, default_blas_threads, start_cluster, wait_healthy
 from kvnode.client import NodeClient
 from worker.client import WorkerClient
@@ -31,6 +32,36 @@ def used_pages(address: str) -> int:
 
 def alive(client: Client, role: str) -> list[str]:
     return sorted(m.address for m in client.status().members if m.role == role and m.alive)
+
+
+def test_an_interrupt_while_the_cluster_starts_stops_every_daemon_already_started(tmp_path):
+    """A SIGTERM handler raising SystemExit (as `kvcache bench load` has) mid-start must not
+    leave the daemons started so far running."""
+    started = []
+
+    def interrupt_at_the_first_node(cluster):
+        started[:] = list(cluster.daemons)
+        if cluster.daemons[-1].role == "node":
+            raise SystemExit(143)
+
+    with pytest.raises(SystemExit):
+        start_cluster(tmp_path, nodes=2, workers=1, coordinators=2, on_start=interrupt_at_the_first_node)
+    assert [d.role for d in started] == ["coordinator", "coordinator", "node"]
+    assert not any(d.alive() for d in started)
+
+
+def test_an_interrupt_while_a_daemon_starts_stops_that_daemon(tmp_path, monkeypatch):
+    """Ctrl-C while waiting for a child's address: the child, not yet known to any caller, is stopped."""
+    children = []
+
+    def interrupted(daemon, _timeout_s):
+        children.append(daemon.process)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch.Daemon, "_wait_for_address", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        launch.Daemon("coordinator", ["--port", "0"], log_path=tmp_path / "coordinator.log")
+    assert len(children) == 1 and children[0].poll() is not None
 
 
 @pytest.fixture(scope="module")
