@@ -56,3 +56,17 @@ def test_tiny_engine_prefix_cache_hit_gives_the_cold_tokens(tiny, kv_dtype):
     assert warm.token_ids == cold.token_ids and warm.text == cold.text
 
 
+def test_max_prefill_tokens_chunks_a_prompt_even_alone(tiny):
+    """A 40-token prompt with 16-token chunks takes three steps; its tokens are those of one step."""
+    prompt = list(range(1, 41))
+    expected = tiny_engine(tiny, max_prefill_tokens=64).generate([prompt], max_new_tokens=3)[0].token_ids
+    engine = tiny_engine(tiny, max_prefill_tokens=16)
+    handle = engine.add_request(prompt, max_new_tokens=3)
+    chunks = 0
+    while handle.queue.empty():
+        engine.step()
+        chunks += 1
+    assert chunks == 3
+    while handle.completion is None:
+        engine.step()
+    assert handle.completion.token_ids == expected

@@ -141,12 +141,11 @@ def test_a_mostly_cached_prompt_goes_before_a_long_uncached_one_that_came_first(
     assert log == [[("cached", 4)]]
     assert cached.cached_tokens_local == 20 and cached.status is RequestStatus.FINISHED
     run_step(sched, pool, log)
-    assert log[1] == [("long", 40)], "alone, the long prompt gets the whole step budget"
+    assert log[1] == [("long", 16)], "then the long prompt, in chunks of max_prefill_tokens"
 
 
 def test_a_short_prefill_goes_through_while_a_long_one_is_chunked():
-    """Alone, the long prompt gets the whole step budget; while another request waits or runs,
-    prefill is capped, shortest first."""
+    """The long prompt is chunked even alone, so a short one arriving meanwhile waits one chunk."""
     pool, sched = make(pool_blocks=32, budget=64, max_prefill_tokens=12)
     sched.add(request("long", 100, max_new=2, first=500))
     log = []
@@ -154,7 +153,7 @@ def test_a_short_prefill_goes_through_while_a_long_one_is_chunked():
     sched.add(request("short", 5, max_new=2))
     for _ in range(3):
         run_step(sched, pool, log)
-    assert log == [[("long", 64)], [("short", 5)], [("short", 1), ("long", 12)], [("long", 24)]]
+    assert log == [[("long", 12)], [("short", 5)], [("short", 1), ("long", 12)], [("long", 12)]]
 
 
 def test_one_prefill_per_step_so_the_shortest_gets_its_first_token_first():

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -217,3 +219,11 @@ def test_info_describes_the_worker(shared_worker):
     assert info.model == "tiny" and info.kv_dtype == "float32" and info.page_tokens == PAGE_TOKENS
     assert info.page_bytes == 131072 and len(info.fingerprint) == 32
     assert 0 < info.free_blocks <= info.total_blocks
+
+
+def test_a_prefill_chunk_below_one_token_is_refused_with_one_line():
+    done = subprocess.run([sys.executable, "-m", "kvcache.cli", "worker", "--port", "0", "--max-prefill-tokens", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--max-prefill-tokens must be at least 1, got 0" in done.stderr
+    assert "Traceback" not in done.stderr

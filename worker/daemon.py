@@ -18,6 +18,7 @@ from protos import serving
 from worker.engine import Engine
 from worker.model import blas
 from worker.remote import RemoteTier
+from worker.scheduler import PREFILL_TOKENS_PER_STEP
 from worker.service import SERVICE_NAME, WorkerService, handler
 
 log = logging.getLogger("worker")
@@ -33,7 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-tokens", type=int, default=16, help="tokens per page (default 16)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="most requests decoding at once (default 32)")
     parser.add_argument(
-        "--max-batched-tokens", type=int, default=1024, help="token budget per step; longer prefills are chunked"
+        "--max-batched-tokens", type=int, default=1024,
+        help="tokens per step at most, decodes and the prefill chunk together (default 1024)",
+    )
+    parser.add_argument(
+        "--max-prefill-tokens", type=int, default=PREFILL_TOKENS_PER_STEP,
+        help="prompt tokens per step at most: longer prompts are computed in chunks of this size, so a "
+             "request arriving meanwhile waits one chunk, not a whole prompt (default %(default)s)",
     )
     parser.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
     parser.add_argument("--lease-ms", type=int, default=2000, help="how long kvnodes hold looked-up pages for the fetch")
@@ -51,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
         kv_cache_bytes = parse_size(args.kv_cache)
+        if args.max_prefill_tokens < 1:
+            raise ValueError(f"--max-prefill-tokens must be at least 1, got {args.max_prefill_tokens}")
         if args.blas_threads is not None:
             if args.blas_threads < 1:
                 raise ValueError(f"--blas-threads must be at least 1, got {args.blas_threads}")
@@ -64,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_bytes=kv_cache_bytes,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_batched_tokens,
+            max_prefill_tokens=args.max_prefill_tokens,
         )
         tier = RemoteTier(engine.kv_pool, args.kv_dtype, lease_ms=args.lease_ms)
         engine.attach_remote_tier(tier)

@@ -27,7 +27,7 @@ from worker.block_pool import BlockPool
 from worker.model import ForwardBatch, load_model
 from worker.sampling import FINISH_ABORT, SamplingParams, StopChecker, sample
 from worker.usage import Usage
-from worker.scheduler import RemoteTier, Request, Scheduler
+from worker.scheduler import PREFILL_TOKENS_PER_STEP, RemoteTier, Request, Scheduler
 
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 
@@ -90,7 +90,8 @@ class _Live:
 class Engine:
     def __init__(self, model, kv_dtype: str = "float32", num_blocks: int | None = None, page_tokens: int = 16,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 1024, remote_tier: RemoteTier | None = None,
-                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, seed: int | None = None):
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, seed: int | None = None,
+                 max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP):
         if kv_dtype not in ("float32", "float16"):
             raise ValueError(f"kv_dtype must be 'float32' or 'float16', got {kv_dtype!r}")
         if page_tokens < 1:
@@ -105,7 +106,8 @@ class Engine:
         if num_blocks is None:
             num_blocks = max(1, kv_cache_bytes // (int(np.prod(block_shape)) * 4))
         self.pool = BlockPool(num_blocks, block_shape)
-        self.scheduler = Scheduler(self.pool, page_tokens, max_num_seqs, max_num_batched_tokens, remote_tier)
+        self.scheduler = Scheduler(self.pool, page_tokens, max_num_seqs, max_num_batched_tokens, remote_tier,
+                                   max_prefill_tokens=max_prefill_tokens)
         self.max_total_tokens = min(cfg.max_positions, num_blocks * page_tokens)
         self._rng = np.random.default_rng(seed)
         self._live: dict[str, _Live] = {}
