@@ -124,6 +124,8 @@ def test_options_are_checked():
         Scheduler(pool, P, max_prefill_tokens=0)
     with pytest.raises(ValueError, match="aging_steps"):
         Scheduler(pool, P, aging_steps=-1)
+    with pytest.raises(ValueError, match="join_tokens"):
+        Scheduler(pool, P, join_tokens=-1)
 
 
 def test_a_mostly_cached_prompt_goes_before_a_long_uncached_one_that_came_first():
@@ -159,13 +161,26 @@ def test_a_short_prefill_goes_through_while_a_long_one_is_chunked():
 def test_one_prefill_per_step_so_the_shortest_gets_its_first_token_first():
     """Three waiting prompts, the budget room for all: each step computes one of them, shortest
     first, with the decodes of those already through their prompt."""
-    pool, sched = make(pool_blocks=32, budget=64, max_prefill_tokens=32)
+    pool, sched = make(pool_blocks=32, budget=64, max_prefill_tokens=32, join_tokens=2)
     for name, n, first in (("a", 12, 100), ("b", 3, 200), ("c", 7, 300)):
         sched.add(request(name, n, max_new=2, first=first))
     log = []
     for _ in range(4):
         run_step(sched, pool, log)
     assert log == [[("b", 3)], [("b", 1), ("c", 7)], [("c", 1), ("a", 12)], [("a", 1)]]
+
+
+def test_prompts_that_finish_within_the_join_tokens_share_the_step():
+    """After the shortest prompt, others join only if they finish within join_tokens more tokens
+    in all; a longer one waits for a step of its own rather than delaying them."""
+    pool, sched = make(pool_blocks=32, budget=64, max_prefill_tokens=32, join_tokens=5)
+    for name, n, first in (("long", 9, 100), ("a", 2, 200), ("b", 2, 300), ("c", 2, 400), ("d", 4, 500)):
+        sched.add(request(name, n, max_new=1, first=first))
+    log = []
+    for _ in range(3):
+        run_step(sched, pool, log)
+    # a first; b and c join (2 + 2 of 5); d's 4 would pass the 5, long's 9 too.
+    assert log == [[("a", 2), ("b", 2), ("c", 2)], [("d", 4)], [("long", 9)]]
 
 
 def test_decodes_run_every_step_however_many_prefills_wait():
@@ -203,7 +218,7 @@ def test_aging_bounds_the_wait_of_a_long_prompt_under_a_stream_of_short_ones(agi
 
 
 def test_aging_zero_serves_in_arrival_order():
-    pool, sched = make(pool_blocks=64, budget=64, max_prefill_tokens=64, aging_steps=0)
+    pool, sched = make(pool_blocks=64, budget=64, max_prefill_tokens=64, aging_steps=0, join_tokens=0)
     for name, n, first in (("a", 30, 100), ("b", 5, 200), ("c", 12, 300)):
         sched.add(request(name, n, max_new=1, first=first))
     log = []

@@ -8,18 +8,20 @@ Design notes
    `num_tokens` yields logits for the next token; a shorter one is a prefill chunk.
 2. Decodes first: every running request with one token left is served each step, oldest
    first, so decoding is never starved (the budget holds one token per seat).
-3. Then one prefill, shortest first: of the running requests part-way through their prompt
-   and the waiting ones, the one with the fewest tokens left to compute (for a waiting request,
+3. Then prefill, shortest first: of the running requests part-way through their prompt and
+   the waiting ones, the one with the fewest tokens left to compute (for a waiting request,
    after its locally cached prefix: kvnode hits are learned only on admission, so they do not
-   count in the order) gets at most `max_prefill_tokens`. A request whose prompt is mostly
-   cached thus starts at once instead of queueing behind long uncached prompts, and a long
-   prompt is computed in chunks between them. Only one prefill per step: on a CPU a prefill
-   token costs about the same in any batch, so a second request's chunk would delay the first
-   one's first token by its whole cost, while a step of its own costs only the weights' pass
-   (~45 ms against ~3 ms a token for gpt2-small-shape on one core). A request alone is chunked
-   too: a request arriving during a 600-token prefill in one step waited 2.2 s for it, and
-   chunks cost a lone prompt nothing measurable (600 tokens) or even saved time (1,000 tokens:
-   3.1 s in 128-token chunks, 3.9 s in one step, on gpt2-small-shape).
+   count in the order) gets at most `max_prefill_tokens`; other prompts join its step only if
+   they finish within `join_tokens` more tokens. A request whose prompt is mostly cached thus
+   starts at once instead of queueing behind long uncached prompts, and a long prompt is
+   computed in chunks between them. Why one prompt a step: on a CPU a prefill token costs about
+   the same in any batch, so a second prompt's chunk would delay the first one's first token by
+   its whole cost, while a step of its own costs only the weights' pass (~45 ms against ~3 ms a
+   token for gpt2-small-shape on one core); a few tokens that finish a prompt are the exception,
+   cheaper to share than to wait for a step of their own. A request alone is chunked too: a
+   request arriving during a 600-token prefill in one step waited 2.2 s for it, and chunks cost
+   a lone prompt little (512 tokens: 2-4%) or even saved time (1,000 tokens: 3.1 s in 128-token
+   chunks, 3.9 s in one step, on gpt2-small-shape).
    Aging bounds the wait: a request that has waited through `aging_steps` steps goes before
    every younger one (oldest first), so a long prompt is never starved by a stream of short
    ones.
@@ -134,26 +136,29 @@ def _tokens_left(request: Request) -> int:
 
 PREFILL_TOKENS_PER_STEP = 128  # prompt tokens per step at most: bounds the wait of a newly arrived prompt
 AGING_STEPS = 64                # steps waited after which a request goes before every younger one
+JOIN_TOKENS = 16                # tokens other prompts may add to a step's prefill if they finish in it
 
 
 class Scheduler:
     def __init__(self, pool: BlockPool, page_tokens: int, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 1024, tier: RemoteTier | None = None,
-                 max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP, aging_steps: int = AGING_STEPS):
+                 max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP, aging_steps: int = AGING_STEPS,
+                 join_tokens: int = JOIN_TOKENS):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
                              f"max_num_seqs ({max_num_seqs}), so every running request can decode each step")
-        if max_prefill_tokens < 1 or aging_steps < 0:
-            raise ValueError(f"max_prefill_tokens must be at least 1 and aging_steps at least 0, "
-                             f"got {max_prefill_tokens} and {aging_steps}")
+        if max_prefill_tokens < 1 or aging_steps < 0 or join_tokens < 0:
+            raise ValueError(f"max_prefill_tokens must be at least 1, aging_steps and join_tokens at least 0, "
+                             f"got {max_prefill_tokens}, {aging_steps} and {join_tokens}")
         self.pool = pool
         self.page_tokens = page_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_tokens = max_prefill_tokens
         self.aging_steps = aging_steps
+        self.join_tokens = join_tokens
         self.tier = tier
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order, oldest first
@@ -183,9 +188,13 @@ class Scheduler:
                 self._add_to_batch(batch, request, 1)
         budget = min(self.max_num_batched_tokens - sum(batch.num_new_tokens), self.max_prefill_tokens)
         pool_short = False
+        joining = None  # once the step has its prefill: tokens that prompts finishing with it may add (note 3)
         for request in self._prefill_order(batch) if budget > 0 else []:  # design note 3
+            if joining is not None and self._tokens_to_compute(request) > joining:
+                continue
+            limit = budget if joining is None else joining
             if request.status is RequestStatus.RUNNING:
-                num_new = min(_tokens_left(request), budget)
+                num_new = min(_tokens_left(request), limit)
                 preempted |= self._make_room(request, num_new, batch)
                 if request.status is not RequestStatus.RUNNING:
                     continue
@@ -193,7 +202,7 @@ class Scheduler:
             else:
                 if preempted or pool_short or len(self.running) >= self.max_num_seqs:
                     continue  # no admission now; running requests later in the order may still compute
-                num_new = self._admit(request, budget)
+                num_new = self._admit(request, limit)
                 if num_new == 0:
                     pool_short = True  # no request later in the order is admitted before this one
                     continue
@@ -202,7 +211,9 @@ class Scheduler:
                 self.running.append(request)
                 batch.requests.append(request)
                 batch.num_new_tokens.append(num_new)
-            break  # one prefill per step
+            joining = min(self.join_tokens, budget - num_new) if joining is None else joining - num_new
+            if joining <= 0:
+                break
         assert batch.requests or not self.running, "requests are running but none could be scheduled"
         return batch
 
@@ -285,11 +296,15 @@ class Scheduler:
         def priority(request: Request) -> tuple[int, int]:
             if self.num_steps - request.arrival_step > self.aging_steps:
                 return 0, request.arrival_step
-            if request.status is RequestStatus.RUNNING:
-                return 1, _tokens_left(request)
-            return 1, request.num_tokens - self._num_locally_cached(request)
+            return 1, self._tokens_to_compute(request)
 
         return sorted(candidates, key=priority)
+
+    def _tokens_to_compute(self, request: Request) -> int:
+        """Prompt tokens a request still has to compute (a waiting one: after its local prefix cache)."""
+        if request.status is RequestStatus.RUNNING:
+            return _tokens_left(request)
+        return request.num_tokens - self._num_locally_cached(request)
 
     def _num_locally_cached(self, request: Request) -> int:
         """Prompt tokens a waiting request would reuse from the local prefix cache now."""
