@@ -64,6 +64,8 @@ def test_short_run_reports_both_passes_and_ratios(tmp_path):
     assert {"requests_per_s", "generated_tokens_per_s", "ttft_p50", "ttft_p90", "ttft_p99", "latency_p50",
             "latency_p99"} <= set(gains)
     assert all(math.isfinite(g) and g > 0 for g in gains.values())
+    interval = level["ttft_p50_gain_interval"]
+    assert interval["level"] == 0.9 and 0 < interval["low"] <= interval["high"]
     assert level["pages_evicted"] >= 0 and set(level["goals_met"]) == {"ttft_p50_gain", "cached_share_once_warm"}
     if plots:
         assert [p.rsplit("/", 1)[-1] for p in report["plots"]] == ["load_ttft_c2.png"]

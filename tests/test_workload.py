@@ -6,7 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kvcache.bench.stats import RequestResult, cache_shares, gain, percentiles, summarize_pass
+from kvcache.bench.stats import RequestResult, cache_shares, gain, gain_interval, percentiles, summarize_pass
 from kvcache.bench.workload import WorkloadConfig, all_requests, build_workload, zipf_weights
 
 
@@ -136,3 +136,17 @@ def test_gain_direction():
     assert gain(with_cache=100.0, without=500.0, lower_is_better=True) == 5.0
     assert gain(with_cache=4.0, without=2.0, lower_is_better=False) == 2.0
     assert np.isnan(gain(0.0, 1.0, lower_is_better=True))
+
+
+def test_gain_interval_from_redrawn_requests():
+    # Constant TTFTs: every redraw gives the same 5x.
+    assert gain_interval([100.0] * 20, [500.0] * 20) == (pytest.approx(5.0), pytest.approx(5.0))
+    # Half the cached requests fast, half slow: the p50 jumps between the two groups as requests
+    # are redrawn, so the interval spans both gains (2000/200 = 10x and 2000/1000 = 2x).
+    cached = [200.0] * 20 + [1000.0] * 20
+    low, high = gain_interval(cached, [2000.0] * 40)
+    assert low == pytest.approx(2.0) and high == pytest.approx(10.0)
+    # Mostly fast: the interval narrows to the fast group's gain.
+    assert gain_interval([200.0] * 36 + [1000.0] * 4, [2000.0] * 40) == (pytest.approx(10.0), pytest.approx(10.0))
+    assert gain_interval(cached, [2000.0] * 40) == gain_interval(cached, [2000.0] * 40), "seeded: the same each time"
+    assert all(np.isnan(x) for x in gain_interval([], [1.0]))
