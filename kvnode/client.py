@@ -109,6 +109,7 @@ class NodeClient:
         self.timeout = timeout
         self.use_data_plane = use_data_plane
         self._data: DataPlaneClient | None = None
+        self._told_busy = False
         self._data_lock = threading.Lock()
         self._channel = grpc.insecure_channel(
             address,
@@ -268,11 +269,19 @@ class NodeClient:
             return self._data
 
     def _data_plane_failed(self, plane: DataPlaneClient, exc: DataPlaneError) -> None:
-        """Fall back to gRPC for good when the data plane was never reachable; else raise."""
+        """Fall back to gRPC for good when the data plane was never reachable, for this call when
+        it is busy (RESOURCE_EXHAUSTED: all its connections taken, or too many put bytes in
+        flight; gRPC has its own bounds); else raise."""
         if exc.connect_failed and not plane.connected_once:
             log.warning("kvnode %s: data plane %s unreachable (%s); using gRPC for this client",
                         self.address, plane.address, exc.details)
             self.use_data_plane = False
+            return
+        if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            if not self._told_busy:
+                log.info("kvnode %s: data plane busy (%s); such calls go over gRPC (said once per client)",
+                         self.address, exc.details)
+                self._told_busy = True
             return
         if exc.connect_failed:
             self._node_info = None  # a restarted node may listen on another data port: ask Info again

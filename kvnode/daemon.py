@@ -8,7 +8,7 @@ import sys
 
 from coordinator import agent
 from kvcache.units import format_size, parse_size
-from kvnode.data_plane import DataPlaneServer
+from kvnode.data_plane import DEFAULT_MAX_CONNECTIONS, DataPlaneServer
 from kvnode.service import DEFAULT_MAX_KEYS, SERVICE_NAME, KVStoreService, handler
 from kvnode.store import PageStore
 from protos import kvcache_pb2 as pb
@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "open it beside --port",
     )
     parser.add_argument(
+        "--data-max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+        help="data plane connections served at once, a thread each; one more is refused and its client "
+             "uses gRPC for that call. Each client keeps up to 4 idle ones (default %(default)s)",
+    )
+    parser.add_argument(
         "--no-data-plane", action="store_true",
         help="serve pages over gRPC only (clients then use GetPages/PutPages)",
     )
@@ -78,8 +83,11 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_data_plane:
             if not 0 <= args.data_port <= 65535:
                 raise ValueError(f"--data-port must be between 0 and 65535, got {args.data_port}")
+            if args.data_max_connections < 1:
+                raise ValueError(f"--data-max-connections must be at least 1, got {args.data_max_connections}")
             try:
-                data_plane = DataPlaneServer(store, args.host, args.data_port, args.max_keys)
+                data_plane = DataPlaneServer(store, args.host, args.data_port, args.max_keys,
+                                             max_connections=args.data_max_connections)
             except OSError as exc:
                 raise OSError(f"cannot listen on {serving.host_port(args.host, args.data_port)} "
                               f"for the data plane: {exc.strerror or exc}") from None

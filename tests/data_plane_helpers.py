@@ -1,7 +1,11 @@
-"""What the data plane tests share: keys and pages, and the check that a bad peer left the node
-unharmed. Their fixtures (plane, seeded, no_kvnode_errors_logged) are in conftest.py."""
+"""What the data plane tests share: keys and pages, a raw connection, and the check that a bad
+peer left the node unharmed. Their fixtures (plane, seeded, no_kvnode_errors_logged) are in
+conftest.py."""
 
 from __future__ import annotations
+
+import contextlib
+import socket
 
 import grpc
 import numpy as np
@@ -13,6 +17,16 @@ MAX_KEYS = 8
 GOOD = [key(i) for i in range(3)]
 GOOD_PARENTS = [b"", GOOD[0], GOOD[1]]
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@contextlib.contextmanager
+def raw_connection(plane):
+    """A plain TCP connection to the data plane, closed on the way out."""
+    sock = socket.create_connection(("127.0.0.1", plane.port), timeout=5.0)
+    try:
+        yield sock
+    finally:
+        sock.close()
 
 
 def pages(n: int, first: int = 1) -> np.ndarray:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, wait_for
-from data_plane_helpers import GOOD, GOOD_PARENTS, INVALID, MAX_KEYS, assert_unharmed, pages
+from data_plane_helpers import GOOD, GOOD_PARENTS, INVALID, MAX_KEYS, assert_unharmed, pages, raw_connection
 from kvnode import data_wire as dw
 from kvnode.client import NodeError
 from kvnode.data_plane import DataPlaneServer
@@ -24,15 +24,6 @@ pytestmark = pytest.mark.usefixtures("no_kvnode_errors_logged")  # a bad peer ge
 
 
 # ---- raw requests -------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def raw_connection(plane):
-    sock = socket.create_connection(("127.0.0.1", plane.port), timeout=5.0)
-    try:
-        yield sock
-    finally:
-        sock.close()
 
 
 def read_exactly(sock: socket.socket, size: int) -> bytes:
@@ -250,26 +241,32 @@ def test_a_reader_that_trickles_is_dropped_within_the_timeout_and_leaves_no_pin(
         server.stop()
 
 
-def test_puts_beyond_the_bytes_in_flight_are_refused_and_store_nothing(make_node):
+def test_puts_beyond_the_bytes_in_flight_are_refused_and_store_nothing(make_node, caplog):
     """While one peer's put is still arriving (it holds its bytes reserved), another put that would
-    exceed the bound is refused; alone, a put larger than the bound is taken."""
+    exceed the bound is refused (NodeClient then stores over gRPC); alone, a put larger than the
+    bound is taken."""
     node = make_node()
     server = DataPlaneServer(node.store, "127.0.0.1", 0, max_keys=MAX_KEYS,
                              max_put_bytes_in_flight=2 * NODE_PAGE_BYTES).start()
     node.service.data_port = server.port
     try:
-        with node.client() as client:
-            with raw_connection(server) as stalled:
-                head = dw.put_request_head([key(50)], [b""], NODE_PAGE_BYTES)
-                stalled.sendall(head)  # its page never comes
-                assert wait_for(lambda: server.put_bytes_in_flight() == NODE_PAGE_BYTES, timeout_s=5.0)
-                with pytest.raises(NodeError) as raised:
-                    client.put_pages(GOOD[:2], GOOD_PARENTS[:2], pages(2))
-                assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert "retry later" in raised.value.details
-            assert wait_for(lambda: server.put_bytes_in_flight() == 0, timeout_s=5.0)  # the stalled peer left
+        with raw_connection(server) as stalled:
+            stalled.sendall(dw.put_request_head([key(50)], [b""], NODE_PAGE_BYTES))  # its page never comes
+            assert wait_for(lambda: server.put_bytes_in_flight() == NODE_PAGE_BYTES, timeout_s=5.0)
+            with raw_connection(server) as second:
+                second.sendall(dw.put_request_head(GOOD[:2], GOOD_PARENTS[:2], NODE_PAGE_BYTES))
+                code, message, _ = read_reply(second)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in message
             assert node.store.keys() == []
-            assert client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3  # 3 pages > the bound, alone
+            with node.client() as client:
+                assert client.put_pages(GOOD[:2], GOOD_PARENTS[:2], pages(2)).stored == 2  # over gRPC
+        assert wait_for(lambda: server.put_bytes_in_flight() == 0, timeout_s=5.0)  # the stalled peer left
+        assert set(node.store.keys()) == set(GOOD[:2])
+        with node.client() as client:
+            assert client.put_pages(GOOD, GOOD_PARENTS, pages(3)).outcomes == (
+                "already_present", "already_present", "stored")  # 3 pages > the bound, alone, on the data plane
+        busy = [r for r in caplog.records if "data plane busy" in r.getMessage()]
+        assert len(busy) == 1, "only the put that met the stalled one went over gRPC"
         node.store.check_invariants()
     finally:
         server.stop()

@@ -4,6 +4,7 @@ plane falls back to gRPC."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, wait_for
-from data_plane_helpers import GOOD, GOOD_PARENTS, INVALID, MAX_KEYS, assert_unharmed, pages
+from data_plane_helpers import GOOD, GOOD_PARENTS, INVALID, MAX_KEYS, assert_unharmed, pages, raw_connection
 from kvnode.client import NodeError
 from kvnode.data_client import DataPlaneClient
 from kvnode.data_plane import DataPlaneServer
@@ -24,6 +25,23 @@ pytestmark = pytest.mark.usefixtures("no_kvnode_errors_logged")  # a bad peer ge
 
 
 # ---- through NodeClient -------------------------------------------------------------
+
+
+def test_with_every_data_connection_taken_calls_go_over_grpc(seeded, plane, caplog):
+    with contextlib.ExitStack() as stack:
+        for _ in range(plane.max_connections):
+            stack.enter_context(raw_connection(plane))
+        assert wait_for(lambda: plane.num_connections() == plane.max_connections)
+        with seeded.client() as c:
+            for _ in range(2):
+                assert c.get_pages(GOOD).tobytes() == pages(3).tobytes()
+            other = [key(30), key(31)]
+            assert c.put_pages(other, [b"", other[0]], pages(2, 9)).stored == 2
+            assert c.data_plane_address() == f"127.0.0.1:{plane.port}", "still the data plane's client"
+    busy = [r.getMessage() for r in caplog.records if "data plane busy" in r.getMessage()]
+    assert len(busy) == 1 and "go over gRPC" in busy[0]
+    with seeded.client(use_data_plane=False) as slow:
+        assert slow.get_pages(other).tobytes() == pages(2, 9).tobytes()
 
 
 def test_pages_through_the_data_plane_equal_pages_through_grpc(node, plane):

@@ -75,6 +75,28 @@ def test_a_data_port_out_of_range_is_one_clear_error_line(port):
     assert result.stderr.strip() == f"kvcache node: error: --data-port must be between 0 and 65535, got {port}"
 
 
+def test_a_busy_data_plane_sends_clients_to_grpc_for_that_call(tmp_path):
+    """--data-max-connections 1 and a peer holding that one: NodeClient still stores and fetches,
+    over gRPC, and the node logs the refusal."""
+    with node_process(tmp_path, *ARGS, "--data-max-connections", "1") as daemon:
+        with NodeClient(daemon.address) as client:
+            port = client.info().data_port
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                keys = [key(1), key(2)]
+                data = np.random.default_rng(1).integers(0, 256, size=(2, NODE_PAGE_BYTES), dtype=np.uint8)
+                assert client.put_pages(keys, [b"", keys[0]], data).stored == 2
+                assert client.get_pages(keys).tobytes() == data.tobytes()
+            assert client.data_plane_address() == f"127.0.0.1:{port}", "the data plane stays in use afterwards"
+    log = read_log(tmp_path)
+    assert "data plane refused a connection" in log and "Traceback" not in log
+
+
+def test_data_max_connections_below_one_is_one_clear_error_line():
+    result = run_kvcache(["node", "--port", "0", *ARGS, "--data-max-connections", "0"])
+    assert result.returncode == 2
+    assert result.stderr.strip() == "kvcache node: error: --data-max-connections must be at least 1, got 0"
+
+
 def test_a_peer_holding_a_data_connection_does_not_keep_the_node_from_stopping(tmp_path):
     with node_process(tmp_path, *ARGS, "--grace", "0.5") as daemon:
         with NodeClient(daemon.address) as client:
