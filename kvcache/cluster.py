@@ -168,10 +168,11 @@ class LocalCluster:
 def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: int = 2, replicas: int = 2,
                   model: str = "tiny", kv_dtype: str = "float32", node_capacity: str = "64MiB",
                   worker_kv_cache: str = "64MiB", blas_threads: int | None = None, on_start=None,
-                  cluster: LocalCluster | None = None) -> LocalCluster:
+                  cluster: LocalCluster | None = None, step_logs: bool = False) -> LocalCluster:
     """Start coordinators, then kvnodes and workers registered with them (not yet waiting for health).
 
-    Each worker gets `blas_threads` BLAS threads (default: cores / workers, at least 1).
+    Each worker gets `blas_threads` BLAS threads (default: cores / workers, at least 1); with
+    `step_logs`, each writes one JSON line per engine step to `<logs>/<worker>.steps.jsonl`.
 
     `on_start(cluster)` runs after each start, so a caller can record pids as they appear; on
     failure, or an interrupt (Ctrl-C, a SIGTERM handler's SystemExit), whatever started is
@@ -197,7 +198,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
                                          "--page-bytes", str(page_bytes), "--capacity", node_capacity])
         threads = blas_threads or default_blas_threads(workers)
         for i in range(workers):
-            add_worker(cluster, logs, f"worker-{i}", model, kv_dtype, worker_kv_cache, launch, blas_threads=threads)
+            add_worker(cluster, logs, f"worker-{i}", model, kv_dtype, worker_kv_cache, launch, blas_threads=threads,
+                       step_log=step_logs)
     except BaseException:
         cluster.stop()
         raise
@@ -205,12 +207,15 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
 
 
 def add_worker(cluster: LocalCluster, logs: Path, name: str, model: str = "tiny", kv_dtype: str = "float32",
-               kv_cache: str = "64MiB", launch=None, blas_threads: int | None = None) -> Daemon:
+               kv_cache: str = "64MiB", launch=None, blas_threads: int | None = None,
+               step_log: bool = False) -> Daemon:
     """Start one more worker registered with the cluster's coordinators."""
     args = ["--coordinators", ",".join(cluster.coordinator_addresses), "--worker-id", name, "--model", model,
             "--kv-dtype", kv_dtype, "--kv-cache", kv_cache]
     if blas_threads is not None:
         args += ["--blas-threads", str(blas_threads)]
+    if step_log:
+        args += ["--step-log", str(logs / f"{name}.steps.jsonl")]
     if launch:
         return launch("worker", name, args)
     daemon = Daemon("worker", ["--port", "0", *args], log_path=logs / f"{name}.log")

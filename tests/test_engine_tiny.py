@@ -70,3 +70,15 @@ def test_max_prefill_tokens_chunks_a_prompt_even_alone(tiny):
     while handle.completion is None:
         engine.step()
     assert handle.completion.token_ids == expected
+
+
+def test_every_step_is_reported_with_its_requests_and_tokens(tiny):
+    engine = tiny_engine(tiny, max_prefill_tokens=16)
+    records = []
+    engine.on_step = records.append
+    out = engine.generate([list(range(1, 41))], max_new_tokens=3, request_id="r")[0]
+    assert len(records) == 3 + 2  # three prefill chunks (16, 16, 8), then two decodes
+    assert [[(q["id"], q["new"], q["computed"], q["prompt"]) for q in r["requests"]] for r in records] == [
+        [("r", 16, 0, 40)], [("r", 16, 16, 40)], [("r", 8, 32, 40)], [("r", 1, 40, 40)], [("r", 1, 41, 40)]]
+    assert all(r["forward_ms"] > 0 and r["schedule_ms"] >= 0 for r in records)
+    assert records[0]["time"] <= records[-1]["time"] and out.usage.completion_tokens == 3

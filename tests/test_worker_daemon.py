@@ -5,6 +5,7 @@ cancellation and graceful drain."""
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import subprocess
 import sys
@@ -226,4 +227,25 @@ def test_a_prefill_chunk_below_one_token_is_refused_with_one_line():
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "--max-prefill-tokens must be at least 1, got 0" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_step_log_has_a_json_line_per_engine_step(tmp_path):
+    steps = tmp_path / "steps.jsonl"
+    with daemons(tmp_path, worker("w", "--step-log", str(steps))) as (w,):
+        with WorkerClient(w.address) as client:
+            _, done = run(client, "Where does the time go? " * 3, max_tokens=4, request_id="traced")
+    records = [json.loads(line) for line in steps.read_text().splitlines()]
+    ours = [q for r in records for q in r["requests"] if q["id"] == "traced"]
+    # Every prompt token and every generated one but the last went through a step exactly once.
+    assert sum(q["new"] for q in ours) == done.usage.prompt_tokens + done.usage.completion_tokens - 1
+    assert "logging every engine step to" in (tmp_path / "w.log").read_text()
+
+
+def test_a_step_log_that_cannot_be_opened_is_one_error_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "kvcache.cli", "worker", "--port", "0",
+                           "--step-log", str(tmp_path / "no-such-dir" / "steps.jsonl")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.startswith("kvcache worker: error: --step-log ") and "No such file" in done.stderr
     assert "Traceback" not in done.stderr

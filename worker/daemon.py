@@ -20,6 +20,7 @@ from worker.model import blas
 from worker.remote import RemoteTier
 from worker.scheduler import PREFILL_TOKENS_PER_STEP
 from worker.service import SERVICE_NAME, WorkerService, handler
+from worker.step_log import StepLog
 
 log = logging.getLogger("worker")
 
@@ -50,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="most BLAS threads for the model's matmuls (default: one per core); give cores / workers "
              "when several workers share a machine",
     )
+    parser.add_argument(
+        "--step-log", metavar="FILE", default=None,
+        help="append one JSON line per engine step to FILE (its requests and tokens, scheduling and forward "
+             "ms): where each request's time goes",
+    )
     parser.add_argument("--grace", type=float, default=10.0, help="seconds running requests get on stop (default 10)")
     agent.add_arguments(parser)
 
@@ -77,6 +83,14 @@ def run(args: argparse.Namespace) -> int:
         )
         tier = RemoteTier(engine.kv_pool, args.kv_dtype, lease_ms=args.lease_ms)
         engine.attach_remote_tier(tier)
+        step_log = None
+        if args.step_log:
+            try:
+                step_log = StepLog(args.step_log)
+            except OSError as exc:
+                raise OSError(f"--step-log {args.step_log}: {exc.strerror or exc}") from None
+            engine.on_step = step_log.write
+            log.info("logging every engine step to %s", args.step_log)
         service = WorkerService(engine, args.worker_id, args.max_tokens_limit)
         server, health = serving.make_server([handler(service)], [SERVICE_NAME])
         port = serving.bind(server, args.host, args.port)
@@ -106,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     serving.stop(server, health, grace_s=1.0)
     service.stop()
     tier.close()
+    if step_log is not None:
+        step_log.close()
     log.info("stopped")
     return 0
 

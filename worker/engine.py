@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -115,6 +115,7 @@ class Engine:
         self._lock = threading.RLock()
         self._work = threading.Event()
         self._ids = itertools.count()
+        self.on_step: Callable[[dict], None] | None = None  # called after every step with its record (the loop thread)
 
     @classmethod
     def load(cls, model: str, **options) -> "Engine":
@@ -194,9 +195,12 @@ class Engine:
         """Run one forward pass over the scheduled requests; returns the deltas it produced."""
         with self._lock:
             self._take_inbox()
+            started = time.perf_counter()
             batch = self.scheduler.schedule()
             if not batch.requests:
                 return []
+            scheduled = time.perf_counter()
+            computed_before = [r.num_computed_tokens for r in batch.requests]
             token_ids, positions, starts = [], [], [0]
             for request, num_new in zip(batch.requests, batch.num_new_tokens):
                 start = request.num_computed_tokens
@@ -212,11 +216,14 @@ class Engine:
                 block_tables=[np.asarray(r.block_table, dtype=np.int32) for r in batch.requests],
             )
             logits = self.model.forward(forward_batch, self.pool.kv, self.kv_dtype)
+            forwarded = time.perf_counter()
             deltas = []
             for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
                 self.scheduler.on_computed(request, num_new)
                 if request.num_computed_tokens == request.num_tokens:
                     deltas.append(self._append_token(self._live[request.request_id], logits[row]))
+            if self.on_step is not None:
+                self.on_step(self._step_record(batch, computed_before, started, scheduled, forwarded))
             return deltas
 
     # ---- single-threaded helpers ----------------------------------------------
@@ -254,6 +261,21 @@ class Engine:
                 self.abort(handle.request_id)
 
     # ---- internals -----------------------------------------------------------
+
+    def _step_record(self, batch, computed_before: list[int], started: float, scheduled: float,
+                     forwarded: float) -> dict:
+        """One step for `on_step`: when, how long scheduling and the forward took, and per request
+        its tokens (a request whose `computed` + `new` reaches `prompt` got its first token)."""
+        return {
+            "time": time.time() - (time.perf_counter() - started),
+            "schedule_ms": (scheduled - started) * 1000.0,
+            "forward_ms": (forwarded - scheduled) * 1000.0,
+            "requests": [
+                {"id": r.request_id, "new": n, "computed": before, "prompt": r.num_prompt_tokens,
+                 "cached_local": r.cached_tokens_local or 0, "cached_remote": r.cached_tokens_remote or 0}
+                for r, n, before in zip(batch.requests, batch.num_new_tokens, computed_before)
+            ],
+        }
 
     def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

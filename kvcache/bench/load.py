@@ -85,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     out.add_argument("--plot", metavar="DIR", default=None, help="write PNG charts into DIR (needs the bench extra)")
     out.add_argument("--logs", metavar="DIR", default=None, help="daemon logs of the local cluster (default: a temp dir)")
+    out.add_argument("--step-logs", action="store_true", help="the local workers also write one JSON line per engine "
+                     "step (requests, tokens, ms) to DIR/worker-N.steps.jsonl of --logs DIR: where each request's "
+                     "time went")
     out.add_argument("--no-progress", action="store_true", help="no progress bar or lines on stderr")
 
 
@@ -204,7 +207,8 @@ class _cluster:
                   file=sys.stderr, flush=True)
         self.local = start_cluster(logs, nodes=a.nodes, workers=a.workers, coordinators=2, replicas=a.replicas,
                                    model=a.model, kv_dtype=a.kv_dtype, node_capacity=a.node_capacity,
-                                   worker_kv_cache=a.worker_kv_cache, blas_threads=_blas_threads(a))
+                                   worker_kv_cache=a.worker_kv_cache, blas_threads=_blas_threads(a),
+                                   step_logs=a.step_logs)
         try:
             wait_healthy(self.local.coordinator_addresses, a.nodes, a.workers, timeout_s=180.0)
         except BaseException:
@@ -256,6 +260,10 @@ def _check(args) -> tuple[wl.WorkloadConfig, list[int]]:
         raise ValueError(f"--replicas {args.replicas} exceeds --nodes {args.nodes}")
     if args.duration <= 0:
         raise ValueError(f"--duration must be positive, got {args.duration}")
+    if args.step_logs and args.coordinators:
+        raise ValueError("--step-logs is for the local cluster; start a running cluster's workers with --step-log FILE")
+    if args.step_logs and not args.logs:
+        raise ValueError("--step-logs needs --logs DIR, the folder the step logs go to")
     if args.warmup is not None and args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     mix = _floats(args.mix, "--mix")
