@@ -82,3 +82,5 @@ def test_every_step_is_reported_with_its_requests_and_tokens(tiny):
         [("r", 16, 0, 40)], [("r", 16, 16, 40)], [("r", 8, 32, 40)], [("r", 1, 40, 40)], [("r", 1, 41, 40)]]
     assert all(r["forward_ms"] > 0 and r["schedule_ms"] >= 0 for r in records)
     assert records[0]["time"] <= records[-1]["time"] and out.usage.completion_tokens == 3
+    arrived = {q["arrived"] for r in records for q in r["requests"]}
+    assert len(arrived) == 1 and arrived.pop() <= records[0]["time"]

@@ -116,6 +116,7 @@ class Engine:
         self._work = threading.Event()
         self._ids = itertools.count()
         self.on_step: Callable[[dict], None] | None = None  # called after every step with its record (the loop thread)
+        self._unix_offset = time.time() - time.monotonic()  # monotonic arrival times to Unix seconds, for on_step
 
     @classmethod
     def load(cls, model: str, **options) -> "Engine":
@@ -201,6 +202,7 @@ class Engine:
                 return []
             scheduled = time.perf_counter()
             computed_before = [r.num_computed_tokens for r in batch.requests]
+            arrivals = [self._live[r.request_id].arrival for r in batch.requests]
             token_ids, positions, starts = [], [], [0]
             for request, num_new in zip(batch.requests, batch.num_new_tokens):
                 start = request.num_computed_tokens
@@ -223,7 +225,7 @@ class Engine:
                 if request.num_computed_tokens == request.num_tokens:
                     deltas.append(self._append_token(self._live[request.request_id], logits[row]))
             if self.on_step is not None:
-                self.on_step(self._step_record(batch, computed_before, started, scheduled, forwarded))
+                self.on_step(self._step_record(batch, computed_before, arrivals, started, scheduled, forwarded))
             return deltas
 
     # ---- single-threaded helpers ----------------------------------------------
@@ -262,18 +264,20 @@ class Engine:
 
     # ---- internals -----------------------------------------------------------
 
-    def _step_record(self, batch, computed_before: list[int], started: float, scheduled: float,
-                     forwarded: float) -> dict:
-        """One step for `on_step`: when, how long scheduling and the forward took, and per request
-        its tokens (a request whose `computed` + `new` reaches `prompt` got its first token)."""
+    def _step_record(self, batch, computed_before: list[int], arrivals: list[float], started: float,
+                     scheduled: float, forwarded: float) -> dict:
+        """One step for `on_step`: when (Unix seconds), how long scheduling and the forward took, and
+        per request its tokens and arrival (a request whose `computed` + `new` reaches `prompt` got
+        its first token in this step)."""
         return {
             "time": time.time() - (time.perf_counter() - started),
             "schedule_ms": (scheduled - started) * 1000.0,
             "forward_ms": (forwarded - scheduled) * 1000.0,
             "requests": [
-                {"id": r.request_id, "new": n, "computed": before, "prompt": r.num_prompt_tokens,
-                 "cached_local": r.cached_tokens_local or 0, "cached_remote": r.cached_tokens_remote or 0}
-                for r, n, before in zip(batch.requests, batch.num_new_tokens, computed_before)
+                {"id": r.request_id, "arrived": self._unix_offset + arrived, "new": n, "computed": before,
+                 "prompt": r.num_prompt_tokens, "cached_local": r.cached_tokens_local or 0,
+                 "cached_remote": r.cached_tokens_remote or 0}
+                for r, n, before, arrived in zip(batch.requests, batch.num_new_tokens, computed_before, arrivals)
             ],
         }
 

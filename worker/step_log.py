@@ -2,9 +2,10 @@
 goes (waiting for other steps, its own prefill chunks, decodes riding along).
 
 Each line is the engine's step record: `time` (Unix seconds at the step's start), `schedule_ms`,
-`forward_ms`, and per request `id`, `new` tokens this step, tokens `computed` before it,
-`prompt` tokens and the `cached_local` / `cached_remote` ones. A request got its first token in
-the step where `computed + new` reaches `prompt`.
+`forward_ms`, and per request `id`, `arrived` (Unix seconds), `new` tokens this step, tokens
+`computed` before it, `prompt` tokens and the `cached_local` / `cached_remote` ones. A request got
+its first token in the step where `computed + new` reaches `prompt`; it waited from `arrived` to
+the `time` of its first step.
 """
 
 from __future__ import annotations
