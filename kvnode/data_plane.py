@@ -3,10 +3,11 @@ service and on the same PageStore. Framing in kvnode/data_wire.py; Info advertis
 
 Design notes
 1. One thread per connection, at most `max_connections`; one over the bound is answered
-   RESOURCE_EXHAUSTED and closed (NodeClient then makes that call over gRPC). Sockets are blocking (send and recv release the GIL, and
-   no poll runs before each call, as with a socket timeout); kernel timeouts (SO_RCVTIMEO,
-   SO_SNDTIMEO) drop a peer that stalls or idles longer than `timeout_s`, and a GET's whole
-   reply must be sent within `timeout_s` (its pages stay pinned meanwhile). TCP_NODELAY.
+   RESOURCE_EXHAUSTED and closed (NodeClient then makes that call over gRPC). Sockets are
+   blocking (send and recv release the GIL, and no poll runs before each call, as with a socket
+   timeout); kernel timeouts (SO_RCVTIMEO, SO_SNDTIMEO) drop a peer that stalls or idles longer
+   than `timeout_s`, and a GET's whole reply must be sent within `timeout_s` (its pages stay
+   pinned meanwhile). TCP_NODELAY.
 2. GET sends the pages straight from the pool (sendmsg over the reply header and the pages'
    slots, no copy in Python), pinned in the store while they are sent so no slot is evicted
    and overwritten mid-send. Measured here, node and client in two processes, 16 pages of

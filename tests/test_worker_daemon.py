@@ -230,15 +230,17 @@ def test_a_prefill_chunk_below_one_token_is_refused_with_one_line():
     assert "Traceback" not in done.stderr
 
 
-def test_step_log_has_a_json_line_per_engine_step(tmp_path):
+def test_step_log_has_a_json_line_per_engine_step_and_prompts_come_in_chunks(tmp_path):
     steps = tmp_path / "steps.jsonl"
-    with daemons(tmp_path, worker("w", "--step-log", str(steps))) as (w,):
+    with daemons(tmp_path, worker("w", "--step-log", str(steps), "--max-prefill-tokens", "16")) as (w,):
         with WorkerClient(w.address) as client:
             _, done = run(client, "Where does the time go? " * 3, max_tokens=4, request_id="traced")
     records = [json.loads(line) for line in steps.read_text().splitlines()]
     ours = [q for r in records for q in r["requests"] if q["id"] == "traced"]
     # Every prompt token and every generated one but the last went through a step exactly once.
     assert sum(q["new"] for q in ours) == done.usage.prompt_tokens + done.usage.completion_tokens - 1
+    prefill = [q["new"] for q in ours if q["computed"] < q["prompt"]]
+    assert done.usage.prompt_tokens == 72 and prefill == [16, 16, 16, 16, 8]  # --max-prefill-tokens 16
     assert "logging every engine step to" in (tmp_path / "w.log").read_text()
 
 

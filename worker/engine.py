@@ -196,13 +196,14 @@ class Engine:
         """Run one forward pass over the scheduled requests; returns the deltas it produced."""
         with self._lock:
             self._take_inbox()
-            started = time.perf_counter()
+            started = time.monotonic()
             batch = self.scheduler.schedule()
             if not batch.requests:
                 return []
-            scheduled = time.perf_counter()
-            computed_before = [r.num_computed_tokens for r in batch.requests]
-            arrivals = [self._live[r.request_id].arrival for r in batch.requests]
+            scheduled = time.monotonic()
+            # For on_step only: what each request had computed, and when it arrived (a finished one leaves _live).
+            before = None if self.on_step is None else [
+                (r.num_computed_tokens, self._live[r.request_id].arrival) for r in batch.requests]
             token_ids, positions, starts = [], [], [0]
             for request, num_new in zip(batch.requests, batch.num_new_tokens):
                 start = request.num_computed_tokens
@@ -218,14 +219,14 @@ class Engine:
                 block_tables=[np.asarray(r.block_table, dtype=np.int32) for r in batch.requests],
             )
             logits = self.model.forward(forward_batch, self.pool.kv, self.kv_dtype)
-            forwarded = time.perf_counter()
+            forwarded = time.monotonic()
             deltas = []
             for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
                 self.scheduler.on_computed(request, num_new)
                 if request.num_computed_tokens == request.num_tokens:
                     deltas.append(self._append_token(self._live[request.request_id], logits[row]))
-            if self.on_step is not None:
-                self.on_step(self._step_record(batch, computed_before, arrivals, started, scheduled, forwarded))
+            if before is not None:
+                self.on_step(self._step_record(batch, before, started, scheduled, forwarded))
             return deltas
 
     # ---- single-threaded helpers ----------------------------------------------
@@ -264,20 +265,20 @@ class Engine:
 
     # ---- internals -----------------------------------------------------------
 
-    def _step_record(self, batch, computed_before: list[int], arrivals: list[float], started: float,
-                     scheduled: float, forwarded: float) -> dict:
-        """One step for `on_step`: when (Unix seconds), how long scheduling and the forward took, and
-        per request its tokens and arrival (a request whose `computed` + `new` reaches `prompt` got
-        its first token in this step)."""
+    def _step_record(self, batch, before: list[tuple[int, float]], started: float, scheduled: float,
+                     forwarded: float) -> dict:
+        """One step for `on_step` (times from time.monotonic()): when it started (Unix seconds), how
+        long scheduling and the forward took, and per request its tokens and arrival (a request
+        whose `computed` + `new` reaches `prompt` got its first token in this step)."""
         return {
-            "time": time.time() - (time.perf_counter() - started),
+            "time": self._unix_offset + started,
             "schedule_ms": (scheduled - started) * 1000.0,
             "forward_ms": (forwarded - scheduled) * 1000.0,
             "requests": [
-                {"id": r.request_id, "arrived": self._unix_offset + arrived, "new": n, "computed": before,
+                {"id": r.request_id, "arrived": self._unix_offset + arrived, "new": n, "computed": computed,
                  "prompt": r.num_prompt_tokens, "cached_local": r.cached_tokens_local or 0,
                  "cached_remote": r.cached_tokens_remote or 0}
-                for r, n, before, arrived in zip(batch.requests, batch.num_new_tokens, computed_before, arrivals)
+                for r, n, (computed, arrived) in zip(batch.requests, batch.num_new_tokens, before)
             ],
         }
 

@@ -189,8 +189,8 @@ class Scheduler:
         budget = min(self.max_num_batched_tokens - sum(batch.num_new_tokens), self.max_prefill_tokens)
         pool_short = False
         joining = None  # once the step has its prefill: tokens that prompts finishing with it may add (note 3)
-        for request in self._prefill_order(batch) if budget > 0 else []:  # design note 3
-            if joining is not None and self._tokens_to_compute(request) > joining:
+        for request, left in self._prefill_order(batch) if budget > 0 else []:  # design note 3
+            if joining is not None and left > joining:
                 continue
             limit = budget if joining is None else joining
             if request.status is RequestStatus.RUNNING:
@@ -288,17 +288,18 @@ class Scheduler:
         batch.requests.append(request)
         batch.num_new_tokens.append(num_new)
 
-    def _prefill_order(self, batch: ScheduledBatch) -> list[Request]:
-        """Running requests mid-prompt and waiting ones: aged ones first (oldest first), then the
-        fewest tokens left to compute first; ties keep running before waiting, queue order."""
+    def _prefill_order(self, batch: ScheduledBatch) -> list[tuple[Request, int]]:
+        """(request, prompt tokens it still has to compute) for running requests mid-prompt and
+        waiting ones: aged ones first (oldest first), then the fewest tokens left to compute first;
+        ties keep running before waiting, queue order."""
         candidates = [r for r in self.running if r not in batch.requests] + list(self.waiting)
-
-        def priority(request: Request) -> tuple[int, int]:
-            if self.num_steps - request.arrival_step > self.aging_steps:
-                return 0, request.arrival_step
-            return 1, self._tokens_to_compute(request)
-
-        return sorted(candidates, key=priority)
+        ranked = []
+        for request in candidates:
+            left = self._tokens_to_compute(request)
+            aged = self.num_steps - request.arrival_step > self.aging_steps
+            ranked.append(((0, request.arrival_step) if aged else (1, left), request, left))
+        ranked.sort(key=lambda entry: entry[0])
+        return [(request, left) for _, request, left in ranked]
 
     def _tokens_to_compute(self, request: Request) -> int:
         """Prompt tokens a request still has to compute (a waiting one: after its local prefix cache)."""
