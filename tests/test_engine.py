@@ -206,6 +206,45 @@ def test_abort_frees_blocks_at_once_and_ends_the_stream():
     engine.pool.check_invariants()
 
 
+def test_cancel_returns_while_a_step_holds_the_engine_and_aborts_before_the_next():
+    engine = make_engine()
+    keep = engine.add_request("keep going " * 3, max_new_tokens=12)
+    drop = engine.add_request("drop me " * 4, max_new_tokens=30, bypass_cache=True)
+    engine.step()
+    in_forward, release = threading.Event(), threading.Event()
+    forward = engine.model.forward
+
+    def blocked_forward(*args, **kwargs):
+        in_forward.set()
+        assert release.wait(10.0)
+        return forward(*args, **kwargs)
+
+    engine.model.forward = blocked_forward
+    stepping = threading.Thread(target=engine.step)
+    stepping.start()
+    try:
+        assert in_forward.wait(10.0)
+        cancelled = threading.Event()
+        threading.Thread(target=lambda: (engine.cancel(drop), cancelled.set()), daemon=True).start()
+        assert cancelled.wait(10.0), "cancel waited for the step (abort() would: it takes the engine lock)"
+        assert drop.completion is None and stepping.is_alive()
+    finally:
+        release.set()
+        stepping.join(10.0)
+    engine.model.forward = forward
+    engine.step()
+    deltas = list(drop)
+    assert deltas[-1].finished and deltas[-1].completion.finish_reason == "abort"
+    assert drop.request_id not in engine.live_request_ids()
+    engine.cancel(drop)  # finished: nothing to do
+    again = engine.add_request("drop me " * 4, max_new_tokens=3, request_id=drop.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert again.completion.finish_reason == "length"
+    assert keep.completion.token_ids == alone("keep going " * 3, max_new_tokens=12).token_ids
+    engine.pool.check_invariants()
+
+
 def test_several_threads_submit_and_stream_while_one_thread_steps():
     engine = make_engine(budget=16)
     stop = threading.Event()

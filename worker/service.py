@@ -68,7 +68,8 @@ class WorkerService:
             )
         except ValueError as exc:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        context.add_callback(lambda: self.engine.abort(request_id))  # runs when the call ends for any reason
+        # Runs when the call ends for any reason, on gRPC's event thread: must not wait (engine note 1).
+        context.add_callback(lambda: self.engine.cancel(handle))
         for delta in handle:
             if delta.token_ids or delta.text:
                 yield pb.GenerateReply(text=delta.text, token_ids=delta.token_ids)
