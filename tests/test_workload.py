@@ -21,8 +21,12 @@ def test_exactly_the_requested_count_and_lengths_within_bounds(requests):
     config = WorkloadConfig(requests=requests, seed=1, session_turns=5)
     requests_ = all_requests(build_workload(config, "abcdef.12 "))
     assert len(requests_) == requests
-    longest = config.longest_prompt_chars() + len("abcdef.12 ")
+    longest = config.longest_prompt_chars(reply_tokens=8) + len("abcdef.12 ")
     assert all(0 < len(r.prompt) <= longest for r in requests_)
+    # A whole session turn: its opening, every message so far and the replies before it.
+    for job in build_workload(config, "abcdef.12 "):
+        if job.requests[0].kind == "session":
+            assert sum(len(t.prompt) for t in job.requests) + 8 * (len(job.requests) - 1) <= longest
     for r in requests_:
         if r.kind == "unique":
             assert config.unique_chars[0] <= len(r.prompt) - len("abcdef.12 ") <= config.unique_chars[1]
@@ -32,7 +36,7 @@ def test_exactly_the_requested_count_and_lengths_within_bounds(requests):
 
 def test_every_prompt_starts_with_the_tag():
     requests = all_requests(build_workload(WorkloadConfig(requests=30), "run42.1 "))
-    assert all(r.prompt.startswith("run42.1 ") for r in requests)
+    assert all(r.prompt.startswith("run42.1 ") for r in requests if not r.follows_reply)
     assert all(r.session_id.startswith("run42.1 ") for r in requests if r.kind == "session")
 
 
@@ -44,8 +48,11 @@ def test_sessions_extend_their_previous_turn_in_order():
         assert len(turns) == 4
         assert len({t.session_id for t in turns}) == 1 and turns[0].session_id
         assert [t.first_of_family for t in turns] == [True, False, False, False]
-        for previous, turn in zip(turns, turns[1:]):
-            assert turn.prompt.startswith(previous.prompt) and len(turn.prompt) > len(previous.prompt)
+        assert [t.follows_reply for t in turns] == [False, True, True, True]
+        assert "conversation" in turns[0].prompt
+        # Later turns hold only the next message: the client sends it after the last prompt and the reply.
+        assert all(t.prompt.startswith("\nUser: ") for t in turns[1:])
+        assert all(t.prompt.endswith("\nAssistant:") for t in turns)
     assert len({job.requests[0].session_id for job in jobs}) == 15
 
 

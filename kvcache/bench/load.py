@@ -40,6 +40,8 @@ from kvcache.bench.loadreport import plot_charts, print_report
 from kvcache.bench.report import MATPLOTLIB_MISSING, dump_json, machine, versions
 from kvcache.bench.stats import gain, gain_interval, summarize_pass
 from kvcache.cluster import default_blas_threads
+from worker.model import load_model_tokenizer
+from worker.model.tokenizer import Tokenizer
 
 TTFT_GOAL = 5.0
 WARM_SHARE_GOAL = 0.80
@@ -50,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--coordinators", default=None, help="use a running cluster (A,B) instead of starting one")
     cluster.add_argument("--model", default="gpt2-small-shape", help="tiny, gpt2-small-shape or a checkpoint folder "
-                         "(default gpt2-small-shape; see the description)")
+                         "(default gpt2-small-shape; see the description); with --coordinators, the model the "
+                         "cluster runs: session turns are sent as its token ids")
     cluster.add_argument("--nodes", type=int, default=3, help="kvnodes of the local cluster (default 3)")
     cluster.add_argument("--workers", type=int, default=2, help="workers of the local cluster (default 2)")
     cluster.add_argument("--replicas", type=int, default=2, help="kvnodes per sequence (default 2)")
@@ -79,7 +82,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mix.add_argument("--session-context-chars", type=int, default=defaults.session_context_chars,
                      help="a session's opening context (default %(default)s)")
     mix.add_argument("--turn-chars", default=_pair(defaults.turn_chars), help="user message per turn, MIN,MAX (default %(default)s)")
-    mix.add_argument("--reply-chars", type=int, default=defaults.reply_chars, help="scripted reply per turn (default %(default)s)")
     mix.add_argument("--unique-chars", default=_pair(defaults.unique_chars), help="one-off prompt, MIN,MAX (default %(default)s)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -94,6 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         config, levels = _check(args)
+        tokenizer = load_model_tokenizer(args.model)
     except ValueError as exc:
         print(f"kvcache bench load: error: {exc}", file=sys.stderr)
         return 2
@@ -108,15 +111,18 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so the local cluster is stopped on the way out
     try:
         with _cluster(args) as coordinators:
-            return _bench(args, config, levels, coordinators)
+            return _bench(args, config, levels, coordinators, tokenizer)
     except (ClusterError, TimeoutError, OSError, RuntimeError, ValueError) as exc:
         print(f"kvcache bench load: error: {exc}", file=sys.stderr)
         return 1
 
 
-def _bench(args, config: wl.WorkloadConfig, levels: list[int], coordinators: list[str]) -> int:
+def _bench(args, config: wl.WorkloadConfig, levels: list[int], coordinators: list[str], tokenizer: Tokenizer) -> int:
     members = _members(coordinators)
     _check_positions(config, args, members["worker_limits"])
+    if members["model"] != (Path(args.model).name or args.model):
+        raise ValueError(f"the cluster's workers run {members['model']}, not --model {args.model}: give the model "
+                         "they run (session turns are sent as its token ids)")
     run_id = uuid.uuid4().hex[:6]
     warmup = args.warmup if args.warmup is not None else 2 * len(members["workers"])
     say = (lambda *a: None) if args.json or args.no_progress else (lambda m: print(m, file=sys.stderr, flush=True))
@@ -142,7 +148,7 @@ def _bench(args, config: wl.WorkloadConfig, levels: list[int], coordinators: lis
         passes = {}
         for name, no_cache in (("no_cache", True), ("cache", False)):
             run_ = PassRun(coordinators, members["nodes"], members["workers"], level, no_cache, args.max_tokens,
-                           args.duration, progress=not (args.json or args.no_progress))
+                           args.duration, tokenizer, progress=not (args.json or args.no_progress))
             results, wall_s, nodes, workers = run_pass(run_, jobs, f"{name.replace('_', '-')} pass, {level} clients")
             passes[name] = {"summary": summarize_pass(results, wall_s), "nodes": nodes, "workers": workers,
                             "ttft_ms_all": [round(r.ttft_ms, 3) for r in results if r.ok]}
@@ -273,7 +279,7 @@ def _check(args) -> tuple[wl.WorkloadConfig, list[int]]:
         requests=args.requests, seed=args.seed, mix=tuple(mix), system_prompts=args.system_prompts,
         zipf_s=args.zipf, system_chars=args.system_chars, question_chars=_bounds(args.question_chars, "--question-chars"),
         session_turns=args.session_turns, session_context_chars=args.session_context_chars,
-        turn_chars=_bounds(args.turn_chars, "--turn-chars"), reply_chars=args.reply_chars,
+        turn_chars=_bounds(args.turn_chars, "--turn-chars"),
         unique_chars=_bounds(args.unique_chars, "--unique-chars"),
     )
     config.check()
@@ -291,7 +297,7 @@ def _check(args) -> tuple[wl.WorkloadConfig, list[int]]:
 
 
 def _check_positions(config: wl.WorkloadConfig, args, limits) -> None:
-    longest = config.longest_prompt_chars() + len("012345.1000 ")
+    longest = config.longest_prompt_chars(args.max_tokens) + len("012345.1000 ")
     for max_positions, max_tokens_limit in limits:
         if longest + args.max_tokens > max_positions:
             raise ValueError(f"prompts of up to {longest} characters plus --max-tokens {args.max_tokens} may exceed "

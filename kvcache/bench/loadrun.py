@@ -15,6 +15,7 @@ from coordinator.client import Client, ClusterError, Finished, Piece
 from kvcache.bench.report import Progress
 from kvcache.bench.stats import RequestResult
 from kvcache.bench.workload import Job, Request
+from worker.model.tokenizer import Tokenizer
 from kvnode.client import NodeClient, NodeError
 from worker.client import WorkerClient, WorkerError
 
@@ -32,6 +33,7 @@ class PassRun:
     no_cache: bool
     max_tokens: int
     duration_s: float
+    tokenizer: Tokenizer          # the cluster's model's: sessions are sent as token ids (workload note 2)
     progress: bool = True
 
     @property
@@ -57,10 +59,14 @@ def run_pass(run: PassRun, jobs: list[Job], label: str) -> tuple[list[RequestRes
                     job = next(queue, None)
                 if job is None:
                     return
+                history: list[int] = []  # a session's last prompt and reply, as token ids
                 for request in job.requests:
                     if time.perf_counter() >= deadline:
                         return
-                    result = _send(client, request, run, start)
+                    prompt = _prompt(request, history, run.tokenizer)
+                    result, reply = _send(client, prompt, request, run, start)
+                    if not isinstance(prompt, str):
+                        history = prompt + reply
                     with queue_lock:
                         results.append(result)
                         bar.advance()
@@ -103,16 +109,30 @@ def warm_up(coordinators: list[str], count: int, max_tokens: int, run_id: str) -
             thread.join(300.0)
 
 
-def _send(client: Client, request: Request, run: PassRun, pass_start: float) -> RequestResult:
+def _prompt(request: Request, history: list[int], tokenizer: Tokenizer) -> str | list[int]:
+    """What to send: the text, or a session turn's token ids, which carry the model's replies."""
+    if request.kind != "session":
+        return request.prompt
+    if request.follows_reply:
+        return history + tokenizer.encode(request.prompt, add_special_tokens=False)
+    return tokenizer.encode(request.prompt)
+
+
+def _send(client: Client, prompt: str | list[int], request: Request, run: PassRun,
+          pass_start: float) -> tuple[RequestResult, list[int]]:
+    """The request's result, and the token ids it generated."""
     sent = time.perf_counter() - pass_start
     first = None
     finished: Finished | None = None
     error = ""
+    reply: list[int] = []
     try:
-        for event in client.generate(request.prompt, session_id=request.session_id, max_tokens=run.max_tokens,
+        for event in client.generate(prompt, session_id=request.session_id, max_tokens=run.max_tokens,
                                      no_cache=run.no_cache, ignore_eos=True):
-            if isinstance(event, Piece) and first is None:
-                first = time.perf_counter() - pass_start
+            if isinstance(event, Piece):
+                reply.extend(event.token_ids)
+                if first is None:
+                    first = time.perf_counter() - pass_start
             elif isinstance(event, Finished):
                 finished = event
     except ClusterError as exc:
@@ -129,7 +149,7 @@ def _send(client: Client, request: Request, run: PassRun, pass_start: float) -> 
         cached_tokens_remote=usage.cached_tokens_remote if usage else 0,
         completion_tokens=usage.completion_tokens if usage else 0,
         server_ttft_ms=usage.ttft_ms if usage else 0.0, error=error,
-    )
+    ), reply
 
 
 def _node_counters(nodes: list[str]) -> dict[str, dict[str, int]]:

@@ -3,15 +3,20 @@
 Three kinds of request, each in a *family* of prompts that share a prefix:
 - shared: one of a few long system prompts, picked with Zipf-like popularity (prompt i is
   chosen with weight 1/(i+1)^s), followed by a short question;
-- session: a multi-turn chat; every turn's prompt is the previous turn's prompt plus a
-  scripted assistant reply and the next user message, sent with the session's id;
+- session: a multi-turn chat; every turn's prompt is the previous turn's prompt, the model's
+  reply to it and the next user message, sent with the session's id;
 - unique: a one-off prompt sharing nothing with any other.
 
 Design notes
 1. Everything is text built from a word list, so the same seed gives the same prompts on every
    machine. Lengths are in characters, which are tokens for the byte-level presets.
-2. The assistant replies inside a session are scripted, not the model's output: both passes of
-   the bench (with and without the cache) then send exactly the same prompts.
+2. The assistant's reply inside a session is the model's own output, as in a real chat: the
+   client sends the next turn as token ids (the previous prompt's, the reply's, then the new
+   message's), so the reply comes back exactly as generated and a cache that kept the reply's
+   pages can serve them. A scripted reply would be text the model never produced: a miss in
+   any cache, which no chat shows. Both passes still send prompts of the same lengths
+   (replies are --max-tokens long, end-of-text ignored) and, with greedy decoding, the same
+   tokens, but for the rare greedy tie that rounding can tip either way.
 3. A job is what one client does without pause: one request, or all turns of a session in
    order (a turn is sent after the previous one finished, as a person chatting would).
 """
@@ -46,7 +51,6 @@ class WorkloadConfig:
     session_turns: int = 4             # turns per session (the last session may be cut by `requests`)
     session_context_chars: int = 256   # a session's opening context, before its first message
     turn_chars: tuple[int, int] = (24, 48)        # each user message in a session, min..max
-    reply_chars: int = 48              # each scripted assistant reply in a session
     unique_chars: tuple[int, int] = (128, 384)    # a one-off prompt, min..max
 
     def check(self) -> None:
@@ -63,13 +67,15 @@ class WorkloadConfig:
             low, high = getattr(self, name)
             if not 1 <= low <= high:
                 raise ValueError(f"{name} must satisfy 1 <= min <= max, got {low}..{high}")
-        if min(self.system_chars, self.session_context_chars, self.reply_chars) < 1:
-            raise ValueError("system, session context and reply lengths must be at least 1 character")
+        if min(self.system_chars, self.session_context_chars) < 1:
+            raise ValueError("system prompt and session context lengths must be at least 1 character")
 
-    def longest_prompt_chars(self) -> int:
-        """An upper bound on any prompt's length (before the run tag)."""
+    def longest_prompt_chars(self, reply_tokens: int) -> int:
+        """An upper bound on any prompt's length (before the run tag), in characters plus the
+        session replies' tokens (`reply_tokens` each): the length in tokens for byte-level models."""
         labels = 48  # "S12 system prompt. ", "C3 conversation. ", "\nUser: ", "\nAssistant:" and the like
-        session = self.session_context_chars + labels + self.session_turns * (self.turn_chars[1] + self.reply_chars + labels)
+        session = (self.session_context_chars + labels + self.session_turns * (self.turn_chars[1] + labels)
+                   + (self.session_turns - 1) * reply_tokens)
         return max(self.system_chars + self.question_chars[1] + 2 * labels, session, self.unique_chars[1])
 
 
@@ -77,9 +83,10 @@ class WorkloadConfig:
 class Request:
     kind: str            # "shared", "session" or "unique"
     family: str          # requests of one family share a prefix: "system-0", "session-3", "unique-12"
-    prompt: str
+    prompt: str          # the whole prompt; with follows_reply, what follows the previous turn and its reply
     session_id: str      # empty unless kind == "session"
     first_of_family: bool
+    follows_reply: bool = False   # a session turn after the first (design note 2)
 
 
 @dataclass(frozen=True)
@@ -138,13 +145,12 @@ def all_requests(jobs: list[Job]) -> list[Request]:
 def _session(rng: np.random.Generator, config: WorkloadConfig, tag: str, number: int, turns: int) -> list[Request]:
     family = f"session-{number}"
     session_id = f"{tag}{family}"
-    history = f"{tag}C{number} conversation. " + _text(rng, config.session_context_chars)
+    opening = f"{tag}C{number} conversation. " + _text(rng, config.session_context_chars)
     requests = []
     for turn in range(turns):
-        if turn:
-            history += " " + _text(rng, config.reply_chars)   # the scripted reply to the previous turn
-        history += "\nUser: " + _text(rng, _length(rng, config.turn_chars)) + "\nAssistant:"
-        requests.append(Request("session", family, history, session_id, turn == 0))
+        message = "\nUser: " + _text(rng, _length(rng, config.turn_chars)) + "\nAssistant:"
+        prompt = message if turn else opening + message
+        requests.append(Request("session", family, prompt, session_id, turn == 0, follows_reply=turn > 0))
     return requests
 
 

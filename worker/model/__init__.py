@@ -15,12 +15,12 @@ import numpy as np
 from ..attention import AttentionMetadata, paged_attention, write_kv
 from .blas import attention_threads, threads_for_rows
 from .checkpoint import ARCH_MODULES, load_checkpoint
-from .config import PRESET_SEEDS, PRESETS, CheckpointError, ModelConfig
+from .config import PRESET_SEEDS, PRESETS, CheckpointError, ModelConfig, read_config
 from .init import random_tensors
 from .layers import Attend, round_kv
 from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
-__all__ = ["load_model", "Model", "ForwardBatch", "ModelConfig", "CheckpointError", "KV_DTYPES"]
+__all__ = ["load_model", "load_model_tokenizer", "Model", "ForwardBatch", "ModelConfig", "CheckpointError", "KV_DTYPES"]
 
 KV_DTYPES = {"float32": 4, "float16": 2}   # wire dtype -> bytes per element
 
@@ -100,6 +100,14 @@ def load_model(name_or_path: str) -> Model:
     config, tensors = load_checkpoint(folder)
     tokenizer = load_tokenizer(folder, config.eos_token_id, config.vocab_size)
     return Model(folder.name or str(folder), config, tensors, tokenizer)
+
+
+def load_model_tokenizer(name_or_path: str) -> Tokenizer:
+    """The tokenizer of a preset or checkpoint folder, without its weights (for clients that send token ids)."""
+    if name_or_path in PRESETS:
+        return ByteTokenizer(PRESETS[name_or_path].eos_token_id)
+    config = read_config(name_or_path)
+    return load_tokenizer(name_or_path, config.eos_token_id, config.vocab_size)
 
 
 def weights_digest(tensors: dict[str, np.ndarray]) -> bytes:

@@ -15,7 +15,7 @@ from .config import CheckpointError
 class Tokenizer(Protocol):
     eos_token_id: int
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids) -> str: ...
 
@@ -28,8 +28,8 @@ class ByteTokenizer:
             raise ValueError(f"byte tokenizer: eos_token_id {eos_token_id} collides with a byte value")
         self.eos_token_id = eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))  # bytes carry no special tokens
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
@@ -44,9 +44,10 @@ class HFTokenizer:
         self._tok = _Tokenizer.from_file(str(path))
         self.eos_token_id = eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        # Special tokens the tokenizer's post-processor adds (e.g. Llama's BOS) are part of a prompt.
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # Special tokens the tokenizer's post-processor adds (e.g. Llama's BOS) are part of a prompt;
+        # text that continues a sequence of token ids goes without them.
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids) -> str:
         # Byte-level decoders replace incomplete UTF-8 with U+FFFD rather than failing.
