@@ -48,8 +48,10 @@ class ToyModel:
     def fingerprint(self, kv_dtype, page_tokens):
         return hashlib.blake2b(f"toy/{kv_dtype}/{page_tokens}".encode(), digest_size=16).digest()
 
-    def forward(self, batch, kv_pool, kv_dtype="float32"):
+    def forward(self, batch, kv_pool, kv_dtype="float32", between_layers=None):
         self.forward_calls.append(batch)
+        if between_layers is not None:
+            between_layers()  # one pause, before any row: the engine cannot tell where it is
         rows = []
         for s in range(len(batch.block_tables)):
             table = batch.block_tables[s]
@@ -243,6 +245,54 @@ def test_cancel_returns_while_a_step_holds_the_engine_and_aborts_before_the_next
     assert again.completion.finish_reason == "length"
     assert keep.completion.token_ids == alone("keep going " * 3, max_new_tokens=12).token_ids
     engine.pool.check_invariants()
+
+
+def arrive_during_next_forward(engine, prompt, **params):
+    """Add a request from inside the next forward (as another thread would while it runs); its handle."""
+    added = []
+    forward = engine.model.forward
+
+    def forward_once(batch, kv_pool, kv_dtype="float32", between_layers=None):
+        engine.model.forward = forward
+        added.append(engine.add_request(prompt, **params))
+        return forward(batch, kv_pool, kv_dtype, between_layers)
+
+    engine.model.forward = forward_once
+    return added
+
+
+def test_a_short_prompt_arriving_during_a_long_chunk_is_computed_between_its_layers():
+    engine = make_engine(max_prefill_tokens=32)
+    steps = []
+    engine.on_step = steps.append
+    long = engine.add_request("a long prompt that is computed in chunks " * 3, max_new_tokens=5)
+    engine.step()
+    added = arrive_during_next_forward(engine, "short one", max_new_tokens=5)
+    deltas = engine.step()
+    [short] = added
+    # Its first token came out of the step that was running when it arrived, before that step's own.
+    assert [d.request_id for d in deltas] == [short.request_id] and len(deltas[0].token_ids) == 1
+    assert [r["new"] for r in steps[-2]["requests"]] == [9] and steps[-2]["between_layers"]
+    assert [r["new"] for r in steps[-1]["requests"]] == [32] and not steps[-1]["between_layers"]
+    while engine.has_unfinished():
+        engine.step()
+    assert short.completion.token_ids == alone("short one", max_new_tokens=5).token_ids
+    assert long.completion.token_ids == alone("a long prompt that is computed in chunks " * 3,
+                                              max_new_tokens=5).token_ids
+    engine.pool.check_invariants()
+    assert engine.get_num_free_blocks() == engine.pool.num_blocks
+
+
+def test_a_newcomer_no_shorter_than_the_chunk_waits_for_the_next_step():
+    engine = make_engine(max_prefill_tokens=32)
+    engine.add_request("a long prompt that is computed in chunks " * 3, max_new_tokens=5)
+    engine.step()
+    added = arrive_during_next_forward(engine, "x" * 40, max_new_tokens=5)
+    assert engine.step() == []  # the long prompt's second chunk only
+    assert engine.num_waiting() == 1 and added[0].queue.empty()
+    while engine.has_unfinished():
+        engine.step()
+    assert added[0].completion.token_ids == alone("x" * 40, max_new_tokens=5).token_ids
 
 
 def test_several_threads_submit_and_stream_while_one_thread_steps():

@@ -33,7 +33,7 @@ class PagedRunner:
         self.free = [int(b) for b in np.random.default_rng(seed).permutation(num_blocks)]
         self.tables, self.lens = {}, {}
 
-    def step(self, chunks, all_logits=False):
+    def step(self, chunks, all_logits=False, between_layers=None):
         """Feed each sequence id its next tokens, all in one forward."""
         ids, pos, starts, ctx, tables = [], [], [0], [], []
         for sid, toks in chunks.items():
@@ -50,7 +50,7 @@ class PagedRunner:
             self.lens[sid] = end
         batch = ForwardBatch(np.array(ids, np.int64), np.array(pos, np.int64), np.array(starts, np.int64),
                              np.array(ctx, np.int64), tables, all_logits=all_logits)
-        return self.model.forward(batch, self.pool, self.kv_dtype)
+        return self.model.forward(batch, self.pool, self.kv_dtype, between_layers=between_layers)
 
 
 def _prompt(seed, n):
@@ -118,6 +118,27 @@ def test_chunked_prefill_and_mixed_batches_match_full_recompute(name):
             np.testing.assert_allclose(logits[row], want, atol=ATOL, rtol=0)
             assert int(logits[row].argmax()) == int(want.argmax())
             last[sid] = int(logits[row].argmax())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_another_forward_between_the_layers_of_a_chunk_leaves_both_exact(name):
+    """What the engine does for a short newcomer: a whole forward of another sequence, over the
+    same pool, run after one layer of a chunk of a cached sequence; then the chunk goes on."""
+    model = random_model(CONFIGS[name], seed=6)
+    long, short = _prompt(30, 29), _prompt(31, 7)
+    runner = PagedRunner(model, page_tokens=4)
+    runner.step({0: long[:9]})
+    calls, nested = [], []
+
+    def between_layers():
+        calls.append(len(calls))
+        if len(calls) == 1:
+            nested.append(runner.step({1: short}, all_logits=True))
+
+    chunk = runner.step({0: long[9:]}, all_logits=True, between_layers=between_layers)
+    assert len(calls) == model.config.n_layers - 1
+    np.testing.assert_allclose(chunk, reference_logits(model, long)[9:], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(nested[0], reference_logits(model, short), atol=ATOL, rtol=0)
 
 
 def test_decode_and_prefill_in_one_batch_last_token_logits():

@@ -22,10 +22,34 @@ def request(rid, n_prompt, max_new=4, first=0):
     return Request(rid, list(range(first, first + n_prompt)), SamplingParams(max_new_tokens=max_new), ROOT, P)
 
 
-def run_step(sched, pool, log=None):
-    """One step as the engine does it, with a fake next token (the position, so it is checkable)."""
+def run_step(sched, pool, log=None, arriving=()):
+    """One step as the engine does it, with a fake next token (the position, so it is checkable).
+    `arriving` requests come while the step's forward runs: one may be computed between its layers."""
     batch = sched.schedule()
     pool.check_invariants()
+    for req in arriving:
+        sched.add(req)
+    nested = sched.schedule_newcomer(batch) if arriving and batch.requests else None
+    if nested is not None:
+        assert len(nested) == 1 and nested.requests[0] not in batch.requests
+        assert not written_blocks(batch) & set(nested.requests[0].block_table), "the step's pages are its own"
+        assert not written_blocks(nested) & {b for r in batch.requests for b in r.block_table}
+        account(sched, pool, nested)
+    account(sched, pool, batch)
+    if log is not None:
+        log.append([(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)])
+        if nested is not None:
+            log.append(("between layers", nested.requests[0].request_id, nested.num_new_tokens[0]))
+    return batch
+
+
+def written_blocks(batch):
+    """Blocks a batch's forward writes: those holding each request's new tokens."""
+    return {req.block_table[page] for req, n in zip(batch.requests, batch.num_new_tokens)
+            for page in range(req.num_computed_tokens // P, (req.num_computed_tokens + n - 1) // P + 1)}
+
+
+def account(sched, pool, batch):
     for req, n in zip(batch.requests, batch.num_new_tokens):
         assert len(req.block_table) * P >= req.num_computed_tokens + n, "blocks cover the tokens computed"
         sched.on_computed(req, n)
@@ -34,9 +58,6 @@ def run_step(sched, pool, log=None):
             if len(req.output_token_ids) >= req.params.max_new_tokens:
                 sched.finish(req)
     pool.check_invariants()
-    if log is not None:
-        log.append([(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)])
-    return batch
 
 
 def test_long_prompts_are_chunked_while_running_requests_keep_decoding():
@@ -217,6 +238,28 @@ def test_aging_bounds_the_wait_of_a_long_prompt_under_a_stream_of_short_ones(agi
     assert first_token_step == aging_steps + -(-long_len // budget)
 
 
+def test_a_newcomer_shorter_than_the_chunk_goes_between_its_layers_unless_it_would_preempt_or_it_is_aged():
+    pool, sched = make(pool_blocks=64, budget=64, max_prefill_tokens=16, join_tokens=4)
+    sched.add(request("long", 60, max_new=1))
+    log = []
+    run_step(sched, pool, log, arriving=[request("short", 10, max_new=2, first=500)])
+    run_step(sched, pool, log, arriving=[request("as long", 16, max_new=1, first=600)])
+    assert log == [[("long", 16)], ("between layers", "short", 10), [("short", 1), ("long", 16)]]
+    # Not when the pool could only take it by preempting a running request.
+    pool, sched = make(pool_blocks=5, budget=64, max_prefill_tokens=16, join_tokens=4)
+    sched.add(request("long", 19, max_new=1))
+    log = []
+    run_step(sched, pool, log, arriving=[request("short", 6, max_new=1, first=500)])
+    assert log == [[("long", 16)]] and sched.waiting[0].request_id == "short"
+    # Nor when the step's prompt was chosen for its age.
+    pool, sched = make(pool_blocks=64, budget=64, max_prefill_tokens=16, join_tokens=4, aging_steps=0)
+    sched.add(request("long", 60, max_new=1))
+    sched.num_steps = 5
+    log = []
+    run_step(sched, pool, log, arriving=[request("short", 10, max_new=1, first=500)])
+    assert log == [[("long", 16)]]
+
+
 def test_aging_zero_serves_in_arrival_order():
     pool, sched = make(pool_blocks=64, budget=64, max_prefill_tokens=64, aging_steps=0, join_tokens=0)
     for name, n, first in (("a", 30, 100), ("b", 5, 200), ("c", 12, 300)):
@@ -229,7 +272,8 @@ def test_aging_zero_serves_in_arrival_order():
 
 @settings(max_examples=150, deadline=None)
 @given(num_blocks=st.integers(3, 12), budget=st.integers(4, 24), max_seqs=st.integers(1, 4),
-       prefill=st.integers(1, 24), aging=st.integers(0, 6), requests=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6), st.integers(0, 3), st.booleans()),
+       prefill=st.integers(1, 24), aging=st.integers(0, 6), requests=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6), st.integers(0, 3), st.booleans(),
+                                                   st.booleans()),
                          min_size=1, max_size=6))
 def test_every_request_finishes_with_its_tokens_whatever_the_pool_budget_and_arrivals(num_blocks, budget, max_seqs,
                                                                                         prefill, aging, requests):
@@ -238,20 +282,21 @@ def test_every_request_finishes_with_its_tokens_whatever_the_pool_budget_and_arr
     pool, sched = make(pool_blocks=num_blocks, budget=max(budget, max_seqs), max_seqs=max_seqs,
                        max_prefill_tokens=prefill, aging_steps=aging)
     pending, created = [], []
-    for i, (n_prompt, max_new, family, bypass) in enumerate(requests):
+    for i, (n_prompt, max_new, family, bypass, mid_step) in enumerate(requests):
         n_prompt = min(n_prompt, num_blocks * P - max_new)
         if n_prompt < 1:
             continue
         req = Request(f"r{i}", [family * 100 + t for t in range(n_prompt)], SamplingParams(max_new_tokens=max_new),
                       ROOT, P, bypass_cache=bypass)
-        pending.append((i % 3, req))
+        pending.append((i % 3, mid_step, req))
         created.append(req)
     steps = 0
     while pending or sched.has_unfinished():
-        for _, req in [p for p in pending if p[0] <= steps]:
+        for _, mid_step, req in [p for p in pending if p[0] <= steps and not p[1]]:
             sched.add(req)
+        arriving = [req for when, mid_step, req in pending if when <= steps and mid_step]
         pending = [p for p in pending if p[0] > steps]
-        run_step(sched, pool)
+        run_step(sched, pool, arriving=arriving)
         steps += 1
         assert steps < 500, "the scheduler stopped making progress"
     assert pool.get_num_free_blocks() == num_blocks

@@ -15,6 +15,10 @@ Design notes
 3. usage: prompt_tokens = cached_tokens_local + cached_tokens_remote + computed_tokens,
    as decided when the request was first admitted (recomputation after a preemption is not
    counted there; `num_preemptions` says how often it happened).
+4. Between two layers of a step's forward, a request that arrived since the step began may be
+   computed whole, in a forward of its own, before the step goes on (scheduler design note 7):
+   a short prompt then does not wait for the rest of a long prompt's chunk. The check is one
+   look at the inbox per layer; the step's own requests and blocks are left untouched.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from worker.block_pool import BlockPool
 from worker.model import ForwardBatch, load_model
 from worker.sampling import FINISH_ABORT, SamplingParams, StopChecker, sample
 from worker.usage import Usage
-from worker.scheduler import PREFILL_TOKENS_PER_STEP, RemoteTier, Request, Scheduler
+from worker.scheduler import PREFILL_TOKENS_PER_STEP, RemoteTier, Request, ScheduledBatch, Scheduler
 
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 
@@ -205,7 +209,8 @@ class Engine:
     # ---- the loop thread -----------------------------------------------------
 
     def step(self) -> list[StreamDelta]:
-        """Run one forward pass over the scheduled requests; returns the deltas it produced."""
+        """Run one forward pass over the scheduled requests; returns the deltas it produced
+        (also those of newcomers computed between its layers, design note 4)."""
         with self._lock:
             self._take_inbox()
             self._take_cancelled()
@@ -213,34 +218,52 @@ class Engine:
             batch = self.scheduler.schedule()
             if not batch.requests:
                 return []
-            scheduled = time.monotonic()
-            # For on_step only: what each request had computed, and when it arrived (a finished one leaves _live).
-            before = None if self.on_step is None else [
-                (r.num_computed_tokens, self._live[r.request_id].arrival) for r in batch.requests]
-            token_ids, positions, starts = [], [], [0]
-            for request, num_new in zip(batch.requests, batch.num_new_tokens):
-                start = request.num_computed_tokens
-                token_ids.extend(request.token_ids[start:start + num_new])
-                positions.extend(range(start, start + num_new))
-                starts.append(starts[-1] + num_new)
-            forward_batch = ForwardBatch(
-                token_ids=np.asarray(token_ids, dtype=np.int64),
-                positions=np.asarray(positions, dtype=np.int64),
-                query_starts=np.asarray(starts, dtype=np.int64),
-                context_lens=np.asarray([r.num_computed_tokens + n for r, n in zip(batch.requests, batch.num_new_tokens)],
-                                        dtype=np.int64),
-                block_tables=[np.asarray(r.block_table, dtype=np.int32) for r in batch.requests],
-            )
-            logits = self.model.forward(forward_batch, self.pool.kv, self.kv_dtype)
-            forwarded = time.monotonic()
-            deltas = []
-            for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-                self.scheduler.on_computed(request, num_new)
-                if request.num_computed_tokens == request.num_tokens:
-                    deltas.append(self._append_token(self._live[request.request_id], logits[row]))
-            if before is not None:
-                self.on_step(self._step_record(batch, before, started, scheduled, forwarded))
-            return deltas
+            newcomer_deltas: list[StreamDelta] = []
+
+            def between_layers() -> None:
+                if self._inbox.empty():
+                    return  # nobody new: the usual case, one cheap check a layer
+                self._take_inbox()
+                paused = time.monotonic()
+                newcomer = self.scheduler.schedule_newcomer(batch)
+                if newcomer is not None:
+                    newcomer_deltas.extend(self._run(newcomer, paused, time.monotonic(), None))
+
+            deltas = self._run(batch, started, time.monotonic(), between_layers)
+            return newcomer_deltas + deltas
+
+    def _run(self, batch: ScheduledBatch, started: float, scheduled: float,
+             between_layers: Callable[[], None] | None) -> list[StreamDelta]:
+        """Forward a scheduled batch, then account for its tokens; its deltas. A batch run
+        between the layers of another gets no `between_layers` of its own (no nesting deeper)."""
+        # For on_step only: what each request had computed, and when it arrived (a finished one leaves _live).
+        before = None if self.on_step is None else [
+            (r.num_computed_tokens, self._live[r.request_id].arrival) for r in batch.requests]
+        token_ids, positions, starts = [], [], [0]
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+            start = request.num_computed_tokens
+            token_ids.extend(request.token_ids[start:start + num_new])
+            positions.extend(range(start, start + num_new))
+            starts.append(starts[-1] + num_new)
+        forward_batch = ForwardBatch(
+            token_ids=np.asarray(token_ids, dtype=np.int64),
+            positions=np.asarray(positions, dtype=np.int64),
+            query_starts=np.asarray(starts, dtype=np.int64),
+            context_lens=np.asarray([r.num_computed_tokens + n for r, n in zip(batch.requests, batch.num_new_tokens)],
+                                    dtype=np.int64),
+            block_tables=[np.asarray(r.block_table, dtype=np.int32) for r in batch.requests],
+        )
+        logits = self.model.forward(forward_batch, self.pool.kv, self.kv_dtype, between_layers=between_layers)
+        forwarded = time.monotonic()
+        deltas = []
+        for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            self.scheduler.on_computed(request, num_new)
+            if request.num_computed_tokens == request.num_tokens:
+                deltas.append(self._append_token(self._live[request.request_id], logits[row]))
+        if before is not None:
+            nested = between_layers is None
+            self.on_step(self._step_record(batch, before, started, scheduled, forwarded, nested))
+        return deltas
 
     # ---- single-threaded helpers ----------------------------------------------
 
@@ -279,12 +302,15 @@ class Engine:
     # ---- internals -----------------------------------------------------------
 
     def _step_record(self, batch, before: list[tuple[int, float]], started: float, scheduled: float,
-                     forwarded: float) -> dict:
+                     forwarded: float, nested: bool) -> dict:
         """One step for `on_step` (times from time.monotonic()): when it started (Unix seconds), how
         long scheduling and the forward took, and per request its tokens and arrival (a request
-        whose `computed` + `new` reaches `prompt` got its first token in this step)."""
+        whose `computed` + `new` reaches `prompt` got its first token in this step). A step run
+        between the layers of another (design note 4) is logged first and says so; the other's
+        forward_ms includes it."""
         return {
             "time": self._unix_offset + started,
+            "between_layers": nested,
             "schedule_ms": (scheduled - started) * 1000.0,
             "forward_ms": (forwarded - scheduled) * 1000.0,
             "requests": [

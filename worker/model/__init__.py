@@ -17,7 +17,7 @@ from .blas import attention_threads, threads_for_rows
 from .checkpoint import ARCH_MODULES, load_checkpoint
 from .config import PRESET_SEEDS, PRESETS, CheckpointError, ModelConfig, read_config
 from .init import random_tensors
-from .layers import Attend, round_kv
+from .layers import Attend, BetweenLayers, round_kv
 from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["load_model", "load_model_tokenizer", "Model", "ForwardBatch", "ModelConfig", "CheckpointError", "KV_DTYPES"]
@@ -65,14 +65,17 @@ class Model:
         return c.n_layers * 2 * c.n_kv_heads * page_tokens * c.head_dim * KV_DTYPES[_check_kv_dtype(kv_dtype)]
 
     def run(self, token_ids: np.ndarray, positions: np.ndarray, attend: Attend,
-            head_rows: np.ndarray | None = None) -> np.ndarray:
+            head_rows: np.ndarray | None = None, between_layers: BetweenLayers | None = None) -> np.ndarray:
         """The family's forward with any KV storage (`attend`); logits at head_rows (None = all)."""
         with threads_for_rows(len(token_ids)):
-            return self.arch.forward(self.params, self.config, token_ids, positions, attend, head_rows)
+            return self.arch.forward(self.params, self.config, token_ids, positions, attend, head_rows, between_layers)
 
-    def forward(self, batch: ForwardBatch, kv_pool: np.ndarray, kv_dtype: str = "float32") -> np.ndarray:
+    def forward(self, batch: ForwardBatch, kv_pool: np.ndarray, kv_dtype: str = "float32",
+                between_layers: BetweenLayers | None = None) -> np.ndarray:
         """Compute the batch's new tokens over the paged pool, writing their K/V into it.
-        -> [S, vocab] (last new token of each sequence) or [T, vocab] with all_logits."""
+        -> [S, vocab] (last new token of each sequence) or [T, vocab] with all_logits.
+        `between_layers()` runs after each layer but the last; it may run other forwards over
+        other blocks of the pool (none of this batch's)."""
         _check_kv_dtype(kv_dtype)
         token_ids, positions, query_starts, context_lens = _validate(self.config, batch, kv_pool)
         meta = AttentionMetadata.build(positions, query_starts, context_lens, batch.block_tables, kv_pool.shape)
@@ -84,7 +87,7 @@ class Model:
                 return paged_attention(q, kv_pool, layer, meta, scale)
 
         head_rows = None if batch.all_logits else query_starts[1:] - 1
-        return self.run(token_ids, positions, attend, head_rows)
+        return self.run(token_ids, positions, attend, head_rows, between_layers)
 
 
 def load_model(name_or_path: str) -> Model:

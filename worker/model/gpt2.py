@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import ModelConfig
-from .layers import Attend, gelu_tanh_, layer_norm
+from .layers import Attend, BetweenLayers, gelu_tanh_, layer_norm
 
 # Buffers some GPT-2 checkpoints carry that are not weights (the causal mask).
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
@@ -99,12 +99,15 @@ def mlp(x: np.ndarray, b: Block) -> np.ndarray:
 
 
 def forward(p: Params, c: ModelConfig, token_ids: np.ndarray, positions: np.ndarray, attend: Attend,
-            head_rows: np.ndarray | None) -> np.ndarray:
-    """[T] token ids at [T] positions -> logits [len(head_rows) or T, vocab]."""
+            head_rows: np.ndarray | None, between_layers: BetweenLayers | None = None) -> np.ndarray:
+    """[T] token ids at [T] positions -> logits [len(head_rows) or T, vocab]; `between_layers()`
+    runs after every layer but the last."""
     x = p.wte[token_ids] + p.wpe[positions]                  # [T, d]
     for i, b in enumerate(p.blocks):
         x += attention_block(layer_norm(x, b.ln_1_g, b.ln_1_b, c.norm_eps), b, c, i, attend)
         x += mlp(layer_norm(x, b.ln_2_g, b.ln_2_b, c.norm_eps), b)
+        if between_layers is not None and i < len(p.blocks) - 1:
+            between_layers()
     if head_rows is not None:
         x = x[head_rows]
     x = layer_norm(x, p.ln_f_g, p.ln_f_b, c.norm_eps)

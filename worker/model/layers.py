@@ -14,6 +14,10 @@ import numpy as np
 # stores the new keys/values wherever the caller keeps its cache and attends over the whole context.
 Attend = Callable[[int, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
+# between_layers(): called by a forward after each layer but the last. The engine uses it to
+# compute a newly arrived short prompt while a long prompt's chunk is half-way through its layers.
+BetweenLayers = Callable[[], None]
+
 _GELU_C = math.sqrt(2.0 / math.pi)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import ModelConfig
-from .layers import Attend, rms_norm, silu_
+from .layers import Attend, BetweenLayers, rms_norm, silu_
 
 # Buffers older Llama checkpoints carry that are recomputed from the config.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -134,13 +134,16 @@ def mlp(x: np.ndarray, b: Block, c: ModelConfig) -> np.ndarray:
 
 
 def forward(p: Params, c: ModelConfig, token_ids: np.ndarray, positions: np.ndarray, attend: Attend,
-            head_rows: np.ndarray | None) -> np.ndarray:
-    """[T] token ids at [T] positions -> logits [len(head_rows) or T, vocab]."""
+            head_rows: np.ndarray | None, between_layers: BetweenLayers | None = None) -> np.ndarray:
+    """[T] token ids at [T] positions -> logits [len(head_rows) or T, vocab]; `between_layers()`
+    runs after every layer but the last."""
     cos, sin = rope_tables(p.inv_freq, positions)
     x = p.embed[token_ids]                                   # [T, d]
     for i, b in enumerate(p.blocks):
         x += attention_block(rms_norm(x, b.attn_norm, c.norm_eps), b, c, i, attend, cos, sin)
         x += mlp(rms_norm(x, b.mlp_norm, c.norm_eps), b, c)
+        if between_layers is not None and i < len(p.blocks) - 1:
+            between_layers()
     if head_rows is not None:
         x = x[head_rows]
     x = rms_norm(x, p.norm, c.norm_eps)
