@@ -5,7 +5,9 @@ Each line is the engine's step record: `time` (Unix seconds at the step's start)
 `forward_ms`, and per request `id`, `arrived` (Unix seconds), `new` tokens this step, tokens
 `computed` before it, `prompt` tokens and the `cached_local` / `cached_remote` ones. A request got
 its first token in the step where `computed + new` reaches `prompt`; it waited from `arrived` to
-the `time` of its first step.
+the `time` of its first step. `between_layers` is true for a step run in a pause of another
+(a newcomer computed between the layers of a long prompt's chunk): it is logged before that
+step, whose `forward_ms` includes it.
 """
 
 from __future__ import annotations
