@@ -247,6 +247,26 @@ def test_cancel_returns_while_a_step_holds_the_engine_and_aborts_before_the_next
     engine.pool.check_invariants()
 
 
+def test_a_request_added_and_cancelled_while_a_step_starts_is_still_aborted():
+    engine = make_engine()
+    engine.add_request("already running", max_new_tokens=20)
+    engine.step()
+    late = []
+    take_inbox = engine._take_inbox
+
+    def take_then_another_thread_adds_and_cancels():
+        take_inbox()
+        if not late:  # between this step's look at the inbox and at the cancel queue
+            late.append(engine.add_request("added then cancelled", max_new_tokens=20))
+            engine.cancel(late[0])
+
+    engine._take_inbox = take_then_another_thread_adds_and_cancels
+    engine.step()
+    engine._take_inbox = take_inbox
+    assert late[0].completion is not None and late[0].completion.finish_reason == "abort"
+    assert late[0].request_id not in engine.live_request_ids()
+
+
 def arrive_during_next_forward(engine, prompt, **params):
     """Add a request from inside the next forward (as another thread would while it runs); its handle."""
     added = []

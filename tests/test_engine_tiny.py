@@ -84,3 +84,43 @@ def test_every_step_is_reported_with_its_requests_and_tokens(tiny):
     assert records[0]["time"] <= records[-1]["time"] and out.usage.completion_tokens == 3
     arrived = {q["arrived"] for r in records for q in r["requests"]}
     assert len(arrived) == 1 and arrived.pop() <= records[0]["time"]
+
+
+def test_a_newcomer_computed_between_the_layers_of_a_chunk_gets_its_own_tokens(tiny, monkeypatch):
+    """Real layers: the chunk is half-way through when the newcomer (reusing a cached prefix, in a
+    pool small enough that its admission evicts idle pages) runs its whole forward."""
+    shared = list(range(1, 49))
+    long_prompt, newcomer = list(range(100, 180)), shared + [7, 8, 9, 10, 11]
+    alone = {name: tiny_engine(tiny).generate([p], max_new_tokens=4)[0].token_ids
+             for name, p in (("long", long_prompt), ("newcomer", newcomer))}
+    engine = tiny_engine(tiny, num_blocks=10, max_prefill_tokens=32)
+    engine.generate([list(range(200, 250))], max_new_tokens=2)  # 3 idle cached pages, the oldest
+    engine.generate([shared + [1, 2]], max_new_tokens=2)  # 3 more: the newcomer's prefix
+    long = engine.add_request(long_prompt, max_new_tokens=4)
+    engine.step()
+    evictions = engine.pool.num_evictions
+    added, layers = [], []
+    forward = tiny.forward
+
+    def forward_with_arrival(batch, kv_pool, kv_dtype="float32", between_layers=None):
+        if added:  # the newcomer's own forward, run from a pause
+            return forward(batch, kv_pool, kv_dtype, between_layers=between_layers)
+        added.append(engine.add_request(newcomer, max_new_tokens=4))
+
+        def pause():
+            layers.append(len(layers))
+            between_layers()
+
+        return forward(batch, kv_pool, kv_dtype, between_layers=pause)
+
+    monkeypatch.setattr(tiny, "forward", forward_with_arrival)
+    deltas = engine.step()
+    monkeypatch.setattr(tiny, "forward", forward)
+    assert [d.request_id for d in deltas] == [added[0].request_id], "its first token came out of this step"
+    assert len(layers) == tiny.config.n_layers - 1
+    assert engine.pool.num_evictions > evictions, "the step and its newcomer took idle pages"
+    while engine.has_unfinished():
+        engine.step()
+    assert added[0].completion.usage.cached_tokens_local == 48
+    assert long.completion.token_ids == alone["long"] and added[0].completion.token_ids == alone["newcomer"]
+    engine.pool.check_invariants()

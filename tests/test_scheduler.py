@@ -251,6 +251,18 @@ def test_a_newcomer_shorter_than_the_chunk_goes_between_its_layers_unless_it_wou
     log = []
     run_step(sched, pool, log, arriving=[request("short", 6, max_new=1, first=500)])
     assert log == [[("long", 16)]] and sched.waiting[0].request_id == "short"
+    # Nor in a step that found the pool short for a waiting prompt, though the newcomer would fit:
+    # "w" (its first 12 tokens cached, idle) cannot be admitted beside "long"'s next chunk.
+    pool, sched = make(pool_blocks=7, budget=64, max_prefill_tokens=12, join_tokens=2)
+    log = []
+    sched.add(request("x", 12, max_new=1))
+    run_step(sched, pool, log)
+    sched.add(request("long", 24, max_new=1, first=1000))
+    run_step(sched, pool, log)
+    sched.add(request("w", 20, max_new=1))
+    run_step(sched, pool, log, arriving=[request("short", 3, max_new=1, first=500)])
+    assert log == [[("x", 12)], [("long", 12)], [("long", 12)]]
+    assert [r.request_id for r in sched.waiting] == ["w", "short"]
     # Nor when the step's prompt was chosen for its age.
     pool, sched = make(pool_blocks=64, budget=64, max_prefill_tokens=16, join_tokens=4, aging_steps=0)
     sched.add(request("long", 60, max_new=1))

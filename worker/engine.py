@@ -355,6 +355,9 @@ class Engine:
             except queue.Empty:
                 return
             live = self._live.get(handle.request_id)
+            if live is None:  # added after this step took the inbox, then cancelled: in the inbox now
+                self._take_inbox()
+                live = self._live.get(handle.request_id)
             if live is not None and live.handle is handle:  # not a later request reusing the id
                 live.checker.finish(FINISH_ABORT)
                 self._finish(live)

@@ -40,8 +40,10 @@ Design notes
    to compute is shorter than the chunk, it would have been the step's prompt had it come a
    moment earlier (note 3), and waiting for the rest of the chunk (up to ~400 ms for 128
    tokens of gpt2-small-shape) would be most of its time to first token. It is admitted alone
-   and computed whole; nothing is preempted for it, and a step whose prompt was chosen by
-   aging is never paused (a stream of short prompts cannot starve a long one).
+   and computed whole; nothing is preempted for it, nor is anyone admitted in a step that
+   preempted or found the pool short (the rules of note 4 and of `schedule`), and a step whose
+   prompt was chosen by aging is never paused, so aging still bounds a long prompt's wait in
+   steps (a step now lasts longer by the newcomers it carries, at most one per layer).
 """
 
 from __future__ import annotations
@@ -171,6 +173,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order, oldest first
         self.num_preemptions = 0
         self.num_steps = 0
+        self._admission_held = False  # the last schedule() preempted or found the pool short
 
     def add(self, request: Request) -> None:
         max_blocks = self.pool.num_blocks
@@ -222,13 +225,15 @@ class Scheduler:
             if joining <= 0:
                 break
         assert batch.requests or not self.running, "requests are running but none could be scheduled"
+        self._admission_held = preempted or pool_short
         return batch
 
     def schedule_newcomer(self, step: ScheduledBatch) -> ScheduledBatch | None:
         """Between two layers of `step`'s forward: a waiting request to compute whole before the
         step goes on, or None (design note 7)."""
         chunk = max(step.num_new_tokens)
-        if chunk <= self.join_tokens or not self.waiting or len(self.running) >= self.max_num_seqs:
+        if (chunk <= self.join_tokens or not self.waiting or len(self.running) >= self.max_num_seqs
+                or self._admission_held):
             return None
         prompt = step.requests[step.num_new_tokens.index(chunk)]
         if self.num_steps - prompt.arrival_step > self.aging_steps:

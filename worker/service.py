@@ -1,7 +1,8 @@
 """The Worker gRPC service: validates requests, hands them to the engine, relays its deltas.
 
 One loop thread steps the engine; each Generate call waits on its request's handle.
-A caller that disconnects or cancels aborts its request, which frees its blocks at once.
+A caller that disconnects or cancels aborts its request: the engine frees its blocks before its
+next step (engine note 1: the abort is queued, never waited for on gRPC's event thread).
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ Design notes
    pages can serve them. A scripted reply would be text the model never produced: a miss in
    any cache, which no chat shows. Both passes still send prompts of the same lengths
    (replies are --max-tokens long, end-of-text ignored) and, with greedy decoding, the same
-   tokens, but for the rare greedy tie that rounding can tip either way.
+   tokens, but for the rare greedy tie that rounding can tip either way. The new message is
+   tokenized on its own, without special tokens (a SentencePiece tokenizer may still start it
+   with a space token: the same in both passes).
 3. A job is what one client does without pause: one request, or all turns of a session in
    order (a turn is sent after the previous one finished, as a person chatting would).
 """
