@@ -15,9 +15,9 @@ from coordinator.client import Client, ClusterError, Finished, Piece
 from kvcache.bench.report import Progress
 from kvcache.bench.stats import RequestResult
 from kvcache.bench.workload import Job, Request
-from worker.model.tokenizer import Tokenizer
 from kvnode.client import NodeClient, NodeError
 from worker.client import WorkerClient, WorkerError
+from worker.model.tokenizer import Tokenizer
 
 SAMPLE_INTERVAL_S = 0.25
 NODE_COUNTERS = ("lookups", "hit_pages", "miss_pages", "get_pages", "puts", "stored_pages", "evictions",
