@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -168,11 +169,13 @@ class NodeClient:
         plane = self._data_plane()
         if plane is not None:
             _check_keys(self.address, keys)
+            deadline = time.monotonic() + (timeout or self.timeout)
             try:
                 plane.get_into(keys, memoryview(out).cast("B"), timeout or self.timeout)
                 return out
             except DataPlaneError as exc:
                 self._data_plane_failed(plane, exc)  # returns only to fall back to gRPC
+            timeout = self._time_left(deadline)
         return self._grpc_get_pages(keys, out, timeout)
 
     def _grpc_get_pages(self, keys: Sequence[bytes], out: np.ndarray, timeout: float | None) -> np.ndarray:
@@ -218,11 +221,13 @@ class NodeClient:
                     raise NodeError(self.address, grpc.StatusCode.INVALID_ARGUMENT,
                                     f"page {key.hex()} has {view.nbytes} bytes; this node stores pages of "
                                     f"{info.page_bytes} bytes")
+            deadline = time.monotonic() + (timeout or self.timeout)
             try:
                 outcomes = plane.put(keys, parents, views, info.page_bytes, timeout or self.timeout)
                 return PutResult(tuple(_OUTCOME_NAMES.get(o, "unknown") for o in outcomes))
             except DataPlaneError as exc:
                 self._data_plane_failed(plane, exc)  # returns only to fall back to gRPC
+            timeout = self._time_left(deadline)
         chunk = info.max_message_bytes - 64
 
         def messages():
@@ -286,6 +291,14 @@ class NodeClient:
         if exc.connect_failed:
             self._node_info = None  # a restarted node may listen on another data port: ask Info again
         raise NodeError(self.address, exc.code, exc.details) from None
+
+    def _time_left(self, deadline: float) -> float:
+        """What a gRPC fallback may still take of the call's timeout (the data plane's try counts)."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise NodeError(self.address, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            "the call's timeout ran out on the data plane, before the gRPC fallback")
+        return left
 
     def _call(self, method, request, timeout: float | None):
         try:

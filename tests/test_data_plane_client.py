@@ -178,3 +178,40 @@ def test_when_every_pooled_connection_went_stale_the_call_still_succeeds(make_no
         plane_client.close()
     finally:
         server.stop()
+
+
+def test_a_grpc_fallback_gets_only_what_is_left_of_the_calls_timeout(seeded, plane, monkeypatch):
+    """A connect that fails slowly (a host that drops packets) used up part of the timeout: the
+    gRPC fallback gets the rest, and none at all when nothing is left."""
+    from kvnode.data_client import DataPlaneError
+
+    def slow_connect_failure(*args):
+        time.sleep(0.4)
+        raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, "connect timed out", connect_failed=True)
+
+    monkeypatch.setattr(DataPlaneClient, "get_into", slow_connect_failure)
+    monkeypatch.setattr(DataPlaneClient, "put", slow_connect_failure)
+    for call in ("get", "put"):
+        with seeded.client() as client:
+            stub = "_get_pages" if call == "get" else "_put_pages"
+            given = []
+            grpc_call = getattr(client, stub)
+
+            def recorded(request, timeout):
+                given.append(timeout)
+                return grpc_call(request, timeout=timeout)
+
+            setattr(client, stub, recorded)
+            if call == "get":
+                np.testing.assert_array_equal(client.get_pages(GOOD, timeout=1.0), pages(3))
+            else:
+                assert client.put_pages([key(40)], [b""], pages(1, 5), timeout=1.0).stored == 1
+            assert len(given) == 1 and 0 < given[0] <= 0.6, given
+        with seeded.client() as client:
+            setattr(client, stub, lambda request, timeout: pytest.fail("gRPC called with no time left"))
+            with pytest.raises(NodeError) as raised:
+                if call == "get":
+                    client.get_pages(GOOD, timeout=0.3)
+                else:
+                    client.put_pages([key(41)], [b""], pages(1, 6), timeout=0.3)
+            assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
