@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--blas-threads", type=int, default=None,
                     help="BLAS threads per worker (default: cores / workers, at least 1, so workers do not "
                          "fight over the cores)")
+    up.add_argument("--max-prefill-tokens", type=int, default=None,
+                    help="prompt tokens a worker computes per step, in chunks (default: the worker's, 128)")
     up.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help=f"cluster file and logs (default ./{DEFAULT_RUN_DIR})")
     up.add_argument("--detach", action="store_true", help="return once healthy; stop later with `kvcache cluster down`")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a healthy cluster (default 120)")
@@ -75,7 +77,7 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         start_cluster(logs, args.nodes, args.workers, args.coordinators, args.replicas, args.model, args.kv_dtype,
                       args.node_capacity, args.worker_kv_cache, blas_threads=args.blas_threads,
-                      on_start=lambda c: _write_cluster_file(cluster_file, args, c.daemons), cluster=cluster)
+                      max_prefill_tokens=args.max_prefill_tokens, on_start=lambda c: _write_cluster_file(cluster_file, args, c.daemons), cluster=cluster)
         coordinators = cluster.coordinator_addresses
         wait_healthy(coordinators, args.nodes, args.workers, args.timeout, stopping)
     except (DaemonFailed, TimeoutError, InterruptedError, ValueError) as exc:
@@ -138,6 +140,8 @@ def _check_counts(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.blas_threads is not None and args.blas_threads < 1:
         raise ValueError(f"--blas-threads must be at least 1, got {args.blas_threads}")
+    if args.max_prefill_tokens is not None and args.max_prefill_tokens < 1:
+        raise ValueError(f"--max-prefill-tokens must be at least 1, got {args.max_prefill_tokens}")
     if args.replicas > args.nodes:
         raise ValueError(f"--replicas {args.replicas} exceeds --nodes {args.nodes}: each replica needs its own kvnode")
 
@@ -168,11 +172,13 @@ class LocalCluster:
 def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: int = 2, replicas: int = 2,
                   model: str = "tiny", kv_dtype: str = "float32", node_capacity: str = "64MiB",
                   worker_kv_cache: str = "64MiB", blas_threads: int | None = None, on_start=None,
-                  cluster: LocalCluster | None = None, step_logs: bool = False) -> LocalCluster:
+                  cluster: LocalCluster | None = None, step_logs: bool = False,
+                  max_prefill_tokens: int | None = None) -> LocalCluster:
     """Start coordinators, then kvnodes and workers registered with them (not yet waiting for health).
 
-    Each worker gets `blas_threads` BLAS threads (default: cores / workers, at least 1); with
-    `step_logs`, each writes one JSON line per engine step to `<logs>/<worker>.steps.jsonl`.
+    Each worker gets `blas_threads` BLAS threads (default: cores / workers, at least 1) and
+    `max_prefill_tokens` (default: the worker's own); with `step_logs`, each writes one JSON line
+    per engine step to `<logs>/<worker>.steps.jsonl`.
 
     `on_start(cluster)` runs after each start, so a caller can record pids as they appear; on
     failure, or an interrupt (Ctrl-C, a SIGTERM handler's SystemExit), whatever started is
@@ -199,7 +205,7 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
         threads = blas_threads or default_blas_threads(workers)
         for i in range(workers):
             add_worker(cluster, logs, f"worker-{i}", model, kv_dtype, worker_kv_cache, launch, blas_threads=threads,
-                       step_log=step_logs)
+                       step_log=step_logs, max_prefill_tokens=max_prefill_tokens)
     except BaseException:
         cluster.stop()
         raise
@@ -208,12 +214,14 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
 
 def add_worker(cluster: LocalCluster, logs: Path, name: str, model: str = "tiny", kv_dtype: str = "float32",
                kv_cache: str = "64MiB", launch=None, blas_threads: int | None = None,
-               step_log: bool = False) -> Daemon:
+               step_log: bool = False, max_prefill_tokens: int | None = None) -> Daemon:
     """Start one more worker registered with the cluster's coordinators."""
     args = ["--coordinators", ",".join(cluster.coordinator_addresses), "--worker-id", name, "--model", model,
             "--kv-dtype", kv_dtype, "--kv-cache", kv_cache]
     if blas_threads is not None:
         args += ["--blas-threads", str(blas_threads)]
+    if max_prefill_tokens is not None:
+        args += ["--max-prefill-tokens", str(max_prefill_tokens)]
     if step_log:
         args += ["--step-log", str(logs / f"{name}.steps.jsonl")]
     if launch:

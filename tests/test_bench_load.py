@@ -37,7 +37,8 @@ def run_bench(args, timeout=240):
 def test_short_run_reports_both_passes_and_ratios(tmp_path):
     plots = importlib.util.find_spec("matplotlib") is not None
     extra = ["--plot", str(tmp_path / "charts")] if plots else []
-    code, out, err = run_bench(SMALL + ["--json", "--logs", str(tmp_path / "logs"), "--step-logs", *extra])
+    code, out, err = run_bench(SMALL + ["--json", "--logs", str(tmp_path / "logs"), "--step-logs",
+                                        "--max-prefill-tokens", "24", *extra])
     assert code == 0, err
     report = json.loads(out)
     assert report["bench"] == "load" and report["cluster"]["started_here"]
@@ -69,6 +70,8 @@ def test_short_run_reports_both_passes_and_ratios(tmp_path):
     steps = [json.loads(line) for line in (tmp_path / "logs" / "worker-0.steps.jsonl").read_text().splitlines()]
     first_tokens = sum(1 for s in steps for q in s["requests"] if q["computed"] < q["prompt"] <= q["computed"] + q["new"])
     assert first_tokens == 1 + 2 * 6, "the warm-up request and both passes' requests each got a first token"
+    chunks = [q["new"] for s in steps for q in s["requests"]]
+    assert max(chunks) == 24, "the workers computed prompts in chunks of --max-prefill-tokens"
     assert level["pages_evicted"] >= 0 and set(level["goals_met"]) == {"ttft_p50_gain", "cached_share_once_warm"}
     if plots:
         assert [p.rsplit("/", 1)[-1] for p in report["plots"]] == ["load_ttft_c2.png"]
@@ -84,6 +87,8 @@ def test_short_run_reports_both_passes_and_ratios(tmp_path):
     (["--blas-threads", "0"], "--blas-threads must be at least 1"),
     (["--step-logs"], "--step-logs needs --logs DIR"),
     (["--step-logs", "--logs", "x", "--coordinators", "127.0.0.1:1"], "--step-logs is for the local cluster"),
+    (["--max-prefill-tokens", "0"], "--max-prefill-tokens must be at least 1"),
+    (["--max-prefill-tokens", "8", "--coordinators", "127.0.0.1:1"], "--max-prefill-tokens is for the local cluster"),
 ])
 def test_bad_options_are_one_line_and_exit_2(args, message):
     code, out, err = run_bench(args, timeout=60)

@@ -3,6 +3,8 @@ cache hits through the cluster, and every kind of member dying."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import grpc
@@ -247,3 +249,14 @@ def _busy_worker(cluster):
                         return daemon
         time.sleep(0.01)
     raise AssertionError("no worker is running a request")
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--max-prefill-tokens", "0"], "--max-prefill-tokens must be at least 1, got 0"),
+    (["--replicas", "4"], "--replicas 4 exceeds --nodes 3"),
+])
+def test_cluster_up_refuses_bad_options_in_one_line_before_starting_anything(tmp_path, option, message):
+    done = subprocess.run([sys.executable, "-m", "kvcache.cli", "cluster", "up", "--run-dir", str(tmp_path / "run"),
+                           *option], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "run" / "cluster.json").exists()

@@ -62,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--worker-kv-cache", default="256MiB", help="local KV pool per worker (default 256MiB)")
     cluster.add_argument("--blas-threads", type=int, default=None, help="BLAS threads per worker of the local cluster "
                          "(default: cores / workers, at least 1; see the description)")
+    cluster.add_argument("--max-prefill-tokens", type=int, default=None, help="prompt tokens a local worker "
+                         "computes per step, in chunks (default: the worker's, 128)")
     load = parser.add_argument_group("load")
     load.add_argument("--concurrency", default="4", help="concurrent clients; a list such as 1,2,4 runs each level "
                       "(default 4)")
@@ -214,7 +216,7 @@ class _cluster:
         self.local = start_cluster(logs, nodes=a.nodes, workers=a.workers, coordinators=2, replicas=a.replicas,
                                    model=a.model, kv_dtype=a.kv_dtype, node_capacity=a.node_capacity,
                                    worker_kv_cache=a.worker_kv_cache, blas_threads=_blas_threads(a),
-                                   step_logs=a.step_logs)
+                                   step_logs=a.step_logs, max_prefill_tokens=a.max_prefill_tokens)
         try:
             wait_healthy(self.local.coordinator_addresses, a.nodes, a.workers, timeout_s=180.0)
         except BaseException:
@@ -266,6 +268,10 @@ def _check(args) -> tuple[wl.WorkloadConfig, list[int]]:
         raise ValueError(f"--replicas {args.replicas} exceeds --nodes {args.nodes}")
     if args.duration <= 0:
         raise ValueError(f"--duration must be positive, got {args.duration}")
+    if args.max_prefill_tokens is not None and args.max_prefill_tokens < 1:
+        raise ValueError(f"--max-prefill-tokens must be at least 1, got {args.max_prefill_tokens}")
+    if args.max_prefill_tokens is not None and args.coordinators:
+        raise ValueError("--max-prefill-tokens is for the local cluster; start a running cluster's workers with it")
     if args.step_logs and args.coordinators:
         raise ValueError("--step-logs is for the local cluster; start a running cluster's workers with --step-log FILE")
     if args.step_logs and not args.logs:
