@@ -276,15 +276,16 @@ class NodeClient:
     def _data_plane_failed(self, plane: DataPlaneClient, exc: DataPlaneError) -> None:
         """Fall back to gRPC for good when the data plane was never reachable, for this call when
         it is busy (RESOURCE_EXHAUSTED: all its connections taken, or too many put bytes in
-        flight; gRPC has its own bounds); else raise."""
+        flight; gRPC has its own bounds) or closed a new connection unanswered (a busy refusal
+        can arrive so; a node that is down fails over gRPC too); else raise."""
         if exc.connect_failed and not plane.connected_once:
             log.warning("kvnode %s: data plane %s unreachable (%s); using gRPC for this client",
                         self.address, plane.address, exc.details)
             self.use_data_plane = False
             return
-        if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED or exc.closed_unanswered:
             if not self._told_busy:
-                log.info("kvnode %s: data plane busy (%s); such calls go over gRPC (said once per client)",
+                log.info("kvnode %s: data plane busy or closing (%s); such calls go over gRPC (said once per client)",
                          self.address, exc.details)
                 self._told_busy = True
             return

@@ -29,13 +29,18 @@ _MAX_IDLE = 4
 
 
 class DataPlaneError(Exception):
-    """`code` is a grpc.StatusCode; `connect_failed` says no connection could be opened at all."""
+    """`code` is a grpc.StatusCode; `connect_failed` says no connection could be opened at all;
+    `closed_unanswered` that a new connection was closed (or reset) before any byte of a reply,
+    which is how a refusal of a node at its connection limit can arrive: its answer is lost when
+    it closes before reading our request (the kernel then resets the connection)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, connect_failed: bool = False):
+    def __init__(self, code: grpc.StatusCode, details: str, connect_failed: bool = False,
+                 closed_unanswered: bool = False):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
         self.connect_failed = connect_failed
+        self.closed_unanswered = closed_unanswered
 
 
 class _Retry(Exception):
@@ -156,7 +161,8 @@ class DataPlaneClient:
             if reused:
                 raise _Retry() from None  # an idle connection the node had closed (note 3)
             raise DataPlaneError(grpc.StatusCode.UNAVAILABLE,
-                                 f"connection to {self.address} closed before a reply: {broken or exc}") from None
+                                 f"connection to {self.address} closed before a reply: {broken or exc}",
+                                 closed_unanswered=True) from None
         code, message_bytes, payload = dw.parse_reply_header(header)
         if code == grpc.StatusCode.OK:
             if broken is not None:

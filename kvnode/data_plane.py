@@ -3,7 +3,9 @@ service and on the same PageStore. Framing in kvnode/data_wire.py; Info advertis
 
 Design notes
 1. One thread per connection, at most `max_connections`; one over the bound is answered
-   RESOURCE_EXHAUSTED and closed (NodeClient then makes that call over gRPC). Sockets are
+   RESOURCE_EXHAUSTED and closed (NodeClient then makes that call over gRPC; the answer may be
+   lost to a reset when the client's request was not read, and NodeClient treats a new
+   connection closed before any reply the same way). Sockets are
    blocking (send and recv release the GIL, and no poll runs before each call, as with a socket
    timeout); kernel timeouts (SO_RCVTIMEO, SO_SNDTIMEO) drop a peer that stalls or idles longer
    than `timeout_s`, and a GET's whole reply must be sent within `timeout_s` (its pages stay

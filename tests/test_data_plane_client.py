@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import struct
 import threading
 import time
 
@@ -215,3 +216,40 @@ def test_a_grpc_fallback_gets_only_what_is_left_of_the_calls_timeout(seeded, pla
                 else:
                     client.put_pages([key(41)], [b""], pages(1, 6), timeout=0.3)
             assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_new_connection_reset_before_any_reply_falls_back_to_grpc_for_that_call(seeded, plane, caplog):
+    """A node at its connection limit answers RESOURCE_EXHAUSTED and closes; when it closes before
+    reading the request, the kernel resets the connection and the answer is lost. The call then
+    goes over gRPC (a node that is down would fail there too) instead of failing."""
+    resetter = socket.create_server(("127.0.0.1", 0))
+    resetter.settimeout(5.0)
+    resets = []
+
+    def accept_and_reset():
+        for _ in range(4):  # bounded: one per data plane try below
+            try:
+                conn, _ = resetter.accept()
+            except OSError:
+                return
+            conn.settimeout(5.0)
+            conn.recv(1, socket.MSG_PEEK)  # the request has arrived, unread
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()  # unread data: the kernel sends a reset
+            resets.append(1)
+
+    thread = threading.Thread(target=accept_and_reset, daemon=True)
+    thread.start()
+    try:
+        seeded.service.data_port = resetter.getsockname()[1]
+        with caplog.at_level(logging.INFO, logger="kvnode.client"), seeded.client() as client:
+            np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))
+            assert client.put_pages([key(50)], [b""], pages(1, 7)).stored == 1
+            assert client.data_plane_address() == f"127.0.0.1:{resetter.getsockname()[1]}", "tried again next call"
+        assert len(resets) == 2
+        lines = [r.getMessage() for r in caplog.records if "go over gRPC" in r.getMessage()]
+        assert len(lines) == 1
+        seeded.store.check_invariants()
+    finally:
+        resetter.close()
+        thread.join(10.0)
