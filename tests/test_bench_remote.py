@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_remote_short_run_reports_cold_remote_and_local():
     result = subprocess.run(
@@ -20,10 +22,12 @@ def test_bench_remote_short_run_reports_cold_remote_and_local():
     assert 0 < report["fill_ms"] <= report["ttft_ms"]["warm_remote"]  # the fill is part of that TTFT
 
 
-def test_bench_remote_refuses_a_prompt_longer_than_the_model():
+@pytest.mark.parametrize("tokens, message", [("5000", "exceeds the model's"), ("16", "leaves no full page to fetch"),
+                                             ("8", "leaves no full page to fetch")])
+def test_bench_remote_refuses_a_prompt_too_long_for_the_model_or_too_short_to_fetch(tokens, message):
     result = subprocess.run(
-        [sys.executable, "-m", "kvcache.cli", "bench", "remote", "--model", "tiny", "--prompt-tokens", "5000"],
+        [sys.executable, "-m", "kvcache.cli", "bench", "remote", "--model", "tiny", "--prompt-tokens", tokens],
         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
     )
     assert result.returncode == 2
-    assert "--prompt-tokens" in result.stderr and "Traceback" not in result.stderr
+    assert "--prompt-tokens" in result.stderr and message in result.stderr and "Traceback" not in result.stderr

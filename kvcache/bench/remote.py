@@ -41,14 +41,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         page_bytes = model_page_bytes(args.model, args.kv_dtype)
-        engines = [Engine.load(args.model, kv_dtype=args.kv_dtype, max_num_batched_tokens=args.prompt_tokens,
-                               kv_cache_bytes=_pool_bytes(args)) for _ in range(2)]
+        # Scheduled as a worker's engine is: the cold prompt in chunks of the default 128 tokens.
+        engines = [Engine.load(args.model, kv_dtype=args.kv_dtype, kv_cache_bytes=_pool_bytes(args)) for _ in range(2)]
     except ValueError as exc:
         print(f"kvcache bench remote: error: {exc}", file=sys.stderr)
         return 2
-    limit = engines[0].max_total_tokens
+    limit, page_tokens = engines[0].max_total_tokens, engines[0].page_tokens
     if args.prompt_tokens > limit:
         print(f"kvcache bench remote: error: --prompt-tokens {args.prompt_tokens} exceeds the model's {limit}",
+              file=sys.stderr)
+        return 2
+    if args.prompt_tokens <= page_tokens:
+        print(f"kvcache bench remote: error: --prompt-tokens {args.prompt_tokens} leaves no full page to fetch "
+              f"(a page holds {page_tokens} tokens, and the last token is always computed): give more",
               file=sys.stderr)
         return 2
     serving.tune_allocator()
