@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from worker.block_pool import BlockPool
 from worker.sampling import SamplingParams
-from worker.scheduler import Request, RequestStatus, Scheduler
+from worker.request import Request, RequestStatus
+from worker.scheduler import Scheduler
 
 P = 4
 ROOT = bytes(16)

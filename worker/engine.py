@@ -34,9 +34,10 @@ import numpy as np
 
 from worker.block_pool import BlockPool
 from worker.model import ForwardBatch, load_model
+from worker.request import Request
 from worker.sampling import FINISH_ABORT, SamplingParams, StopChecker, sample
+from worker.scheduler import PREFILL_TOKENS_PER_STEP, RemoteTier, ScheduledBatch, Scheduler
 from worker.usage import Usage
-from worker.scheduler import PREFILL_TOKENS_PER_STEP, RemoteTier, Request, ScheduledBatch, Scheduler
 
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 
@@ -340,20 +341,12 @@ class Engine:
         return token_ids
 
     def _take_inbox(self) -> None:
-        while True:
-            try:
-                live = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for live in _drained(self._inbox):
             self.scheduler.add(live.request)
             self._live[live.request.request_id] = live
 
     def _take_cancelled(self) -> None:
-        while True:
-            try:
-                handle = self._cancelled.get_nowait()
-            except queue.Empty:
-                return
+        for handle in _drained(self._cancelled):
             live = self._live.get(handle.request_id)
             if live is None:  # added after this step took the inbox, then cancelled: in the inbox now
                 self._take_inbox()
@@ -396,3 +389,12 @@ class Engine:
                                 request.num_preemptions)
         live.handle.completion = completion
         return self._send(live, completion)
+
+
+def _drained(items: queue.SimpleQueue) -> Iterator:
+    """What another thread has put in `items` so far, taken out in order."""
+    while True:
+        try:
+            yield items.get_nowait()
+        except queue.Empty:
+            return

@@ -48,15 +48,13 @@ Design notes
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from worker.block_pool import BlockPool
-from worker.pages import page_keys
-from worker.sampling import SamplingParams
+from worker.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
 
@@ -79,57 +77,11 @@ class RemoteTier(Protocol):
         reused once this returns, so copy what you need now."""
 
 
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-class Request:
-    """One sequence: its tokens (prompt, then generated), its blocks, and what is computed."""
-
-    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                 root_key: bytes, page_tokens: int, tier_context: Any = None, bypass_cache: bool = False):
-        self.request_id = request_id
-        self.token_ids = list(prompt_token_ids)
-        self.num_prompt_tokens = len(self.token_ids)
-        self.params = params
-        self.tier_context = tier_context
-        self.bypass_cache = bypass_cache
-        self.status = RequestStatus.WAITING
-        self.num_computed_tokens = 0
-        self.block_table: list[int] = []
-        self.num_cached_pages = 0  # leading pages of block_table that are indexed in the prefix cache
-        self.num_preemptions = 0
-        self.arrival_step = 0  # the scheduler's step count when it was added (its age, for aging)
-        self.cached_tokens_local: int | None = None  # set by the first admission
-        self.cached_tokens_remote: int | None = None
-        self._root_key = root_key
-        self._page_tokens = page_tokens
-        self._page_keys: list[bytes] = []
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    def page_keys(self, num_pages: int) -> list[bytes]:
-        """Keys of the first `num_pages` full pages (computed once, extended as the sequence grows)."""
-        if num_pages > len(self._page_keys):
-            upto = self.token_ids[:num_pages * self._page_tokens]
-            start = len(self._page_keys)
-            parent = self._page_keys[-1] if start else None
-            self._page_keys += page_keys(self._root_key, upto, self._page_tokens, start=start, parent_key=parent)
-        return self._page_keys[:num_pages]
-
-
 @dataclass
 class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]
+    admission_held: bool = False  # scheduling it preempted or found the pool short: admit nobody more
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -173,7 +125,6 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order, oldest first
         self.num_preemptions = 0
         self.num_steps = 0
-        self._admission_held = False  # the last schedule() preempted or found the pool short
 
     def add(self, request: Request) -> None:
         max_blocks = self.pool.num_blocks
@@ -225,7 +176,7 @@ class Scheduler:
             if joining <= 0:
                 break
         assert batch.requests or not self.running, "requests are running but none could be scheduled"
-        self._admission_held = preempted or pool_short
+        batch.admission_held = preempted or pool_short
         return batch
 
     def schedule_newcomer(self, step: ScheduledBatch) -> ScheduledBatch | None:
@@ -233,10 +184,7 @@ class Scheduler:
         step goes on, or None (design note 7)."""
         chunk = max(step.num_new_tokens)
         if (chunk <= self.join_tokens or not self.waiting or len(self.running) >= self.max_num_seqs
-                or self._admission_held):
-            return None
-        prompt = step.requests[step.num_new_tokens.index(chunk)]
-        if self.num_steps - prompt.arrival_step > self.aging_steps:
+                or step.admission_held or self._aged(step.requests[step.num_new_tokens.index(chunk)])):
             return None
         left, request = min(((self._tokens_to_compute(r), r) for r in self.waiting), key=lambda entry: entry[0])
         if left >= chunk:
@@ -328,10 +276,13 @@ class Scheduler:
         ranked = []
         for request in candidates:
             left = self._tokens_to_compute(request)
-            aged = self.num_steps - request.arrival_step > self.aging_steps
-            ranked.append(((0, request.arrival_step) if aged else (1, left), request, left))
+            ranked.append(((0, request.arrival_step) if self._aged(request) else (1, left), request, left))
         ranked.sort(key=lambda entry: entry[0])
         return [(request, left) for _, request, left in ranked]
+
+    def _aged(self, request: Request) -> bool:
+        """Waited through `aging_steps` steps: goes before every younger request (design note 3)."""
+        return self.num_steps - request.arrival_step > self.aging_steps
 
     def _tokens_to_compute(self, request: Request) -> int:
         """Prompt tokens a request still has to compute (a waiting one: after its local prefix cache)."""
