@@ -77,7 +77,8 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         start_cluster(logs, args.nodes, args.workers, args.coordinators, args.replicas, args.model, args.kv_dtype,
                       args.node_capacity, args.worker_kv_cache, blas_threads=args.blas_threads,
-                      max_prefill_tokens=args.max_prefill_tokens, on_start=lambda c: _write_cluster_file(cluster_file, args, c.daemons), cluster=cluster)
+                      max_prefill_tokens=args.max_prefill_tokens, cluster=cluster,
+                      on_start=lambda c: _write_cluster_file(cluster_file, args, c.daemons))
         coordinators = cluster.coordinator_addresses
         wait_healthy(coordinators, args.nodes, args.workers, args.timeout, stopping)
     except (DaemonFailed, TimeoutError, InterruptedError, ValueError) as exc:
