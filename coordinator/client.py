@@ -7,7 +7,6 @@ is resumed through another without repeating or losing a token.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -19,7 +18,9 @@ from worker.client import Finished, Piece, Usage, generate_request, parse_reply
 __all__ = ["Client", "ClusterError", "Finished", "Piece", "Usage"]
 
 _SERVICE = "/kvcache.v1.Coordinator/"
-_TRY_ELSEWHERE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+# A coordinator that is down, or at its limit of streams (RESOURCE_EXHAUSTED): try the next one.
+_TRY_ELSEWHERE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                  grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 class ClusterError(Exception):
@@ -64,17 +65,14 @@ class Client:
         errors = []
         for coordinator in self._in_order():
             attempt = request
-            if sent:
+            if sent:  # the worker goes on after them, counting them as its own (max_tokens, usage)
                 attempt = pb.GenerateRequest()
                 attempt.CopyFrom(request)
                 attempt.resume_token_ids.extend(sent)
-                attempt.max_tokens = request.max_tokens - len(sent)
             stream = coordinator.generate(attempt, timeout=self.timeout)
             try:
                 for reply in stream:
                     event = parse_reply(reply)
-                    if isinstance(event, Finished) and attempt.resume_token_ids:
-                        event = Finished(_with_resumed(event.usage, len(attempt.resume_token_ids)), event.finish_reason)
                     if isinstance(event, Piece):
                         sent.extend(event.token_ids)
                     yield event
@@ -117,7 +115,3 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _with_resumed(usage: Usage, resumed: int) -> Usage:
-    """The coordinator counted resumed tokens as prompt; count them as completion again."""
-    return dataclasses.replace(usage, completion_tokens=usage.completion_tokens + resumed)

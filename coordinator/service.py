@@ -117,9 +117,6 @@ class CoordinatorService:
             attempt = self._resumed(forward, sent) if sent else forward
             try:
                 for reply in self._relay(worker, attempt, context):
-                    if reply.finish_reason and attempt.resume_token_ids:  # the worker saw them as prompt
-                        reply.usage.prompt_tokens -= len(attempt.resume_token_ids)
-                        reply.usage.completion_tokens += len(attempt.resume_token_ids) - len(request.resume_token_ids)
                     sent.extend(reply.token_ids)
                     yield reply
                     if reply.finish_reason:
@@ -149,10 +146,11 @@ class CoordinatorService:
 
     @staticmethod
     def _resumed(request: pb.GenerateRequest, sent: list[int]) -> pb.GenerateRequest:
+        """The request for the next worker: it goes on after the tokens sent so far, which count
+        in the request's max_tokens and usage as if it had generated them (the worker does that)."""
         resumed = pb.GenerateRequest()
         resumed.CopyFrom(request)
         resumed.resume_token_ids.extend(sent)
-        resumed.max_tokens = request.max_tokens - len(sent)
         return resumed
 
     def _client(self, address: str) -> WorkerClient:

@@ -1,7 +1,8 @@
 """`kvcache worker`: serve a model over gRPC, with kvnodes as a remote KV tier.
 
-SIGTERM or Ctrl-C: stop taking requests, let running ones finish within --grace
-seconds, abort what is left, exit.
+SIGTERM or Ctrl-C drains: stop taking requests and beating to coordinators, health
+NOT_SERVING, let running requests finish within --drain-timeout seconds, hand the rest
+back (UNAVAILABLE: coordinators resume them elsewhere), write back pending pages, exit 0.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 import time
 
 from coordinator import agent
@@ -19,10 +21,12 @@ from worker.engine import Engine
 from worker.model import blas
 from worker.remote import RemoteTier
 from worker.scheduler import PREFILL_TOKENS_PER_STEP
-from worker.service import SERVICE_NAME, WorkerService, handler
+from worker.service import DEFAULT_MAX_STREAMS, DEFAULT_STEP_TIMEOUT_S, SERVICE_NAME, WorkerService, handler
 from worker.step_log import StepLog
 
 log = logging.getLogger("worker")
+
+CONTROL_THREADS = 8  # gRPC threads beyond --max-streams: health and Info never wait behind streams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +60,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="append one JSON line per engine step to FILE (its requests and tokens, scheduling and forward "
              "ms): where each request's time goes",
     )
-    parser.add_argument("--grace", type=float, default=10.0, help="seconds running requests get on stop (default 10)")
+    parser.add_argument(
+        "--max-streams", type=int, default=DEFAULT_MAX_STREAMS,
+        help="most Generate calls served at once (running and waiting); one more is refused with "
+             "RESOURCE_EXHAUSTED so a coordinator tries another worker (default %(default)s)",
+    )
+    parser.add_argument(
+        "--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
+        help="seconds one engine step may take before the worker declares itself broken: health NOT_SERVING, "
+             "no more beats, its requests ended with UNAVAILABLE to resume elsewhere (default %(default)s)",
+    )
+    parser.add_argument(
+        "--drain-timeout", "--grace", dest="drain_timeout", type=float, default=30.0,
+        help="on SIGTERM, seconds running requests get to finish before they are handed back to resume "
+             "elsewhere (default %(default)s)",
+    )
     agent.add_arguments(parser)
 
 
@@ -66,6 +84,11 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_bytes = parse_size(args.kv_cache)
         if args.max_prefill_tokens < 1:
             raise ValueError(f"--max-prefill-tokens must be at least 1, got {args.max_prefill_tokens}")
+        if args.max_streams < 1:
+            raise ValueError(f"--max-streams must be at least 1, got {args.max_streams}")
+        if not args.step_timeout > 0 or args.drain_timeout < 0:
+            raise ValueError(f"--step-timeout must be positive and --drain-timeout not negative, got "
+                             f"{args.step_timeout} and {args.drain_timeout}")
         if args.blas_threads is not None:
             if args.blas_threads < 1:
                 raise ValueError(f"--blas-threads must be at least 1, got {args.blas_threads}")
@@ -91,8 +114,12 @@ def run(args: argparse.Namespace) -> int:
                 raise OSError(f"--step-log {args.step_log}: {exc.strerror or exc}") from None
             engine.on_step = step_log.write
             log.info("logging every engine step to %s", args.step_log)
-        service = WorkerService(engine, args.worker_id, args.max_tokens_limit)
-        server, health = serving.make_server([handler(service)], [SERVICE_NAME])
+        broken = threading.Event()
+        service = WorkerService(engine, args.worker_id, args.max_tokens_limit, args.max_streams, args.step_timeout,
+                                on_broken=lambda reason: broken.set())
+        # Threads for every stream, plus a few that health checks and Info always find free (service note 2).
+        server, health = serving.make_server([handler(service)], [SERVICE_NAME],
+                                             max_workers=args.max_streams + CONTROL_THREADS)
         port = serving.bind(server, args.host, args.port)
     except (ValueError, OSError, MemoryError) as exc:
         print(f"kvcache worker: error: {exc}", file=sys.stderr)
@@ -112,11 +139,20 @@ def run(args: argparse.Namespace) -> int:
         role="worker", page_bytes=page_bytes, model=engine.model.name, fingerprint=engine.fingerprint.hex()
     )
     membership = agent.start_from_args(args, port, registration, lambda: worker_load(engine))
-    serving.wait_until(stopping)
+    while not stopping.wait(0.5) and not broken.is_set():
+        pass
+    service.accepting = False
     if membership is not None:
         membership.stop()  # coordinators stop routing here within a few beats
-    health.enter_graceful_shutdown()  # coordinators stop routing here first
-    drain(service, args.grace)
+    health.enter_graceful_shutdown()
+    if broken.is_set():
+        # The engine cannot serve (its loop died or stalled): calls end UNAVAILABLE and resume
+        # elsewhere; the daemon stays up, NOT_SERVING, for its operator to look at, until stopped.
+        serving.wait_until(stopping)
+    else:
+        drain(service, args.drain_timeout)
+    if not tier.flush(timeout_s=10.0):
+        log.warning("some pages were not written back to kvnodes within 10s")
     serving.stop(server, health, grace_s=1.0)
     service.stop()
     tier.close()
@@ -126,19 +162,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def drain(service: WorkerService, grace_s: float) -> None:
-    """Stop taking requests; give running ones grace_s seconds; abort the rest."""
-    service.accepting = False
+def drain(service: WorkerService, timeout_s: float) -> None:
+    """Give running requests timeout_s seconds; hand the rest back to resume elsewhere."""
     engine = service.engine
-    log.info("stopping: %d requests running, waiting up to %.1fs", engine.num_running() + engine.num_waiting(), grace_s)
-    deadline = time.monotonic() + grace_s
+    log.info("draining: %d requests running, waiting up to %.1fs", engine.num_running() + engine.num_waiting(),
+             timeout_s)
+    deadline = time.monotonic() + timeout_s
     while engine.has_unfinished() and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = engine.live_request_ids()
-    for request_id in left:
+    left = len(engine.live_request_ids())
+    if not left:
+        log.info("drained: every request finished")
+        return
+    service.hand_back(f"stopped: its drain timeout of {timeout_s:.1f}s ran out")
+    deadline = time.monotonic() + 3.0  # each call sees it within a second and cancels its request
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for request_id in engine.live_request_ids():  # calls already gone: nobody waits for these
         engine.abort(request_id)
-    if left:
-        log.info("aborted %d requests still running after %.1fs", len(left), grace_s)
+    log.info("drain timeout: handed %d requests back to resume elsewhere", left)
 
 
 def worker_load(engine: Engine) -> pb.MemberLoad:

@@ -19,11 +19,25 @@ Design notes
    computed whole, in a forward of its own, before the step goes on (scheduler design note 7):
    a short prompt then does not wait for the rest of a long prompt's chunk. The check is one
    look at the inbox per layer; the step's own requests and blocks are left untouched.
+5. A step that fails fails only the requests at fault. A forward writes nothing but the KV of
+   the positions it computes, so after a forward raises, each request of the step is run again
+   alone; those that fail alone finish with an error (`finish_reason` "error"), the others go
+   on. Work after the forward (sampling, stop checks) is done request by request, and a request
+   whose own work raises fails alone. Only an exception outside any request (the scheduler's)
+   escapes `step()`: then the engine's state is in doubt, and its caller stops using it.
+6. Request ids are the engine's to own: an id is taken from `add_request` until the request
+   finishes, checked and taken under one lock, so a duplicate (running, or still in the inbox)
+   is refused with `RequestIdInUse` before anything is queued.
+7. A resumed request (another worker generated its first tokens and died) continues as if it
+   had generated them itself: `resumed_token_ids` are replayed through its stop checker, count
+   in `max_new_tokens`, and their text is not handed out again. If they already end it (a stop
+   token, its length, a stop string) it finishes at once, as the first worker would have.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -34,10 +48,12 @@ import numpy as np
 
 from worker.block_pool import BlockPool
 from worker.model import ForwardBatch, load_model
-from worker.request import Request
-from worker.sampling import FINISH_ABORT, SamplingParams, StopChecker, sample
+from worker.request import Request, RequestStatus
+from worker.sampling import FINISH_ABORT, FINISH_ERROR, SamplingParams, StopChecker, sample
 from worker.scheduler import PREFILL_TOKENS_PER_STEP, RemoteTier, ScheduledBatch, Scheduler
 from worker.usage import Usage
+
+log = logging.getLogger("worker.engine")
 
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 
@@ -48,9 +64,14 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int]  # the new tokens (a final stop token included)
     text: str             # their text (stop tokens and stop strings excluded)
-    finish_reason: str    # "stop", "length" or "abort"
+    finish_reason: str    # "stop", "length", "abort" or "error"
     usage: Usage
     num_preemptions: int = 0
+    error: str | None = None  # with finish_reason "error": what failed (design note 5)
+
+
+class RequestIdInUse(ValueError):
+    """`add_request` got an id that a request not yet finished holds (design note 6)."""
 
 
 @dataclass
@@ -124,6 +145,8 @@ class Engine:
         self._inbox: queue.SimpleQueue[_Live] = queue.SimpleQueue()
         self._cancelled: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
         self._lock = threading.RLock()
+        self._ids_in_use: set[str] = set()  # added and not finished: inbox and _live (design note 6)
+        self._ids_lock = threading.Lock()
         self._work = threading.Event()
         self._ids = itertools.count()
         self.on_step: Callable[[dict], None] | None = None  # called after every step with its record (the loop thread)
@@ -148,20 +171,35 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, tier_context: Any = None, bypass_cache: bool = False,
-                    **sampling) -> RequestHandle:
-        """Queue a request (text or token ids); sampling options go in `params` or as keywords."""
+                    resumed_token_ids: Sequence[int] = (), **sampling) -> RequestHandle:
+        """Queue a request (text or token ids); sampling options go in `params` or as keywords.
+        `resumed_token_ids`: tokens another worker already generated for it (design note 7)."""
         if params is None:
             params = SamplingParams(**sampling)
         elif sampling:
             raise ValueError("give sampling options either as params or as keywords, not both")
         token_ids = self._prompt_token_ids(prompt)
+        resumed = self._checked_token_ids(resumed_token_ids, "resumed token ids")
+        if len(token_ids) + len(resumed) > self.max_total_tokens:
+            raise ValueError(f"the prompt and resumed tokens are {len(token_ids) + len(resumed)} tokens; this engine "
+                             f"takes at most {self.max_total_tokens}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._live:
-            raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, token_ids, params, self.fingerprint, self.page_tokens, tier_context, bypass_cache)
         checker = StopChecker(self.tokenizer, params, token_ids, self.tokenizer.eos_token_id, self.max_total_tokens)
+        for token in resumed:
+            if checker.finish_reason is not None:
+                raise ValueError(f"the resumed tokens go on after the request ended ({checker.finish_reason})")
+            request.token_ids.append(token)
+            checker.append(token, len(request.output_token_ids), request.num_tokens)
         live = _Live(request, RequestHandle(request_id), checker, arrival=time.monotonic())
-        self._inbox.put(live)
+        live.num_sent_tokens = len(resumed)
+        checker.take_text_delta()  # what the first worker already handed out
+        with self._ids_lock:
+            if request_id in self._ids_in_use:
+                raise RequestIdInUse(f"request id {request_id!r} is already in use by a request not yet finished: "
+                                     f"give each request its own id")
+            self._ids_in_use.add(request_id)
+            self._inbox.put(live)
         self._work.set()
         return live.handle
 
@@ -198,6 +236,15 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._live) or not self._inbox.empty()
 
+    def fail_all(self, message: str) -> int:
+        """Finish every request with an error (the engine cannot go on); how many there were."""
+        with self._lock:
+            self._take_inbox()
+            lives = list(self._live.values())
+            for live in lives:
+                self._fail(live, message)
+            return len(lives)
+
     def get_num_free_blocks(self) -> int:
         return self.pool.get_num_free_blocks()
 
@@ -220,18 +267,39 @@ class Engine:
             if not batch.requests:
                 return []
             newcomer_deltas: list[StreamDelta] = []
+            scheduler_failures: list[Exception] = []
 
             def between_layers() -> None:
-                if self._inbox.empty():
+                if self._inbox.empty() or scheduler_failures:
                     return  # nobody new: the usual case, one cheap check a layer
                 self._take_inbox()
                 paused = time.monotonic()
-                newcomer = self.scheduler.schedule_newcomer(batch)
+                try:
+                    newcomer = self.scheduler.schedule_newcomer(batch)
+                except Exception as exc:  # not a request's fault: raised after the forward (design note 5)
+                    scheduler_failures.append(exc)
+                    return
                 if newcomer is not None:
-                    newcomer_deltas.extend(self._run(newcomer, paused, time.monotonic(), None))
+                    newcomer_deltas.extend(self._run_isolated(newcomer, paused))
 
-            deltas = self._run(batch, started, time.monotonic(), between_layers)
+            deltas = self._run_isolated(batch, started, between_layers)
+            if scheduler_failures:
+                raise scheduler_failures[0]
             return newcomer_deltas + deltas
+
+    def _run_isolated(self, batch: ScheduledBatch, started: float,
+                      between_layers: Callable[[], None] | None = None) -> list[StreamDelta]:
+        """`_run`, and if its forward raises, each request alone; those that fail alone fail (design note 5)."""
+        try:
+            return self._run(batch, started, time.monotonic(), between_layers)
+        except Exception as exc:
+            if len(batch) == 1:
+                live = self._live.get(batch.requests[0].request_id)
+                return [self._fail(live, f"the model failed on it: {exc!r}")] if live else []
+            deltas = []
+            for request, num_new in zip(batch.requests, batch.num_new_tokens):
+                deltas += self._run_isolated(ScheduledBatch([request], [num_new]), time.monotonic())
+            return deltas
 
     def _run(self, batch: ScheduledBatch, started: float, scheduled: float,
              between_layers: Callable[[], None] | None) -> list[StreamDelta]:
@@ -258,12 +326,19 @@ class Engine:
         forwarded = time.monotonic()
         deltas = []
         for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            self.scheduler.on_computed(request, num_new)
-            if request.num_computed_tokens == request.num_tokens:
-                deltas.append(self._append_token(self._live[request.request_id], logits[row]))
+            live = self._live[request.request_id]
+            try:
+                self.scheduler.on_computed(request, num_new)
+                if request.num_computed_tokens == request.num_tokens:
+                    deltas.append(self._append_token(live, logits[row]))
+            except Exception as exc:  # this request's own work: it fails alone (design note 5)
+                deltas.append(self._fail(live, f"its next token failed: {exc!r}"))
         if before is not None:
             nested = between_layers is None
-            self.on_step(self._step_record(batch, before, started, scheduled, forwarded, nested))
+            try:
+                self.on_step(self._step_record(batch, before, started, scheduled, forwarded, nested))
+            except Exception as exc:  # a log that cannot be written must not fail requests
+                log.warning("on_step failed: %r", exc)
         return deltas
 
     # ---- single-threaded helpers ----------------------------------------------
@@ -326,11 +401,7 @@ class Engine:
         if isinstance(prompt, str):
             token_ids = list(self.tokenizer.encode(prompt))
         else:
-            token_ids = [int(t) for t in prompt]
-            vocab = self.model.config.vocab_size
-            bad = [t for t in token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token ids must be in [0, {vocab}): got {bad[:5]}")
+            token_ids = self._checked_token_ids(prompt, "token ids")
         if not token_ids:
             raise ValueError("the prompt is empty")
         if len(token_ids) > self.max_total_tokens:
@@ -340,10 +411,26 @@ class Engine:
                              f"of {self.page_tokens} tokens)")
         return token_ids
 
+    def _checked_token_ids(self, tokens: Sequence[int], what: str) -> list[int]:
+        token_ids = [int(t) for t in tokens]
+        vocab = self.model.config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{what} must be in [0, {vocab}): got {bad[:5]}")
+        return token_ids
+
     def _take_inbox(self) -> None:
         for live in _drained(self._inbox):
-            self.scheduler.add(live.request)
             self._live[live.request.request_id] = live
+            if live.checker.finish_reason is not None:  # resumed after its end (design note 7)
+                live.request.status = RequestStatus.FINISHED  # never scheduled
+                self._finish(live)
+                continue
+            try:
+                self.scheduler.add(live.request)
+            except ValueError as exc:
+                live.request.status = RequestStatus.FINISHED
+                self._fail(live, str(exc))
 
     def _take_cancelled(self) -> None:
         for handle in _drained(self._cancelled):
@@ -374,19 +461,28 @@ class Engine:
         live.handle.queue.put(delta)
         return delta
 
-    def _finish(self, live: _Live) -> StreamDelta:
+    def _fail(self, live: _Live, message: str) -> StreamDelta:
+        """Finish one request with an error; the rest of the engine goes on (design note 5)."""
+        live.checker.finish_reason = FINISH_ERROR  # not finish(): decoding its text may be what failed
+        return self._finish(live, error=message)
+
+    def _finish(self, live: _Live, error: str | None = None) -> StreamDelta:
         request = live.request
-        self.scheduler.finish(request)
+        if request.status is not RequestStatus.FINISHED:
+            self.scheduler.finish(request)
         del self._live[request.request_id]
-        local = request.cached_tokens_local or 0
-        remote = request.cached_tokens_remote or 0
+        with self._ids_lock:
+            self._ids_in_use.discard(request.request_id)
+        # A resumed request's cache hits may reach into its resumed tokens: count prompt tokens only.
+        local = min(request.cached_tokens_local or 0, request.num_prompt_tokens)
+        remote = min(request.cached_tokens_remote or 0, request.num_prompt_tokens - local)
         ttft = 0.0 if live.first_token_time is None else (live.first_token_time - live.arrival) * 1000.0
         usage = Usage(prompt_tokens=request.num_prompt_tokens, cached_tokens_local=local, cached_tokens_remote=remote,
                       computed_tokens=request.num_prompt_tokens - local - remote if request.cached_tokens_local is not None else 0,
                       completion_tokens=len(request.output_token_ids), ttft_ms=ttft)
         completion = Completion(request.request_id, request.token_ids[:request.num_prompt_tokens],
                                 request.output_token_ids, live.checker.text, live.checker.finish_reason, usage,
-                                request.num_preemptions)
+                                request.num_preemptions, error)
         live.handle.completion = completion
         return self._send(live, completion)
 

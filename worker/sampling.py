@@ -21,9 +21,15 @@ from typing import Sequence
 
 import numpy as np
 
+# Bounds on what a client may ask (each stop string is searched for after every token).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+
 FINISH_STOP = "stop"      # an end-of-text or stop token, or a stop string
 FINISH_LENGTH = "length"  # max_new_tokens, or the model's (or pool's) maximum length
 FINISH_ABORT = "abort"    # the caller aborted the request
+FINISH_ERROR = "error"    # the engine failed on this request (it failed alone; the rest went on)
 MAX_PENDING_TOKENS = 6    # a character never spans more tokens; past this, U+FFFD is real (invalid UTF-8)
 
 
@@ -55,9 +61,14 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stop[:MAX_STOP_STRINGS]!r}")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} characters, "
+                             f"got {len(self.stop)} of up to {max(map(len, self.stop))}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
         if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop token ids must be >= 0, got {self.stop_token_ids!r}")
+            raise ValueError(f"stop token ids must be >= 0, got {self.stop_token_ids[:5]!r}")
 
     @property
     def greedy(self) -> bool:

@@ -1,16 +1,31 @@
 """The Worker gRPC service: validates requests, hands them to the engine, relays its deltas.
 
-One loop thread steps the engine; each Generate call waits on its request's handle.
-A caller that disconnects or cancels aborts its request: the engine frees its blocks before its
-next step (engine note 1: the abort is queued, never waited for on gRPC's event thread).
+Design notes
+1. One loop thread steps the engine; each Generate call waits on its request's handle. A
+   caller that disconnects or cancels aborts its request: the engine frees its blocks before
+   its next step (`Engine.cancel` never waits on gRPC's event thread).
+2. Streams are bounded (`max_streams`): one more gets RESOURCE_EXHAUSTED at once, so a
+   coordinator tries another worker, and the server keeps threads of its own for health and
+   Info (the daemon sizes the server for both).
+3. A watchdog watches the loop: if it dies, or one step runs past `step_timeout_s`, the worker
+   is broken: `on_broken` runs once (the daemon turns health NOT_SERVING and stops beating, so
+   coordinators stop routing here), and every call, waiting or new, ends with UNAVAILABLE so
+   its request resumes elsewhere. A step failure that the engine pins on some requests fails
+   only those (engine note 5), with INTERNAL. A drain that runs out of time hands its requests
+   back the same way (`hand_back`).
+4. Every wait on a handle wakes at least once a second to check the call is still wanted and
+   the worker not broken, so no handler thread waits forever.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import re
 import threading
+import time
 import uuid
+from typing import Callable
 
 import grpc
 
@@ -18,65 +33,137 @@ from kvcache import __version__
 from protos import kvcache_pb2 as pb
 from protos import serving
 from worker.client import usage_to_proto
-from worker.engine import Engine
+from worker.engine import Engine, RequestIdInUse
 from worker.remote import Placement
-from worker.sampling import SamplingParams
+from worker.sampling import FINISH_ERROR, SamplingParams
 
 log = logging.getLogger("worker")
 
 SERVICE_NAME = "kvcache.v1.Worker"
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
+MAX_PLACEMENT = 8  # kvnodes a request may name (replicas); more is refused
+MAX_REQUEST_ID_CHARS = 128
+MAX_PROMPT_CHARS_PER_TOKEN = 32  # a text prompt longer than this many characters a position is refused unread
+DEFAULT_MAX_STREAMS = 128
+DEFAULT_STEP_TIMEOUT_S = 60.0
+_WAKE_S = 1.0
 
 
 class WorkerService:
-    def __init__(self, engine: Engine, worker_id: str | None = None, max_tokens_limit: int = 4096):
+    def __init__(self, engine: Engine, worker_id: str | None = None, max_tokens_limit: int = 4096,
+                 max_streams: int = DEFAULT_MAX_STREAMS, step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+                 on_broken: Callable[[str], None] | None = None):
         self.engine = engine
         self.worker_id = worker_id or uuid.uuid4().hex[:12]
         self.max_tokens_limit = max_tokens_limit
+        self.max_streams = max_streams
+        self.step_timeout_s = step_timeout_s
+        self.on_broken = on_broken
         self.accepting = True
+        self.broken: str | None = None  # why the engine cannot serve (design note 3)
+        self.handed_back: str | None = None  # why running requests are sent elsewhere (a drain out of time)
+        self._streams = threading.BoundedSemaphore(max_streams)
+        self._step_started: float | None = None  # monotonic time the running step began, None between steps
         self._stopping = threading.Event()
         self._loop = threading.Thread(target=self._run_engine, name="engine-loop", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)
 
     def start(self) -> None:
         self._loop.start()
+        self._watchdog.start()
 
     def stop(self) -> None:
         self._stopping.set()
         self._loop.join(timeout=10.0)
+        self._watchdog.join(timeout=2.0)
 
     def _run_engine(self) -> None:
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and self.broken is None:
             if not self.engine.wait_for_work(timeout=0.2):
                 continue
+            self._step_started = time.monotonic()
             try:
                 self.engine.step()
-            except Exception:  # a bug of ours: fail the running requests, keep serving
-                log.exception("engine step failed; aborting running requests")
-                for request_id in self.engine.live_request_ids():
-                    self.engine.abort(request_id)
+            except Exception as exc:  # not pinned on any request: the engine's state is in doubt
+                log.exception("engine step failed outside any request")
+                self._break(f"its engine failed: {exc!r}")
+            finally:
+                self._step_started = None
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(0.5) and self.broken is None:
+            started = self._step_started
+            if not self._loop.is_alive():
+                self._break("its engine loop died")
+            elif started is not None and time.monotonic() - started > self.step_timeout_s:
+                self._break(f"an engine step has run for over {self.step_timeout_s:.0f}s")
+
+    def _break(self, reason: str) -> None:
+        if self.broken is not None:
+            return
+        self.broken = reason
+        log.error("worker cannot serve: %s; ending its requests with UNAVAILABLE so they resume elsewhere", reason)
+        if self.on_broken is not None:
+            self.on_broken(reason)
+
+    def hand_back(self, reason: str) -> None:
+        """End every call with UNAVAILABLE within a second, so its request resumes elsewhere."""
+        self.handed_back = reason
 
     # ---- handlers ------------------------------------------------------------
 
     def generate(self, request, context):
         serving.abort_if_malformed(request, context, log)
-        if not self.accepting:
-            _abort(context, grpc.StatusCode.UNAVAILABLE, "this worker is shutting down: send the request to another")
-        prompt, params, placement = self._parse(request, context)
+        self._check_serving(context)
+        if not self._streams.acquire(blocking=False):
+            _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   f"this worker is serving its limit of {self.max_streams} streams: send the request to another "
+                   f"worker or retry later")
+        try:
+            yield from self._generate(request, context)
+        finally:
+            self._streams.release()
+
+    def _generate(self, request, context):
+        prompt, resumed, params, placement = self._parse(request, context)
         request_id = request.request_id or uuid.uuid4().hex[:16]
         try:
-            handle = self.engine.add_request(
-                prompt, params, request_id=request_id, tier_context=placement, bypass_cache=request.no_cache
-            )
+            handle = self.engine.add_request(prompt, params, request_id=request_id, tier_context=placement,
+                                             bypass_cache=request.no_cache, resumed_token_ids=resumed)
+        except RequestIdInUse as exc:
+            _abort(context, grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except ValueError as exc:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        # Runs when the call ends for any reason, on gRPC's event thread: must not wait (engine note 1).
+        # Runs when the call ends for any reason, on gRPC's event thread: must not wait (design note 1).
         context.add_callback(lambda: self.engine.cancel(handle))
-        for delta in handle:
+        while True:
+            if self.handed_back is not None or self.broken is not None:
+                self._check_serving(context)
+            try:
+                delta = handle.queue.get(timeout=_WAKE_S)
+            except queue.Empty:  # design note 4
+                if not context.is_active():
+                    return
+                self._check_serving(context)
+                continue
             if delta.token_ids or delta.text:
                 yield pb.GenerateReply(text=delta.text, token_ids=delta.token_ids)
             if delta.finished:
                 completion = delta.completion
+                if completion.finish_reason == FINISH_ERROR:
+                    _abort(context, grpc.StatusCode.INTERNAL, f"request {request_id} failed: {completion.error}")
                 yield pb.GenerateReply(usage=usage_to_proto(completion.usage), finish_reason=completion.finish_reason)
+                return
+
+    def _check_serving(self, context) -> None:
+        if self.broken is not None:
+            _abort(context, grpc.StatusCode.UNAVAILABLE,
+                   f"worker {self.worker_id} cannot serve ({self.broken}): send the request to another worker")
+        if self.handed_back is not None:
+            _abort(context, grpc.StatusCode.UNAVAILABLE,
+                   f"worker {self.worker_id} {self.handed_back}: resume the request on another worker")
+        if not self.accepting:
+            _abort(context, grpc.StatusCode.UNAVAILABLE, "this worker is shutting down: send the request to another")
 
     def info(self, request, context) -> pb.WorkerInfo:
         serving.abort_if_malformed(request, context, log)
@@ -99,20 +186,26 @@ class WorkerService:
 
     # ---- validation ----------------------------------------------------------
 
-    def _parse(self, request, context) -> tuple[object, SamplingParams, Placement]:
+    def _parse(self, request, context) -> tuple[object, list[int], SamplingParams, Placement]:
         prompt = list(request.prompt_token_ids) or request.prompt
         if not prompt:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty: send text or token ids")
-        if request.resume_token_ids:  # another worker generated these; continue after them
-            if isinstance(prompt, str):
-                prompt = list(self.engine.tokenizer.encode(prompt))
-            prompt = prompt + list(request.resume_token_ids)
+        max_chars = self.engine.max_total_tokens * MAX_PROMPT_CHARS_PER_TOKEN
+        if isinstance(prompt, str) and len(prompt) > max_chars:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                   f"the prompt has {len(prompt)} characters; this worker reads at most {max_chars}")
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                   f"request_id has {len(request.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
         if not 1 <= request.max_tokens <= self.max_tokens_limit:
             _abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"max_tokens must be between 1 and {self.max_tokens_limit}, got {request.max_tokens}",
             )
+        if len(request.placement) > MAX_PLACEMENT:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                   f"placement names {len(request.placement)} kvnodes; at most {MAX_PLACEMENT}")
         bad = [a for a in request.placement if not _ADDRESS.match(a) or not 0 < int(_ADDRESS.match(a).group(2)) < 65536]
         if bad:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"placement addresses must be host:port, got {bad[:3]}")
@@ -129,7 +222,7 @@ class WorkerService:
             )
         except ValueError as exc:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return prompt, params, Placement(list(dict.fromkeys(request.placement)))
+        return prompt, list(request.resume_token_ids), params, Placement(list(dict.fromkeys(request.placement)))
 
 
 def _abort(context, code: grpc.StatusCode, message: str):
