@@ -7,6 +7,7 @@ import logging
 import sys
 import threading
 
+from coordinator.capacity import DEFAULT_MAX_STREAMS, server_threads
 from coordinator.membership import Membership
 from coordinator.ring import DEFAULT_PREFIX_CHARS
 from coordinator.service import SERVICE_NAME, CoordinatorService, handler, run_sweeper
@@ -25,6 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"prompt characters that pick the placement when no session id is given (default {DEFAULT_PREFIX_CHARS})",
     )
     parser.add_argument("--coordinator-id", default=None, help="name shown in status and logs (default: random)")
+    parser.add_argument(
+        "--max-streams",
+        type=int,
+        default=DEFAULT_MAX_STREAMS,
+        help=f"Generate streams relayed at once; more are refused with RESOURCE_EXHAUSTED "
+             f"(default {DEFAULT_MAX_STREAMS}; membership and status calls have threads of their own)",
+    )
     parser.add_argument("--grace", type=float, default=5.0, help="seconds running requests get on stop (default 5)")
 
 
@@ -35,9 +43,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
         if args.prefix_chars < 1:
             raise ValueError(f"--prefix-chars must be at least 1, got {args.prefix_chars}")
+        if args.max_streams < 1:
+            raise ValueError(f"--max-streams must be at least 1, got {args.max_streams}")
         membership = Membership()
-        service = CoordinatorService(membership, args.replicas, args.prefix_chars, args.coordinator_id)
-        server, health = serving.make_server([handler(service)], [SERVICE_NAME], max_workers=64)
+        service = CoordinatorService(membership, args.replicas, args.prefix_chars, args.coordinator_id,
+                                     max_streams=args.max_streams)
+        server, health = serving.make_server([handler(service)], [SERVICE_NAME],
+                                             max_workers=server_threads(args.max_streams))
         port = serving.bind(server, args.host, args.port)
     except (ValueError, OSError) as exc:
         print(f"kvcache coordinator: error: {exc}", file=sys.stderr)
@@ -48,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     server.start()
     print(
         f"coordinator {service.coordinator_id} listening on {args.host}:{port} "
-        f"(replicas {args.replicas}, placement by the first {args.prefix_chars} characters or the session id)",
+        f"(replicas {args.replicas}, placement by the first {args.prefix_chars} characters or the session id, "
+        f"up to {args.max_streams} streams)",
         flush=True,
     )
     serving.wait_until(stopping)

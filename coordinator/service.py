@@ -1,13 +1,6 @@
 """The Coordinator gRPC service: membership calls, cluster status, and Generate, which
-places the sequence on the ring, routes it to a worker and relays the worker's stream.
-
-Failure handling (design notes)
-1. A worker that fails before its first token: the request goes to another worker, unseen.
-2. After tokens were sent: a greedy or seeded request is resumed on another worker with the
-   tokens so far (seeded draws depend only on seed and position), so no token repeats or
-   goes missing; any other request ends with UNAVAILABLE saying it may be retried.
-3. A worker's own verdict on the request (INVALID_ARGUMENT and the like) goes to the client
-   as it is: another worker would say the same.
+relay.py carries out (placement, routing, failover, resume); this file unpacks calls,
+bounds the streams relayed at once (capacity.py) and turns refusals into status codes.
 """
 
 from __future__ import annotations
@@ -18,23 +11,18 @@ import uuid
 
 import grpc
 
-from coordinator.membership import HEARTBEAT_INTERVAL_S, NODE, WORKER, Membership
-from coordinator.ring import DEFAULT_PREFIX_CHARS, placement_key
+from coordinator.capacity import DEFAULT_MAX_STREAMS, StreamSlots
+from coordinator.membership import HEARTBEAT_INTERVAL_S, NODE, Membership
+from coordinator.relay import ClientCall, Refused, Relay
+from coordinator.ring import DEFAULT_PREFIX_CHARS
 from coordinator.router import Router
+from coordinator.workers import WorkerStreams
 from protos import kvcache_pb2 as pb
 from protos import serving
-from worker.client import WorkerClient
 
 log = logging.getLogger("coordinator")
 
 SERVICE_NAME = "kvcache.v1.Coordinator"
-MAX_ATTEMPTS = 3
-_REQUEST_ERRORS = {
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.OUT_OF_RANGE,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
 
 
 class CoordinatorService:
@@ -45,15 +33,15 @@ class CoordinatorService:
         prefix_chars: int = DEFAULT_PREFIX_CHARS,
         coordinator_id: str | None = None,
         request_timeout_s: float = 600.0,
+        max_streams: int = DEFAULT_MAX_STREAMS,
     ):
         self.membership = membership
         self.router = Router()
         self.replicas = replicas
-        self.prefix_chars = prefix_chars
         self.coordinator_id = coordinator_id or uuid.uuid4().hex[:12]
-        self.request_timeout_s = request_timeout_s
-        self._workers: dict[str, WorkerClient] = {}
-        self._workers_lock = threading.Lock()
+        self.streams = StreamSlots(max_streams)
+        self.workers = WorkerStreams()
+        self.relay = Relay(membership, self.router, self.workers.open, replicas, prefix_chars, request_timeout_s)
 
     # ---- membership ------------------------------------------------------------
 
@@ -95,76 +83,26 @@ class CoordinatorService:
 
     def generate(self, request, context):
         _check_parsed(request, context)
-        if not request.prompt and not request.prompt_token_ids:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty: send text or token ids")
-        prompt_head = request.prompt or " ".join(map(str, request.prompt_token_ids[: self.prefix_chars]))
-        key = placement_key(prompt_head, request.session_id, self.prefix_chars)
-        forward = pb.GenerateRequest()
-        forward.CopyFrom(request)
-        del forward.placement[:]
-        forward.placement.extend(self.membership.ring.placement(key, self.replicas))
-        forward.request_id = request.request_id or uuid.uuid4().hex[:16]
-        resumable = request.temperature == 0 or request.HasField("seed")
-        sent: list[int] = []
-        tried: list[str] = []
-        failure = "no live worker"
-        for _ in range(MAX_ATTEMPTS):
-            workers = [m.address for m in self.membership.live(WORKER)]
-            worker = self.router.choose(key, workers, exclude=tried)
-            if worker is None:
-                break
-            tried.append(worker)
-            attempt = self._resumed(forward, sent) if sent else forward
-            try:
-                for reply in self._relay(worker, attempt, context):
-                    sent.extend(reply.token_ids)
-                    yield reply
-                    if reply.finish_reason:
-                        return
-                failure = f"worker {worker} ended the stream without finishing"
-            except grpc.RpcError as exc:
-                if not context.is_active():
-                    return  # our client went away; _relay cancelled the worker's stream
-                if exc.code() in _REQUEST_ERRORS:
-                    _abort(context, exc.code(), exc.details() or "refused by the worker")
-                failure = f"worker {worker} failed: {exc.code().name}: {exc.details()}"
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    self.membership.mark_dead(worker)
-            finally:
-                self.router.done(worker)
-            log.warning("%s (request %s, %d tokens sent)", failure, forward.request_id, len(sent))
-            if sent and not resumable:
-                _abort(context, grpc.StatusCode.UNAVAILABLE,
-                       f"{failure} after {len(sent)} tokens; a sampled request without a seed cannot be resumed "
-                       f"exactly: retry it (or give a seed)")
-        _abort(context, grpc.StatusCode.UNAVAILABLE, f"{failure}; tried {len(tried)} workers: retry later")
+        if not self.streams.try_acquire():
+            self._refuse_at_limit(context)
+        try:
+            call = ClientCall(context.time_remaining, context.is_active, context.add_callback)
+            yield from self.relay.generate(request, call)
+        except Refused as exc:
+            _abort(context, exc.code, exc.message)
+        finally:
+            self.streams.release()
 
-    def _relay(self, worker: str, request: pb.GenerateRequest, context):
-        stream = self._client(worker).generate_stream(request, timeout=self.request_timeout_s)
-        context.add_callback(stream.cancel)
-        yield from stream
-
-    @staticmethod
-    def _resumed(request: pb.GenerateRequest, sent: list[int]) -> pb.GenerateRequest:
-        """The request for the next worker: it goes on after the tokens sent so far, which count
-        in the request's max_tokens and usage as if it had generated them (the worker does that)."""
-        resumed = pb.GenerateRequest()
-        resumed.CopyFrom(request)
-        resumed.resume_token_ids.extend(sent)
-        return resumed
-
-    def _client(self, address: str) -> WorkerClient:
-        with self._workers_lock:
-            client = self._workers.get(address)
-            if client is None:
-                client = self._workers[address] = WorkerClient(address)
-            return client
+    def _refuse_at_limit(self, context):
+        refused = self.streams.take_refusals_to_log()
+        if refused:  # a flood must not flood the log: one line per interval
+            log.warning("at the limit of %d streams: refused %d since the last such line", self.streams.limit, refused)
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"this coordinator is at its limit of {self.streams.limit} streams: retry shortly or use "
+                      f"another coordinator")
 
     def close(self) -> None:
-        with self._workers_lock:
-            for client in self._workers.values():
-                client.close()
-            self._workers.clear()
+        self.workers.close()
 
 
 def run_sweeper(membership: Membership, stopping: threading.Event, interval_s: float = 0.5) -> None:

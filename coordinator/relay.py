@@ -1,0 +1,188 @@
+"""Generate's core, apart from gRPC: place the sequence, pick a worker, relay its stream,
+and after each failed attempt decide whether to try another worker, resume there, or give up.
+
+Failure handling (design notes)
+1. A worker that fails before its first token: the request goes to another worker, unseen.
+2. After tokens were sent: a greedy or seeded request is resumed on another worker with the
+   tokens so far (resume.py; seeded draws depend only on seed and position), so no token
+   repeats or goes missing; any other request ends with UNAVAILABLE saying it may be retried.
+3. The request's own fault (INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION) goes to the
+   client as it is: another worker would say the same.
+4. A busy worker (RESOURCE_EXHAUSTED) or one shutting down (UNAVAILABLE saying so) is skipped
+   for this request and left in the cluster; when every worker is busy the client gets
+   RESOURCE_EXHAUSTED, so it knows to retry shortly rather than that something broke.
+5. Only a worker that cannot be reached (UNAVAILABLE) is marked dead, until its next beat.
+6. Each attempt has its own id (the client's id, a tag of this call, the attempt number): a
+   client reusing ids, or a retry, never collides with an attempt still running on a worker;
+   ALREADY_EXISTS is retried with the next id.
+7. A worker gets what is left of the client's deadline (at most the request timeout); when
+   the client's deadline ends the call, it ends DEADLINE_EXCEEDED and membership is untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+from grpc import StatusCode
+
+from coordinator.membership import WORKER, Membership
+from coordinator.resume import resumed, rewrite_usage
+from coordinator.ring import placement_key
+from coordinator.router import Router
+from protos import kvcache_pb2 as pb
+
+log = logging.getLogger("coordinator")
+
+MAX_FAILURES = 3  # attempts that failed (busy or draining workers are skipped, not counted)
+MAX_WORKERS_TRIED = 16
+MAX_CLIENT_ID_CHARS = 64  # of the client's request id kept in the attempt ids
+REQUEST_FAULTS = {StatusCode.INVALID_ARGUMENT, StatusCode.OUT_OF_RANGE, StatusCode.FAILED_PRECONDITION}
+
+
+class Refused(Exception):
+    """The client's call ends with this status."""
+
+    def __init__(self, code: StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class AttemptFailed(Exception):
+    """A worker's stream ended with a status (raised by the stream the caller opens)."""
+
+    def __init__(self, code: StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass
+class ClientCall:
+    """What the relay may know of the client's call."""
+
+    time_remaining: Callable[[], float | None]  # seconds left of the client's deadline (None: no deadline)
+    is_active: Callable[[], bool]  # False once the client cancelled, went away or ran out of time
+    on_end: Callable[[Callable[[], None]], object]  # run a callback when the call ends
+
+
+# (worker address, request, timeout s, call) -> the worker's replies; raises AttemptFailed.
+OpenStream = Callable[[str, pb.GenerateRequest, float, ClientCall], Iterable[pb.GenerateReply]]
+
+
+def attempt_ids(client_id: str) -> Iterator[str]:
+    """`<client id>.<tag of this call>.<attempt>`: unique per attempt, still readable in logs."""
+    base = client_id[:MAX_CLIENT_ID_CHARS] or "req"
+    tag = uuid.uuid4().hex[:8]
+    attempt = 0
+    while True:
+        attempt += 1
+        yield f"{base}.{tag}.{attempt}"
+
+
+class Relay:
+    def __init__(self, membership: Membership, router: Router, open_stream: OpenStream, replicas: int,
+                 prefix_chars: int, request_timeout_s: float):
+        self.membership = membership
+        self.router = router
+        self.open_stream = open_stream
+        self.replicas = replicas
+        self.prefix_chars = prefix_chars
+        self.request_timeout_s = request_timeout_s
+
+    def generate(self, request: pb.GenerateRequest, call: ClientCall) -> Iterator[pb.GenerateReply]:
+        """The reply stream for `request`; raises Refused when the call must end with a status."""
+        if not request.prompt and not request.prompt_token_ids:
+            raise Refused(StatusCode.INVALID_ARGUMENT, "the prompt is empty: send text or token ids")
+        prompt_head = request.prompt or " ".join(map(str, request.prompt_token_ids[: self.prefix_chars]))
+        key = placement_key(prompt_head, request.session_id, self.prefix_chars)
+        forward = pb.GenerateRequest()
+        forward.CopyFrom(request)
+        del forward.placement[:]
+        forward.placement.extend(self.membership.ring.placement(key, self.replicas))
+        ids = attempt_ids(request.request_id)
+        resumable = request.temperature == 0 or request.HasField("seed")
+        sent: list[int] = []
+        skipped: list[str] = []  # workers this request will not go to again
+        busy: list[str] = []
+        failures = 0
+        failure = "no live worker"
+        while failures < MAX_FAILURES and len(skipped) < MAX_WORKERS_TRIED:
+            timeout, client_bound = self._timeout(call, len(sent))
+            worker = self.router.choose(key, [m.address for m in self.membership.live(WORKER)], exclude=skipped)
+            if worker is None:
+                break
+            attempt = resumed(forward, sent) if sent else _copy(forward)
+            attempt.request_id = next(ids)
+            try:
+                for reply in self.open_stream(worker, attempt, timeout, call):
+                    rewrite_usage(reply, attempt, request)
+                    sent.extend(reply.token_ids)
+                    yield reply
+                    if reply.finish_reason:
+                        return
+                failure = f"worker {worker} ended the stream without finishing"
+                failures += 1
+                skipped.append(worker)
+            except AttemptFailed as exc:
+                if not call.is_active():
+                    return  # our client went away or ran out of time; its stream to the worker is cancelled
+                failure = f"worker {worker} failed: {exc.code.name}: {exc.details}"
+                counted = self._judge(worker, exc, attempt, client_bound, len(sent), skipped, busy)
+                failures += counted
+                if not counted:
+                    continue  # busy or draining: nothing was sent, the request goes on as it was
+            finally:
+                self.router.done(worker)
+            log.warning("%s (request %s, %d tokens sent)", failure, attempt.request_id, len(sent))
+            if sent and not resumable:
+                raise Refused(StatusCode.UNAVAILABLE,
+                              f"{failure} after {len(sent)} tokens; a sampled request without a seed cannot be "
+                              f"resumed exactly: retry it (or give a seed)")
+        if busy and failures < MAX_FAILURES:
+            raise Refused(StatusCode.RESOURCE_EXHAUSTED,
+                          f"all workers are busy ({len(busy)} refused the request, {len(skipped) - len(busy)} "
+                          f"failed): retry shortly or use another coordinator")
+        raise Refused(StatusCode.UNAVAILABLE, f"{failure}; tried {len(skipped)} workers: retry later")
+
+    def _timeout(self, call: ClientCall, num_sent: int) -> tuple[float, bool]:
+        """Seconds the next attempt may take, and whether the client's deadline is what bounds it."""
+        remaining = call.time_remaining()
+        if remaining is None or remaining >= self.request_timeout_s:
+            return self.request_timeout_s, False
+        if remaining <= 0:
+            raise Refused(StatusCode.DEADLINE_EXCEEDED,
+                          f"the request's deadline passed after {num_sent} tokens: give it more time")
+        return remaining, True
+
+    def _judge(self, worker: str, exc: AttemptFailed, attempt: pb.GenerateRequest, client_bound: bool,
+               num_sent: int, skipped: list[str], busy: list[str]) -> int:
+        """Act on a failed attempt: raise Refused to end the call, else return 1 if it counts as a failure."""
+        code = exc.code
+        if code in REQUEST_FAULTS:
+            raise Refused(code, exc.details or "refused by the worker")
+        if code == StatusCode.DEADLINE_EXCEEDED and client_bound:
+            raise Refused(code, f"the request's deadline passed after {num_sent} tokens: give it more time")
+        if code == StatusCode.ALREADY_EXISTS:
+            return 1  # the worker still runs an attempt of that id: the next attempt has a new one
+        skipped.append(worker)
+        if code == StatusCode.RESOURCE_EXHAUSTED:
+            busy.append(worker)
+            log.info("worker %s is busy (%s); trying another (request %s)", worker, exc.details, attempt.request_id)
+            return 0
+        if code == StatusCode.UNAVAILABLE and "shutting down" in exc.details:
+            log.info("worker %s is shutting down; trying another (request %s)", worker, attempt.request_id)
+            return 0
+        if code == StatusCode.UNAVAILABLE:
+            self.membership.mark_dead(worker)
+            log.warning("worker %s unreachable (%s): no requests to it until it beats again", worker, exc.details)
+        return 1
+
+
+def _copy(request: pb.GenerateRequest) -> pb.GenerateRequest:
+    copy = pb.GenerateRequest()
+    copy.CopyFrom(request)
+    return copy
