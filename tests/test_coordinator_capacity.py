@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from cluster_helpers import collect, wait_for
+from cluster_helpers import collect, run_kvcache, wait_for
 from coordinator.capacity import StreamSlots
 from coordinator.client import Client, ClusterError
 from coordinator_fakes import alive_workers, coordinator_process, fake_worker, generate_stub
@@ -97,3 +97,9 @@ def test_the_clients_deadline_goes_to_the_worker_and_marks_no_one_dead(coordinat
         assert alive_workers(coordinator.address) == [worker.address]
     log = coordinator.log_path.read_text()
     assert "unreachable" not in log and "missed its heartbeats" not in log
+
+
+def test_a_bad_stream_limit_is_refused_in_one_line():
+    done = run_kvcache(["coordinator", "--port", "0", "--max-streams", "0"])
+    assert done.returncode == 2 and "--max-streams must be at least 1, got 0" in done.stderr
+    assert "Traceback" not in done.stderr
