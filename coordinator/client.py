@@ -62,7 +62,7 @@ class Client:
         request.session_id = session_id
         resumable = request.temperature == 0 or request.HasField("seed")
         sent: list[int] = []
-        errors = []
+        errors, codes = [], set()
         for coordinator in self._in_order():
             attempt = request
             if sent:  # the worker goes on after them, counting them as its own (max_tokens, usage)
@@ -84,13 +84,16 @@ class Client:
                 if exc.code() not in _TRY_ELSEWHERE:
                     raise ClusterError(exc.code(), exc.details() or "no details") from None
                 errors.append(f"{coordinator.address}: {exc.code().name}: {exc.details()}")
+                codes.add(exc.code())
             finally:
                 stream.cancel()
             if sent and not resumable:
                 raise ClusterError(grpc.StatusCode.UNAVAILABLE,
                                    f"coordinator failed after {len(sent)} tokens ({errors[-1]}); a sampled request "
                                    f"without a seed cannot be resumed exactly: retry it")
-        raise ClusterError(grpc.StatusCode.UNAVAILABLE, "no coordinator could serve the request: " + "; ".join(errors))
+        busy = codes == {grpc.StatusCode.RESOURCE_EXHAUSTED}  # every one at its limit: retry shortly
+        raise ClusterError(grpc.StatusCode.RESOURCE_EXHAUSTED if busy else grpc.StatusCode.UNAVAILABLE,
+                           "no coordinator could serve the request: " + "; ".join(errors))
 
     def status(self, timeout: float = 5.0) -> pb.ClusterStatusReply:
         errors = []

@@ -4,10 +4,13 @@ and after each failed attempt decide whether to try another worker, resume there
 Failure handling (design notes)
 1. A worker that fails before its first token: the request goes to another worker, unseen.
 2. After tokens were sent: a greedy or seeded request is resumed on another worker with the
-   tokens so far (resume.py; seeded draws depend only on seed and position), so no token
-   repeats or goes missing; any other request ends with UNAVAILABLE saying it may be retried.
-3. The request's own fault (INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION) goes to the
-   client as it is: another worker would say the same.
+   tokens so far as resume_token_ids (seeded draws depend only on seed and position), so no
+   token repeats or goes missing: the worker goes on as if it had generated them, within the
+   same max_tokens, and counts them in its usage. Any other request ends with UNAVAILABLE
+   saying it may be retried.
+3. The request's own fault (INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION, and INTERNAL:
+   a worker answers it only for a request that failed a step alone, its other requests going
+   on) goes to the client as it is: another worker would say or fail the same.
 4. A busy worker (RESOURCE_EXHAUSTED) or one shutting down (UNAVAILABLE saying so) is skipped
    for this request and left in the cluster; when every worker is busy the client gets
    RESOURCE_EXHAUSTED, so it knows to retry shortly rather than that something broke.
@@ -29,7 +32,6 @@ from typing import Callable, Iterable, Iterator
 from grpc import StatusCode
 
 from coordinator.membership import WORKER, Membership
-from coordinator.resume import resumed, rewrite_usage
 from coordinator.ring import placement_key
 from coordinator.router import Router
 from protos import kvcache_pb2 as pb
@@ -39,7 +41,8 @@ log = logging.getLogger("coordinator")
 MAX_FAILURES = 3  # attempts that failed (busy or draining workers are skipped, not counted)
 MAX_WORKERS_TRIED = 16
 MAX_CLIENT_ID_CHARS = 64  # of the client's request id kept in the attempt ids
-REQUEST_FAULTS = {StatusCode.INVALID_ARGUMENT, StatusCode.OUT_OF_RANGE, StatusCode.FAILED_PRECONDITION}
+REQUEST_FAULTS = {StatusCode.INVALID_ARGUMENT, StatusCode.OUT_OF_RANGE, StatusCode.FAILED_PRECONDITION,
+                  StatusCode.INTERNAL}
 
 
 class Refused(Exception):
@@ -115,11 +118,11 @@ class Relay:
             worker = self.router.choose(key, [m.address for m in self.membership.live(WORKER)], exclude=skipped)
             if worker is None:
                 break
-            attempt = resumed(forward, sent) if sent else _copy(forward)
+            attempt = _copy(forward)
+            attempt.resume_token_ids.extend(sent)  # the worker counts them as its own (max_tokens, usage)
             attempt.request_id = next(ids)
             try:
                 for reply in self.open_stream(worker, attempt, timeout, call):
-                    rewrite_usage(reply, attempt, request)
                     sent.extend(reply.token_ids)
                     yield reply
                     if reply.finish_reason:

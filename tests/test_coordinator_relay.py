@@ -34,8 +34,8 @@ class FakeWorkers:
         if failure is not None:
             raise failure
         yield pb.GenerateReply(finish_reason="length",
-                               usage=pb.Usage(prompt_tokens=5 + len(request.resume_token_ids),
-                                              completion_tokens=len(tokens)))
+                               usage=pb.Usage(prompt_tokens=5,  # a worker counts resumed tokens as its own
+                                              completion_tokens=len(request.resume_token_ids) + len(tokens)))
 
     def workers_tried(self) -> list[str]:
         return [worker for worker, _, _ in self.attempts]
@@ -100,7 +100,7 @@ def test_a_busy_worker_after_tokens_is_resumed_elsewhere_without_losing_a_token(
     tokens, last = run(relay)
     assert tokens == [7, 8, 9, 10]
     resumed = fakes.attempts[1][1]
-    assert list(resumed.resume_token_ids) == [7, 8] and resumed.max_tokens == 2
+    assert list(resumed.resume_token_ids) == [7, 8] and resumed.max_tokens == 4  # the request's own
     assert last.usage.prompt_tokens == 5 and last.usage.completion_tokens == 4
 
 
@@ -120,7 +120,7 @@ def test_a_worker_shutting_down_is_skipped_but_not_marked_dead():
 
 
 @pytest.mark.parametrize("code", [StatusCode.INVALID_ARGUMENT, StatusCode.OUT_OF_RANGE,
-                                  StatusCode.FAILED_PRECONDITION])
+                                  StatusCode.FAILED_PRECONDITION, StatusCode.INTERNAL])
 def test_the_requests_own_fault_goes_to_the_client_as_it_is(code):
     fakes = FakeWorkers(**{W1: [failed(code, "max_tokens must be between 1 and 4096")], W2: [[1]]})
     relay, membership = relay_for(fakes)
