@@ -76,6 +76,14 @@ class Membership:
                 self._rebuild_ring()
             return True
 
+    def deregister(self, member_id: str) -> Member | None:
+        """A member leaving on purpose: forget it now (it leaves the ring); None if unknown."""
+        with self._lock:
+            member = self._members.pop(member_id, None)
+            if member is not None:
+                self._rebuild_ring()
+            return member
+
     def sweep(self) -> list[Member]:
         """Mark members that missed their beats dead (and forget long-dead ones); returns the newly dead."""
         now = self.clock()

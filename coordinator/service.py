@@ -63,6 +63,13 @@ class CoordinatorService:
         load = {f.name: v for f, v in request.load.ListFields()} if request.HasField("load") else None
         return pb.HeartbeatReply(known=self.membership.heartbeat(request.member_id, load))
 
+    def deregister(self, request, context) -> pb.DeregisterReply:
+        _check_parsed(request, context)
+        member = self.membership.deregister(request.member_id)
+        if member is not None:
+            log.info("%s %s left (deregistered; epoch %s)", member.role, member.address, self.membership.ring.epoch)
+        return pb.DeregisterReply(known=member is not None)
+
     def cluster_status(self, request, context) -> pb.ClusterStatusReply:
         _check_parsed(request, context)
         now = self.membership.clock()
@@ -130,5 +137,6 @@ def handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
         "ClusterStatus": unary(service.cluster_status, parse(pb.ClusterStatusRequest), serialize),
         "Register": unary(service.register, parse(pb.RegisterRequest), serialize),
         "Heartbeat": unary(service.heartbeat, parse(pb.HeartbeatRequest), serialize),
+        "Deregister": unary(service.deregister, parse(pb.DeregisterRequest), serialize),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)

@@ -279,6 +279,18 @@ class HeartbeatReply(_message.Message):
     known: bool
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
+class DeregisterRequest(_message.Message):
+    __slots__ = ("member_id",)
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    def __init__(self, member_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterReply(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
 class ClusterStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -442,6 +442,11 @@ class CoordinatorStub:
                 request_serializer=protos_dot_kvcache__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=protos_dot_kvcache__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.Deregister = channel.unary_unary(
+                '/kvcache.v1.Coordinator/Deregister',
+                request_serializer=protos_dot_kvcache__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcache__pb2.DeregisterReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -475,6 +480,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Deregister(self, request, context):
+        """A member leaving on purpose (a drain): it leaves the ring and routing at once instead of
+        after missed beats. An unknown id is answered known = false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -497,6 +510,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=protos_dot_kvcache__pb2.HeartbeatRequest.FromString,
                     response_serializer=protos_dot_kvcache__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=protos_dot_kvcache__pb2.DeregisterRequest.FromString,
+                    response_serializer=protos_dot_kvcache__pb2.DeregisterReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -609,6 +627,33 @@ class Coordinator:
             '/kvcache.v1.Coordinator/Heartbeat',
             protos_dot_kvcache__pb2.HeartbeatRequest.SerializeToString,
             protos_dot_kvcache__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.Coordinator/Deregister',
+            protos_dot_kvcache__pb2.DeregisterRequest.SerializeToString,
+            protos_dot_kvcache__pb2.DeregisterReply.FromString,
             options,
             channel_credentials,
             insecure,

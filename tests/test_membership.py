@@ -79,3 +79,13 @@ def test_two_views_with_the_same_live_set_share_an_epoch(clock):
             members.register(NODE, f"127.0.0.1:{port}", GIB)
     assert one.ring.epoch == two.ring.epoch
     assert all(one.ring.placement(k, 2) == two.ring.placement(k, 2) for k in ("a", "b", "c", "d"))
+
+
+def test_a_member_that_deregisters_leaves_the_ring_at_once(clock):
+    members = Membership(clock)
+    a = members.register(NODE, "127.0.0.1:1", GIB)
+    members.register(NODE, "127.0.0.1:2", GIB)
+    assert members.deregister(a.member_id).address == "127.0.0.1:1"
+    assert set(members.ring.nodes) == {"127.0.0.1:2"}
+    assert [m.address for m in members.members()] == ["127.0.0.1:2"]
+    assert members.deregister(a.member_id) is None and not members.heartbeat(a.member_id)

@@ -193,7 +193,8 @@ def test_a_drain_out_of_time_hands_requests_back_and_a_coordinator_resumes_them(
     assert tokens == expected
     assert finished.finish_reason == "length" and finished.usage.completion_tokens == 600
     log = (tmp_path / ("one.log" if stopped is one else "two.log")).read_text()
-    assert "handed 1 requests back" in log
+    assert "handed 1 requests back" in log and f"deregistered from coordinator {c.address}" in log
+    assert f"worker {stopped.address} left (deregistered" in (tmp_path / "coordinator.log").read_text()
 
 
 def client_busy(daemon: Daemon) -> bool:
