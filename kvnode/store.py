@@ -13,10 +13,21 @@ Design notes
 2. A put never evicts the parent it names, under every policy.
 3. Leases expire lazily: a heap holds (expiry, key); each operation first retires the
    leases that ran out, so an abandoned lease frees itself. A leased page is never
-   evicted, under every policy.
+   evicted, under every policy. A renewal leaves its old entry behind, stale; when stale
+   entries outnumber live leases (2x + 64), the heap is rebuilt from its live entries, so
+   a client renewing in a loop cannot grow it without bound (amortized O(1) per lease).
 4. Pins are for the data plane, which sends pages straight from the pool: a pinned page
    is never evicted, so its slot is not overwritten while its bytes are on their way.
    Unlike a lease a pin does not expire: the pinner releases it in a `finally`.
+5. Leases are bounded, so no client can hold the pool and starve eviction: a lookup may ask
+   to lease at most `max_leases_per_call` keys (more is refused, LeaseRefused: the caller
+   sent a request too large), and at most `max_leased_pages` pages are leased at once (the
+   node's default: half the pool). A lookup that would pass the total is not refused: it
+   renews leases already held and leases new pages while they fit, and its hits stop at
+   the first page it could not lease. Refusing would make every client's lookup fail while
+   one client holds the leases (a worker then skips the node altogether); answering hits it
+   did not lease would send clients to fetch pages that may be gone. So under lease
+   pressure a client gets fewer hits and computes the rest: correct, slower, never failed.
 """
 
 from __future__ import annotations
@@ -38,6 +49,10 @@ MAX_LEASE_MS = 60_000
 
 class InvalidRequest(ValueError):
     """The caller sent something malformed; nothing was changed."""
+
+
+class LeaseRefused(Exception):
+    """A lookup asked to lease more pages in one call than the node allows; nothing was changed."""
 
 
 class PageNotFound(KeyError):
@@ -83,6 +98,7 @@ class StoreStats:
     bytes_in: int = 0
     bytes_out: int = 0
     get_pages: int = 0
+    lease_limited: int = 0  # lookups whose hits the leased-pages bound cut short
 
 
 def check_key(key: bytes, what: str = "key") -> None:
@@ -94,14 +110,23 @@ class PageStore:
     """A fixed pool of `capacity_pages` pages of `page_bytes` each, safe to share between threads.
 
     `policy` is an eviction policy's name ("prefix-aware", "lru", "fifo"; kvnode/eviction.py).
+    `max_leased_pages` and `max_leases_per_call` bound leases (design note 5); None: no bound.
     """
 
     def __init__(self, capacity_pages: int, page_bytes: int, clock: Callable[[], float] = time.monotonic,
-                 policy: str = PREFIX_AWARE.name):
+                 policy: str = PREFIX_AWARE.name, max_leased_pages: int | None = None,
+                 max_leases_per_call: int | None = None):
         if capacity_pages < 1:
             raise ValueError(f"capacity must be at least one page, got {capacity_pages}")
         if page_bytes < 1:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
+        if max_leased_pages is not None and not 0 <= max_leased_pages <= capacity_pages:
+            raise ValueError(f"max_leased_pages must be between 0 and the capacity {capacity_pages}, "
+                             f"got {max_leased_pages}")
+        if max_leases_per_call is not None and max_leases_per_call < 1:
+            raise ValueError(f"max_leases_per_call must be at least 1, got {max_leases_per_call}")
+        self.max_leased_pages = capacity_pages if max_leased_pages is None else max_leased_pages
+        self.max_leases_per_call = max_leases_per_call
         self.capacity_pages = capacity_pages
         self.page_bytes = page_bytes
         self.clock = clock
@@ -132,6 +157,11 @@ class PageStore:
             self._retire_leases(self.clock())
             return self._num_leased
 
+    def lease_heap_size(self) -> int:
+        """Entries in the lease heap, live and stale (tests watch it stay bounded)."""
+        with self._lock:
+            return len(self._lease_heap)
+
     def num_orphans(self) -> int:
         """Cached pages whose parent is not cached (always 0 under prefix-aware)."""
         return self._num_orphans
@@ -147,17 +177,27 @@ class PageStore:
 
     def lookup(self, keys: Sequence[bytes], lease_ms: int = 0) -> int:
         """Length of the longest cached prefix of `keys`; touches it, and leases it when lease_ms > 0."""
+        return self.lookup_and_lease(keys, lease_ms)[0]
+
+    def lookup_and_lease(self, keys: Sequence[bytes], lease_ms: int = 0) -> tuple[int, bool]:
+        """(hits, cut): as lookup; `cut` says the leased-pages bound stopped the hits short (note 5)."""
         for key in keys:
             check_key(key)
         if not 0 <= lease_ms <= MAX_LEASE_MS:
             raise InvalidRequest(f"lease_ms must be between 0 and {MAX_LEASE_MS}, got {lease_ms}")
+        if lease_ms and self.max_leases_per_call is not None and len(keys) > self.max_leases_per_call:
+            raise LeaseRefused(f"a lookup asked to lease up to {len(keys)} pages; this node leases at most "
+                               f"{self.max_leases_per_call} per call: look up fewer keys per call")
         with self._lock:
             now = self.clock()
             self._retire_leases(now)
-            hits = 0
+            hits, cut = 0, False
             for key in keys:
                 page = self._index.get(key)
                 if page is None:
+                    break
+                if lease_ms and page.lease_until == 0.0 and self._num_leased >= self.max_leased_pages:
+                    cut = True
                     break
                 self._touch(key, page)
                 if lease_ms:
@@ -166,7 +206,8 @@ class PageStore:
             self.stats.lookups += 1
             self.stats.hit_pages += hits
             self.stats.miss_pages += len(keys) - hits
-            return hits
+            self.stats.lease_limited += cut
+            return hits, cut
 
     def check_cached(self, keys: Iterable[bytes]) -> None:
         """Raise PageNotFound for the first key that is not cached (so a fetch fails before it starts)."""
@@ -286,6 +327,16 @@ class PageStore:
             self._num_leased += 1
         page.lease_until = until
         heapq.heappush(self._lease_heap, (until, key))
+        if len(self._lease_heap) > 2 * self._num_leased + 64:
+            self._compact_leases()
+
+    def _compact_leases(self) -> None:
+        """Drop the heap's stale entries (design note 3): O(heap), after as many renewals."""
+        index = self._index
+        live = [(until, key) for until, key in self._lease_heap
+                if (page := index.get(key)) is not None and page.lease_until == until]
+        heapq.heapify(live)
+        self._lease_heap = live
 
     def _retire_leases(self, now: float) -> None:
         heap = self._lease_heap
@@ -350,4 +401,7 @@ class PageStore:
             assert self._num_orphans == sum(orphans.values()), f"orphan count {self._num_orphans} is off"
             leased = sum(1 for p in self._index.values() if p.lease_until > 0.0)
             assert leased == self._num_leased, f"leased count {self._num_leased} != {leased}"
+            assert leased <= self.max_leased_pages, f"{leased} pages leased, over the bound {self.max_leased_pages}"
+            live = {(p.lease_until, k) for k, p in self._index.items() if p.lease_until > 0.0}
+            assert live <= set(self._lease_heap), "a leased page has no lease heap entry"
             self._queue.check()
