@@ -18,6 +18,7 @@ log = logging.getLogger("kvnode")
 
 # One float32 page of the embedded `tiny` model: 4 layers x (k,v) x 4 heads x 16 tokens x 64 dims x 4 bytes.
 DEFAULT_PAGE_BYTES = 4 * 2 * 4 * 16 * 64 * 4
+DEFAULT_MAX_LEASED_FRACTION = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +35,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-id", default=None, help="name shown in Info and logs (default: random)")
     parser.add_argument(
         "--max-keys", type=int, default=DEFAULT_MAX_KEYS, help=f"most pages per request (default {DEFAULT_MAX_KEYS})"
+    )
+    parser.add_argument(
+        "--max-leased-fraction", type=float, default=DEFAULT_MAX_LEASED_FRACTION,
+        help="most of the pool leased at once, so eviction always has room; a lookup past it leases and "
+             "counts as hits only the pages that fit (default %(default)s: half the pool)",
+    )
+    parser.add_argument(
+        "--max-leases-per-call", type=int, default=None,
+        help="most keys one Lookup may ask to lease; more is refused RESOURCE_EXHAUSTED (default: --max-keys)",
     )
     parser.add_argument(
         "--max-message-bytes",
@@ -74,8 +84,15 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--capacity {args.capacity} holds no page of {args.page_bytes} bytes: give at least {args.page_bytes} bytes"
             )
+        if not 0.0 <= args.max_leased_fraction <= 1.0:
+            raise ValueError(f"--max-leased-fraction must be between 0 and 1, got {args.max_leased_fraction}")
+        max_leases_per_call = args.max_keys if args.max_leases_per_call is None else args.max_leases_per_call
+        if max_leases_per_call < 1:
+            raise ValueError(f"--max-leases-per-call must be at least 1, got {max_leases_per_call}")
         serving.tune_allocator()
-        store = PageStore(capacity_pages, args.page_bytes)
+        store = PageStore(capacity_pages, args.page_bytes,
+                          max_leased_pages=int(capacity_pages * args.max_leased_fraction),
+                          max_leases_per_call=max_leases_per_call)
         service = KVStoreService(store, args.node_id, args.max_keys, max_message_bytes)
         server, health = serving.make_server([handler(service)], [SERVICE_NAME], max_message_bytes)
         port = serving.bind(server, args.host, args.port)

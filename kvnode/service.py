@@ -10,13 +10,15 @@ import grpc
 
 from kvcache import __version__
 from kvnode import wire
-from kvnode.store import InvalidRequest, PageNotFound, PageStore, PutOutcome, check_key
+from kvnode.store import InvalidRequest, LeaseRefused, PageNotFound, PageStore, PutOutcome, check_key
 from protos import kvcache_pb2 as pb
 from protos.serving import DEFAULT_MAX_MESSAGE_BYTES, Malformed, tolerant
 
 log = logging.getLogger("kvnode")
 
 SERVICE_NAME = "kvcache.v1.KVStore"
+# Trailing metadata of a Lookup whose hits the node's leased-pages bound cut short (store design note 5).
+LEASE_LIMITED_KEY = "kvcache-lease-limited"
 DEFAULT_MAX_KEYS = 256
 _CHUNK_HEADROOM = 64  # bytes kept for a PageChunk's header within the message limit
 
@@ -67,9 +69,16 @@ class KVStoreService:
         self._check_parsed(request, context)
         keys = self._checked_keys(request.keys, context)
         try:
-            hits = self.store.lookup(keys, request.lease_ms)
+            hits, cut = self.store.lookup_and_lease(keys, request.lease_ms)
         except InvalidRequest as exc:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except LeaseRefused as exc:
+            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        if cut:
+            message = (f"{hits} hits: this node leases at most {self.store.max_leased_pages} pages at once and "
+                       "that many are leased; later pages were neither leased nor counted")
+            log.info("lookup cut short: %s", message)
+            context.set_trailing_metadata(((LEASE_LIMITED_KEY, message),))
         return pb.LookupReply(hits=hits)
 
     def get_pages(self, request, context):
