@@ -16,9 +16,10 @@ Design notes
    589,824 bytes: ~0.9-1.06 GB/s pinned against ~0.6 GB/s copying the pages under the store
    lock into a reused buffer first, on a loaded machine: the copy (~2 ms) held the GIL's
    turn and the lock as long as a good part of the send.
-3. PUT reads the keys and parents first, then the pages into the connection's reused buffer
-   with recv_into, checks every page as PutPages does, and stores only once the whole request
-   arrived and passed: a request cut short stores nothing. One outcome per page, as PutPages.
+3. PUT reads the keys and parents first, then the pages with recv_into into the connection's
+   buffer (reused while small, bounded in total: kvnode/recv_buffers.py), checks every page
+   as PutPages does, and stores only once the whole request arrived and passed: a request
+   cut short stores nothing. One outcome per page, as PutPages.
    The bytes of puts being received at once, over all connections, are bounded
    (`max_put_bytes_in_flight`); a put beyond it is refused RESOURCE_EXHAUSTED, unless it is
    the only one (pages of a large model may make one request larger than the bound).
@@ -37,6 +38,7 @@ import time
 import grpc
 
 from kvnode import data_wire as dw
+from kvnode.recv_buffers import DEFAULT_KEEP_PER_CONNECTION, DEFAULT_KEEP_TOTAL, BufferBudget, ReceiveBuffer
 from kvnode.store import KEY_BYTES, InvalidRequest, PageNotFound, PageStore, PutOutcome
 
 log = logging.getLogger("kvnode")
@@ -44,7 +46,6 @@ log = logging.getLogger("kvnode")
 DEFAULT_MAX_CONNECTIONS = 64
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_MAX_PUT_BYTES_IN_FLIGHT = 512 * 2**20  # PUT pages received at once, over all connections
-_KEEP_BUFFER_BYTES = 64 * 2**20  # a connection keeps a buffer up to this size between requests
 _DRAIN_LIMIT_BYTES = 512 * 2**20
 _DRAIN_TIMEOUT_S = 1.0
 
@@ -62,8 +63,10 @@ class DataPlaneServer:
 
     def __init__(self, store: PageStore, host: str = "127.0.0.1", port: int = 0, max_keys: int = 256,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 max_put_bytes_in_flight: int = DEFAULT_MAX_PUT_BYTES_IN_FLIGHT):
+                 max_put_bytes_in_flight: int = DEFAULT_MAX_PUT_BYTES_IN_FLIGHT,
+                 keep_buffer_bytes: int = DEFAULT_KEEP_PER_CONNECTION, max_kept_buffer_bytes: int = DEFAULT_KEEP_TOTAL):
         self.store = store
+        self.buffers = BufferBudget(keep_buffer_bytes, max_kept_buffer_bytes)
         self.max_keys = max_keys
         self.max_connections = max_connections
         self.timeout_s = timeout_s
@@ -86,6 +89,10 @@ class DataPlaneServer:
         """Bytes of PUT pages being received right now, over all connections."""
         with self._lock:
             return self._put_bytes_in_flight
+
+    def kept_buffer_bytes(self) -> int:
+        """Bytes of PUT buffers connections keep between requests, over all connections."""
+        return self.buffers.kept_bytes()
 
     def num_connections(self) -> int:
         with self._lock:
@@ -143,7 +150,7 @@ class DataPlaneServer:
     def _serve(self, conn: socket.socket, peer) -> None:
         connection = None
         try:
-            connection = _Connection(conn, self.timeout_s)
+            connection = _Connection(conn, self.timeout_s, ReceiveBuffer(self.buffers))
             while not self._stopping.is_set():
                 if not self._serve_one(connection):
                     break
@@ -160,6 +167,8 @@ class DataPlaneServer:
             log.exception("data plane connection from %s failed", peer)
         finally:
             conn.close()
+            if connection is not None:
+                connection.buffer.close()
             with self._lock:
                 self._connections.pop(conn, None)
 
@@ -267,26 +276,20 @@ class DataPlaneServer:
 
 
 class _Connection:
-    """One peer's socket and its reused buffer; blocking I/O with kernel timeouts."""
+    """One peer's socket and its PUT buffer; blocking I/O with kernel timeouts."""
 
-    def __init__(self, conn: socket.socket, timeout_s: float):
+    def __init__(self, conn: socket.socket, timeout_s: float, buffer: ReceiveBuffer):
         self.conn = conn
         self.timeout_s = timeout_s
         self.pending = 0  # bytes of the current request not yet read
-        self._buffer = bytearray()
+        self.buffer = buffer
         self._small = bytearray(dw.REQUEST.size)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         dw.set_kernel_timeouts(conn, timeout_s)
 
-    def buffer(self, size: int) -> memoryview:
-        """A writable view of `size` bytes of the connection's reused buffer."""
-        if len(self._buffer) < size or len(self._buffer) > max(size, _KEEP_BUFFER_BYTES):
-            self._buffer = bytearray(size)
-        return memoryview(self._buffer)[:size]
-
     def receive(self, size: int, first: bool = False, into_buffer: bool = False) -> memoryview | None:
         """Exactly `size` bytes; None when `first` and the peer closed before sending any."""
-        view = self.buffer(size) if into_buffer else memoryview(
+        view = self.buffer.view(size) if into_buffer else memoryview(
             self._small if size <= len(self._small) else bytearray(size))[:size]
         got = 0
         while got < size:
