@@ -138,11 +138,15 @@ class KVStoreService:
     # ---- helpers -------------------------------------------------------------
 
     def _receive_pages(self, request_iterator) -> list[tuple[bytes, bytes, bytes]]:
-        """Whole pages from a PutPages stream; any flaw rejects the whole stream."""
+        """Whole pages from a PutPages stream; any flaw rejects the whole stream.
+
+        A page sent in pieces is copied into one buffer as they arrive, and every item must carry
+        data: however a client splits its pages, a stream holds at most one page's bytes per page.
+        """
         page_bytes = self.store.page_bytes
         items: list[tuple[bytes, bytes, bytes]] = []
         key = parent = b""
-        parts: list = []
+        page: bytearray | None = None  # the page being assembled from pieces
         received = 0
         ended = False
         for message in request_iterator:
@@ -152,27 +156,36 @@ class KVStoreService:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "PutPages item after the one marked last; nothing stored")
             item_key, item_parent, data, ended = message
             if item_key:
-                if parts:
+                if key:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, _short_page(key, received, page_bytes))
                 check_key(item_key)
-                key, parent, parts, received = item_key, item_parent, [], 0
+                key, parent, page, received = item_key, item_parent, None, 0
                 if len(items) >= self.max_keys:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, self._too_many(len(items) + 1))
             elif not key:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "PutPages item has no key and follows no page")
             elif item_parent:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "a continuation item must not carry a parent")
-            parts.append(data)
-            received += data.nbytes
-            if received > page_bytes:
+            if not data.nbytes:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"a PutPages item of page {key.hex()} carries no data; every item carries part of a page")
+            if received + data.nbytes > page_bytes:
                 raise _Abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"page {key.hex()} has more than {page_bytes} bytes; this node stores pages of {page_bytes} bytes",
                 )
+            if data.nbytes == page_bytes:
+                items.append((key, parent, data))
+                key, received = b"", 0
+                continue
+            if page is None:
+                page = bytearray(page_bytes)
+            page[received : received + data.nbytes] = data
+            received += data.nbytes
             if received == page_bytes:
-                items.append((key, parent, parts[0] if len(parts) == 1 else b"".join(parts)))
-                key, parts, received = b"", [], 0
-        if parts or key:
+                items.append((key, parent, page))
+                key, page, received = b"", None, 0
+        if key:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, _short_page(key, received, page_bytes))
         if not items:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "PutPages stream carried no pages")

@@ -59,10 +59,11 @@ class MalformedMessage(ValueError):
     pass
 
 
-def parse_fields(buf: bytes) -> dict[int, object]:
+def parse_fields(buf: bytes, wanted: frozenset[int] | None = None) -> dict[int, object]:
     """Fields of a protobuf message: int for varints, memoryview (no copy) for length-delimited.
 
-    A repeated field keeps its last value, as protobuf does for singular fields.
+    A repeated field keeps its last value, as protobuf does for singular fields. With `wanted`,
+    other fields are skipped, not kept: a message of many unknown fields costs no memory.
     """
     view = memoryview(buf)
     fields: dict[int, object] = {}
@@ -86,13 +87,17 @@ def parse_fields(buf: bytes) -> dict[int, object]:
         field, wire_type = tag >> 3, tag & 7
         if field == 0:
             raise MalformedMessage("field number 0")
+        keep = wanted is None or field in wanted
         if wire_type == _VARINT:
-            fields[field] = read_varint()
+            value = read_varint()
+            if keep:
+                fields[field] = value
         elif wire_type == _LEN:
             length = read_varint()
             if pos + length > end:
                 raise MalformedMessage(f"field {field} claims {length} bytes, {end - pos} remain")
-            fields[field] = view[pos : pos + length]
+            if keep:
+                fields[field] = view[pos : pos + length]
             pos += length
         elif wire_type == 1:
             pos += 8
@@ -105,8 +110,11 @@ def parse_fields(buf: bytes) -> dict[int, object]:
     return fields
 
 
+_CHUNK_FIELDS, _ITEM_FIELDS = frozenset((1, 2, 3)), frozenset((1, 2, 3, 4))
+
+
 def parse_page_chunk(buf: bytes) -> tuple[int, int, memoryview]:
-    fields = parse_fields(buf)
+    fields = parse_fields(buf, _CHUNK_FIELDS)
     index, offset, data = fields.get(1, 0), fields.get(2, 0), fields.get(3, memoryview(b""))
     if not isinstance(index, int) or not isinstance(offset, int) or not isinstance(data, memoryview):
         raise MalformedMessage("PageChunk field has the wrong wire type")
@@ -114,7 +122,7 @@ def parse_page_chunk(buf: bytes) -> tuple[int, int, memoryview]:
 
 
 def parse_put_item(buf: bytes) -> tuple[bytes, bytes, memoryview, bool]:
-    fields = parse_fields(buf)
+    fields = parse_fields(buf, _ITEM_FIELDS)
     key, parent, data = (fields.get(n, memoryview(b"")) for n in (1, 2, 3))
     last = fields.get(4, 0)
     if not all(isinstance(f, memoryview) for f in (key, parent, data)) or not isinstance(last, int):
