@@ -1,10 +1,14 @@
-"""`kvcache node`: start a KV-store node and serve until SIGTERM or Ctrl-C."""
+"""`kvcache node`: start a KV-store node and serve until SIGTERM or Ctrl-C, then drain:
+membership beats stop first (coordinators take the node out of the ring), health says
+NOT_SERVING, no new gRPC call or data plane connection or request is taken, and the calls and
+transfers already running get --drain-timeout seconds to finish before the rest is cut."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+import time
 
 from coordinator import agent
 from kvcache.units import format_size, parse_size
@@ -19,6 +23,7 @@ log = logging.getLogger("kvnode")
 # One float32 page of the embedded `tiny` model: 4 layers x (k,v) x 4 heads x 16 tokens x 64 dims x 4 bytes.
 DEFAULT_PAGE_BYTES = 4 * 2 * 4 * 16 * 64 * 4
 DEFAULT_MAX_LEASED_FRACTION = 0.5
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-data-plane", action="store_true",
         help="serve pages over gRPC only (clients then use GetPages/PutPages)",
     )
-    parser.add_argument("--grace", type=float, default=2.0, help="seconds to finish running calls on stop (default 2)")
+    parser.add_argument(
+        "--drain-timeout", "--grace", dest="drain_timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="on SIGTERM, seconds the gRPC calls and data plane transfers already running get to finish "
+             "before they are cut (default %(default)s; --grace is the old name)",
+    )
     agent.add_arguments(parser)
 
 
@@ -77,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         max_message_bytes = parse_size(args.max_message_bytes)
         if args.page_bytes < 1:
             raise ValueError(f"--page-bytes must be positive, got {args.page_bytes}")
+        if args.drain_timeout < 0:
+            raise ValueError(f"--drain-timeout must not be negative, got {args.drain_timeout}")
         if args.max_keys < 1:
             raise ValueError(f"--max-keys must be positive, got {args.max_keys}")
         capacity_pages = capacity_bytes // args.page_bytes
@@ -131,14 +142,26 @@ def run(args: argparse.Namespace) -> int:
     )
     membership = agent.start_from_args(args, port, registration, lambda: node_load(store))
     serving.wait_until(stopping)
+    drain(args.drain_timeout, membership, health, server, service, data_plane)
+    return 0
+
+
+def drain(timeout_s: float, membership, health, server, service: KVStoreService, data_plane) -> None:
+    """The stop sequence of the module docstring; every wait bounded by timeout_s (+2 s to join)."""
+    started = time.monotonic()
     if membership is not None:
         membership.stop()
-    log.info("stopping: finishing running calls for up to %.1fs", args.grace)
-    if data_plane is not None:
-        data_plane.stop(args.grace)
-    serving.stop(server, health, args.grace)
-    log.info("stopped")
-    return 0
+    health.enter_graceful_shutdown()
+    calls = service.calls_in_flight()
+    grpc_stopped = server.stop(timeout_s)  # new calls refused at once; running ones get timeout_s
+    log.info("stopping: draining %d gRPC calls and the data plane's transfers for up to %.1fs", calls, timeout_s)
+    finished, cut = data_plane.drain(timeout_s) if data_plane is not None else (0, 0)
+    left = max(0.0, started + timeout_s - time.monotonic())
+    if not grpc_stopped.wait(left + 2.0):
+        log.warning("gRPC server did not stop within %.1fs; exiting anyway", timeout_s + 2.0)
+    calls_cut = service.calls_in_flight()
+    log.info("stopped: drained in %.2fs: %d data plane transfers finished, %d cut; %d gRPC calls were running, "
+             "%d still at the end (cut)", time.monotonic() - started, finished, cut, calls, calls_cut)
 
 
 def node_load(store: PageStore) -> pb.MemberLoad:

@@ -26,6 +26,10 @@ Design notes
 4. A refused request is answered with its status and message, then the connection closes.
    While the rest of the request may still be coming, the server first stops sending and
    reads it away (bounded in bytes and time), so the answer is not lost to a reset.
+5. drain() (the node's SIGTERM) stops accepting, closes the connections idle between requests
+   at once, and lets the requests being served finish within its timeout, then cuts the rest.
+   A request is being served once its header is read and taken under the lock; a header read
+   after the drain began is answered UNAVAILABLE (the client goes elsewhere).
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ class DataPlaneServer:
         self._listener.settimeout(0.2)  # the accept loop wakes to see stop()
         self.host, self.port = host, self._listener.getsockname()[1]
         self._connections: dict[socket.socket, threading.Thread] = {}
+        self._busy: set[socket.socket] = set()  # connections serving a request (design note 5)
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._acceptor = threading.Thread(target=self._accept_loop, name="data-plane-accept", daemon=True)
@@ -105,14 +110,33 @@ class DataPlaneServer:
         self._listener.close()
         with self._lock:
             connections = dict(self._connections)
-        for conn in connections:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv or send
-            except OSError:
-                pass
+        _shutdown(connections)
         deadline = time.monotonic() + timeout_s
         for thread in connections.values():
             thread.join(max(0.0, deadline - time.monotonic()))
+
+    def drain(self, timeout_s: float) -> tuple[int, int]:
+        """Stop taking connections and requests, let those being served finish within timeout_s,
+        then cut what is left (design note 5); (requests that ended, requests cut)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self._stopping.set()
+        self._acceptor.join(1.0)
+        self._listener.close()
+        with self._lock:
+            busy = {conn: self._connections[conn] for conn in self._busy if conn in self._connections}
+            idle = [conn for conn in self._connections if conn not in busy]
+        _shutdown(idle)
+        for thread in busy.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            cut = sum(1 for conn in busy if conn in self._busy)
+            left = dict(self._connections)
+        _shutdown(left)
+        join_by = time.monotonic() + 2.0
+        for thread in left.values():
+            thread.join(max(0.0, join_by - time.monotonic()))
+        return len(busy) - cut, cut
 
     def __enter__(self) -> "DataPlaneServer":
         return self.start()
@@ -177,6 +201,19 @@ class DataPlaneServer:
         head = connection.receive(dw.REQUEST.size, first=True)
         if head is None:
             return False
+        with self._lock:
+            stopping = self._stopping.is_set()
+            if not stopping:
+                self._busy.add(connection.conn)
+        if stopping:
+            raise dw.FrameError(grpc.StatusCode.UNAVAILABLE, "this node is stopping: send the request elsewhere")
+        try:
+            return self._serve_request(connection, head)
+        finally:
+            with self._lock:
+                self._busy.discard(connection.conn)
+
+    def _serve_request(self, connection: "_Connection", head) -> bool:
         header = dw.parse_request_header(head)
         connection.pending = self._request_bytes(header)
         if header.key_bytes != KEY_BYTES:
@@ -273,6 +310,14 @@ class DataPlaneServer:
             pass  # the peer is gone: nothing more to tell it
         finally:
             conn.close()
+
+
+def _shutdown(connections) -> None:
+    for conn in connections:
+        try:
+            conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv or send
+        except OSError:
+            pass
 
 
 class _Connection:

@@ -3,7 +3,9 @@ into status codes. Bulk messages (PageChunk, PutItem) are framed by kvnode.wire.
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import uuid
 
 import grpc
@@ -45,6 +47,17 @@ class KVStoreService:
         self.max_message_bytes = max_message_bytes
         self.chunk_bytes = max_message_bytes - _CHUNK_HEADROOM
         self.data_port = 0  # the node's data plane port, advertised in Info; 0 = none
+        self._calls_in_flight = 0
+        self._calls_lock = threading.Lock()
+
+    def calls_in_flight(self) -> int:
+        """Calls being handled now (the daemon's drain reports them)."""
+        with self._calls_lock:
+            return self._calls_in_flight
+
+    def _count_call(self, step: int) -> None:
+        with self._calls_lock:
+            self._calls_in_flight += step
 
     # ---- handlers ------------------------------------------------------------
 
@@ -233,15 +246,37 @@ def handler(service: KVStoreService) -> grpc.GenericRpcHandler:
     def serialize(message):
         return message.SerializeToString()
 
+    def counted(behavior):
+        @functools.wraps(behavior)
+        def call(request, context):
+            service._count_call(1)
+            try:
+                return behavior(request, context)
+            finally:
+                service._count_call(-1)
+
+        return call
+
+    def counted_stream(behavior):
+        @functools.wraps(behavior)
+        def call(request, context):
+            service._count_call(1)
+            try:
+                yield from behavior(request, context)
+            finally:
+                service._count_call(-1)
+
+        return call
+
     methods = {
-        "Info": grpc.unary_unary_rpc_method_handler(service.info, parse(pb.InfoRequest), serialize),
-        "Lookup": grpc.unary_unary_rpc_method_handler(service.lookup, parse(pb.LookupRequest), serialize),
+        "Info": grpc.unary_unary_rpc_method_handler(counted(service.info), parse(pb.InfoRequest), serialize),
+        "Lookup": grpc.unary_unary_rpc_method_handler(counted(service.lookup), parse(pb.LookupRequest), serialize),
         "GetPages": grpc.unary_stream_rpc_method_handler(
-            service.get_pages, parse(pb.GetPagesRequest), None  # replies are framed bytes already
+            counted_stream(service.get_pages), parse(pb.GetPagesRequest), None  # replies are framed bytes already
         ),
         "PutPages": grpc.stream_unary_rpc_method_handler(
-            service.put_pages, tolerant(wire.parse_put_item, "PutItem"), serialize
+            counted(service.put_pages), tolerant(wire.parse_put_item, "PutItem"), serialize
         ),
-        "Stats": grpc.unary_unary_rpc_method_handler(service.stats, parse(pb.StatsRequest), serialize),
+        "Stats": grpc.unary_unary_rpc_method_handler(counted(service.stats), parse(pb.StatsRequest), serialize),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
