@@ -160,8 +160,9 @@ def drain(timeout_s: float, membership, health, server, service: KVStoreService,
     if not grpc_stopped.wait(left + 2.0):
         log.warning("gRPC server did not stop within %.1fs; exiting anyway", timeout_s + 2.0)
     calls_cut = service.calls_in_flight()
-    log.info("stopped: drained in %.2fs: %d data plane transfers finished, %d cut; %d gRPC calls were running, "
+    log.info("drained in %.2fs: %d data plane transfers finished, %d cut; %d gRPC calls were running, "
              "%d still at the end (cut)", time.monotonic() - started, finished, cut, calls, calls_cut)
+    log.info("stopped")  # the last line, as every daemon's
 
 
 def node_load(store: PageStore) -> pb.MemberLoad:
