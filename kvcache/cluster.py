@@ -160,6 +160,16 @@ class LocalCluster:
     def coordinator_addresses(self) -> list[str]:
         return [d.address for d in self.role("coordinator")]
 
+    def restart(self, daemon: Daemon, port: int | None = None, timeout_s: float = 30.0) -> Daemon:
+        """Start a stopped member again with its arguments, on `port` (default: the port it had), same log."""
+        if daemon.alive():
+            raise ValueError(f"{daemon.role} {daemon.address} (pid {daemon.pid}) still runs: stop it first")
+        args = list(daemon.args)
+        args[args.index("--port") + 1] = str(port if port is not None else daemon.address.rsplit(":", 1)[1])
+        again = Daemon(daemon.role, args, log_path=daemon.log_path, timeout_s=timeout_s)
+        self.daemons[self.daemons.index(daemon)] = again
+        return again
+
     def stop(self) -> None:
         _stop_all(self.daemons)
 

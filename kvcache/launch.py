@@ -32,6 +32,7 @@ class Daemon:
 
     def __init__(self, role: str, args: Sequence[str], log_path: Path | None = None, timeout_s: float = 60.0, env=None):
         self.role = role
+        self.args = list(args)  # so a member can be started again as it was (LocalCluster.restart)
         if log_path is None:
             handle, name = tempfile.mkstemp(prefix=f"kvcache-{role}-", suffix=".log")
             os.close(handle)
