@@ -11,6 +11,7 @@ BENCHES = [
     ("remote", "TTFT cold vs warm from a kvnode vs warm local"),
     ("eviction", "hit rate and orphans of prefix-aware vs LRU vs FIFO eviction"),
     ("load", "the cluster under concurrent load, with the cache and without"),
+    ("chaos", "faults under load: failed and differing answers against an undisturbed run"),
 ]
 
 
