@@ -13,7 +13,7 @@ import pytest
 from coordinator.client import Client
 from kvcache.bench.chaosload import ChaosRequest, Outcome, first_difference
 from kvcache.bench.chaosreport import count_outcomes, print_report
-from kvcache.bench.chaoswatch import DeadSighting, Downtime, log_sightings, wrongly_dead
+from kvcache.bench.chaoswatch import DeadSighting, Downtime, log_sightings, resumed_streams, wrongly_dead
 from kvcache.cluster import start_cluster, wait_healthy
 
 BENCH = [sys.executable, "-m", "kvcache.cli", "bench", "chaos"]
@@ -64,7 +64,7 @@ def test_short_run_counts_add_up_and_stops_everything(short_run):
         assert row["differing"] + row["unchecked"] <= row["completed"] and row["refusals"] >= row["refused_and_retried"]
     assert r["load"]["by_kind"]["all"]["sent"] == sum(r["load"]["by_kind"][k]["sent"] for k in ("greedy", "seeded"))
     assert r["goal"]["met"] == (r["goal"]["failed"] == 0 and r["goal"]["differing"] == 0)
-    assert r["status_polls"] > 0
+    assert r["status_polls"] > 0 and r["resumed_by_coordinators"] >= 0
     assert len(r["pids"]) == 4 + 2 + r["faults"]["total"], "2 coordinators, 2 kvnodes, 2 workers, each restart"
     assert r["processes_left"] == [] and not any(running(pid) for pid in r["pids"])
 
@@ -150,3 +150,11 @@ def test_missed_heartbeat_lines_are_read_from_the_coordinator_logs(tmp_path):
     assert (sighting.role, sighting.address, sighting.coordinator, sighting.source) == (
         "worker", "127.0.0.1:7", "coordinator-0", "log")
     assert sighting.at == pytest.approx(time.mktime(time.strptime("2999-01-01", "%Y-%m-%d")) + 0.25)
+
+
+def test_streams_resumed_mid_stream_are_counted_from_the_coordinator_logs(tmp_path):
+    log = tmp_path / "coordinator-1.log"
+    log.write_text("2999-01-01 00:00:00,000 coordinator WARNING worker 127.0.0.1:7 failed: UNAVAILABLE: gone "
+                   "(request 1a2b, 64 tokens sent)\n2999-01-01 00:00:00,000 coordinator WARNING worker 127.0.0.1:7 "
+                   "failed: UNAVAILABLE: gone (request 3c4d, 0 tokens sent)\n")
+    assert resumed_streams([log], since=time.time()) == 1

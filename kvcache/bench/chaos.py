@@ -30,7 +30,7 @@ from pathlib import Path
 from kvcache.bench import chaosreport as report
 from kvcache.bench.chaosfaults import KINDS, FaultInjector
 from kvcache.bench.chaosload import SEEDED_TEMPERATURE, build_requests, run_clients
-from kvcache.bench.chaoswatch import StatusWatcher, log_sightings, wrongly_dead
+from kvcache.bench.chaoswatch import StatusWatcher, log_sightings, resumed_streams, wrongly_dead
 from kvcache.bench.report import dump_json, machine, versions
 from kvcache.cluster import LocalCluster, start_cluster, wait_healthy
 from kvcache.launch import DaemonFailed
@@ -129,7 +129,8 @@ def _bench(args, kinds: list[str], cluster: LocalCluster, logs: Path, say) -> di
         if injector is not None:
             injector.stop()
         watcher.stop()
-    sightings = watcher.sightings + log_sightings([d.log_path for d in cluster.role("coordinator")], watch_from)
+    coordinator_logs = [d.log_path for d in cluster.role("coordinator")]
+    sightings = watcher.sightings + log_sightings(coordinator_logs, watch_from)
     wrong = wrongly_dead(sightings, [f.downtime() for f in injector.faults])
     load = report.count_outcomes(outcomes, reference)
     everything = load["by_kind"]["all"]
@@ -144,6 +145,7 @@ def _bench(args, kinds: list[str], cluster: LocalCluster, logs: Path, say) -> di
         "reference": report.reference_summary(reference, requests),
         "faults": report.fault_summary(injector.faults, start),
         "load": load,
+        "resumed_by_coordinators": resumed_streams(coordinator_logs, start),
         "wrongly_dead": report.dead_summary(wrong, len(sightings), start),
         "status_polls": watcher.polls,
         "pids": injector.pids,

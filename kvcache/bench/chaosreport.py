@@ -77,6 +77,8 @@ def print_report(result: dict) -> None:
     print_table(["measure", "greedy", "seeded", "all"],
                 [[label, rows["greedy"][key], rows["seeded"][key], rows["all"][key]] for label, key in measures]
                 + [["members wrongly marked dead", "", "", len(result["wrongly_dead"]["members"])]], out=sys.stdout)
+    print(f"streams a coordinator resumed on another worker after some tokens (its log): "
+          f"{result['resumed_by_coordinators']}")
     for title, lines in (("first failures", result["load"]["first_failures"]),
                          ("first differences", [_says(d) for d in result["load"]["first_differences"]]),
                          ("wrongly marked dead", [_dead(s) for s in result["wrongly_dead"]["first"]])):

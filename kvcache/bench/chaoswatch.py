@@ -20,6 +20,7 @@ from coordinator.client import Client, ClusterError
 POLL_INTERVAL_S = 0.5
 EXCUSE_AFTER_BACK_S = 3.0
 _MISSED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*?\b(node|worker) (\S+) missed its heartbeats")
+_RESUMED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*\(request \S+, ([1-9]\d*) tokens sent\)")
 
 
 @dataclass(frozen=True)
@@ -77,20 +78,30 @@ class StatusWatcher:
 
 def log_sightings(logs: list[Path], since: float) -> list[DeadSighting]:
     """The "missed its heartbeats" lines of the coordinators' logs written after `since` (time.time())."""
-    found = []
+    return [DeadSighting(at, path.stem, match.group(3), match.group(4), "log")
+            for path, at, match in _log_lines(logs, _MISSED, since)]
+
+
+def resumed_streams(logs: list[Path], since: float) -> int:
+    """Streams a coordinator resumed on another worker after some tokens (its "N tokens sent" lines):
+    shows the faults hit requests mid-stream. Resumes by the client (a coordinator died) are not logged."""
+    return sum(1 for _ in _log_lines(logs, _RESUMED, since))
+
+
+def _log_lines(logs: list[Path], pattern: re.Pattern, since: float):
+    """(log, time.time() of the line, match) for the lines matching `pattern` written after `since`."""
     for path in logs:
         try:
             lines = path.read_text(errors="replace").splitlines()
         except OSError:
             continue
         for line in lines:
-            match = _MISSED.match(line)
+            match = pattern.match(line)
             if not match:
                 continue
             at = time.mktime(time.strptime(match.group(1), "%Y-%m-%d %H:%M:%S")) + int(match.group(2)) / 1000
             if at >= since:
-                found.append(DeadSighting(at, path.stem, match.group(3), match.group(4), "log"))
-    return found
+                yield path, at, match
 
 
 def wrongly_dead(sightings: list[DeadSighting], downtimes: list[Downtime]) -> list[DeadSighting]:
