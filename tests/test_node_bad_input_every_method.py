@@ -10,19 +10,15 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
-from google.protobuf import descriptor_pool, message_factory
-from google.protobuf.descriptor import FieldDescriptor
-from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from cluster_helpers import NODE_PAGE_BYTES, node_process, raw_channel, read_log
+from cluster_helpers import NODE_PAGE_BYTES, node_process, read_log
 from kvnode import wire
 from kvnode.client import NodeClient
+from reflection_helpers import GARBAGE, UNCLEAN, call, field_cases, list_methods
 from store_helpers import key
 
 MAX_KEYS = 8
 MAX_MESSAGE_BYTES = 64 * 1024
-UNCLEAN = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
-GARBAGE = b"\x0a\xff\xff\xff\xff\x0f"  # field 1 claims ~4 GiB that are not there
 INVALID, RESOURCE = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
 
 # Per method: (what the request says, its messages as bytes, the status it must get).
@@ -65,69 +61,7 @@ def node(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def methods(node):
-    """(service, method descriptor) for every method of the node's own services, by reflection."""
-    channel = grpc.insecure_channel(node.address)
-    try:
-        database = ProtoReflectionDescriptorDatabase(channel)
-        pool = descriptor_pool.DescriptorPool(database)
-        found = []
-        for name in database.get_services():
-            if name.startswith("kvcache."):
-                service = pool.FindServiceByName(name)
-                found += [(name, method) for method in service.methods]
-        return found
-    finally:
-        channel.close()
-
-
-def call(address: str, service: str, method, messages: list[bytes]) -> grpc.StatusCode:
-    """Send `messages` as bytes to the method, whatever its shape; the status it ended with."""
-    channel = raw_channel(address)
-    path = f"/{service}/{method.name}"
-    try:
-        if method.client_streaming:
-            stub = (channel.stream_stream if method.server_streaming else channel.stream_unary)(path, None, None)
-            request = iter(messages)
-        else:
-            stub = (channel.unary_stream if method.server_streaming else channel.unary_unary)(path, None, None)
-            request = messages[0]
-        reply = stub(request, timeout=10)
-        if method.server_streaming:
-            list(reply)
-        return grpc.StatusCode.OK
-    except grpc.RpcError as exc:
-        return exc.code()
-    finally:
-        channel.close()
-
-
-def field_cases(message_descriptor) -> list[tuple[str, bytes]]:
-    """Messages built from the request's own fields: edge values for each field in turn."""
-    cls = message_factory.GetMessageClass(message_descriptor)
-    cases = [("empty", b"")]
-    for field in message_descriptor.fields:
-        if field.type == FieldDescriptor.TYPE_BYTES:
-            values = [b"", b"x" * 15, b"x" * 17, b"x" * 1000]
-            if field.is_repeated:
-                values = [[v] for v in values] + [[key(i) for i in range(MAX_KEYS * 4)]]
-        elif field.type == FieldDescriptor.TYPE_BOOL:
-            values = [True]
-        elif field.cpp_type in (FieldDescriptor.CPPTYPE_UINT32, FieldDescriptor.CPPTYPE_UINT64):
-            values = [2**32 - 1 if field.cpp_type == FieldDescriptor.CPPTYPE_UINT32 else 2**64 - 1]
-        elif field.cpp_type in (FieldDescriptor.CPPTYPE_INT32, FieldDescriptor.CPPTYPE_INT64):
-            values = [-1, -(2**31)]
-        elif field.cpp_type == FieldDescriptor.CPPTYPE_STRING:
-            values = ["", "x" * 1000]
-        else:
-            values = []
-        for value in values:
-            message = cls()
-            if field.is_repeated:
-                getattr(message, field.name).extend(value)
-            else:
-                setattr(message, field.name, value)
-            cases.append((f"{field.name}={str(value)[:40]}", message.SerializeToString()))
-    return cases
+    return list_methods(node.address)
 
 
 def assert_serving(address: str) -> None:
@@ -166,7 +100,7 @@ def test_an_oversized_message_gets_resource_exhausted(node, methods):
 
 def test_messages_built_from_each_request_field_get_a_clean_status(node, methods):
     for service, method in methods:
-        for name, message in field_cases(method.input_type):
+        for name, message in field_cases(method.input_type, [key(i) for i in range(MAX_KEYS * 4)]):
             messages = [message] if not method.client_streaming else [message, message]
             code = call(node.address, service, method, messages)
             assert code not in UNCLEAN, (method.name, name, code)
