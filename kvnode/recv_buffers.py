@@ -2,7 +2,7 @@
 bounded in total, so connections idle between requests hold little memory.
 
 Why reuse at all: fresh memory is written several times slower than memory written before
-(DESIGN.md, "What the measurements here say"), and most PUTs carry a page or a few. Why bound it:
+(measured on loopback), and most PUTs carry a page or a few. Why bound it:
 a connection that once sent a large PUT must not keep that buffer for as long as it stays open,
 times every open connection. A buffer larger than `keep_per_connection`, or one that would take the
 bytes kept over all connections past `keep_total`, serves its one request and is dropped after it.

@@ -1,4 +1,4 @@
-"""Paged attention equals dense attention on the same keys and values (DESIGN.md invariant 2)."""
+"""Paged attention equals dense attention on the same keys and values (docs/architecture.md, invariants)."""
 
 import numpy as np
 import pytest

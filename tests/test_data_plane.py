@@ -1,6 +1,6 @@
 """The kvnode's data plane (kvnode/data_plane.py) at the byte level: raw requests are answered
 as framed, every bad input gets its status or is dropped cleanly while the node goes on serving
-with its invariants intact (DESIGN.md invariants 3 and 4), and no peer holds pins or memory for
+with its invariants intact (docs/architecture.md, invariants), and no peer holds pins or memory for
 long. NodeClient over it: tests/test_data_plane_client.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Bad input to the KVStore service (DESIGN.md invariant 4): each gets a clear status and
+"""Bad input to the KVStore service (docs/architecture.md, invariants): each gets a clear status and
 message, changes nothing, and the node goes on serving with its invariants intact. Every method
 that reflection lists gets bad input against a real node in test_node_bad_input_every_method.py."""
 

@@ -1,5 +1,5 @@
-"""Bad input to every method of a real `kvcache node`, as server reflection lists them (DESIGN.md
-invariant 4): bytes that do not parse, a message over the size limit, and values built from each
+"""Bad input to every method of a real `kvcache node`, as server reflection lists them (docs/architecture.md,
+"Invariants the tests hold"): bytes that do not parse, a message over the size limit, and values built from each
 request's own fields (keys of the wrong length, lists past the bound, the largest numbers) each get
 a clean status, never UNKNOWN or INTERNAL, and the node then serves a normal round trip. A method
 added later without a semantic case below fails test_every_method_has_a_semantic_case. The

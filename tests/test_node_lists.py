@@ -1,6 +1,6 @@
 """What a client sends in pieces has a bound: a PutPages item must carry data (so a stream of
 empty items cannot grow without end), a page sent in many pieces holds one page's bytes, and a
-message of many unknown fields keeps none of them (DESIGN.md invariant 6). Key-count bounds per
+message of many unknown fields keeps none of them (docs/architecture.md, invariants). Key-count bounds per
 method are in test_node_bad_input.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""PageStore: pool, free list, index, prefix-aware LRU eviction, leases (DESIGN.md invariant 3).
+"""PageStore: pool, free list, index, prefix-aware LRU eviction, leases (docs/architecture.md, invariants).
 
 Every store here is a CheckedStore: the invariants are checked after every call.
 """

@@ -1,4 +1,4 @@
-"""Leases under abuse (DESIGN.md invariant 6): the lease heap stays O(live leases) however often
+"""Leases under abuse (docs/architecture.md, invariants): the lease heap stays O(live leases) however often
 leases are renewed, and no client can lease more than the node's bounds (store design note 5)."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ KEYS = [key(n) for n in range(10)]
 
 
 class ReferenceStore:
-    """Prefix-aware LRU with leases, as DESIGN.md says, in the plainest code."""
+    """Prefix-aware LRU with leases, as docs/architecture.md says, in the plainest code."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity

@@ -1,6 +1,6 @@
 """Paged attention over the worker's KV pool, and a dense reference.
 
-Pool layout (DESIGN.md): kv_pool[block, layer, 0 = K | 1 = V, kv_head, offset, head_dim], float32.
+Pool layout (docs/architecture.md): kv_pool[block, layer, 0 = K | 1 = V, kv_head, offset, head_dim], float32.
 A sequence's block table maps its position p to block table[p // P], offset p % P.
 
 Notes:
@@ -13,7 +13,7 @@ Notes:
    the copy itself here). Decode gathers the keys, computes the scores, then gathers the values
    into the same buffer: half the buffer, which stays in cache between the copy and the matmul
    that reads it (measured here: less attention time at batch 8 than gathering both at once).
-   With the page layout fixed by the wire (DESIGN.md), a head's keys in two consecutive blocks
+   With the page layout fixed by the wire (docs/architecture.md), a head's keys in two consecutive blocks
    are a whole page apart, so even consecutive blocks are no matmul operand without this copy.
 3. Decode (one new token per sequence) runs many sequences in one pass: each group's tables are
    padded to the group's longest (pad entries repeat a real block; positions past each context

@@ -50,7 +50,7 @@ class Model:
         return f"Model({self.name!r}, {c.arch}, layers={c.n_layers}, d={c.d_model}, heads={c.n_heads}/{c.n_kv_heads})"
 
     def fingerprint(self, kv_dtype: str, page_tokens: int) -> bytes:
-        """16 bytes that stand in for the parent key of a sequence's first page (DESIGN.md):
+        """16 bytes that stand in for the parent key of a sequence's first page (docs/architecture.md):
         equal only for the same architecture, config, weights, KV dtype and page size."""
         _check_kv_dtype(kv_dtype)
         h = hashlib.blake2b(digest_size=16)

@@ -64,7 +64,7 @@ def silu_(x: np.ndarray) -> np.ndarray:
 
 def round_kv(x: np.ndarray, kv_dtype: str) -> np.ndarray:
     """Keys/values as they will be stored: float16 KV is rounded the moment it is computed
-    (DESIGN.md), so a page fetched from a node is bit-identical to one computed here."""
+    (docs/architecture.md), so a page fetched from a node is bit-identical to one computed here."""
     if kv_dtype == "float16":
         return x.astype(np.float16).astype(np.float32)
     return x
