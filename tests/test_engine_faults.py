@@ -6,7 +6,8 @@ import threading
 import pytest
 
 from engine_helpers import PROMPTS, ToyModel, alone, make_engine
-from worker.engine import Engine, RequestIdInUse
+from worker.engine import Engine
+from worker.outputs import RequestIdInUse
 
 POISON = ord("#")
 

@@ -33,7 +33,8 @@ from kvcache import __version__
 from protos import kvcache_pb2 as pb
 from protos import serving
 from worker.client import usage_to_proto
-from worker.engine import Engine, RequestIdInUse
+from worker.engine import Engine
+from worker.outputs import RequestIdInUse
 from worker.remote import Placement
 from worker.sampling import FINISH_ERROR, SamplingParams
 
