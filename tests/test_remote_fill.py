@@ -153,7 +153,7 @@ def test_pipelined_fill_writes_what_the_simple_path_writes(make_node, kv_dtype, 
 
 def fail_on_call(tier, address, call_number):
     """Make the tier's client for `address` fail its `call_number`-th GetPages, after scribbling on its buffer."""
-    client = tier._nodes[address].client
+    client = tier.nodes.get(address).client
     real = client.get_pages
     calls = []
 

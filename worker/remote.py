@@ -1,11 +1,20 @@
 """The remote tier: kvnodes named by each request's placement, behind the engine's hook.
 
-A kvnode never makes a request fail: every call has a short deadline, a node that
-fails is skipped for a while, and whatever cannot be fetched is computed instead.
-Fetched pages come in batches: a fetch thread receives batch i+1 while the engine's
-thread writes batch i into the pool (casting float16 to float32 on the way), so the
-transfer and the cast overlap instead of adding up. Write-back runs on one background
-thread with a bounded queue; what cannot be sent is counted and dropped.
+Design notes
+1. A kvnode never makes a request fail: every call has a short deadline, a node that fails is
+   skipped for a while (longer each time in a row), and whatever cannot be fetched is computed.
+2. `lookup` and `fill` run on the engine's thread, and placement addresses come from clients,
+   so the engine never waits long on a node it has no good record of: first contact happens on
+   a probe thread (remote_nodes.py), and a request waits for its nodes' probes at most
+   `first_contact_wait_s` in all, then counts a miss while they go on. One request's lookup
+   spends at most `lookup_timeout_s` across all its placed nodes, not that much per node.
+3. The known nodes are bounded (`max_nodes`, least recently used evicted and closed), and so are
+   the probes in flight (`max_probes`; past it an unknown address is a miss).
+4. Fetched pages come in batches: a fetch thread receives batch i+1 while the engine's thread
+   writes batch i into the pool (casting float16 to float32 on the way), so the transfer and
+   the cast overlap instead of adding up.
+5. Write-back runs on one background thread with a bounded queue; what cannot be sent is
+   counted and dropped. That thread may wait for a first contact up to `lookup_timeout_s`.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import numpy as np
 
 from kvnode.client import NodeClient, NodeError
 from worker.half import float16_to_float32
+from worker.remote_nodes import Node, NodeTable
 
 log = logging.getLogger("worker.remote")
 
@@ -48,15 +58,6 @@ class TierStats:
     pages_dropped: int = 0
 
 
-@dataclass
-class _Node:
-    client: NodeClient
-    checked: bool = False  # page size verified
-    max_keys: int = 1  # most pages the node takes in one request (from its info)
-    refused: bool = False  # page size does not match: never used
-    down_until: float = 0.0
-
-
 class RemoteTier:
     """Fetches pages into the engine's float32 pool and writes full pages back.
 
@@ -71,6 +72,10 @@ class RemoteTier:
         lease_ms: int = 2_000,
         lookup_timeout_s: float = 0.5,
         retry_after_s: float = 2.0,
+        max_retry_after_s: float = 60.0,
+        first_contact_wait_s: float = 0.1,
+        max_nodes: int = 64,
+        max_probes: int = 16,
         queue_bytes: int = 256 * 2**20,
         fetch_batch_bytes: int = 16 * 2**20,
         min_batch_bytes: int = 2 * 2**20,
@@ -81,13 +86,13 @@ class RemoteTier:
         self.page_bytes = int(np.prod(self.block_shape)) * self.wire_dtype.itemsize
         self.lease_ms = lease_ms
         self.lookup_timeout_s = lookup_timeout_s
-        self.retry_after_s = retry_after_s
+        self.first_contact_wait_s = first_contact_wait_s
         self.fetch_batch_pages = max(1, fetch_batch_bytes // self.page_bytes)
         self.min_batch_pages = max(1, min(min_batch_bytes // self.page_bytes, self.fetch_batch_pages))
         self.stats = TierStats()
         self._stats_lock = threading.Lock()  # counted from the engine thread and the sender thread
-        self._nodes: dict[str, _Node] = {}
-        self._nodes_lock = threading.Lock()
+        self.nodes = NodeTable(self.page_bytes, lookup_timeout_s, retry_after_s, max_retry_after_s, max_nodes,
+                               max_probes, on_failure=lambda: self._count("node_failures", 1))
         # Float32 copies, cast when sent: bounded in bytes (1,024 gpt2-small pages would be 1.2 GB).
         self._outbox: queue.Queue = queue.Queue(maxsize=max(16, queue_bytes // pool[0].nbytes))
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fetch")
@@ -102,28 +107,39 @@ class RemoteTier:
     # ---- the engine's hook -----------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes], placement: Placement) -> int:
-        """How many of `keys`, from the first, the first answering placed node holds (leased for the fetch)."""
+        """How many of `keys`, from the first, the first answering placed node holds (leased for the fetch).
+
+        Waits for first contacts at most `first_contact_wait_s`, and `lookup_timeout_s` in all (design note 2).
+        """
         self._count("lookups", 1)
         placement.source, placement.source_hits = None, 0
-        for address in placement.addresses:
-            node = self._usable(address)
-            if node is None:
-                continue
-            try:
-                hits = self._lookup(node, keys)
-            except NodeError as exc:
-                self._failed(address, node, exc)
-                continue
-            placement.source, placement.source_hits = address, hits
-            return hits
+        started = time.monotonic()
+        contact_until, deadline = started + self.first_contact_wait_s, started + self.lookup_timeout_s
+        with self.nodes.use(placement.addresses) as nodes:
+            for node in nodes:
+                if time.monotonic() >= deadline:
+                    break
+                if not self.nodes.ready(node, min(contact_until, deadline)):
+                    continue
+                try:
+                    hits = self._lookup(node, keys, deadline)
+                except NodeError as exc:
+                    self.nodes.failed(node, exc)
+                    continue
+                placement.source, placement.source_hits = node.address, hits
+                return hits
         return 0
 
-    def _lookup(self, node: _Node, keys: Sequence[bytes]) -> int:
-        """The node's hits among `keys`, leased, asked in requests of at most the node's key limit."""
+    def _lookup(self, node: Node, keys: Sequence[bytes], deadline: float) -> int:
+        """The node's hits among `keys`, leased, asked in requests of at most the node's key limit, until `deadline`."""
         hits = 0
         for start in range(0, len(keys), node.max_keys):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break  # the request's lookup time is spent: the hits so far
             part = keys[start : start + node.max_keys]
-            found = node.client.lookup(part, lease_ms=self.lease_ms, timeout=self.lookup_timeout_s)
+            found = node.client.lookup(part, lease_ms=self.lease_ms, timeout=min(left, self.lookup_timeout_s))
+            self.nodes.succeeded(node)
             hits += found
             if found < len(part):
                 break
@@ -146,29 +162,31 @@ class RemoteTier:
         candidates = [placement.source] if placement.source else []
         candidates += [a for a in placement.addresses if a not in candidates]
         filled = 0
-        for address in candidates:
-            node = self._usable(address)
-            if node is None:
-                continue
-            wanted = keys[filled:]
-            if address != placement.source:  # a replica: ask what it holds first
-                try:
-                    hits = self._lookup(node, wanted)
-                except NodeError as exc:
-                    self._failed(address, node, exc)
+        deadline = time.monotonic() + self.lookup_timeout_s  # for the replicas' lookups, all of them
+        with self.nodes.use(candidates) as nodes:
+            for node in nodes:
+                if not self.nodes.ready(node, 0.0):  # lookup() waited for first contacts already
                     continue
-                wanted = wanted[:hits]
-                if not wanted:
-                    continue
-            arrived, error = self._fetch(node, wanted, block_ids[filled : filled + len(wanted)])
-            filled += arrived
-            if error is None:
-                return filled
-            self._count("fetch_failures", 1)
-            self._failed(address, node, error)
+                wanted = keys[filled:]
+                if node.address != placement.source:  # a replica: ask what it holds first
+                    try:
+                        hits = self._lookup(node, wanted, deadline)
+                    except NodeError as exc:
+                        self.nodes.failed(node, exc)
+                        continue
+                    wanted = wanted[:hits]
+                    if not wanted:
+                        continue
+                arrived, error = self._fetch(node, wanted, block_ids[filled : filled + len(wanted)])
+                filled += arrived
+                if error is None:
+                    self.nodes.succeeded(node)
+                    return filled
+                self._count("fetch_failures", 1)
+                self.nodes.failed(node, error)
         return filled
 
-    def _fetch(self, node: _Node, keys: Sequence[bytes], block_ids: Sequence[int]) -> tuple[int, NodeError | None]:
+    def _fetch(self, node: Node, keys: Sequence[bytes], block_ids: Sequence[int]) -> tuple[int, NodeError | None]:
         """Receive batches on the fetch thread, write each into the pool here; (pages written, error or None)."""
         client = node.client
         batches = self._batches(len(keys), node.max_keys)
@@ -257,7 +275,7 @@ class RemoteTier:
 
     def on_page_full(self, key: bytes, parent: bytes, block_id: int, placement: Placement) -> None:
         """Queue a copy of a newly full page for every placed node; never blocks (a full queue drops it)."""
-        if not any(self._may_be_usable(a) for a in placement.addresses):
+        if not any(self.nodes.may_be_usable(a) for a in placement.addresses):
             self._count("pages_dropped", len(placement.addresses))
             return
         # A plain copy (the block may be reused); the sender casts it to the wire dtype, because
@@ -271,44 +289,6 @@ class RemoteTier:
     def _count(self, name: str, amount: int) -> None:
         with self._stats_lock:
             setattr(self.stats, name, getattr(self.stats, name) + amount)
-
-    # ---- nodes ---------------------------------------------------------------
-
-    def _may_be_usable(self, address: str) -> bool:
-        """No RPC: False only for a node known to be down or refused."""
-        node = self._nodes.get(address)
-        return node is None or not (node.refused or time.monotonic() < node.down_until)
-
-    def _usable(self, address: str) -> _Node | None:
-        with self._nodes_lock:
-            node = self._nodes.get(address)
-            if node is None:
-                node = self._nodes[address] = _Node(NodeClient(address))
-        if node.refused or time.monotonic() < node.down_until:
-            return None
-        if not node.checked:
-            try:
-                info = node.client.info(timeout=self.lookup_timeout_s)
-            except NodeError as exc:
-                self._failed(address, node, exc)
-                return None
-            node.checked = True
-            node.max_keys = max(1, info.max_keys_per_request)
-            if info.page_bytes != self.page_bytes:
-                node.refused = True
-                log.warning(
-                    "refusing kvnode %s: its pages are %d bytes, this worker's are %d "
-                    "(start the node with the worker's --model and --kv-dtype)",
-                    address, info.page_bytes, self.page_bytes,
-                )
-                return None
-        return node
-
-    def _failed(self, address: str, node: _Node, exc: NodeError) -> None:
-        self._count("node_failures", 1)
-        if time.monotonic() >= node.down_until:
-            log.warning("kvnode %s failed (%s); skipping it for %.0fs", address, exc.code.name, self.retry_after_s)
-        node.down_until = time.monotonic() + self.retry_after_s
 
     def _fetch_timeout(self, pages: int) -> float:
         return 1.0 + pages * self.page_bytes / 100e6  # generous: 100 MB/s is far below loopback
@@ -338,21 +318,23 @@ class RemoteTier:
                 self._outbox.task_done()
 
     def _write(self, address: str, items: list) -> None:
-        node = self._usable(address)
-        if node is None:
-            self._count("pages_dropped", len(items))
-            return
-        for start in range(0, len(items), node.max_keys):  # parents first: in order, each request within the limit
-            part = items[start : start + node.max_keys]
-            keys, parents, pages = zip(*part)
-            try:
-                result = node.client.put_pages(keys, parents, pages, timeout=self._fetch_timeout(len(part)))
-            except NodeError as exc:
-                self._count("pages_dropped", len(items) - start)
-                self._failed(address, node, exc)
+        with self.nodes.use([address]) as nodes:
+            if not nodes or not self.nodes.ready(nodes[0], time.monotonic() + self.lookup_timeout_s):
+                self._count("pages_dropped", len(items))
                 return
-            self._count("pages_written", result.stored + result.already_present)
-            self._count("pages_refused", result.refused)
+            node = nodes[0]
+            for start in range(0, len(items), node.max_keys):  # parents first: in order, each within the limit
+                part = items[start : start + node.max_keys]
+                keys, parents, pages = zip(*part)
+                try:
+                    result = node.client.put_pages(keys, parents, pages, timeout=self._fetch_timeout(len(part)))
+                except NodeError as exc:
+                    self._count("pages_dropped", len(items) - start)
+                    self.nodes.failed(node, exc)
+                    return
+                self.nodes.succeeded(node)
+                self._count("pages_written", result.stored + result.already_present)
+                self._count("pages_refused", result.refused)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued page was sent or dropped (tests, shutdown); False on timeout."""
@@ -365,7 +347,4 @@ class RemoteTier:
         self._stopping.set()
         self._sender.join(timeout=5.0)
         self._fetcher.shutdown(wait=True)
-        with self._nodes_lock:
-            for node in self._nodes.values():
-                node.client.close()
-            self._nodes.clear()
+        self.nodes.close()
