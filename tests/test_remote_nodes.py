@@ -149,6 +149,24 @@ def test_one_lookup_spends_its_timeout_once_across_nodes_that_hang(make_node):
         tier.close()
 
 
+def test_write_back_waits_for_first_contacts_once_a_batch_not_once_a_node(make_node):
+    keys = chain_keys(2, b"write")
+    node = make_node(capacity_pages=16, page_bytes=PAGE_FLOAT16)
+    tier = make_tier(lookup_timeout_s=1.0)  # one by one, 6 s
+    try:
+        with Blackholes(6) as silent:
+            placement = Placement([*silent.addresses, node.address])
+            started = time.monotonic()
+            for i, key in enumerate(keys):
+                tier.on_page_full(key, keys[i - 1] if i else b"", i, placement)
+            assert tier.flush(timeout_s=10.0)
+            took = time.monotonic() - started
+        assert took < 3.0, f"write-back took {took:.2f}s"
+        assert tier.stats.pages_written == 2 and tier.stats.pages_dropped == 2 * 6
+    finally:
+        tier.close()
+
+
 # ---- back-off and probes ---------------------------------------------------------
 
 

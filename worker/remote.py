@@ -14,7 +14,7 @@ Design notes
    writes batch i into the pool (casting float16 to float32 on the way), so the transfer and
    the cast overlap instead of adding up.
 5. Write-back runs on one background thread with a bounded queue; what cannot be sent is
-   counted and dropped. That thread may wait for a first contact up to `lookup_timeout_s`.
+   counted and dropped. That thread waits for first contacts up to `lookup_timeout_s` a batch.
 """
 
 from __future__ import annotations
@@ -312,14 +312,16 @@ class RemoteTier:
                 wire = data.astype(self.wire_dtype, copy=False)
                 for address in addresses:
                     by_node.setdefault(address, []).append((key, parent, wire))
+            self.nodes.contact(list(by_node))  # first contacts at once, then one wait for all of them
+            until = time.monotonic() + self.lookup_timeout_s
             for address, items in by_node.items():
-                self._write(address, items)
+                self._write(address, items, until)
             for _ in batch:
                 self._outbox.task_done()
 
-    def _write(self, address: str, items: list) -> None:
+    def _write(self, address: str, items: list, contact_until: float) -> None:
         with self.nodes.use([address]) as nodes:
-            if not nodes or not self.nodes.ready(nodes[0], time.monotonic() + self.lookup_timeout_s):
+            if not nodes or not self.nodes.ready(nodes[0], contact_until):
                 self._count("pages_dropped", len(items))
                 return
             node = nodes[0]

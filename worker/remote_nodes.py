@@ -111,6 +111,11 @@ class NodeTable:
                 for node in held:
                     node.num_users -= 1
 
+    def contact(self, addresses: Sequence[str]) -> None:
+        """Start probes where `use` would, holding nothing."""
+        with self.use(addresses):
+            pass
+
     def ready(self, node: Node, until: float) -> bool:
         """Whether calls may go to `node`, waiting for its probe no later than `until` (monotonic seconds)."""
         probe = node.probe
