@@ -250,7 +250,8 @@ def test_the_node_table_stays_bounded_and_closes_the_clients_it_evicts(make_node
             assert len(tier.nodes) <= 4
         assert tier.lookup(keys, Placement([node.address])) == 2  # the one node in use all along was kept
         assert len(made) <= 61 and len(closed) == len(made) - len(tier.nodes)
-        assert {id(c) for c in made} - {id(c) for c in closed} == {id(tier.nodes.get(a).client) for a in tier.nodes._nodes}
+        kept = {id(tier.nodes.get(address).client) for address in tier.nodes.addresses()}
+        assert {id(c) for c in made} - {id(c) for c in closed} == kept
         assert len([t for t in threading.enumerate() if t.name.startswith("kv-probe")]) <= 2
         assert threading.active_count() <= threads_before + 10  # not one a client: 61 of them were made
     finally:

@@ -82,6 +82,11 @@ class NodeTable:
     def get(self, address: str) -> Node | None:
         return self._nodes.get(address)
 
+    def addresses(self) -> list[str]:
+        """Known nodes, least recently used first."""
+        with self._lock:
+            return list(self._nodes)
+
     def num_probes(self) -> int:
         return self._num_probes
 
