@@ -12,6 +12,7 @@ BENCHES = [
     ("eviction", "hit rate and orphans of prefix-aware vs LRU vs FIFO eviction"),
     ("load", "the cluster under concurrent load, with the cache and without"),
     ("chaos", "faults under load: failed and differing answers against an undisturbed run"),
+    ("determinism", "seeded and greedy answers resumed or batched against the same request alone"),
 ]
 
 
