@@ -1,0 +1,118 @@
+"""The disk tier's slot file and the recovery that rebuilds an index from it: real files under
+tmp_path. A page written is read back whole; a flipped byte, a torn write or a cut file is
+detected; recovery keeps exactly the pages that reach a root through intact pages."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvnode.disk_tier import BLOCK_BYTES, HEADER_BYTES, SLOTS_FILE, DiskTier
+from kvnode.recovery import recover
+from store_helpers import key, page
+
+PAGE_BYTES = 1000
+
+
+@pytest.fixture
+def tier(tmp_path):
+    tier = DiskTier(tmp_path, 8, PAGE_BYTES)
+    yield tier
+    tier.close()
+
+
+def flip_byte(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_the_file_is_preallocated_in_block_aligned_slots(tier, tmp_path):
+    assert tier.slot_bytes == BLOCK_BYTES and tier.slot_bytes >= HEADER_BYTES + PAGE_BYTES
+    assert os.path.getsize(tmp_path / SLOTS_FILE) == 8 * BLOCK_BYTES
+    assert os.stat(tmp_path / SLOTS_FILE).st_blocks * 512 >= 8 * BLOCK_BYTES  # blocks reserved, not sparse
+
+
+def test_a_page_written_is_read_back_whole_and_only_under_its_key(tier):
+    tier.write(3, key(1), key(0), 7, page(1, PAGE_BYTES))
+    out = bytearray(PAGE_BYTES)
+    assert tier.read(3, key(1), out) and bytes(out) == page(1, PAGE_BYTES)
+    assert not tier.read(3, key(2), out), "another key's page must not be served"
+    assert not tier.read(4, key(1), out), "an empty slot holds nothing"
+
+
+@pytest.mark.parametrize("where", [0, 20, HEADER_BYTES - 1, HEADER_BYTES, HEADER_BYTES + PAGE_BYTES - 1],
+                         ids=["magic", "key", "checksum", "first data byte", "last data byte"])
+def test_any_flipped_byte_is_detected(tier, tmp_path, where):
+    tier.write(2, key(1), b"", 1, page(1, PAGE_BYTES))
+    flip_byte(tmp_path / SLOTS_FILE, 2 * tier.slot_bytes + where)
+    assert not tier.read(2, key(1), bytearray(PAGE_BYTES))
+
+
+def test_a_torn_write_is_detected(tier, tmp_path):
+    """Half of a new page over an old one: header and bytes no longer agree."""
+    tier.write(0, key(1), b"", 1, page(1, PAGE_BYTES))
+    with open(tmp_path / SLOTS_FILE, "r+b") as f:
+        f.seek(HEADER_BYTES + PAGE_BYTES // 2)
+        f.write(page(9, PAGE_BYTES)[PAGE_BYTES // 2 :])
+    assert not tier.read(0, key(1), bytearray(PAGE_BYTES))
+
+
+def test_a_freed_slot_reads_as_empty(tier):
+    tier.write(5, key(1), b"", 1, page(1, PAGE_BYTES))
+    tier.free(5)
+    head = bytearray(HEADER_BYTES)
+    assert tier.inspect(5, head, bytearray(PAGE_BYTES)) is None and DiskTier.is_empty(head)
+
+
+def chain(tier, first_slot: int, numbers: list[int], parent: bytes = b"") -> None:
+    for slot, n in enumerate(numbers, start=first_slot):
+        tier.write(slot, key(n), parent, n, page(n, PAGE_BYTES))
+        parent = key(n)
+
+
+def test_recovery_keeps_what_reaches_a_root_parents_first(tier):
+    chain(tier, 0, [1, 2, 3])  # 1 <- 2 <- 3
+    tier.write(5, key(4), key(1), 4, page(4, PAGE_BYTES))  # a second child of 1
+    tier.write(6, key(6), key(99), 6, page(6, PAGE_BYTES))  # parent never written: dropped
+    found = recover(tier)
+    assert [h.key for h in found.pages] == [key(1), key(2), key(3), key(4)]
+    assert (found.corrupted, found.orphaned) == (0, 1)
+    assert sorted(found.free_slots) == [3, 4, 6, 7]
+    assert recover(tier).orphaned == 0, "the orphan's slot was emptied on disk"
+
+
+def test_recovery_drops_a_corrupted_page_with_its_descendants(tier, tmp_path):
+    chain(tier, 0, [1, 2, 3, 4])
+    flip_byte(tmp_path / SLOTS_FILE, 1 * tier.slot_bytes + HEADER_BYTES + 10)  # page 2's bytes
+    found = recover(tier)
+    assert [h.key for h in found.pages] == [key(1)]
+    assert (found.corrupted, found.orphaned) == (1, 2)
+    assert "dropped 1 corrupted or torn pages and 2 pages whose parent was lost" in found.summary(tier)
+
+
+def test_recovery_after_the_file_was_cut_short(tmp_path):
+    tier = DiskTier(tmp_path, 8, PAGE_BYTES)
+    chain(tier, 0, [1, 2, 3])
+    chain(tier, 3, [4, 5])
+    tier.close()
+    os.truncate(tmp_path / SLOTS_FILE, 3 * BLOCK_BYTES + HEADER_BYTES + 100)  # page 4 torn, 5 gone
+    tier = DiskTier(tmp_path, 8, PAGE_BYTES)
+    try:
+        assert os.path.getsize(tmp_path / SLOTS_FILE) == 8 * BLOCK_BYTES, "grown back to its capacity"
+        found = recover(tier)
+        assert [h.key for h in found.pages] == [key(1), key(2), key(3)]
+        assert (found.corrupted, found.orphaned) == (1, 0)
+    finally:
+        tier.close()
+
+
+def test_a_page_in_two_slots_is_kept_once(tier):
+    tier.write(0, key(1), b"", 1, page(1, PAGE_BYTES))
+    tier.write(4, key(1), b"", 2, page(1, PAGE_BYTES))
+    found = recover(tier)
+    assert [(h.key, h.slot) for h in found.pages] == [(key(1), 4)]
+    assert found.duplicates == 1 and 0 in found.free_slots
