@@ -59,6 +59,7 @@ class Page(Protocol):
     children: int  # cached pages that name it as parent
     lease_until: float  # 0.0 when not leased
     pins: int  # readers sending the page's bytes straight from the pool right now
+    slot: int | None  # its RAM slot; None when it is on disk only (RamQueue)
 
 
 class EvictionQueue:
@@ -118,3 +119,41 @@ class EvictionQueue:
         for key, page in self._pages.items():
             if self.may_evict(page) and page.lease_until == 0.0 and not page.pins:
                 assert (self.rank(page), key) in entries, f"page {key.hex()} cannot be evicted: no queue entry"
+
+
+class RamQueue:
+    """With a disk tier: the pages with a copy in RAM, least recently touched first; which RAM copy
+    makes room next. Its page stays on the node, on disk (the store writes it there first if it
+    was not yet), so leases do not hold a copy in RAM and any page may go, leaf or not. A pinned
+    copy is dropped when popped; the store offers it again when its last pin is released.
+    Entries are invalidated lazily as in EvictionQueue (design note 2)."""
+
+    def __init__(self, pages: Mapping[bytes, Page]):
+        self._pages = pages  # the store's index, read only
+        self._heap: list[tuple[int, bytes]] = []
+
+    def offer(self, key: bytes, page: Page) -> None:
+        """Queue `key` at its last touch, if it has a copy in RAM."""
+        if page.slot is None:
+            return
+        heapq.heappush(self._heap, (page.tick, key))
+        if len(self._heap) > 2 * len(self._pages) + 64:
+            self._heap = [(p.tick, k) for k, p in self._pages.items() if p.slot is not None]
+            heapq.heapify(self._heap)
+
+    def pop(self) -> bytes | None:
+        """The key whose RAM copy goes next, taken off the queue; None when every copy is pinned."""
+        heap = self._heap
+        while heap:
+            tick, key = heapq.heappop(heap)
+            page = self._pages.get(key)
+            if page is None or page.slot is None or page.tick != tick or page.pins:
+                continue  # stale entry; a pinned copy is offered again when unpinned
+            return key
+        return None
+
+    def check(self) -> None:
+        entries = set(self._heap)
+        for key, page in self._pages.items():
+            if page.slot is not None and not page.pins:
+                assert (page.tick, key) in entries, f"page {key.hex()}'s RAM copy has no queue entry"
