@@ -51,6 +51,11 @@ class NodeInfo:
     max_keys_per_request: int
     max_message_bytes: int
     data_port: int = 0  # 0: the node has no data plane
+    ram_capacity_pages: int = 0
+    ram_used_pages: int = 0
+    disk_capacity_pages: int = 0  # 0: the node has no disk tier
+    disk_used_pages: int = 0
+    dirty_pages: int = 0  # in RAM, not yet written to disk
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,11 @@ class NodeClient:
             reply.max_keys_per_request,
             reply.max_message_bytes,
             reply.data_port,
+            reply.ram_capacity_pages,
+            reply.ram_used_pages,
+            reply.disk_capacity_pages,
+            reply.disk_used_pages,
+            reply.dirty_pages,
         )
         return self._node_info
 

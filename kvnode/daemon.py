@@ -1,7 +1,8 @@
 """`kvcache node`: start a KV-store node and serve until SIGTERM or Ctrl-C, then drain:
 membership beats stop first (coordinators take the node out of the ring), health says
 NOT_SERVING, no new gRPC call or data plane connection or request is taken, and the calls and
-transfers already running get --drain-timeout seconds to finish before the rest is cut."""
+transfers already running get --drain-timeout seconds to finish before the rest is cut.
+With --data-dir, the pages still only in RAM are then written to disk before it exits."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import time
 
 from coordinator import agent
 from kvcache.units import format_size, parse_size
+from kvnode.data_dir import DataDir
 from kvnode.data_plane import DEFAULT_MAX_CONNECTIONS, DataPlaneServer
+from kvnode.disk_tier import DiskTier
+from kvnode.flusher import Flusher
 from kvnode.service import DEFAULT_MAX_KEYS, SERVICE_NAME, KVStoreService, handler
 from kvnode.store import PageStore
 from protos import kvcache_pb2 as pb
@@ -24,6 +28,7 @@ log = logging.getLogger("kvnode")
 DEFAULT_PAGE_BYTES = 4 * 2 * 4 * 16 * 64 * 4
 DEFAULT_MAX_LEASED_FRACTION = 0.5
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_FLUSH_INTERVAL_S = 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +42,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_PAGE_BYTES,
         help=f"bytes per page; must match the workers' model (default {DEFAULT_PAGE_BYTES}, the tiny model in float32)",
     )
-    parser.add_argument("--node-id", default=None, help="name shown in Info and logs (default: random)")
+    parser.add_argument("--node-id", default=None,
+                        help="name shown in Info and logs (default: the one kept in --data-dir, else random)")
+    parser.add_argument(
+        "--data-dir", default=None, metavar="DIR",
+        help="keep pages in a file of slots under DIR (created if missing), so they survive a restart, "
+             "also after a crash: a node started again on DIR checks every page and serves the intact ones. "
+             "Each page is written to disk within --flush-interval of its put; SIGTERM writes the rest. "
+             "Default: none, pages live in RAM only and a restart starts empty")
+    parser.add_argument(
+        "--disk-capacity", default=None, metavar="SIZE",
+        help="with --data-dir: how much DIR holds, reserved at start; at least --capacity. The node then "
+             "holds that many pages, RAM a copy of those used last: a page RAM has no room for stays on "
+             "disk and is read back when asked for (default: --capacity, so DIR keeps what RAM holds)")
+    parser.add_argument(
+        "--flush-interval", type=float, default=DEFAULT_FLUSH_INTERVAL_S, metavar="SECONDS",
+        help="with --data-dir: seconds between writes of new pages to disk; a crash loses at most about the "
+             "pages put in that time (and their descendants). 0 writes each page before its put is answered "
+             "(default %(default)s)")
     parser.add_argument(
         "--max-keys", type=int, default=DEFAULT_MAX_KEYS, help=f"most pages per request (default {DEFAULT_MAX_KEYS})"
     )
@@ -101,10 +123,14 @@ def run(args: argparse.Namespace) -> int:
         if max_leases_per_call < 1:
             raise ValueError(f"--max-leases-per-call must be at least 1, got {max_leases_per_call}")
         serving.tune_allocator()
+        data_dir, disk = open_disk_tier(args, capacity_pages)
         store = PageStore(capacity_pages, args.page_bytes,
-                          max_leased_pages=int(capacity_pages * args.max_leased_fraction),
-                          max_leases_per_call=max_leases_per_call)
-        service = KVStoreService(store, args.node_id, args.max_keys, max_message_bytes)
+                          max_leased_pages=int((disk.capacity_pages if disk else capacity_pages) * args.max_leased_fraction),
+                          max_leases_per_call=max_leases_per_call, disk=disk, write_through=args.flush_interval == 0)
+        if store.recovered is not None:
+            log.info("%s", store.recovered.summary(disk))
+        node_id = data_dir.node_id(args.node_id) if data_dir else args.node_id
+        service = KVStoreService(store, node_id, args.max_keys, max_message_bytes)
         server, health = serving.make_server([handler(service)], [SERVICE_NAME], max_message_bytes)
         port = serving.bind(server, args.host, args.port)
         data_plane = None
@@ -125,12 +151,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     stopping = serving.stop_on_signals()
+    flusher = Flusher(store, args.flush_interval).start() if disk is not None and args.flush_interval > 0 else None
     server.start()
     if data_plane is not None:
         data_plane.start()
     print(
         f"kvnode {service.node_id} listening on {serving.host_port(args.host, port)} "
-        f"({capacity_pages} pages of {args.page_bytes} bytes, {format_size(capacity_pages * args.page_bytes)})",
+        f"({capacity_pages} pages of {args.page_bytes} bytes, {format_size(capacity_pages * args.page_bytes)}"
+        + (f"; disk tier {store.capacity_pages} pages, {format_size(store.capacity_pages * args.page_bytes)}, "
+           f"{store.num_used()} recovered" if disk is not None else "") + ")",
         flush=True,
     )
     if data_plane is not None:
@@ -138,15 +167,41 @@ def run(args: argparse.Namespace) -> int:
     else:
         log.info("data plane off (--no-data-plane): pages move over gRPC only")
     registration = pb.RegisterRequest(
-        role="node", capacity_bytes=capacity_pages * args.page_bytes, page_bytes=args.page_bytes
+        role="node", capacity_bytes=store.capacity_pages * args.page_bytes, page_bytes=args.page_bytes
     )
     membership = agent.start_from_args(args, port, registration, lambda: node_load(store))
     serving.wait_until(stopping)
-    drain(args.drain_timeout, membership, health, server, service, data_plane)
+    drain(args.drain_timeout, membership, health, server, service, data_plane, flusher)
+    if disk is not None:
+        disk.close()
+        data_dir.close()
     return 0
 
 
-def drain(timeout_s: float, membership, health, server, service: KVStoreService, data_plane) -> None:
+def open_disk_tier(args: argparse.Namespace, capacity_pages: int) -> tuple[DataDir | None, DiskTier | None]:
+    """The data folder and its disk tier when --data-dir is given (ValueError for bad options)."""
+    if args.data_dir is None:
+        if args.disk_capacity is not None:
+            raise ValueError("--disk-capacity needs --data-dir: say where the pages go")
+        return None, None
+    if args.flush_interval < 0:
+        raise ValueError(f"--flush-interval must not be negative, got {args.flush_interval}")
+    disk_pages = capacity_pages
+    if args.disk_capacity is not None:
+        disk_pages = parse_size(args.disk_capacity) // args.page_bytes
+        if disk_pages < capacity_pages:
+            raise ValueError(f"--disk-capacity {args.disk_capacity} holds {disk_pages} pages, fewer than --capacity's "
+                             f"{capacity_pages}: the disk keeps every page RAM holds, give at least --capacity")
+    data_dir = DataDir(args.data_dir, args.page_bytes)
+    try:
+        return data_dir, DiskTier(data_dir.path, disk_pages, args.page_bytes)
+    except BaseException:
+        data_dir.close()
+        raise
+
+
+def drain(timeout_s: float, membership, health, server, service: KVStoreService, data_plane,
+          flusher: Flusher | None = None) -> None:
     """The stop sequence of the module docstring; every wait bounded by timeout_s (+2 s to join)."""
     started = time.monotonic()
     if membership is not None:
@@ -162,6 +217,10 @@ def drain(timeout_s: float, membership, health, server, service: KVStoreService,
     calls_cut = service.calls_in_flight()
     log.info("drained in %.2fs: %d data plane transfers finished, %d cut; %d gRPC calls were running, "
              "%d still at the end (cut)", time.monotonic() - started, finished, cut, calls, calls_cut)
+    store = service.store
+    if store.disk is not None:
+        written = flusher.stop() if flusher is not None else store.flush()
+        log.info("wrote %d pages to the disk tier; it holds %d pages", written, store.num_on_disk())
     log.info("stopped")  # the last line, as every daemon's
 
 

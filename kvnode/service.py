@@ -76,6 +76,11 @@ class KVStoreService:
             max_keys_per_request=self.max_keys,
             max_message_bytes=self.max_message_bytes,
             data_port=self.data_port,
+            ram_capacity_pages=store.ram_capacity_pages,
+            ram_used_pages=store.num_in_ram(),
+            disk_capacity_pages=store.capacity_pages if store.disk is not None else 0,
+            disk_used_pages=store.num_on_disk(),
+            dirty_pages=store.num_dirty(),
         )
 
     def lookup(self, request, context) -> pb.LookupReply:
@@ -146,6 +151,14 @@ class KVStoreService:
             bytes_in=s.bytes_in,
             bytes_out=s.bytes_out,
             get_pages=s.get_pages,
+            disk_reads=s.disk_reads,
+            disk_writes=s.disk_writes,
+            promotions=s.promotions,
+            demotions=s.demotions,
+            corrupted_pages_dropped=s.corrupted_dropped,
+            orphaned_pages_dropped=s.orphans_dropped,
+            recovered_pages=s.recovered_pages,
+            recovery_ms=round(s.recovery_seconds * 1000),
         )
 
     # ---- helpers -------------------------------------------------------------

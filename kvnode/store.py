@@ -362,18 +362,23 @@ class PageStore:
                 page.pins += 1
                 batch.append((key, page, self._next_seq()))
             self._dirty.clear()
+        written = 0
         try:
             for key, page, seq in batch:
                 self.disk.write(page.disk_slot, key, page.parent, seq, self._pool[page.slot])
+                written += 1
             if batch:
                 self.disk.sync()
         finally:
             with self._lock:
-                self.stats.disk_writes += len(batch)
-                for key, page, _ in batch:
-                    page.dirty = False
+                self.stats.disk_writes += written
+                for number, (key, page, _) in enumerate(batch):
+                    if number < written:
+                        page.dirty = False
+                    else:
+                        self._dirty[key] = None  # a write failed: try again at the next flush
                 self._unpin([key for key, _, _ in batch])
-        return len(batch)
+        return written
 
     # ---- internals (callers hold the lock) -----------------------------------
 

@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "version", "page_bytes", "capacity_pages", "used_pages", "leased_pages", "free_pages", "max_keys_per_request", "max_message_bytes", "data_port")
+    __slots__ = ("node_id", "version", "page_bytes", "capacity_pages", "used_pages", "leased_pages", "free_pages", "max_keys_per_request", "max_message_bytes", "data_port", "ram_capacity_pages", "ram_used_pages", "disk_capacity_pages", "disk_used_pages", "dirty_pages")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,11 @@ class NodeInfo(_message.Message):
     MAX_KEYS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    RAM_CAPACITY_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RAM_USED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DISK_CAPACITY_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DISK_USED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DIRTY_PAGES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     page_bytes: int
@@ -33,7 +38,12 @@ class NodeInfo(_message.Message):
     max_keys_per_request: int
     max_message_bytes: int
     data_port: int
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., page_bytes: _Optional[int] = ..., capacity_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., leased_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
+    ram_capacity_pages: int
+    ram_used_pages: int
+    disk_capacity_pages: int
+    disk_used_pages: int
+    dirty_pages: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., page_bytes: _Optional[int] = ..., capacity_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., leased_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., ram_capacity_pages: _Optional[int] = ..., ram_used_pages: _Optional[int] = ..., disk_capacity_pages: _Optional[int] = ..., disk_used_pages: _Optional[int] = ..., dirty_pages: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("keys", "lease_ms")
@@ -100,7 +110,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("lookups", "hit_pages", "miss_pages", "puts", "stored_pages", "evictions", "refusals", "bytes_in", "bytes_out", "get_pages")
+    __slots__ = ("lookups", "hit_pages", "miss_pages", "puts", "stored_pages", "evictions", "refusals", "bytes_in", "bytes_out", "get_pages", "disk_reads", "disk_writes", "promotions", "demotions", "corrupted_pages_dropped", "orphaned_pages_dropped", "recovered_pages", "recovery_ms")
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
     MISS_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +121,14 @@ class NodeStats(_message.Message):
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     GET_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DISK_READS_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITES_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPTED_PAGES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    ORPHANED_PAGES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_MS_FIELD_NUMBER: _ClassVar[int]
     lookups: int
     hit_pages: int
     miss_pages: int
@@ -121,7 +139,15 @@ class NodeStats(_message.Message):
     bytes_in: int
     bytes_out: int
     get_pages: int
-    def __init__(self, lookups: _Optional[int] = ..., hit_pages: _Optional[int] = ..., miss_pages: _Optional[int] = ..., puts: _Optional[int] = ..., stored_pages: _Optional[int] = ..., evictions: _Optional[int] = ..., refusals: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., get_pages: _Optional[int] = ...) -> None: ...
+    disk_reads: int
+    disk_writes: int
+    promotions: int
+    demotions: int
+    corrupted_pages_dropped: int
+    orphaned_pages_dropped: int
+    recovered_pages: int
+    recovery_ms: int
+    def __init__(self, lookups: _Optional[int] = ..., hit_pages: _Optional[int] = ..., miss_pages: _Optional[int] = ..., puts: _Optional[int] = ..., stored_pages: _Optional[int] = ..., evictions: _Optional[int] = ..., refusals: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., get_pages: _Optional[int] = ..., disk_reads: _Optional[int] = ..., disk_writes: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., corrupted_pages_dropped: _Optional[int] = ..., orphaned_pages_dropped: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., recovery_ms: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "placement", "no_cache", "request_id", "session_id", "resume_token_ids", "ignore_eos")

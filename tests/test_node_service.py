@@ -112,6 +112,9 @@ def test_stats_counters_move_as_expected(node, client):
     client.lookup([key(78)])
     client.get_pages(keys[:2])
     stats = client.stats()
+    disk = {name: stats.pop(name) for name in list(stats) if name.startswith(("disk_", "promotions", "demotions",
+                                                                                "corrupted_", "orphaned_", "recover"))}
+    assert set(disk.values()) == {0} and len(disk) == 8, "a node without a disk tier counts nothing there"
     assert stats == {
         "lookups": 2,
         "hit_pages": 3,

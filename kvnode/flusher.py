@@ -1,0 +1,37 @@
+"""Writes a store's dirty pages to its disk tier every `interval_s` seconds, on its own thread,
+so a page put in RAM is on disk (synced) at most about one interval later; stop() writes
+what is left (the node's SIGTERM)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from kvnode.store import PageStore
+
+log = logging.getLogger("kvnode")
+
+
+class Flusher:
+    def __init__(self, store: PageStore, interval_s: float):
+        self.store = store
+        self.interval_s = interval_s
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="disk-flush", daemon=True)
+
+    def start(self) -> "Flusher":
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        """Stop the thread, then flush once more; pages written by that last flush."""
+        self._stopping.set()
+        self._thread.join(max(10.0, 2 * self.interval_s))
+        return self.store.flush()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.interval_s):
+            try:
+                self.store.flush()
+            except OSError:
+                log.exception("writing pages to the disk tier failed; retrying in %.1fs", self.interval_s)
