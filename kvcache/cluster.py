@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--model", default="tiny", help="tiny, gpt2-small-shape or a checkpoint folder (default tiny)")
     up.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32", help="KV dtype (default float32)")
     up.add_argument("--node-capacity", default="64MiB", help="page pool per kvnode (default 64MiB)")
+    up.add_argument("--data-dir", default=None, metavar="DIR",
+                    help="keep each kvnode's pages in DIR/node-N (its --data-dir), so a cluster started again on "
+                         "DIR finds them (default: none, RAM only)")
     up.add_argument("--worker-kv-cache", default="64MiB", help="local KV pool per worker (default 64MiB)")
     up.add_argument("--blas-threads", type=int, default=None,
                     help="BLAS threads per worker (default: cores / workers, at least 1, so workers do not "
@@ -78,6 +81,7 @@ def run_up(args: argparse.Namespace) -> int:
         start_cluster(logs, args.nodes, args.workers, args.coordinators, args.replicas, args.model, args.kv_dtype,
                       args.node_capacity, args.worker_kv_cache, blas_threads=args.blas_threads,
                       max_prefill_tokens=args.max_prefill_tokens, cluster=cluster,
+                      data_dir=Path(args.data_dir).resolve() if args.data_dir else None,
                       on_start=lambda c: _write_cluster_file(cluster_file, args, c.daemons))
         coordinators = cluster.coordinator_addresses
         wait_healthy(coordinators, args.nodes, args.workers, args.timeout, stopping)
@@ -184,12 +188,13 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
                   model: str = "tiny", kv_dtype: str = "float32", node_capacity: str = "64MiB",
                   worker_kv_cache: str = "64MiB", blas_threads: int | None = None, on_start=None,
                   cluster: LocalCluster | None = None, step_logs: bool = False,
-                  max_prefill_tokens: int | None = None) -> LocalCluster:
+                  max_prefill_tokens: int | None = None, data_dir: Path | None = None) -> LocalCluster:
     """Start coordinators, then kvnodes and workers registered with them (not yet waiting for health).
 
     Each worker gets `blas_threads` BLAS threads (default: cores / workers, at least 1) and
     `max_prefill_tokens` (default: the worker's own); with `step_logs`, each writes one JSON line
-    per engine step to `<logs>/<worker>.steps.jsonl`.
+    per engine step to `<logs>/<worker>.steps.jsonl`. With `data_dir`, kvnode i keeps its pages in
+    `<data_dir>/node-i` (kvcache node --data-dir).
 
     `on_start(cluster)` runs after each start, so a caller can record pids as they appear; on
     failure, or an interrupt (Ctrl-C, a SIGTERM handler's SystemExit), whatever started is
@@ -211,8 +216,11 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
             launch("coordinator", f"coordinator-{i}", ["--replicas", str(replicas), "--coordinator-id", f"coordinator-{i}"])
         joined = ",".join(cluster.coordinator_addresses)
         for i in range(nodes):
-            launch("node", f"node-{i}", ["--coordinators", joined, "--node-id", f"node-{i}",
-                                         "--page-bytes", str(page_bytes), "--capacity", node_capacity])
+            node_args = ["--coordinators", joined, "--node-id", f"node-{i}",
+                         "--page-bytes", str(page_bytes), "--capacity", node_capacity]
+            if data_dir is not None:
+                node_args += ["--data-dir", str(data_dir / f"node-{i}")]
+            launch("node", f"node-{i}", node_args)
         threads = blas_threads or default_blas_threads(workers)
         for i in range(workers):
             add_worker(cluster, logs, f"worker-{i}", model, kv_dtype, worker_kv_cache, launch, blas_threads=threads,

@@ -4,10 +4,12 @@ Sends (1) one question under a shared system prompt, cold; (2) four more questio
 same system prompt at once, so they spread over both workers and the second worker fetches
 the system prompt's pages from the kvnodes; (3) a three-turn chat whose every turn extends
 the last. Prints each answer and a table of time to first token and where prompt tokens came from.
+`python -m kvcache.demo --data-dir DIR` keeps the kvnodes' pages in DIR: a second run finds them.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 import time
@@ -50,11 +52,16 @@ def ask(client: Client, label: str, prompt: str, session: str = "") -> dict:
             "computed": usage.computed_tokens, "total_ms": (time.perf_counter() - started) * 1000}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvcache.demo", description=__doc__)
+    parser.add_argument("--data-dir", default=None, metavar="DIR",
+                        help="keep the kvnodes' pages in DIR between runs (default: RAM only)")
+    args = parser.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="kvcache-demo-")) / "logs"
     print("Starting a local cluster: 2 coordinators, 3 kvnodes, 2 workers (model: tiny) ...", flush=True)
+    data_dir = Path(args.data_dir).resolve() if args.data_dir else None
     with start_cluster(logs, nodes=3, workers=2, coordinators=2, replicas=2, node_capacity="32MiB",
-                       worker_kv_cache="32MiB") as cluster:
+                       worker_kv_cache="32MiB", data_dir=data_dir) as cluster:
         wait_healthy(cluster.coordinator_addresses, nodes=3, workers=2)
         print(f"coordinators {', '.join(cluster.coordinator_addresses)}; logs in {logs}\n", flush=True)
         rows = []

@@ -260,3 +260,32 @@ def test_cluster_up_refuses_bad_options_in_one_line_before_starting_anything(tmp
                            *option], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "run" / "cluster.json").exists()
+
+
+def test_a_kvnode_killed_and_restarted_on_its_data_dir_and_port_serves_its_pages_again(tmp_path):
+    """cluster --data-dir: the restarted node keeps its ring position (same address) and its pages."""
+    prompt = SYSTEM + "Do you bake on Sundays?"
+    pages = len(prompt.encode()) // PAGE_TOKENS
+    with start_cluster(tmp_path / "logs", nodes=1, workers=1, coordinators=1, replicas=1, node_capacity="16MiB",
+                       worker_kv_cache="16MiB", data_dir=tmp_path / "data") as cluster:
+        wait_healthy(cluster.coordinator_addresses, nodes=1, workers=1)
+        with Client(cluster.coordinator_addresses) as client:
+            ask(client, prompt, max_tokens=2)
+            [node] = cluster.role("node")
+
+            def on_disk() -> int:
+                with NodeClient(node.address) as c:
+                    info = c.info()
+                    return info.disk_used_pages if info.dirty_pages == 0 else 0
+
+            assert wait_for(lambda: on_disk() >= pages, timeout_s=10.0)
+            node.kill()
+            cluster.role("worker")[0].kill()  # a fresh worker has no local copy
+            again = cluster.restart(node)
+            assert again.address == node.address
+            add_worker(cluster, tmp_path / "logs", "worker-fresh", kv_cache="16MiB")
+            assert wait_for(lambda: len(alive(client, "worker")) == 1 and alive(client, "node") == [node.address],
+                            timeout_s=15.0)
+            _, done = ask(client, prompt + " Thanks!", max_tokens=2)
+    assert done.usage.cached_tokens_remote == pages * PAGE_TOKENS
+    assert (tmp_path / "data" / "node-0" / "pages.slots").exists()
