@@ -9,6 +9,7 @@ BENCHES = [
     ("transfer", "page get/put through a kvnode (data plane and gRPC), Redis and a raw TCP socket"),
     ("engine", "paged engine prefill/decode/TTFT against a dense runner"),
     ("remote", "TTFT cold vs warm from a kvnode vs warm local"),
+    ("persistence", "the disk tier: fetch from disk vs RAM vs a plain file read; restart time with 1 GiB on disk"),
     ("eviction", "hit rate and orphans of prefix-aware vs LRU vs FIFO eviction"),
     ("load", "the cluster under concurrent load, with the cache and without"),
     ("chaos", "faults under load: failed and differing answers against an undisturbed run"),

@@ -1,0 +1,152 @@
+"""`kvcache bench persistence`: the kvnode's disk tier (--data-dir). Two figures, each beside
+its baseline in the same run:
+
+1. Fetch: pages read through the store from its disk tier (read into RAM, checksum checked,
+   promoted) in GB/s, beside the RAM tier's reads and a plain os.preadv of the same bytes from
+   the same file, with the file in the OS page cache (goal: disk tier >= 0.7 of the plain read).
+2. Restart: a real `kvcache node` started on a data dir holding --restart-size of pages, the
+   seconds until it serves (its "listening" line; every page checked by then) (goal: < 3 s),
+   beside the store's recovery alone in this process.
+The data dir is a temporary folder under --dir (default: the system's temporary folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvcache.bench.report import dump_json, machine, print_table
+from kvcache.launch import Daemon
+from kvcache.units import parse_size
+from kvnode.client import NodeClient
+from kvnode.disk_tier import HEADER_BYTES, DiskTier
+from kvnode.store import PageStore
+
+TINY_FP32_PAGE = 4 * 2 * 4 * 16 * 64 * 4  # 131,072 bytes: the default node page
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--page-bytes", type=int, default=TINY_FP32_PAGE, help="page size (default %(default)s)")
+    parser.add_argument("--fetch-size", default="256MiB", help="bytes of pages read per fetch pass (default 256MiB)")
+    parser.add_argument("--rounds", type=int, default=3, help="fetch passes per path, best kept (default 3)")
+    parser.add_argument("--pages-per-batch", type=int, default=16, help="pages per store read (default 16)")
+    parser.add_argument("--restart-size", default="1GiB", help="pages on disk for the restart (default 1GiB)")
+    parser.add_argument("--dir", default=None, help="where the temporary data dir goes (default: system temp)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        fetch_pages = parse_size(args.fetch_size) // args.page_bytes
+        restart_pages = parse_size(args.restart_size) // args.page_bytes
+        if min(fetch_pages, restart_pages, args.rounds, args.pages_per_batch) < 1:
+            raise ValueError("--fetch-size and --restart-size must hold a page; --rounds, --pages-per-batch >= 1")
+    except ValueError as exc:
+        print(f"kvcache bench persistence: error: {exc}", file=sys.stderr)
+        return 2
+    folder = Path(tempfile.mkdtemp(prefix="kvcache-bench-disk-", dir=args.dir))
+    try:
+        fetch = measure_fetch(folder / "fetch", args.page_bytes, fetch_pages, args.rounds, args.pages_per_batch)
+        restart = measure_restart(folder / "restart", args.page_bytes, restart_pages)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    result = {"bench": "persistence", "machine": machine(),
+              "options": {k: v for k, v in vars(args).items() if k != "run"}, "fetch": fetch, "restart": restart}
+    if args.json:
+        dump_json(result)
+        return 0
+    print(f"fetch: {fetch['pages']} pages of {args.page_bytes} bytes, batches of {args.pages_per_batch}, "
+          f"best of {args.rounds}, file in the page cache")
+    print_table(["path", "GB/s", "x plain read"],
+                [[name, f"{fetch[name]:.2f}", f"{fetch[name] / fetch['plain_read']:.2f}"]
+                 for name in ("plain_read", "disk_tier", "ram_tier")])
+    print(f"goal: disk tier >= 0.7x the plain read: {'met' if fetch['disk_tier'] >= 0.7 * fetch['plain_read'] else 'NOT met'}")
+    print(f"restart: {restart['pages']} pages ({restart['bytes'] / 2**30:.2f} GiB) on disk; a node serves again after "
+          f"{restart['node_serving_s']:.2f}s (recovery {restart['node_recovery_s']:.2f}s of it; "
+          f"in-process recovery alone {restart['store_recovery_s']:.2f}s)")
+    print(f"goal: serving again in under 3 s: {'met' if restart['node_serving_s'] < 3.0 else 'NOT met'}")
+    return 0
+
+
+def fill(folder: Path, page_bytes: int, pages: int, ram_pages: int) -> PageStore:
+    """A store on a new disk tier holding `pages` pages in chains of 64, all written to disk."""
+    folder.mkdir(parents=True, exist_ok=True)
+    store = PageStore(ram_pages, page_bytes, disk=DiskTier(folder, pages, page_bytes))
+    data = np.random.default_rng(0).integers(0, 256, size=page_bytes, dtype=np.uint8)
+    parent = b""
+    for n in range(pages):
+        key = n.to_bytes(16, "little") if n else b"\x01" * 16  # never all zero
+        store.put(key, b"" if n % 64 == 0 else parent, data)
+        parent = key
+    store.flush()
+    return store
+
+
+def measure_fetch(folder: Path, page_bytes: int, pages: int, rounds: int, per_batch: int) -> dict:
+    store = fill(folder, page_bytes, pages, ram_pages=per_batch)
+    keys = store.keys()
+    batches = [keys[i : i + per_batch] for i in range(0, len(keys), per_batch)]
+    total = len(keys) * page_bytes
+
+    def store_pass() -> float:
+        started = time.perf_counter()
+        for batch in batches:
+            store.pin_pages(batch)
+            store.unpin_pages(batch)
+        return total / (time.perf_counter() - started) / 1e9
+
+    slots = [store._index[k].disk_slot for k in keys]  # the bench measures internals (docs/architecture.md)
+    path, slot_bytes = store.disk.path, store.disk.slot_bytes
+    buffer = bytearray(page_bytes * per_batch)
+    views = [memoryview(buffer)[i * page_bytes : (i + 1) * page_bytes] for i in range(per_batch)]
+
+    def plain_pass() -> float:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            started = time.perf_counter()
+            for first in range(0, len(slots), per_batch):
+                for view, slot in zip(views, slots[first : first + per_batch]):
+                    os.preadv(fd, [view], slot * slot_bytes + HEADER_BYTES)
+            return total / (time.perf_counter() - started) / 1e9
+        finally:
+            os.close(fd)
+
+    plain_pass()  # the file into the page cache
+    disk = max(store_pass() for _ in range(rounds))
+    plain = max(plain_pass() for _ in range(rounds))
+    store.disk.close()
+    ram_store = PageStore(pages, page_bytes, disk=DiskTier(folder, pages, page_bytes))  # RAM holds them all
+    for batch in batches:
+        ram_store.read(batch)  # promote every page
+    store = ram_store
+    ram = max(store_pass() for _ in range(rounds))
+    ram_store.disk.close()
+    return {"pages": len(keys), "plain_read": plain, "disk_tier": disk, "ram_tier": ram}
+
+
+def measure_restart(folder: Path, page_bytes: int, pages: int) -> dict:
+    store = fill(folder, page_bytes, pages, ram_pages=64)
+    store.disk.close()
+    started = time.perf_counter()
+    again = PageStore(64, page_bytes, disk=DiskTier(folder, pages, page_bytes))
+    store_recovery = time.perf_counter() - started
+    assert again.num_used() == pages, f"recovered {again.num_used()} of {pages} pages"
+    again.disk.close()
+    (folder / "layout.json").write_text(f'{{"page_bytes": {page_bytes}}}\n')
+    started = time.perf_counter()
+    with Daemon("node", ["--host", "127.0.0.1", "--port", "0", "--page-bytes", str(page_bytes),
+                         "--capacity", str(64 * page_bytes), "--disk-capacity", str(pages * page_bytes),
+                         "--data-dir", str(folder)]) as daemon:
+        serving = time.perf_counter() - started
+        with NodeClient(daemon.address) as client:
+            assert client.info().used_pages == pages
+            recovery_ms = client.stats()["recovery_ms"]
+    return {"pages": pages, "bytes": pages * page_bytes, "store_recovery_s": store_recovery,
+            "node_serving_s": serving, "node_recovery_s": recovery_ms / 1000}

@@ -1,0 +1,19 @@
+"""`kvcache bench persistence` runs end to end (tiny sizes) and reports both sides; figures are not asserted."""
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_persistence_short_run_reports_fetch_and_restart(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "kvcache.cli", "bench", "persistence", "--page-bytes", "4096", "--fetch-size", "1MiB",
+         "--restart-size", "1MiB", "--rounds", "1", "--dir", str(tmp_path), "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["fetch"]["pages"] == 256
+    assert min(report["fetch"][path] for path in ("plain_read", "disk_tier", "ram_tier")) > 0
+    assert report["restart"]["pages"] == 256 and report["restart"]["node_serving_s"] > 0
+    assert list(tmp_path.iterdir()) == [], "the bench removes its data dir"
