@@ -16,9 +16,11 @@ from ..attention import AttentionMetadata, paged_attention, write_kv
 from .blas import attention_threads, threads_for_rows
 from .checkpoint import ARCH_MODULES, load_checkpoint
 from .config import PRESET_SEEDS, PRESETS, CheckpointError, ModelConfig, read_config
+from .gguf_file import read_gguf
 from .init import random_tensors
+from .named import NAMED_GGUF, named_gguf_path
 from .layers import Attend, BetweenLayers, round_kv
-from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["load_model", "load_model_tokenizer", "Model", "ForwardBatch", "ModelConfig", "CheckpointError", "KV_DTYPES"]
 
@@ -91,18 +93,30 @@ class Model:
 
 
 def load_model(name_or_path: str) -> Model:
-    """A preset ("tiny", "gpt2-small-shape") or a Hugging Face checkpoint folder."""
+    """A preset ("tiny", "gpt2-small-shape"), a named model ("smollm2-135m"), a GGUF file or a
+    Hugging Face checkpoint folder."""
     if name_or_path in PRESETS:
         config = PRESETS[name_or_path]
         shapes = ARCH_MODULES[config.arch].tensor_shapes(config)
         tensors = random_tensors(shapes, config, PRESET_SEEDS[name_or_path])
         return Model(name_or_path, config, tensors, ByteTokenizer(config.eos_token_id))
+    if name_or_path in NAMED_GGUF:
+        return _load_gguf(named_gguf_path(name_or_path), name_or_path)
     folder = Path(name_or_path)
+    if folder.is_file() and folder.suffix.lower() == ".gguf":
+        return _load_gguf(folder, folder.stem)
     if not folder.exists():
-        raise CheckpointError(f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor an existing folder")
+        raise CheckpointError(f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}), a named model "
+                              f"({', '.join(NAMED_GGUF)}), a .gguf file nor an existing folder")
     config, tensors = load_checkpoint(folder)
     tokenizer = load_tokenizer(folder, config.eos_token_id, config.vocab_size)
     return Model(folder.name or str(folder), config, tensors, tokenizer)
+
+
+def _load_gguf(path: Path, name: str) -> Model:
+    g = read_gguf(path)
+    tokenizer = HFTokenizer(g.tokenizer, g.config.eos_token_id)
+    return Model(name, g.config, g.tensors, tokenizer)
 
 
 def load_model_tokenizer(name_or_path: str) -> Tokenizer:

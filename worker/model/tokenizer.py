@@ -38,11 +38,18 @@ class ByteTokenizer:
 class HFTokenizer:
     """A `tokenizer.json` through the tokenizers library (BPE, SentencePiece-converted, ...)."""
 
-    def __init__(self, path: str | Path, eos_token_id: int):
+    def __init__(self, path_or_tokenizer, eos_token_id: int):
+        """A tokenizer.json path, or a `tokenizers.Tokenizer` already built (from a GGUF file)."""
         from tokenizers import Tokenizer as _Tokenizer
 
-        self._tok = _Tokenizer.from_file(str(path))
+        if isinstance(path_or_tokenizer, _Tokenizer):
+            self._tok = path_or_tokenizer
+        else:
+            self._tok = _Tokenizer.from_file(str(path_or_tokenizer))
         self.eos_token_id = eos_token_id
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # Special tokens the tokenizer's post-processor adds (e.g. Llama's BOS) are part of a prompt;

@@ -1,0 +1,223 @@
+"""Load a GGUF file (llama.cpp's format) of the Llama family through the `gguf` package: metadata
+into a ModelConfig, tensors dequantized to float32 by gguf's own dequantizers and renamed to the
+Hugging Face names llama.py runs, the tokenizer built from `tokenizer.ggml.*`, and the chat
+template. Anything we cannot run exactly is refused with a CheckpointError naming the key, tensor
+or type at fault.
+
+Layout notes:
+1. GGUF lists a tensor's dimensions fastest first (ne0 = the input width); the reader gives data
+   in NumPy order, [out, in] as Hugging Face stores linear weights.
+2. llama.cpp's converter permutes the rows of attn_q / attn_k of "llama" models so its rope
+   rotates adjacent pairs (dims 2i, 2i+1); HF rotates i with i + head_dim/2. We undo the
+   permutation at load, so one forward serves both formats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .config import CheckpointError, ModelConfig
+from .gguf_tokenizer import build_tokenizer
+from .llama import tensor_shapes
+
+# Architectures whose tensors and rope match llama.py (the Q/K rows are permuted by the converter).
+SUPPORTED_ARCHS = ("llama",)
+
+# GGUF tensor name -> canonical (llama.py) name; "{i}" is the layer.
+LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+TOP_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+             "output.weight": "lm_head.weight"}
+
+
+def supported_types():
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    return {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
+            T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
+
+
+@dataclass
+class GGUFModel:
+    config: ModelConfig
+    tensors: dict[str, np.ndarray]      # canonical name -> float32, HF layout
+    tokenizer: object                    # tokenizers.Tokenizer
+    chat_template: str | None
+
+
+def read_gguf(path: str | Path) -> GGUFModel:
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file, or truncated ({e})") from e
+    meta = _Meta(reader, str(path))
+    config = gguf_config(meta)
+    config, tensors = _read_tensors(reader, config, str(path))
+    tokenizer = build_tokenizer(meta.get, str(path))
+    template = meta.get("tokenizer.chat_template", str, required=False)
+    return GGUFModel(config, tensors, tokenizer, template)
+
+
+class _Meta:
+    """Typed access to GGUF metadata; a missing or ill-typed key is an error naming it and the file."""
+
+    def __init__(self, reader, source: str):
+        self.fields, self.source = reader.fields, source
+
+    def get(self, key: str, kind=int, required: bool = True, default=None):
+        field = self.fields.get(key)
+        if field is None:
+            if required:
+                raise CheckpointError(f"{self.source}: missing metadata key {key!r}")
+            return default
+        try:
+            value = field.contents()
+        except (ValueError, IndexError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{self.source}: metadata key {key!r} is unreadable ({e})") from e
+        ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+              float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              str: lambda v: isinstance(v, str),
+              bool: lambda v: isinstance(v, bool),
+              list: lambda v: isinstance(v, list)}[kind]
+        if not ok(value):
+            raise CheckpointError(f"{self.source}: metadata key {key!r} should be {kind.__name__}, "
+                                  f"got {str(value)[:80]!r}")
+        return kind(value) if kind in (int, float) else value
+
+
+def gguf_config(meta: _Meta) -> ModelConfig:
+    arch = meta.get("general.architecture", str)
+    if arch not in SUPPORTED_ARCHS:
+        raise CheckpointError(f"{meta.source}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+    a = arch + "."
+    d_model = meta.get(a + "embedding_length")
+    n_heads = meta.get(a + "attention.head_count")
+    n_kv_heads = meta.get(a + "attention.head_count_kv", required=False, default=n_heads)
+    if not n_heads or not n_kv_heads or n_heads % n_kv_heads:
+        raise CheckpointError(f"{meta.source}: {a}attention.head_count={n_heads} is not a multiple of "
+                              f"head_count_kv={n_kv_heads}")
+    head_dim = meta.get(a + "attention.key_length", required=False, default=d_model // n_heads)
+    if meta.get(a + "attention.value_length", required=False, default=head_dim) != head_dim:
+        raise CheckpointError(f"{meta.source}: key and value heads of different widths are not supported")
+    rope_dims = meta.get(a + "rope.dimension_count", required=False, default=head_dim)
+    if rope_dims != head_dim:
+        raise CheckpointError(f"{meta.source}: {a}rope.dimension_count={rope_dims} (partial rotary) is not "
+                              f"supported; head_dim is {head_dim}")
+    if head_dim % 2:
+        raise CheckpointError(f"{meta.source}: head_dim={head_dim} must be even for RoPE")
+    scaling = meta.get(a + "rope.scaling.type", str, required=False, default="none")
+    rope_scaling = None
+    if scaling == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": meta.get(a + "rope.scaling.factor", float)}
+    elif scaling != "none":
+        raise CheckpointError(f"{meta.source}: {a}rope.scaling.type={scaling!r} is not implemented "
+                              f"(supported: none, linear)")
+    tokens = meta.fields.get("tokenizer.ggml.tokens")
+    vocab = meta.get(a + "vocab_size", required=False, default=len(tokens.data) if tokens else None)
+    if vocab is None:
+        raise CheckpointError(f"{meta.source}: missing metadata key {a + 'vocab_size'!r} and no tokenizer.ggml.tokens")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eot = meta.get("tokenizer.ggml.eot_token_id", required=False)
+    return ModelConfig(
+        arch="llama",
+        vocab_size=vocab,
+        d_model=d_model,
+        n_layers=meta.get(a + "block_count"),
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        d_ff=meta.get(a + "feed_forward_length"),
+        max_positions=meta.get(a + "context_length"),
+        norm_eps=meta.get(a + "attention.layer_norm_rms_epsilon", float),
+        eos_token_id=eos,
+        extra_eos_token_ids=(eot,) if eot is not None and eot != eos else (),
+        tie_word_embeddings=None,   # decided by the tensors: no output.weight means tied
+        activation="silu",
+        rope_theta=meta.get(a + "rope.freq_base", float, required=False, default=10000.0),
+        rope_scaling=rope_scaling,
+    )
+
+
+def _read_tensors(reader, config: ModelConfig, source: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """-> (config with tie_word_embeddings decided, {canonical name: float32}) in llama.py's order."""
+    import gguf
+
+    allowed = supported_types()
+    tensors: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        name = canonical_name(t.name, source)
+        if t.tensor_type not in allowed:
+            raise CheckpointError(f"{source}: tensor {t.name!r} has type {t.tensor_type.name}, which we cannot "
+                                  f"dequantize (supported: {', '.join(sorted(x.name for x in allowed))})")
+        try:
+            array = gguf.dequantize(t.data, t.tensor_type)
+        except (NotImplementedError, ValueError) as e:
+            raise CheckpointError(f"{source}: tensor {t.name!r} of type {t.tensor_type.name} "
+                                  f"could not be dequantized ({e})") from e
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))   # note 1
+        tensors[name] = np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
+    tied = "lm_head.weight" not in tensors
+    config = dataclasses.replace(config, tie_word_embeddings=tied)
+    expected = tensor_shapes(config)
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise CheckpointError(f"{source}: missing tensor {gguf_name(name)!r} for {config.n_layers} layers")
+        if tensors[name].shape != shape:
+            raise CheckpointError(f"{source}: tensor {gguf_name(name)!r} has shape {list(tensors[name].shape)}, "
+                                  f"expected {list(shape)} from the metadata")
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise CheckpointError(f"{source}: unexpected tensor {gguf_name(extra[0])!r} for a {config.n_layers}-layer model")
+    for i in range(config.n_layers):                                  # note 2
+        q, k = f"layers.{i}.self_attn.q_proj.weight", f"layers.{i}.self_attn.k_proj.weight"
+        tensors[q] = unpermute_rows(tensors[q], config.n_heads)
+        tensors[k] = unpermute_rows(tensors[k], config.n_kv_heads)
+    return config, {name: tensors[name] for name in expected}
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp convert's permute(w, n_heads): rows [heads, hd/2, 2] -> [heads, 2, hd/2]."""
+    rows, cols = w.shape
+    return np.ascontiguousarray(w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols))
+
+
+def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp convert's permute: what a GGUF writer does to HF's q_proj / k_proj rows."""
+    rows, cols = w.shape
+    return np.ascontiguousarray(w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols))
+
+
+def canonical_name(name: str, source: str) -> str:
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
+        return f"layers.{int(parts[1])}.{LAYER_NAMES[parts[2]]}"
+    raise CheckpointError(f"{source}: unexpected tensor {name!r} (not part of a Llama model we can run)")
+
+
+def gguf_name(canonical: str) -> str:
+    for g, c in TOP_NAMES.items():
+        if c == canonical:
+            return g
+    _, layer, rest = canonical.split(".", 2)
+    return f"blk.{layer}." + next(g for g, c in LAYER_NAMES.items() if c == rest)
