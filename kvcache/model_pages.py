@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from worker.model.config import PRESETS, read_config
+from worker.model import read_model_config
 
 DEFAULT_PAGE_TOKENS = 16
 
@@ -13,5 +13,5 @@ def model_page_bytes(model: str, kv_dtype: str = "float32", page_tokens: int = D
     """Bytes of one page [layers, 2, kv_heads, page_tokens, head_dim] of `model` in `kv_dtype`."""
     if kv_dtype not in ("float32", "float16"):
         raise ValueError(f"kv dtype must be float32 or float16, got {kv_dtype!r}")
-    config = PRESETS.get(model) or read_config(model)
+    config = read_model_config(model)
     return config.n_layers * 2 * config.n_kv_heads * page_tokens * config.head_dim * np.dtype(kv_dtype).itemsize

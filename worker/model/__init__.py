@@ -22,7 +22,7 @@ from .named import NAMED_GGUF, named_gguf_path
 from .layers import Attend, BetweenLayers, round_kv
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
-__all__ = ["load_model", "load_model_tokenizer", "Model", "ForwardBatch", "ModelConfig", "CheckpointError", "KV_DTYPES"]
+__all__ = ["load_model", "load_model_tokenizer", "read_model_config", "Model", "ForwardBatch", "ModelConfig", "CheckpointError", "KV_DTYPES"]
 
 KV_DTYPES = {"float32": 4, "float16": 2}   # wire dtype -> bytes per element
 
@@ -100,17 +100,33 @@ def load_model(name_or_path: str) -> Model:
         shapes = ARCH_MODULES[config.arch].tensor_shapes(config)
         tensors = random_tensors(shapes, config, PRESET_SEEDS[name_or_path])
         return Model(name_or_path, config, tensors, ByteTokenizer(config.eos_token_id))
-    if name_or_path in NAMED_GGUF:
-        return _load_gguf(named_gguf_path(name_or_path), name_or_path)
+    gguf_path = _gguf_path(name_or_path)
+    if gguf_path is not None:
+        return _load_gguf(gguf_path, name_or_path if name_or_path in NAMED_GGUF else gguf_path.stem)
     folder = Path(name_or_path)
-    if folder.is_file() and folder.suffix.lower() == ".gguf":
-        return _load_gguf(folder, folder.stem)
     if not folder.exists():
         raise CheckpointError(f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}), a named model "
                               f"({', '.join(NAMED_GGUF)}), a .gguf file nor an existing folder")
     config, tensors = load_checkpoint(folder)
     tokenizer = load_tokenizer(folder, config.eos_token_id, config.vocab_size)
     return Model(folder.name or str(folder), config, tensors, tokenizer)
+
+
+def read_model_config(name_or_path: str) -> ModelConfig:
+    """The config of a preset, named model, GGUF file or checkpoint folder, without its weights."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    gguf_path = _gguf_path(name_or_path)
+    if gguf_path is not None:
+        return read_gguf(gguf_path, with_tensors=False).config
+    return read_config(name_or_path)
+
+
+def _gguf_path(name_or_path: str) -> Path | None:
+    if name_or_path in NAMED_GGUF:
+        return named_gguf_path(name_or_path)
+    path = Path(name_or_path)
+    return path if path.suffix.lower() == ".gguf" else None
 
 
 def _load_gguf(path: Path, name: str) -> Model:
@@ -120,9 +136,14 @@ def _load_gguf(path: Path, name: str) -> Model:
 
 
 def load_model_tokenizer(name_or_path: str) -> Tokenizer:
-    """The tokenizer of a preset or checkpoint folder, without its weights (for clients that send token ids)."""
+    """The tokenizer of a preset, named model, GGUF file or checkpoint folder, without its weights
+    (for clients that send token ids)."""
     if name_or_path in PRESETS:
         return ByteTokenizer(PRESETS[name_or_path].eos_token_id)
+    gguf_path = _gguf_path(name_or_path)
+    if gguf_path is not None:
+        g = read_gguf(gguf_path, with_tensors=False)
+        return HFTokenizer(g.tokenizer, g.config.eos_token_id)
     config = read_config(name_or_path)
     return load_tokenizer(name_or_path, config.eos_token_id, config.vocab_size)
 

@@ -59,22 +59,30 @@ class GGUFModel:
     chat_template: str | None
 
 
-def read_gguf(path: str | Path) -> GGUFModel:
-    import gguf
-
+def read_gguf(path: str | Path, with_tensors: bool = True) -> GGUFModel:
+    """Config, tokenizer and template from the metadata; the tensors too unless with_tensors=False
+    (then `tensors` is empty: what clients that only tokenize, or size pages, need)."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file")
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, KeyError, IndexError, TypeError, OverflowError) as e:
-        raise CheckpointError(f"{path}: not a readable GGUF file, or truncated ({e})") from e
+    reader = _open(path)
     meta = _Meta(reader, str(path))
     config = gguf_config(meta)
-    config, tensors = _read_tensors(reader, config, str(path))
+    # No output.weight: the head is the token embedding (tied).
+    config = dataclasses.replace(config, tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors))
+    tensors = _read_tensors(reader, config, str(path)) if with_tensors else {}
     tokenizer = build_tokenizer(meta.get, str(path))
     template = meta.get("tokenizer.chat_template", str, required=False)
     return GGUFModel(config, tensors, tokenizer, template)
+
+
+def _open(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file, or truncated ({e})") from e
 
 
 class _Meta:
@@ -150,15 +158,15 @@ def gguf_config(meta: _Meta) -> ModelConfig:
         norm_eps=meta.get(a + "attention.layer_norm_rms_epsilon", float),
         eos_token_id=eos,
         extra_eos_token_ids=(eot,) if eot is not None and eot != eos else (),
-        tie_word_embeddings=None,   # decided by the tensors: no output.weight means tied
+        tie_word_embeddings=None,   # decided by the tensors (read_gguf)
         activation="silu",
         rope_theta=meta.get(a + "rope.freq_base", float, required=False, default=10000.0),
         rope_scaling=rope_scaling,
     )
 
 
-def _read_tensors(reader, config: ModelConfig, source: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """-> (config with tie_word_embeddings decided, {canonical name: float32}) in llama.py's order."""
+def _read_tensors(reader, config: ModelConfig, source: str) -> dict[str, np.ndarray]:
+    """-> {canonical name: float32} in llama.py's order."""
     import gguf
 
     allowed = supported_types()
@@ -175,8 +183,6 @@ def _read_tensors(reader, config: ModelConfig, source: str) -> tuple[ModelConfig
                                   f"could not be dequantized ({e})") from e
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))   # note 1
         tensors[name] = np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
-    tied = "lm_head.weight" not in tensors
-    config = dataclasses.replace(config, tie_word_embeddings=tied)
     expected = tensor_shapes(config)
     for name, shape in expected.items():
         if name not in tensors:
@@ -191,7 +197,7 @@ def _read_tensors(reader, config: ModelConfig, source: str) -> tuple[ModelConfig
         q, k = f"layers.{i}.self_attn.q_proj.weight", f"layers.{i}.self_attn.k_proj.weight"
         tensors[q] = unpermute_rows(tensors[q], config.n_heads)
         tensors[k] = unpermute_rows(tensors[k], config.n_kv_heads)
-    return config, {name: tensors[name] for name in expected}
+    return {name: tensors[name] for name in expected}
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
