@@ -8,7 +8,7 @@ is resumed through another without repeating or losing a token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import grpc
 
@@ -56,8 +56,11 @@ class Client:
             ))
         self._preferred = 0
 
-    def generate(self, prompt: str | Sequence[int], session_id: str = "", **options) -> Iterator[Piece | Finished]:
-        """Pieces as they come, then one Finished; options as worker.client.generate_request."""
+    def generate(self, prompt: str | Sequence[int] | Sequence[Mapping[str, str]], session_id: str = "",
+                 **options) -> Iterator[Piece | Finished]:
+        """Pieces as they come, then one Finished; options as worker.client.generate_request. The
+        prompt is text, token ids, or a chat ([{"role": ..., "content": ...}, ...]) that the worker
+        renders with its model's template."""
         request = generate_request(prompt, **options)
         request.session_id = session_id
         resumable = request.temperature == 0 or request.HasField("seed")

@@ -98,9 +98,10 @@ class Relay:
 
     def generate(self, request: pb.GenerateRequest, call: ClientCall) -> Iterator[pb.GenerateReply]:
         """The reply stream for `request`; raises Refused when the call must end with a status."""
-        if not request.prompt and not request.prompt_token_ids:
-            raise Refused(StatusCode.INVALID_ARGUMENT, "the prompt is empty: send text or token ids")
-        prompt_head = request.prompt or " ".join(map(str, request.prompt_token_ids[: self.prefix_chars]))
+        if not request.prompt and not request.prompt_token_ids and not request.messages:
+            raise Refused(StatusCode.INVALID_ARGUMENT, "the prompt is empty: send text, token ids or messages")
+        prompt_head = (request.prompt or " ".join(map(str, request.prompt_token_ids[: self.prefix_chars]))
+                       or chat_head(request.messages, self.prefix_chars))
         key = placement_key(prompt_head, request.session_id, self.prefix_chars)
         forward = pb.GenerateRequest()
         forward.CopyFrom(request)
@@ -189,3 +190,14 @@ def _copy(request: pb.GenerateRequest) -> pb.GenerateRequest:
     copy = pb.GenerateRequest()
     copy.CopyFrom(request)
     return copy
+
+
+def chat_head(messages, prefix_chars: int) -> str:
+    """What stands in for a chat's rendered text when placing it (the worker alone renders):
+    its messages' roles and contents in order, so chats under one system prompt share nodes."""
+    text = ""
+    for m in messages:
+        text += f"{m.role}\n{m.content}\n"
+        if len(text) >= prefix_chars:
+            break
+    return text

@@ -1,5 +1,7 @@
 """`kvcache generate`: send one prompt through the coordinators (or straight to one worker,
-for debugging) and stream the answer; --json prints one object at the end."""
+for debugging) and stream the answer; --json prints one object at the end. With --chat the
+worker renders the model's chat template; with --session too, the chat's turns are kept in a
+file of this machine's (chat_sessions.py), so the next turn sends the whole conversation."""
 
 from __future__ import annotations
 
@@ -10,13 +12,16 @@ import sys
 from dataclasses import asdict
 
 from coordinator.client import Client, ClusterError
+from kvcache.chat_sessions import ChatSession
 from worker.client import Finished, Piece, WorkerClient, WorkerError
 
 DEFAULT_COORDINATORS = "127.0.0.1:50050"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument("prompt", nargs="?", default=None, help="the prompt text (or give --chat)")
+    parser.add_argument("--chat", metavar="TEXT", help="a user message: the worker renders the model's chat template")
+    parser.add_argument("--system", metavar="TEXT", help="with --chat: the system message (a session's first turn)")
     target = parser.add_mutually_exclusive_group()
     target.add_argument(
         "--coordinators",
@@ -25,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     target.add_argument("--worker", help="talk to this worker (host:port) directly instead, for debugging")
     parser.add_argument("--nodes", default="", help="with --worker: kvnode addresses for the pages, primary first: A,B")
-    parser.add_argument("--session", default="", help="session id: the turns of one chat share their placement")
+    parser.add_argument("--session", default="",
+                        help="session id: the turns of one chat share their placement; with --chat, the "
+                             "conversation so far is kept and sent again with each turn")
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
@@ -38,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        prompt, session = _prompt(args)
+    except ValueError as exc:
+        print(f"kvcache generate: error: {exc}", file=sys.stderr)
+        return 2
     options = dict(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -52,11 +64,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.worker:
             client = WorkerClient(args.worker, timeout=args.timeout)
-            events = client.generate(args.prompt, **options)
+            events = client.generate(prompt, **options)
         else:
             del options["placement"]
             client = Client(coordinator_addresses(args.coordinators), timeout=args.timeout)
-            events = client.generate(args.prompt, session_id=args.session, **options)
+            events = client.generate(prompt, session_id=args.session, **options)
         with client:
             for event in events:
                 if isinstance(event, Piece):
@@ -72,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
     if finished is None:
         print("\nkvcache generate: error: the stream ended without a final message", file=sys.stderr)
         return 1
+    if session is not None:
+        session.save_turn(prompt, "".join(text))
     if args.json:
         result = {
             "text": "".join(text),
@@ -89,6 +103,26 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _prompt(args: argparse.Namespace):
+    """-> (text or chat messages, the session to record the turn in or None)."""
+    if args.chat is None:
+        if args.prompt is None:
+            raise ValueError("give a prompt, or --chat TEXT")
+        if args.system is not None:
+            raise ValueError("--system goes with --chat")
+        return args.prompt, None
+    if args.prompt is not None:
+        raise ValueError("give a prompt or --chat TEXT, not both")
+    session = ChatSession.open(args.session) if args.session else None
+    history = session.messages if session else []
+    if args.system is not None:
+        if history and history[0] != {"role": "system", "content": args.system}:
+            raise ValueError(f"session {args.session!r} already has its first turn: --system starts a session")
+        if not history:
+            history = [{"role": "system", "content": args.system}]
+    return history + [{"role": "user", "content": args.chat}], session
 
 
 def coordinator_addresses(text: str | None) -> list[str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import grpc
 
@@ -63,7 +63,7 @@ class WorkerInfo:
 
 
 def generate_request(
-    prompt: str | Sequence[int],
+    prompt: str | Sequence[int] | Sequence[Mapping[str, str]],
     max_tokens: int = 64,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -90,6 +90,8 @@ def generate_request(
     )
     if isinstance(prompt, str):
         request.prompt = prompt
+    elif prompt and isinstance(prompt[0], Mapping):   # a chat: [{"role": ..., "content": ...}, ...]
+        request.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
     else:
         request.prompt_token_ids.extend(prompt)
     if seed is not None:

@@ -34,6 +34,7 @@ from protos import kvcache_pb2 as pb
 from protos import serving
 from worker.client import usage_to_proto
 from worker.engine import Engine
+from worker.model.chat import ChatError, Message
 from worker.outputs import RequestIdInUse
 from worker.remote import Placement
 from worker.sampling import FINISH_ERROR, SamplingParams
@@ -189,12 +190,20 @@ class WorkerService:
 
     def _parse(self, request, context) -> tuple[object, list[int], SamplingParams, Placement]:
         prompt = list(request.prompt_token_ids) or request.prompt
-        if not prompt:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty: send text or token ids")
+        if request.messages and prompt:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "send a prompt or chat messages, not both")
+        if not prompt and not request.messages:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty: send text, token ids or messages")
         max_chars = self.engine.max_total_tokens * MAX_PROMPT_CHARS_PER_TOKEN
-        if isinstance(prompt, str) and len(prompt) > max_chars:
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(m.content) + len(m.role) for m in request.messages)
+        if chars > max_chars:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                   f"the prompt has {len(prompt)} characters; this worker reads at most {max_chars}")
+                   f"the prompt has {chars} characters; this worker reads at most {max_chars}")
+        if request.messages:
+            try:   # the worker renders the chat (a coordinator never tokenizes)
+                prompt = self.engine.model.chat_token_ids([Message(m.role, m.content) for m in request.messages])
+            except ChatError as exc:
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                    f"request_id has {len(request.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")

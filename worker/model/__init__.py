@@ -14,6 +14,7 @@ import numpy as np
 
 from ..attention import AttentionMetadata, paged_attention, write_kv
 from .blas import attention_threads, threads_for_rows
+from .chat import ChatError, ChatTemplate, folder_chat_template
 from .checkpoint import ARCH_MODULES, load_checkpoint
 from .config import PRESET_SEEDS, PRESETS, CheckpointError, ModelConfig, read_config
 from .gguf_file import read_gguf
@@ -22,7 +23,7 @@ from .named import NAMED_GGUF, named_gguf_path
 from .layers import Attend, BetweenLayers, round_kv
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
-__all__ = ["load_model", "load_model_tokenizer", "read_model_config", "Model", "ForwardBatch", "ModelConfig", "CheckpointError", "KV_DTYPES"]
+__all__ = ["load_model", "load_model_tokenizer", "read_model_config", "Model", "ForwardBatch", "ModelConfig", "CheckpointError", "ChatError", "KV_DTYPES"]
 
 KV_DTYPES = {"float32": 4, "float16": 2}   # wire dtype -> bytes per element
 
@@ -38,10 +39,12 @@ class ForwardBatch:
 
 
 class Model:
-    def __init__(self, name: str, config: ModelConfig, tensors: dict[str, np.ndarray], tokenizer: Tokenizer):
+    def __init__(self, name: str, config: ModelConfig, tensors: dict[str, np.ndarray], tokenizer: Tokenizer,
+                 chat_template: ChatTemplate | None = None):
         self.name = name
         self.config = config
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.weights_digest = weights_digest(tensors)
         self.arch = ARCH_MODULES[config.arch]
         self.params = self.arch.build_params(tensors, config)
@@ -61,6 +64,13 @@ class Model:
             h.update(len(part).to_bytes(4, "little"))
             h.update(part)
         return h.digest()
+
+    def chat_token_ids(self, messages) -> list[int]:
+        """The prompt of a chat: the model's template rendered (with the assistant's turn opened),
+        then tokenized without adding special tokens (the template writes them)."""
+        if self.chat_template is None:
+            raise ChatError(f"model {self.name!r} has no chat template: send a prompt instead of messages")
+        return list(self.tokenizer.encode(self.chat_template.render(messages), add_special_tokens=False))
 
     def page_bytes(self, kv_dtype: str, page_tokens: int) -> int:
         c = self.config
@@ -109,7 +119,7 @@ def load_model(name_or_path: str) -> Model:
                               f"({', '.join(NAMED_GGUF)}), a .gguf file nor an existing folder")
     config, tensors = load_checkpoint(folder)
     tokenizer = load_tokenizer(folder, config.eos_token_id, config.vocab_size)
-    return Model(folder.name or str(folder), config, tensors, tokenizer)
+    return Model(folder.name or str(folder), config, tensors, tokenizer, folder_chat_template(folder))
 
 
 def read_model_config(name_or_path: str) -> ModelConfig:
@@ -132,7 +142,11 @@ def _gguf_path(name_or_path: str) -> Path | None:
 def _load_gguf(path: Path, name: str) -> Model:
     g = read_gguf(path)
     tokenizer = HFTokenizer(g.tokenizer, g.config.eos_token_id)
-    return Model(name, g.config, g.tensors, tokenizer)
+    template = None
+    if g.chat_template:
+        bos = g.tokenizer.id_to_token(g.bos_token_id) if g.bos_token_id is not None else None
+        template = ChatTemplate(g.chat_template, bos or "", g.tokenizer.id_to_token(g.config.eos_token_id) or "")
+    return Model(name, g.config, g.tensors, tokenizer, template)
 
 
 def load_model_tokenizer(name_or_path: str) -> Tokenizer:

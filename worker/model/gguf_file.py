@@ -57,6 +57,7 @@ class GGUFModel:
     tensors: dict[str, np.ndarray]      # canonical name -> float32, HF layout
     tokenizer: object                    # tokenizers.Tokenizer
     chat_template: str | None
+    bos_token_id: int | None
 
 
 def read_gguf(path: str | Path, with_tensors: bool = True) -> GGUFModel:
@@ -71,7 +72,7 @@ def read_gguf(path: str | Path, with_tensors: bool = True) -> GGUFModel:
     tensors = _read_tensors(reader, config, str(path)) if with_tensors else {}
     tokenizer = build_tokenizer(meta.get, str(path))
     template = meta.get("tokenizer.chat_template", str, required=False)
-    return GGUFModel(config, tensors, tokenizer, template)
+    return GGUFModel(config, tensors, tokenizer, template, meta.get("tokenizer.ggml.bos_token_id", required=False))
 
 
 def _open(path: Path):

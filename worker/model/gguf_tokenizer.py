@@ -69,13 +69,6 @@ def build_tokenizer(get, source: str):
     return tok
 
 
-def special_token(get, key: str, tokens_key: str = "tokenizer.ggml.tokens") -> str:
-    """The text of a special token (bos/eos) for chat templates; '' when the file names none."""
-    token_id = get(key, required=False)
-    tokens = get(tokens_key, list, required=False, default=[])
-    return tokens[token_id] if token_id is not None and token_id < len(tokens) else ""
-
-
 def _pre_tokenizer(kind: str):
     from tokenizers import Regex, pre_tokenizers
 
