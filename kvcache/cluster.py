@@ -22,6 +22,7 @@ from coordinator.client import Client, ClusterError
 from kvcache.launch import Daemon, DaemonFailed
 from kvcache.units import parse_size
 from kvcache.model_pages import model_page_bytes
+from worker.model.named import DEFAULT_MODEL
 
 DEFAULT_RUN_DIR = ".kvcache"
 CLUSTER_FILE = "cluster.json"
@@ -35,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--workers", type=int, default=2, help="workers (default 2)")
     up.add_argument("--coordinators", type=int, default=2, help="coordinators (default 2)")
     up.add_argument("--replicas", type=int, default=2, help="kvnodes per sequence (default 2)")
-    up.add_argument("--model", default="tiny", help="tiny, gpt2-small-shape or a checkpoint folder (default tiny)")
+    up.add_argument("--model", default=DEFAULT_MODEL,
+                    help=f"{DEFAULT_MODEL}, tiny, gpt2-small-shape, a .gguf file or a checkpoint folder (default {DEFAULT_MODEL})")
     up.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32", help="KV dtype (default float32)")
     up.add_argument("--node-capacity", default="64MiB", help="page pool per kvnode (default 64MiB)")
     up.add_argument("--data-dir", default=None, metavar="DIR",
