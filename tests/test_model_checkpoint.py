@@ -201,7 +201,7 @@ def _gpt2_folder(tmp_path, config_changes=None, drop=(), reshape=None, **kw):
     ({"n_head": None}, "missing key 'n_head'"),
     ({"n_positions": None, "n_ctx": None}, "missing key 'n_positions' or 'n_ctx'"),
     ({"layer_norm_epsilon": None}, "missing key 'layer_norm_epsilon'"),
-    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "unsupported architecture model_type='mistral'"),
+    ({"model_type": "falcon", "architectures": ["FalconForCausalLM"]}, "unsupported architecture model_type='falcon'"),
     ({"architectures": ["GPT2ForSequenceClassification"]}, "GPT2ForSequenceClassification"),
     ({"activation_function": "relu"}, "activation_function='relu' is not supported"),
     ({"eos_token_id": None}, "missing key 'eos_token_id'"),

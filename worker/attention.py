@@ -102,10 +102,12 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     max_gather_rows: int        # largest gather of any group or sequence
     scratch: np.ndarray | None = None   # the gather buffer (note 2)
+    window: int | None = None   # sliding window: a query at p sees keys at p - window < j <= p
 
     @classmethod
     def build(cls, positions: np.ndarray, query_starts: np.ndarray, context_lens: np.ndarray,
-              block_tables: list[np.ndarray], pool_shape: tuple[int, ...]) -> "AttentionMetadata":
+              block_tables: list[np.ndarray], pool_shape: tuple[int, ...],
+              window: int | None = None) -> "AttentionMetadata":
         P = pool_shape[4]
         counts = np.diff(query_starts)
         slot_blocks = np.empty(len(positions), dtype=np.int64)
@@ -126,7 +128,10 @@ class AttentionMetadata:
             plan = _plan([np.asarray(block_tables[s]) for s in group], [n_blocks[s] for s in group], pool_shape)
             MB = plan.rows.shape[3]
             bias = np.zeros((len(group), MB * P), dtype=np.float32)
-            bias[np.arange(MB * P)[None, :] >= np.asarray(context_lens)[group][:, None]] = -np.inf
+            lens = np.asarray(context_lens)[group][:, None]
+            bias[np.arange(MB * P)[None, :] >= lens] = -np.inf
+            if window is not None:          # the query is at lens - 1
+                bias[np.arange(MB * P)[None, :] < lens - window] = -np.inf
             groups.append(DecodeGroup(np.asarray(query_starts)[group].astype(np.int64), plan, bias))
 
         prefills = []
@@ -135,7 +140,7 @@ class AttentionMetadata:
             plan = _plan([np.asarray(block_tables[s])], [n_blocks[s]], pool_shape)
             prefills.append(PrefillSeq(start, end, int(context_lens[s]), positions[start:end], plan))
         sizes = [g.plan.rows.size for g in groups] + [p.plan.rows.size for p in prefills]
-        return cls(slot_blocks, positions % P, groups, prefills, max(sizes))
+        return cls(slot_blocks, positions % P, groups, prefills, max(sizes), window=window)
 
 
 def write_kv(kv_pool: np.ndarray, layer: int, meta: AttentionMetadata, k: np.ndarray, v: np.ndarray) -> None:
@@ -153,7 +158,7 @@ def paged_attention(q: np.ndarray, kv_pool: np.ndarray, layer: int, meta: Attent
     for seq in meta.prefills:
         kv = seq.plan.gather(kv_pool, layer, meta)[0]         # [2, KV, nb*P, hd]
         k, v = kv[0, :, : seq.context_len], kv[1, :, : seq.context_len]
-        out[seq.start:seq.end] = causal_attention(q[seq.start:seq.end], k, v, seq.positions, scale)
+        out[seq.start:seq.end] = causal_attention(q[seq.start:seq.end], k, v, seq.positions, scale, meta.window)
     return out
 
 
@@ -175,9 +180,10 @@ def _decode(q: np.ndarray, kv_pool: np.ndarray, layer: int, meta: AttentionMetad
 
 
 def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray,
-                     scale: float) -> np.ndarray:
+                     scale: float, window: int | None = None) -> np.ndarray:
     """Queries q [n, H, hd] at increasing q_positions over one sequence's keys/values k, v
-    [KV, ctx, hd] (position j at index j), causal. Used by paged prefill and the dense runner."""
+    [KV, ctx, hd] (position j at index j), causal (and within `window` when given). Used by paged
+    prefill and the dense runner."""
     n, H, hd = q.shape
     KV, ctx, _ = k.shape
     G = H // KV
@@ -190,9 +196,10 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: n
         qc = q[lo:hi].reshape(m, KV, G, hd).transpose(1, 2, 0, 3).reshape(KV, G * m, hd)
         scores = np.matmul(qc, k[:, :keys].transpose(0, 2, 1)).reshape(KV, G, m, keys)
         scores *= scale
-        if m > 1 or q_positions[lo] < keys - 1:
-            scores += np.where(np.arange(keys)[None, :] > q_positions[lo:hi, None], np.float32(-np.inf),
-                               np.float32(0))               # causal mask [m, keys]
+        if m > 1 or q_positions[lo] < keys - 1 or (window is not None and keys > window):
+            j, p = np.arange(keys)[None, :], q_positions[lo:hi, None]
+            hidden = j > p if window is None else (j > p) | (j <= p - window)
+            scores += np.where(hidden, np.float32(-np.inf), np.float32(0))   # causal mask [m, keys]
         weights, denom = _exp_normalizer_(scores)
         o = np.matmul(weights.reshape(KV, G * m, keys), v[:, :keys]).reshape(KV, G, m, hd)
         o /= denom
@@ -209,7 +216,7 @@ def _exp_normalizer_(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray,
-                    scale: float) -> np.ndarray:
+                    scale: float, window: int | None = None) -> np.ndarray:
     """Reference: queries [n, H, hd] at q_positions over contiguous keys/values [ctx, KV, hd]
     (position j at row j), causal. Plain and unoptimized on purpose."""
     n, H, hd = q.shape
@@ -218,7 +225,10 @@ def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np
     k = np.repeat(k, G, axis=1)                            # [ctx, H, hd]
     v = np.repeat(v, G, axis=1)
     scores = np.einsum("nhd,chd->hnc", q, k) * scale       # [H, n, ctx]
-    scores = np.where(np.arange(ctx)[None, None, :] > np.asarray(q_positions)[None, :, None], -np.inf, scores)
+    j, p = np.arange(ctx)[None, None, :], np.asarray(q_positions)[None, :, None]
+    scores = np.where(j > p, -np.inf, scores)
+    if window is not None:
+        scores = np.where(j <= p - window, -np.inf, scores)
     scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
     probs = scores / scores.sum(axis=-1, keepdims=True)
     return np.einsum("hnc,chd->nhd", probs, v).astype(q.dtype)

@@ -90,7 +90,8 @@ class Model:
         other blocks of the pool (none of this batch's)."""
         _check_kv_dtype(kv_dtype)
         token_ids, positions, query_starts, context_lens = _validate(self.config, batch, kv_pool)
-        meta = AttentionMetadata.build(positions, query_starts, context_lens, batch.block_tables, kv_pool.shape)
+        meta = AttentionMetadata.build(positions, query_starts, context_lens, batch.block_tables, kv_pool.shape,
+                                       window=self.config.sliding_window)
         scale = self.attn_scale
 
         def attend(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:

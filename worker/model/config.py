@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,9 @@ class ModelConfig:
     # None = plain RoPE. Only SUPPORTED_ROPE_TYPES reach here.
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     extra_eos_token_ids: tuple[int, ...] = ()  # further stop ids (Llama 3 lists several)
+    # Llama family only: a query at position p attends to keys at p - sliding_window < j <= p
+    # (Mistral's sliding_window); None = the whole context.
+    sliding_window: int | None = None
 
     def to_json(self) -> str:
         """Canonical text of every field: part of the model fingerprint."""
@@ -78,6 +81,7 @@ PRESET_SEEDS = {"tiny": 1234, "gpt2-small-shape": 5678}
 
 GPT2_ARCHITECTURES = {"GPT2LMHeadModel", "GPT2Model"}
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM", "LlamaModel"}
+MISTRAL_ARCHITECTURES = {"MistralForCausalLM", "MistralModel"}   # Llama's tensors, plus a sliding window
 GPT2_ACTIVATIONS = {"gelu_new", "gelu_pytorch_tanh", "gelu_fast"}  # all tanh-approximated GELU
 
 
@@ -104,10 +108,12 @@ def config_from_dict(raw: dict, source: str, generation_config: dict | None = No
         known = GPT2_ARCHITECTURES
     elif model_type == "llama":
         known = LLAMA_ARCHITECTURES
+    elif model_type == "mistral":
+        known = MISTRAL_ARCHITECTURES
     else:
         raise CheckpointError(
             f"{source}: unsupported architecture model_type={model_type!r} "
-            f"(architectures={architectures}); supported: gpt2, llama")
+            f"(architectures={architectures}); supported: gpt2, llama, mistral")
     unknown = [a for a in architectures if a not in known]
     if unknown:
         raise CheckpointError(
@@ -117,7 +123,10 @@ def config_from_dict(raw: dict, source: str, generation_config: dict | None = No
     eos, extra_eos = _eos_ids(raw, generation_config, source)
     if model_type == "gpt2":
         return _gpt2_config(reader, eos, extra_eos)
-    return _llama_config(reader, eos, extra_eos)
+    config = _llama_config(reader, eos, extra_eos)
+    if model_type == "mistral" and reader.has("sliding_window"):   # null in later Mistrals: no window
+        config = replace(config, sliding_window=reader.get("sliding_window"))
+    return config
 
 
 class _Reader:

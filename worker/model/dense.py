@@ -62,7 +62,8 @@ class DenseRunner:
             state.k[layer, :, :n] = round_kv(k, kv_dtype).transpose(1, 0, 2)
             state.v[layer, :, :n] = round_kv(v, kv_dtype).transpose(1, 0, 2)
             with single_thread():   # as the paged forward's attention (blas.py)
-                return causal_attention(q, state.k[layer, :, :n], state.v[layer, :, :n], positions, scale)
+                return causal_attention(q, state.k[layer, :, :n], state.v[layer, :, :n], positions, scale,
+                                        self.model.config.sliding_window)
 
         logits = self.model.run(ids, positions, attend, head_rows=np.array([len(ids) - 1]))
         state.length = len(ids)
@@ -77,6 +78,7 @@ class DenseRunner:
             s.reserve(1)
         scale, kv_dtype = self.model.attn_scale, self.kv_dtype
         G = self.model.config.n_heads // self.model.config.n_kv_heads
+        window = self.model.config.sliding_window
 
         def attend(layer, q, k, v):
             k, v = round_kv(k, kv_dtype), round_kv(v, kv_dtype)
@@ -84,13 +86,14 @@ class DenseRunner:
             out = np.empty_like(q)
             for i, s in enumerate(states):   # (already on one BLAS thread: decode rows are few)
                 n = s.length + 1
+                lo = 0 if window is None else max(0, n - window)   # sliding window: the last `window` keys
                 s.k[layer, :, s.length] = k[i]
                 s.v[layer, :, s.length] = v[i]
-                scores = q[i].reshape(-1, G, hd) @ s.k[layer, :, :n].transpose(0, 2, 1)   # [KV, G, n]
+                scores = q[i].reshape(-1, G, hd) @ s.k[layer, :, lo:n].transpose(0, 2, 1)   # [KV, G, n - lo]
                 scores *= scale
                 scores -= scores.max(axis=-1, keepdims=True)
                 np.exp(scores, out=scores)
-                o = scores @ s.v[layer, :, :n]                                            # [KV, G, hd]
+                o = scores @ s.v[layer, :, lo:n]                                          # [KV, G, hd]
                 o /= scores.sum(axis=-1, keepdims=True)
                 out[i] = o.reshape(H, hd)
             return out
@@ -114,6 +117,7 @@ def reference_logits(model: Model, token_ids, kv_dtype: str = "float32") -> np.n
         raise ValueError(f"{len(ids)} tokens exceed the model's {model.config.max_positions} positions")
 
     def attend(layer, q, k, v):
-        return dense_attention(q, round_kv(k, kv_dtype), round_kv(v, kv_dtype), positions, model.attn_scale)
+        return dense_attention(q, round_kv(k, kv_dtype), round_kv(v, kv_dtype), positions, model.attn_scale,
+                               model.config.sliding_window)
 
     return model.run(ids, positions, attend)

@@ -163,6 +163,7 @@ def gguf_config(meta: _Meta) -> ModelConfig:
         activation="silu",
         rope_theta=meta.get(a + "rope.freq_base", float, required=False, default=10000.0),
         rope_scaling=rope_scaling,
+        sliding_window=meta.get(a + "attention.sliding_window", required=False) or None,
     )
 
 
