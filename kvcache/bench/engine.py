@@ -22,7 +22,7 @@ from kvcache.bench.report import dump_json, machine, print_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="gpt2-small-shape", help="tiny, gpt2-small-shape or a checkpoint folder")
+    parser.add_argument("--model", default="gpt2-small-shape", help="tiny, gpt2-small-shape, smollm2-135m, a .gguf file or a checkpoint folder")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length for prefill and TTFT (default 512)")
     parser.add_argument("--decode-context", type=int, default=128, help="prompt length before decoding (default 128)")
     parser.add_argument("--decode-tokens", type=int, default=32, help="decode steps measured (default 32)")
@@ -96,7 +96,9 @@ def measure_decode(engine, dense, prompt, args, batch: int) -> dict:
     engine_s, dense_s = [], []
     for _ in range(args.repeats):
         prompts = [prompt(args.decode_context) for _ in range(batch)]
-        handles = [engine.add_request(p, max_new_tokens=steps + 1, bypass_cache=True) for p in prompts]
+        # ignore_eos: a trained model may end a random prompt's answer early
+        handles = [engine.add_request(p, max_new_tokens=steps + 1, bypass_cache=True, ignore_eos=True)
+                   for p in prompts]
         while any(h.queue.empty() for h in handles):  # every prompt prefilled, first token out
             engine.step()
         states, tokens = [], []

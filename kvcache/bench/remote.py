@@ -24,7 +24,7 @@ from protos import serving
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="gpt2-small-shape", help="tiny, gpt2-small-shape or a checkpoint folder")
+    parser.add_argument("--model", default="gpt2-small-shape", help="tiny, gpt2-small-shape, smollm2-135m, a .gguf file or a checkpoint folder")
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length (default 1024)")
     parser.add_argument("--kv-dtype", choices=["float32", "float16"], default="float16",
                         help="KV dtype on the wire (default float16, half the bytes)")
