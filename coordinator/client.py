@@ -13,6 +13,7 @@ from typing import Iterator, Mapping, Sequence
 import grpc
 
 from protos import kvcache_pb2 as pb
+from protos.observability import traced_channel
 from worker.client import Finished, Piece, Usage, generate_request, parse_reply
 
 __all__ = ["Client", "ClusterError", "Finished", "Piece", "Usage"]
@@ -45,7 +46,7 @@ class Client:
         self.timeout = timeout
         self._coordinators = []
         for address in dict.fromkeys(coordinators):
-            channel = grpc.insecure_channel(address)
+            channel = traced_channel(grpc.insecure_channel(address))
             self._coordinators.append(_Coordinator(
                 address,
                 channel,

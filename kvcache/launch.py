@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
+_METRICS = re.compile(r"metrics on (http://\S+/metrics)")  # logged before the listening line (--metrics-port)
 
 
 class DaemonFailed(RuntimeError):
@@ -49,6 +50,7 @@ class Daemon:
                 start_new_session=True,  # Ctrl-C in the parent's terminal does not reach it; we stop it ourselves
             )
         self.pid = self.process.pid
+        self.metrics_url: str | None = None  # http://HOST:PORT/metrics when started with --metrics-port
         try:
             self.address = self._wait_for_address(timeout_s)
         except BaseException:  # an interrupt while it starts: nobody else knows this child yet
@@ -63,6 +65,8 @@ class Daemon:
                 text = log.read().decode(errors="replace")
             match = _LISTENING.search(text)
             if match:
+                metrics = _METRICS.search(text)
+                self.metrics_url = metrics.group(1) if metrics else None
                 return match.group(1)
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()

@@ -21,6 +21,7 @@ from kvnode import wire
 from kvnode.data_client import DataPlaneClient, DataPlaneError
 from kvnode.store import InvalidRequest, check_key
 from protos import kvcache_pb2 as pb
+from protos.observability import traced_channel
 
 log = logging.getLogger("kvnode.client")
 
@@ -117,13 +118,13 @@ class NodeClient:
         self._data: DataPlaneClient | None = None
         self._told_busy = False
         self._data_lock = threading.Lock()
-        self._channel = grpc.insecure_channel(
+        self._channel = traced_channel(grpc.insecure_channel(
             address,
             options=[
                 ("grpc.max_receive_message_length", _CLIENT_MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", _CLIENT_MAX_MESSAGE_BYTES),
             ],
-        )
+        ))
         self._info = self._channel.unary_unary(
             _SERVICE + "Info", pb.InfoRequest.SerializeToString, pb.NodeInfo.FromString
         )

@@ -17,10 +17,11 @@ from kvnode.data_dir import DataDir
 from kvnode.data_plane import DEFAULT_MAX_CONNECTIONS, DataPlaneServer
 from kvnode.disk_tier import DiskTier
 from kvnode.flusher import Flusher
+from kvnode.metrics import NodeMetrics
 from kvnode.service import DEFAULT_MAX_KEYS, SERVICE_NAME, KVStoreService, handler
 from kvnode.store import PageStore
 from protos import kvcache_pb2 as pb
-from protos import serving
+from protos import observability, serving
 
 log = logging.getLogger("kvnode")
 
@@ -99,6 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "before they are cut (default %(default)s; --grace is the old name)",
     )
     agent.add_arguments(parser)
+    observability.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,7 +133,12 @@ def run(args: argparse.Namespace) -> int:
             log.info("%s", store.recovered.summary(disk))
         node_id = data_dir.node_id(args.node_id) if data_dir else args.node_id
         service = KVStoreService(store, node_id, args.max_keys, max_message_bytes)
-        server, health = serving.make_server([handler(service)], [SERVICE_NAME], max_message_bytes)
+        observability.setup_tracing(args, "kvcache-node")
+        metrics = NodeMetrics(store) if args.metrics_port is not None else None
+        service.metrics = metrics
+        server, health = serving.make_server(
+            [handler(service)], [SERVICE_NAME], max_message_bytes,
+            interceptors=observability.server_interceptors(SERVICE_NAME, metrics and metrics.durations))
         port = serving.bind(server, args.host, args.port)
         data_plane = None
         if not args.no_data_plane:
@@ -146,6 +153,9 @@ def run(args: argparse.Namespace) -> int:
                 raise OSError(f"cannot listen on {serving.host_port(args.host, args.data_port)} "
                               f"for the data plane: {exc.strerror or exc}") from None
             service.data_port = data_plane.port
+            data_plane.metrics = metrics
+        if metrics is not None:
+            observability.start_metrics(metrics.registry, args)
     except (ValueError, OSError, MemoryError) as exc:
         print(f"kvcache node: error: {exc}", file=sys.stderr)
         return 2

@@ -75,6 +75,7 @@ class DataPlaneServer:
         self.max_connections = max_connections
         self.timeout_s = timeout_s
         self.max_put_bytes_in_flight = max_put_bytes_in_flight
+        self.metrics = None  # kvnode.metrics.NodeMetrics with --metrics-port: one call per request
         self._put_bytes_in_flight = 0
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=128)
@@ -239,6 +240,7 @@ class DataPlaneServer:
         return header.count * (dw.put_entry_bytes(header.key_bytes) + header.page_bytes)
 
     def _get(self, connection: "_Connection", header: dw.RequestHeader) -> None:
+        started = time.perf_counter()
         raw_keys = connection.receive(header.count * KEY_BYTES)
         keys = [bytes(raw_keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]) for i in range(header.count)]
         connection.pending = 0
@@ -253,6 +255,8 @@ class DataPlaneServer:
         finally:
             del pages
             self.store.unpin_pages(keys)
+        if self.metrics is not None:
+            self.metrics.data_get(header.count * self.store.page_bytes, time.perf_counter() - started)
 
     def _put(self, connection: "_Connection", header: dw.RequestHeader) -> None:
         page_bytes = self.store.page_bytes
@@ -274,6 +278,7 @@ class DataPlaneServer:
                 self._put_bytes_in_flight -= size
 
     def _receive_and_store(self, connection: "_Connection", header: dw.RequestHeader) -> None:
+        started = time.perf_counter()
         page_bytes = self.store.page_bytes
         entry_block = connection.receive(header.count * dw.put_entry_bytes(KEY_BYTES))
         connection.pending -= len(entry_block)
@@ -291,6 +296,8 @@ class DataPlaneServer:
         if refused:
             log.info("put refused %d of %d pages (no parent or no room)", refused, len(outcomes))
         connection.send(dw.ok_reply(len(outcomes)) + bytes(outcomes))
+        if self.metrics is not None:
+            self.metrics.data_put(header.count * page_bytes, outcomes, time.perf_counter() - started)
 
     def _refuse(self, conn: socket.socket, code: grpc.StatusCode, message: str, pending: int) -> None:
         """Answer `code`, then close; first read away up to `pending` bytes the peer may still send."""

@@ -47,6 +47,7 @@ class KVStoreService:
         self.max_message_bytes = max_message_bytes
         self.chunk_bytes = max_message_bytes - _CHUNK_HEADROOM
         self.data_port = 0  # the node's data plane port, advertised in Info; 0 = none
+        self.metrics = None  # kvnode.metrics.NodeMetrics with --metrics-port: bytes and put outcomes
         self._calls_in_flight = 0
         self._calls_lock = threading.Lock()
 
@@ -112,12 +113,16 @@ class KVStoreService:
                 for first in range(0, len(keys), per_message):
                     group = keys[first : first + per_message]
                     yield self.store.read(group, wire.page_chunk_header(first, 0, len(group) * page_bytes))
+                    if self.metrics is not None:
+                        self.metrics.pages_sent("grpc", len(group) * page_bytes)
                 return
             for index, key in enumerate(keys):
                 page = memoryview(self.store.read([key]))  # read once, so every chunk is of one page
                 for offset in range(0, page_bytes, chunk):
                     piece = page[offset : offset + chunk]
                     yield b"".join((wire.page_chunk_header(index, offset, len(piece)), piece))
+                if self.metrics is not None:
+                    self.metrics.pages_sent("grpc", page_bytes)
         except PageNotFound as exc:
             self._abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
 
@@ -132,6 +137,8 @@ class KVStoreService:
         if not context.is_active():
             self._abort(context, grpc.StatusCode.CANCELLED, "PutPages stream ended abnormally; nothing stored")
         outcomes = [self.store.put(key, parent, data) for key, parent, data in items]
+        if self.metrics is not None:
+            self.metrics.pages_put("grpc", len(items) * self.store.page_bytes, outcomes)
         refused = sum(1 for o in outcomes if o in (PutOutcome.REFUSED_NO_PARENT, PutOutcome.REFUSED_NO_ROOM))
         if refused:
             log.info("put refused %d of %d pages (no parent or no room)", refused, len(items))

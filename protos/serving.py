@@ -90,8 +90,10 @@ def make_server(
     service_names: Iterable[str],
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_workers: int = 16,
+    interceptors: Iterable[grpc.ServerInterceptor] = (),
 ) -> tuple[grpc.Server, health.HealthServicer]:
-    """A threaded gRPC server with health and reflection on; not yet bound or started."""
+    """A threaded gRPC server with health and reflection on; not yet bound or started.
+    `interceptors`: metrics and tracing (protos/observability.py), none unless they are on."""
     options = [
         # KV pages are far larger than gRPC's 4 MiB default; the node chunks replies to this size.
         ("grpc.max_send_message_length", max_message_bytes),
@@ -107,6 +109,7 @@ def make_server(
         options=options,
         # Beyond this many calls in flight, new ones get RESOURCE_EXHAUSTED instead of queueing forever.
         maximum_concurrent_rpcs=max_workers * 4,
+        interceptors=list(interceptors),
     )
     for handler in handlers:
         server.add_generic_rpc_handlers((handler,))

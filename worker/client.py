@@ -8,6 +8,7 @@ from typing import Iterator, Mapping, Sequence
 import grpc
 
 from protos import kvcache_pb2 as pb
+from protos.observability import traced_channel
 from worker.usage import Usage
 
 _SERVICE = "/kvcache.v1.Worker/"
@@ -109,7 +110,7 @@ class WorkerClient:
     def __init__(self, address: str, timeout: float = 300.0):
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address)
+        self._channel = traced_channel(grpc.insecure_channel(address))
         self._generate = self._channel.unary_stream(
             _SERVICE + "Generate", pb.GenerateRequest.SerializeToString, pb.GenerateReply.FromString
         )
