@@ -9,9 +9,10 @@ import threading
 
 from coordinator.capacity import DEFAULT_MAX_STREAMS, server_threads
 from coordinator.membership import Membership
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.ring import DEFAULT_PREFIX_CHARS
 from coordinator.service import SERVICE_NAME, CoordinatorService, handler, run_sweeper
-from protos import serving
+from protos import observability, serving
 
 log = logging.getLogger("coordinator")
 
@@ -34,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              f"(default {DEFAULT_MAX_STREAMS}; membership and status calls have threads of their own)",
     )
     parser.add_argument("--grace", type=float, default=5.0, help="seconds running requests get on stop (default 5)")
+    observability.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,9 +50,15 @@ def run(args: argparse.Namespace) -> int:
         membership = Membership()
         service = CoordinatorService(membership, args.replicas, args.prefix_chars, args.coordinator_id,
                                      max_streams=args.max_streams)
-        server, health = serving.make_server([handler(service)], [SERVICE_NAME],
-                                             max_workers=server_threads(args.max_streams))
+        observability.setup_tracing(args, "kvcache-coordinator")
+        metrics = CoordinatorMetrics(membership, service.router) if args.metrics_port is not None else None
+        service.metrics = service.relay.metrics = metrics
+        server, health = serving.make_server(
+            [handler(service)], [SERVICE_NAME], max_workers=server_threads(args.max_streams),
+            interceptors=observability.server_interceptors(SERVICE_NAME, metrics and metrics.request_duration))
         port = serving.bind(server, args.host, args.port)
+        if metrics is not None:
+            observability.start_metrics(metrics.registry, args)
     except (ValueError, OSError) as exc:
         print(f"kvcache coordinator: error: {exc}", file=sys.stderr)
         return 2

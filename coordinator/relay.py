@@ -95,6 +95,7 @@ class Relay:
         self.replicas = replicas
         self.prefix_chars = prefix_chars
         self.request_timeout_s = request_timeout_s
+        self.metrics = None  # coordinator.metrics.CoordinatorMetrics (--metrics-port): resumes, failed attempts
 
     def generate(self, request: pb.GenerateRequest, call: ClientCall) -> Iterator[pb.GenerateReply]:
         """The reply stream for `request`; raises Refused when the call must end with a status."""
@@ -122,6 +123,8 @@ class Relay:
             attempt = _copy(forward)
             attempt.resume_token_ids.extend(sent)  # the worker counts them as its own (max_tokens, usage)
             attempt.request_id = next(ids)
+            if sent and self.metrics is not None:
+                self.metrics.resumes.inc()
             try:
                 for reply in self.open_stream(worker, attempt, timeout, call):
                     sent.extend(reply.token_ids)
@@ -135,6 +138,8 @@ class Relay:
                 if not call.is_active():
                     return  # our client went away or ran out of time; its stream to the worker is cancelled
                 failure = f"worker {worker} failed: {exc.code.name}: {exc.details}"
+                if self.metrics is not None:
+                    self.metrics.attempt_failed(exc.code)
                 counted = self._judge(worker, exc, attempt, client_bound, len(sent), skipped, busy)
                 failures += counted
                 if not counted:

@@ -18,6 +18,7 @@ class Router:
         self._outstanding: dict[str, int] = {}
         self._last_worker: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
+        self.affinity = {True: 0, False: 0}  # choices that went (or not) to the key's warm worker, for metrics
 
     def choose(self, key: str, workers: Iterable[str], exclude: Iterable[str] = ()) -> str | None:
         """Pick a worker for `key` among `workers` (minus `exclude`) and count it as outstanding."""
@@ -31,6 +32,7 @@ class Router:
             warm = self._last_worker.get(key)
             if warm in candidates and self._outstanding.get(warm, 0) <= self._outstanding.get(least, 0) + self.close_load:
                 chosen = warm
+            self.affinity[chosen == warm] += 1
             self._outstanding[chosen] = self._outstanding.get(chosen, 0) + 1
             self._last_worker[key] = chosen
             self._last_worker.move_to_end(key)

@@ -42,6 +42,7 @@ class CoordinatorService:
         self.streams = StreamSlots(max_streams)
         self.workers = WorkerStreams()
         self.relay = Relay(membership, self.router, self.workers.open, replicas, prefix_chars, request_timeout_s)
+        self.metrics = None  # coordinator.metrics.CoordinatorMetrics (--metrics-port): requests by outcome
 
     # ---- membership ------------------------------------------------------------
 
@@ -91,14 +92,21 @@ class CoordinatorService:
     def generate(self, request, context):
         _check_parsed(request, context)
         if not self.streams.try_acquire():
+            if self.metrics is not None:
+                self.metrics.request_done("resource_exhausted")
             self._refuse_at_limit(context)
+        outcome = "cancelled"  # unless it ends otherwise: the client went away
         try:
             call = ClientCall(context.time_remaining, context.is_active, context.add_callback)
             yield from self.relay.generate(request, call)
+            outcome = "ok" if context.is_active() else "cancelled"
         except Refused as exc:
+            outcome = exc.code.name.lower()
             _abort(context, exc.code, exc.message)
         finally:
             self.streams.release()
+            if self.metrics is not None:
+                self.metrics.request_done(outcome)
 
     def _refuse_at_limit(self, context):
         refused = self.streams.take_refusals_to_log()

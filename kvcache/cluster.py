@@ -1,4 +1,4 @@
-"""`kvcache cluster up|down`: a local multi-process cluster on free loopback ports.
+"""`kvcache cluster up|down|prometheus-config`: a local multi-process cluster on free loopback ports.
 
 `up` starts coordinators, then kvnodes and workers registered with them, waits until
 every coordinator sees every member alive, writes the cluster file (JSON: each member's
@@ -52,10 +52,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help=f"cluster file and logs (default ./{DEFAULT_RUN_DIR})")
     up.add_argument("--detach", action="store_true", help="return once healthy; stop later with `kvcache cluster down`")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a healthy cluster (default 120)")
+    up.add_argument("--no-metrics", action="store_true",
+                    help="no --metrics-port on the members (default: each serves Prometheus metrics on a free "
+                         "port, recorded in the cluster file as `metrics`)")
     up.set_defaults(run=run_up)
     down = actions.add_parser("down", help="stop the cluster in the run directory")
     down.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help=f"where `up` wrote its cluster file (default ./{DEFAULT_RUN_DIR})")
     down.set_defaults(run=run_down)
+    scrape = actions.add_parser("prometheus-config", help="print Prometheus file_sd targets for the cluster's metrics",
+                                description=prometheus_config.__doc__)
+    scrape.add_argument("--run-dir", default=DEFAULT_RUN_DIR,
+                        help=f"where `up` wrote its cluster file (default ./{DEFAULT_RUN_DIR})")
+    scrape.set_defaults(run=run_prometheus_config)
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -82,7 +90,7 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         start_cluster(logs, args.nodes, args.workers, args.coordinators, args.replicas, args.model, args.kv_dtype,
                       args.node_capacity, args.worker_kv_cache, blas_threads=args.blas_threads,
-                      max_prefill_tokens=args.max_prefill_tokens, cluster=cluster,
+                      max_prefill_tokens=args.max_prefill_tokens, cluster=cluster, metrics=not args.no_metrics,
                       data_dir=Path(args.data_dir).resolve() if args.data_dir else None,
                       on_start=lambda c: _write_cluster_file(cluster_file, args, c.daemons))
         coordinators = cluster.coordinator_addresses
@@ -111,6 +119,38 @@ def run_up(args: argparse.Namespace) -> int:
     cluster.stop()
     cluster_file.unlink(missing_ok=True)
     print("cluster stopped", flush=True)
+    return 0
+
+
+def prometheus_config(cluster: dict) -> list[dict]:
+    """Prometheus `file_sd_configs` targets, one group per role, from a cluster file's members:
+    save the output as a file and name it in a scrape job's `file_sd_configs: [{files: [...]}]`
+    (deploy/grafana/README.md)."""
+    groups: dict[str, list[str]] = {}
+    for member in cluster.get("members", []):
+        url = member.get("metrics")
+        if url:
+            groups.setdefault(member["role"], []).append(url[len("http://"):].split("/", 1)[0])
+    return [{"targets": targets, "labels": {"job": "kvcache", "role": role}} for role, targets in groups.items()]
+
+
+def run_prometheus_config(args: argparse.Namespace) -> int:
+    cluster_file = Path(args.run_dir).resolve() / CLUSTER_FILE
+    try:
+        cluster = json.loads(cluster_file.read_text())
+    except FileNotFoundError:
+        print(f"kvcache cluster prometheus-config: no cluster file at {cluster_file}: start one with "
+              f"`kvcache cluster up`", file=sys.stderr)
+        return 1
+    except json.JSONDecodeError as exc:
+        print(f"kvcache cluster prometheus-config: error: {cluster_file} is not valid JSON ({exc})", file=sys.stderr)
+        return 2
+    targets = prometheus_config(cluster)
+    if not targets:
+        print(f"kvcache cluster prometheus-config: no member in {cluster_file} serves metrics "
+              f"(started with --no-metrics?)", file=sys.stderr)
+        return 1
+    print(json.dumps(targets, indent=2))
     return 0
 
 
@@ -190,13 +230,15 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
                   model: str = "tiny", kv_dtype: str = "float32", node_capacity: str = "64MiB",
                   worker_kv_cache: str = "64MiB", blas_threads: int | None = None, on_start=None,
                   cluster: LocalCluster | None = None, step_logs: bool = False,
-                  max_prefill_tokens: int | None = None, data_dir: Path | None = None) -> LocalCluster:
+                  max_prefill_tokens: int | None = None, data_dir: Path | None = None,
+                  metrics: bool = False) -> LocalCluster:
     """Start coordinators, then kvnodes and workers registered with them (not yet waiting for health).
 
     Each worker gets `blas_threads` BLAS threads (default: cores / workers, at least 1) and
     `max_prefill_tokens` (default: the worker's own); with `step_logs`, each writes one JSON line
     per engine step to `<logs>/<worker>.steps.jsonl`. With `data_dir`, kvnode i keeps its pages in
-    `<data_dir>/node-i` (kvcache node --data-dir).
+    `<data_dir>/node-i` (kvcache node --data-dir); with `metrics`, every member serves Prometheus
+    metrics on a free port (`Daemon.metrics_url`).
 
     `on_start(cluster)` runs after each start, so a caller can record pids as they appear; on
     failure, or an interrupt (Ctrl-C, a SIGTERM handler's SystemExit), whatever started is
@@ -207,7 +249,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
     logs.mkdir(parents=True, exist_ok=True)
 
     def launch(role: str, name: str, daemon_args: list[str]) -> Daemon:
-        daemon = Daemon(role, ["--port", "0", *daemon_args], log_path=logs / f"{name}.log")
+        extra = ["--metrics-port", "0"] if metrics else []
+        daemon = Daemon(role, ["--port", "0", *extra, *daemon_args], log_path=logs / f"{name}.log")
         cluster.daemons.append(daemon)
         if on_start:
             on_start(cluster)
@@ -262,7 +305,8 @@ def _write_cluster_file(path: Path, args, started: list[Daemon]) -> None:
         "model": args.model,
         "replicas": args.replicas,
         "members": [
-            {"role": d.role, "address": d.address, "pid": d.pid, "log": str(d.log_path)} for d in started
+            {"role": d.role, "address": d.address, "pid": d.pid, "log": str(d.log_path),
+             **({"metrics": d.metrics_url} if d.metrics_url else {})} for d in started
         ],
     }
     tmp = path.with_suffix(".tmp")

@@ -16,9 +16,11 @@ import time
 from coordinator import agent
 from kvcache.units import format_size, parse_size
 from protos import kvcache_pb2 as pb
-from protos import serving
+from protos import observability, serving
 from worker.engine import Engine
+from worker.metrics import WorkerMetrics
 from worker.model import blas
+from worker.observe import ObservedRemoteTier, attach
 from worker.remote import RemoteTier
 from worker.scheduler import PREFILL_TOKENS_PER_STEP
 from worker.service import DEFAULT_MAX_STREAMS, DEFAULT_STEP_TIMEOUT_S, SERVICE_NAME, WorkerService, handler
@@ -76,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "elsewhere (default %(default)s)",
     )
     agent.add_arguments(parser)
+    observability.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,7 +107,11 @@ def run(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_batched_tokens,
             max_prefill_tokens=args.max_prefill_tokens,
         )
-        tier = RemoteTier(engine.kv_pool, args.kv_dtype, lease_ms=args.lease_ms)
+        tracing = observability.setup_tracing(args, "kvcache-worker")
+        if tracing or args.metrics_port is not None:
+            tier = ObservedRemoteTier(engine.kv_pool, args.kv_dtype, lease_ms=args.lease_ms, tracing=tracing)
+        else:
+            tier = RemoteTier(engine.kv_pool, args.kv_dtype, lease_ms=args.lease_ms)
         engine.attach_remote_tier(tier)
         step_log = None
         if args.step_log:
@@ -117,10 +124,15 @@ def run(args: argparse.Namespace) -> int:
         broken = threading.Event()
         service = WorkerService(engine, args.worker_id, args.max_tokens_limit, args.max_streams, args.step_timeout,
                                 on_broken=lambda reason: broken.set())
+        metrics = WorkerMetrics(engine, tier) if args.metrics_port is not None else None
+        attach(service, tier, metrics, tracing)
         # Threads for every stream, plus a few that health checks and Info always find free (service note 2).
-        server, health = serving.make_server([handler(service)], [SERVICE_NAME],
-                                             max_workers=args.max_streams + CONTROL_THREADS)
+        server, health = serving.make_server(
+            [handler(service)], [SERVICE_NAME], max_workers=args.max_streams + CONTROL_THREADS,
+            interceptors=observability.server_interceptors(SERVICE_NAME, metrics and metrics.request_duration))
         port = serving.bind(server, args.host, args.port)
+        if metrics is not None:
+            observability.start_metrics(metrics.registry, args)
     except (ValueError, OSError, MemoryError) as exc:
         print(f"kvcache worker: error: {exc}", file=sys.stderr)
         return 2

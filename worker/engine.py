@@ -101,6 +101,7 @@ class Engine:
         self._work = threading.Event()
         self._ids = itertools.count()
         self.on_step: Callable[[dict], None] | None = None  # called after every step with its record (the loop thread)
+        self.on_finish: Callable[[Completion], None] | None = None  # called with each request's completion (metrics)
         self._unix_offset = time.time() - time.monotonic()  # monotonic arrival times to Unix seconds, for on_step
 
     @classmethod
@@ -435,6 +436,11 @@ class Engine:
                                 request.output_token_ids, live.checker.text, live.checker.finish_reason, usage,
                                 request.num_preemptions, error)
         live.handle.completion = completion
+        if self.on_finish is not None:
+            try:
+                self.on_finish(completion)
+            except Exception as exc:  # metrics that fail must not fail the request
+                log.warning("on_finish failed: %r", exc)
         return self._send(live, completion)
 
 

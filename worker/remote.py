@@ -43,6 +43,7 @@ class Placement:
     addresses: list[str]
     source: str | None = None
     source_hits: int = 0
+    trace: object = None  # the request's trace context, parent of its tier spans (worker/observe.py)
 
 
 @dataclass

@@ -66,6 +66,8 @@ class WorkerService:
         self.handed_back: str | None = None  # why running requests are sent elsewhere (a drain out of time)
         self._streams = threading.BoundedSemaphore(max_streams)
         self._step_started: float | None = None  # monotonic time the running step began, None between steps
+        self.metrics = None  # worker.metrics.WorkerMetrics (--metrics-port): step times
+        self.spans = None  # worker.observe.RequestSpans while tracing: each request's trace context
         self._stopping = threading.Event()
         self._loop = threading.Thread(target=self._run_engine, name="engine-loop", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)
@@ -83,7 +85,7 @@ class WorkerService:
         while not self._stopping.is_set() and self.broken is None:
             if not self.engine.wait_for_work(timeout=0.2):
                 continue
-            self._step_started = time.monotonic()
+            self._step_started = started = time.monotonic()
             try:
                 self.engine.step()
             except Exception as exc:  # not pinned on any request: the engine's state is in doubt
@@ -91,6 +93,8 @@ class WorkerService:
                 self._break(f"its engine failed: {exc!r}")
             finally:
                 self._step_started = None
+                if self.metrics is not None:
+                    self.metrics.step.observe(time.monotonic() - started)
 
     def _watch(self) -> None:
         while not self._stopping.wait(0.5) and self.broken is None:
@@ -129,6 +133,8 @@ class WorkerService:
     def _generate(self, request, context):
         prompt, resumed, params, placement = self._parse(request, context)
         request_id = request.request_id or uuid.uuid4().hex[:16]
+        if self.spans is not None:
+            self.spans.begin(request_id, placement)
         try:
             handle = self.engine.add_request(prompt, params, request_id=request_id, tier_context=placement,
                                              bypass_cache=request.no_cache, resumed_token_ids=resumed)
