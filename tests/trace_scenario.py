@@ -1,0 +1,87 @@
+"""Run by test_tracing.py in a child process (a tracer provider is set once per process, so the
+test's own process stays without one): an in-process coordinator, two workers and a kvnode, each
+gRPC server with the daemons' interceptors, the SDK's in-memory exporter; prints the spans of
+two client calls as JSON lines."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+PROMPT = "You are the support assistant of a small bakery. Be kind, be brief, and never invent prices. " * 2
+
+
+def main() -> int:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+
+    # Imported after the provider is set, as a daemon sets it before it builds its parts.
+    from coordinator import service as coordinator_service
+    from coordinator.client import Client
+    from coordinator.membership import Membership
+    from kvnode import service as node_service
+    from kvnode.store import PageStore
+    from protos import observability, serving
+    from worker import service as worker_service
+    from worker.client import WorkerClient
+    from worker.engine import Engine
+    from worker.observe import ObservedRemoteTier, attach
+
+    def serve(stack, handler, name):
+        server, health = serving.make_server([handler], [name], max_workers=8,
+                                             interceptors=observability.server_interceptors(name, None))
+        port = serving.bind(server, "127.0.0.1", 0)
+        server.start()
+        stack.callback(serving.stop, server, health, 0.5)
+        return f"127.0.0.1:{port}"
+
+    def start_worker(stack):
+        engine = Engine.load("tiny", kv_cache_bytes=16 * 2**20)
+        tier = ObservedRemoteTier(engine.kv_pool, "float32", tracing=True)
+        engine.attach_remote_tier(tier)
+        service = worker_service.WorkerService(engine)
+        attach(service, tier, None, tracing=True)
+        service.start()
+        stack.callback(tier.close)
+        stack.callback(service.stop)
+        address = serve(stack, worker_service.handler(service), worker_service.SERVICE_NAME)
+        return address, engine, tier
+
+    tracer = trace.get_tracer("test-client")
+    with contextlib.ExitStack() as stack:
+        first, engine, first_tier = start_worker(stack)
+        second, _, second_tier = start_worker(stack)
+        page_bytes = engine.model.page_bytes("float32", engine.page_tokens)
+        store = PageStore(256, page_bytes)
+        node = serve(stack, node_service.handler(node_service.KVStoreService(store, "node-0")), node_service.SERVICE_NAME)
+        membership = Membership(dead_after_s=600.0)
+        membership.register("node", node, capacity_bytes=256 * page_bytes, page_bytes=page_bytes)
+        membership.register("worker", first, page_bytes=page_bytes)
+        coordinator = coordinator_service.CoordinatorService(membership, replicas=1)
+        stack.callback(coordinator.close)
+        address = serve(stack, coordinator_service.handler(coordinator), coordinator_service.SERVICE_NAME)
+
+        with tracer.start_as_current_span("client.first"), Client([address]) as client:
+            list(client.generate(PROMPT + "When do you open?", max_tokens=3))
+        assert first_tier.flush(10.0), "write-back did not finish"
+        with tracer.start_as_current_span("client.second"), WorkerClient(second) as client:
+            list(client.generate(PROMPT + "Is there rye?", max_tokens=3, placement=[node]))
+        assert second_tier.flush(10.0), "write-back did not finish"
+    for span in exporter.get_finished_spans():
+        print(json.dumps({"name": span.name, "trace": format(span.context.trace_id, "032x"),
+                          "id": format(span.context.span_id, "016x"),
+                          "parent": format(span.parent.span_id, "016x") if span.parent else None,
+                          "start": span.start_time, "end": span.end_time}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
