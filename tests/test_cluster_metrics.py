@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -165,3 +167,15 @@ def test_cluster_up_records_each_members_metrics_and_prints_scrape_targets(tmp_p
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(member["pid"], signal.SIGKILL)
     assert down.returncode == 0, down.stderr
+
+
+def test_every_dashboard_expression_names_a_metric_a_scrape_returns(cluster):
+    dashboard = json.loads((Path(__file__).parent.parent / "deploy" / "grafana" / "kvcache-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(exprs) >= 10
+    returned = set().union(*(scrape(d.metrics_url).names() for d in cluster.daemons))
+    for expr in exprs:
+        names = re.findall(r"\b(?:kvcache_|vllm:)[a-z0-9_:]+", expr)
+        assert names, expr
+        for name in names:
+            assert name in returned, f"{name} (in {expr!r}) is not in any scrape"
