@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from typing import Callable, Iterator
 
@@ -86,8 +87,6 @@ class MetricsServer:
         self._thread = None
 
     def start(self) -> "MetricsServer":
-        import threading
-
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics-http", daemon=True)
         self._thread.start()
         log.info("metrics on %s", self.url)

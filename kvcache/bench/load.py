@@ -93,6 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "step (requests, tokens, ms) to DIR/worker-N.steps.jsonl of --logs DIR: where each request's "
                      "time went")
     out.add_argument("--no-progress", action="store_true", help="no progress bar or lines on stderr")
+    out.add_argument("--metrics", action="store_true", help="the local cluster's members serve --metrics-port and "
+                     "every one is scraped once a second during the run (to measure what metrics cost)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -216,17 +218,55 @@ class _cluster:
         self.local = start_cluster(logs, nodes=a.nodes, workers=a.workers, coordinators=2, replicas=a.replicas,
                                    model=a.model, kv_dtype=a.kv_dtype, node_capacity=a.node_capacity,
                                    worker_kv_cache=a.worker_kv_cache, blas_threads=_blas_threads(a),
-                                   step_logs=a.step_logs, max_prefill_tokens=a.max_prefill_tokens)
+                                   step_logs=a.step_logs, max_prefill_tokens=a.max_prefill_tokens,
+                                   metrics=a.metrics)
         try:
             wait_healthy(self.local.coordinator_addresses, a.nodes, a.workers, timeout_s=180.0)
         except BaseException:
             self.local.stop()
             raise
+        if a.metrics:
+            self.scraper = Scraper([d.metrics_url for d in self.local.daemons]).start()
         return self.local.coordinator_addresses
 
     def __exit__(self, *exc) -> None:
+        if getattr(self, "scraper", None) is not None:
+            self.scraper.stop()
         if self.local is not None:
             self.local.stop()
+
+
+class Scraper:
+    """Reads every member's /metrics once a second on a thread of its own, as Prometheus would (more often)."""
+
+    def __init__(self, urls: list[str], interval_s: float = 1.0):
+        import threading
+
+        self.urls, self.interval_s = urls, interval_s
+        self.scrapes = self.failures = 0
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-scraper", daemon=True)
+
+    def start(self) -> "Scraper":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        import urllib.request
+
+        while not self._stopping.wait(self.interval_s):
+            for url in self.urls:
+                try:
+                    with urllib.request.urlopen(url, timeout=5.0) as reply:
+                        reply.read()
+                    self.scrapes += 1
+                except OSError:
+                    self.failures += 1
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(10.0)
+        print(f"metrics: {self.scrapes} scrapes, {self.failures} failed", file=sys.stderr, flush=True)
 
 
 def _blas_threads(args) -> int:
