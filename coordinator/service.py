@@ -98,8 +98,10 @@ class CoordinatorService:
         outcome = "cancelled"  # unless it ends otherwise: the client went away
         try:
             call = ClientCall(context.time_remaining, context.is_active, context.add_callback)
-            yield from self.relay.generate(request, call)
-            outcome = "ok" if context.is_active() else "cancelled"
+            for reply in self.relay.generate(request, call):
+                if reply.finish_reason:  # the final reply: done, whenever the client hangs up after it
+                    outcome = "ok"
+                yield reply
         except Refused as exc:
             outcome = exc.code.name.lower()
             _abort(context, exc.code, exc.message)

@@ -56,11 +56,14 @@ def test_one_trace_from_the_client_through_coordinator_worker_and_node(spans):
         assert parent_of(trace, lookup)["name"] == "worker.prefix_lookup"
     for put in named(trace, "kvcache.v1.KVStore/PutPages"):
         assert parent_of(trace, put)["name"] == "worker.write_back"
-    # Children lie within their parents' time (the engine's spans are rebuilt from its records).
+    # Children lie within their parents' time (the engine's spans are rebuilt from its records). A
+    # streaming server span may end just after its caller's: the caller stops at the final message,
+    # the server when its stream is closed after sending it.
     for span in trace:
         if span["parent"] and span["name"].startswith("kvcache.v1."):
             parent = parent_of(trace, span)
-            assert parent["start"] <= span["start"] and span["end"] <= parent["end"] or \
+            ends_inside = span["end"] <= parent["end"] or span["name"].endswith("/Generate")
+            assert parent["start"] <= span["start"] and ends_inside or \
                 parent["name"] == "worker.write_back", span["name"]
 
 

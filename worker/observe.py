@@ -33,6 +33,7 @@ class ObservedRemoteTier(RemoteTier):
         self.tracing = tracing
         self.on_fetch = on_fetch
         self._page_traces: OrderedDict[bytes, object] = OrderedDict()
+        self._traces_lock = threading.Lock()  # pages become full on the engine thread, are written on the sender's
         super().__init__(*args, **kwargs)
 
     def lookup(self, keys: Sequence[bytes], placement: Placement) -> int:
@@ -60,21 +61,21 @@ class ObservedRemoteTier(RemoteTier):
 
     def on_page_full(self, key: bytes, parent: bytes, block_id: int, placement: Placement) -> None:
         if self.tracing and placement.trace is not None:
-            with self._nodes_lock:
+            with self._traces_lock:
                 self._page_traces[key] = placement.trace
                 while len(self._page_traces) > MAX_TRACKED:
                     self._page_traces.popitem(last=False)
         super().on_page_full(key, parent, block_id, placement)
 
-    def _write(self, address: str, items: list) -> None:
+    def _write(self, address: str, items: list, *rest) -> None:
         if not self.tracing:
-            return super()._write(address, items)
-        with self._nodes_lock:
+            return super()._write(address, items, *rest)
+        with self._traces_lock:
             parents = [self._page_traces.pop(key, None) for key, _, _ in items]
         parent = next((p for p in parents if p is not None), None)
         with tracer().start_as_current_span("worker.write_back", context=parent) as span:
             span.set_attribute("kvcache.pages", len(items))
-            return super()._write(address, items)
+            return super()._write(address, items, *rest)
 
 
 class RequestSpans:
