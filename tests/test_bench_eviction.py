@@ -13,6 +13,7 @@ import pytest
 from kvcache.bench import eviction
 from kvcache.bench.prefix_trace import TraceConfig, generate, working_set_pages
 from kvcache.bench.report import progress
+from kvnode.eviction import NODE_POLICIES, POLICIES
 
 SMALL = TraceConfig(requests=120, seed=5)
 
@@ -62,22 +63,23 @@ def test_short_run_reports_every_policy_and_capacity():
     assert report["machine"]["cpus"] >= 1 and report["versions"]["kvcache"]
     assert report["options"]["requests"] == 80
     rows = {(r["capacity_percent"], r["policy"]): r for r in report["results"]}
-    assert set(rows) == {(c, p) for c in (20, 100) for p in ("prefix-aware", "lru", "fifo")}
+    assert set(rows) == {(c, p) for c in (20, 100) for p in POLICIES}
     working_set = report["trace"]["working_set_pages"]
     for (percent, policy), row in rows.items():
         assert 0.0 <= row["hit_rate"] <= 1.0
         assert row["capacity_pages"] == round(working_set * percent / 100)
     for percent in (20, 100):
-        assert rows[(percent, "prefix-aware")]["orphans_peak"] == 0  # the node's policy never orphans a page
-    at_full = [rows[(100, p)] for p in ("prefix-aware", "lru", "fifo")]
+        for policy in NODE_POLICIES:  # the node's policies never orphan a page
+            assert rows[(percent, policy)]["orphans_peak"] == 0
+    at_full = [rows[(100, p)] for p in POLICIES]
     assert all(r["evictions"] == 0 and r["orphans_peak"] == 0 for r in at_full)
     assert len({r["hit_rate"] for r in at_full}) == 1 and at_full[0]["hit_rate"] > 0
     assert rows[(20, "lru")]["evictions"] > 0  # the small pool was under pressure
-    assert rows[(20, "prefix-aware")]["hit_rate"] <= at_full[0]["hit_rate"]
+    assert rows[(20, "prefix-lru")]["hit_rate"] <= at_full[0]["hit_rate"]
 
 
 def test_table_shows_the_baseline_ratio():
-    result = run_bench("--requests", "30", "--capacities", "50", "--policies", "prefix-aware,fifo")
+    result = run_bench("--requests", "30", "--capacities", "50", "--policies", "prefix-aware,fifo")  # the old name
     assert result.returncode == 0, result.stderr
     header = next(line for line in result.stdout.splitlines() if line.startswith("capacity"))
     assert "vs fifo" in header and "orphans peak" in header

@@ -1,4 +1,5 @@
-"""PageStore under each eviction policy: prefix-aware (the node's), plain lru and fifo.
+"""PageStore under each eviction policy: prefix-lru (the node's default), plain lru and fifo;
+the others' orders in test_store_orders.py.
 
 Every store here is a CheckedStore: the invariants are checked after every call. The
 last tests run random operations against a plain reference model of lru and fifo.
@@ -19,12 +20,13 @@ from store_helpers import (NO_PARENT, NO_ROOM, PAGE_BYTES, PRESENT, STORED, Fake
 ALL_POLICIES = list(POLICIES)
 
 
-def test_default_policy_is_prefix_aware():
-    assert PageStore(2, PAGE_BYTES).policy.name == "prefix-aware"
+def test_default_policy_is_prefix_lru_also_under_its_old_name():
+    assert PageStore(2, PAGE_BYTES).policy.name == "prefix-lru"
+    assert PageStore(2, PAGE_BYTES, policy="prefix-aware").policy.name == "prefix-lru"
 
 
 def test_unknown_policy_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match="unknown eviction policy 'mru'.*prefix-aware, lru, fifo"):
+    with pytest.raises(ValueError, match="unknown eviction policy 'mru'.*prefix-lru, prefix-arc, .*, lru, fifo"):
         PageStore(2, PAGE_BYTES, policy="mru")
 
 
@@ -113,7 +115,7 @@ def test_a_parent_stored_again_adopts_its_orphans(clock, policy, survivors):
 
 
 @pytest.mark.parametrize("policy", ALL_POLICIES)
-def test_orphans_appear_under_lru_and_fifo_but_never_under_prefix_aware(clock, policy):
+def test_orphans_appear_without_the_prefix_rule_but_never_with_it(clock, policy):
     """The same chain-shaped workload as the worker's (lookup, then put the missing pages
     parents first) on a pool smaller than the working set."""
     rng = random.Random(7)
@@ -127,7 +129,7 @@ def test_orphans_appear_under_lru_and_fifo_but_never_under_prefix_aware(clock, p
             put(store, chain[i], chain[i - 1] if i else b"")
         peak = max(peak, store.num_orphans())
     assert store.stats.evictions > 0
-    if policy == "prefix-aware":
+    if POLICIES[policy].leaves_only:
         assert peak == 0
     else:
         assert peak > 0

@@ -21,7 +21,7 @@ from pathlib import Path
 from kvcache import __version__
 from kvcache.bench.prefix_trace import TraceConfig, generate, working_set_pages
 from kvcache.bench.report import dump_json, machine, print_table, progress, pyplot
-from kvnode.eviction import POLICIES
+from kvnode.eviction import ALIASES, POLICIES
 from kvnode.store import PageStore
 
 PAGE_BYTES = 16  # the bench counts pages, not bytes: keep the pool small
@@ -152,7 +152,7 @@ def _parse_options(args: argparse.Namespace) -> tuple[list[float], list[str]]:
         raise ValueError(f"--capacities takes comma-separated percentages, got {args.capacities!r}") from None
     if not all(0 < c <= 100 for c in capacities):
         raise ValueError(f"--capacities must each be above 0 and at most 100, got {args.capacities!r}")
-    policies = [part.strip() for part in args.policies.split(",")]
+    policies = [ALIASES.get(part.strip(), part.strip()) for part in args.policies.split(",")]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or len(set(policies)) != len(policies):
         raise ValueError(f"--policies takes distinct names from {', '.join(POLICIES)}, got {args.policies!r}")

@@ -1,0 +1,147 @@
+"""ARC (Megiddo and Modha, FAST'03): a recency list T1 (pages used once since stored) and a
+frequency list T2 (used again), each in LRU order, with ghost lists B1 and B2 of the keys
+they evicted lately; a target size p for T1 moves towards whichever ghost list gets hits.
+
+Design notes
+1. Each list is a Candidates heap ranked by the tick the page entered it or was last used
+   in it; only pages that may be evicted are queued (under the leaf rule, leaves), so
+   "the LRU page of T1" is the least recently used evictable page of T1. The sizes |T1|,
+   |T2| count every page in the list, evictable or not, as ARC's adaptation needs.
+2. The store asks for a victim before it tells the order which key it is storing, so a
+   ghost hit adapts p when the page is offered, one eviction after classic ARC would, and
+   REPLACE's tie rule for a B2 hit (evict from T1 when |T1| = p) is not applied.
+3. When the preferred list has no evictable page, the other list gives one. A use moves
+   a page to T2's most recent end; a child joining a page (candidates.py note 3) only
+   refreshes it in its list.
+4. c, the cache size, is the number of pages cached when the store first asks for a
+   victim (the pool is full then). Ghosts are bounded as in ARC: |T1| + |B1| <= c and
+   |T1| + |T2| + |B1| + |B2| <= 2c, the oldest ghost going first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Mapping
+
+from kvnode.eviction.candidates import Candidates, Order, Page
+from kvnode.eviction.policy import EvictionPolicy
+
+T1, T2 = 1, 2
+
+
+@dataclass(slots=True)
+class _Entry:
+    where: int  # T1 or T2
+    rank: int
+    children: int  # the page's child count when the order last saw it
+
+
+class ArcOrder(Order):
+    def __init__(self, policy: EvictionPolicy, pages: Mapping[bytes, Page]):
+        super().__init__(policy, pages)
+        self._entries: dict[bytes, _Entry] = {}
+        self._lists = {T1: Candidates(), T2: Candidates()}
+        self._sizes = {T1: 0, T2: 0}
+        self._ghosts: dict[int, OrderedDict[bytes, None]] = {T1: OrderedDict(), T2: OrderedDict()}  # B1, B2
+        self.target_t1 = 0.0  # ARC's p
+        self.capacity = 0  # ARC's c (design note 4)
+        self._tick = 0
+
+    def offer(self, key: bytes, page: Page) -> None:
+        entry = self._entries.get(key)
+        if entry is None:  # stored: a miss
+            entry = self._entries[key] = _Entry(self._admit(key), self._next_tick(), page.children)
+            self._sizes[entry.where] += 1
+            self._trim_ghosts()
+        self._queue(key, entry, page)
+
+    def _admit(self, key: bytes) -> int:
+        """The list a stored page enters, adapting p on a ghost hit (design note 2)."""
+        b1, b2 = self._ghosts[T1], self._ghosts[T2]
+        if key in b1:
+            self.target_t1 = min(float(self.capacity), self.target_t1 + max(len(b2) / len(b1), 1.0))
+            del b1[key]
+            return T2
+        if key in b2:
+            self.target_t1 = max(0.0, self.target_t1 - max(len(b1) / len(b2), 1.0))
+            del b2[key]
+            return T2
+        return T1
+
+    def touched(self, key: bytes, page: Page) -> None:
+        entry = self._entries[key]
+        used = page.children <= entry.children  # not a child joining (candidates.py note 3)
+        entry.children = page.children
+        if used and entry.where == T1:
+            self._sizes[T1] -= 1
+            self._sizes[T2] += 1
+            entry.where = T2
+        entry.rank = self._next_tick()
+        self._queue(key, entry, page)
+
+    def lost_last_child(self, key: bytes, page: Page) -> None:
+        entry = self._entries[key]
+        entry.children = 0
+        if self.policy.leaves_only:
+            self._queue(key, entry, page)
+
+    def pop(self, now: float, protect: bytes) -> bytes | None:
+        self.capacity = max(self.capacity, len(self._pages))
+        t1 = self._sizes[T1]
+        first = T1 if t1 and t1 > self.target_t1 else T2
+        for where in (first, T2 if first == T1 else T1):
+            found = self._lists[where].pop(self._current_in(where), now, protect)
+            if found is not None:
+                key = found[1]
+                del self._entries[key]
+                self._sizes[where] -= 1
+                self._ghosts[where][key] = None
+                self._trim_ghosts()
+                return key
+        return None
+
+    def _queue(self, key: bytes, entry: _Entry, page: Page) -> None:
+        if self.may_evict(page):
+            where = entry.where
+            self._lists[where].push(entry.rank, key, len(self._pages), lambda: self._live(where))
+
+    def _current_in(self, where: int):
+        def current(rank: int, key: bytes) -> Page | None:
+            entry = self._entries.get(key)
+            if entry is None or entry.where != where or entry.rank != rank:
+                return None
+            page = self._pages[key]
+            return page if self.may_evict(page) else None
+
+        return current
+
+    def _live(self, where: int) -> list[tuple[int, bytes]]:
+        return [(e.rank, k) for k, e in self._entries.items() if e.where == where and self.may_evict(self._pages[k])]
+
+    def _trim_ghosts(self) -> None:
+        b1, b2 = self._ghosts[T1], self._ghosts[T2]
+        c = self.capacity
+        while b1 and self._sizes[T1] + len(b1) > c:
+            b1.popitem(last=False)
+        while (b1 or b2) and self._sizes[T1] + self._sizes[T2] + len(b1) + len(b2) > 2 * c:
+            (b2 if b2 else b1).popitem(last=False)
+
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    def check(self) -> None:
+        assert self._entries.keys() == self._pages.keys(), "the order's pages differ from the store's"
+        for where in (T1, T2):
+            size = sum(1 for e in self._entries.values() if e.where == where)
+            assert size == self._sizes[where], f"list {where} counts {self._sizes[where]} pages, holds {size}"
+            entries = self._lists[where].entries()
+            for key, entry in self._entries.items():
+                if entry.where == where and self.is_free(self._pages[key]):
+                    assert (entry.rank, key) in entries, f"page {key.hex()} cannot be evicted: no queue entry"
+        b1, b2 = self._ghosts[T1], self._ghosts[T2]
+        assert not (b1.keys() & self._pages.keys()) and not (b2.keys() & self._pages.keys()), "a ghost is cached"
+        assert not (b1.keys() & b2.keys()), "a key is in both ghost lists"
+        assert self._sizes[T1] + len(b1) <= max(self.capacity, self._sizes[T1]), "B1 is over its bound"
+        assert 0.0 <= self.target_t1 <= max(self.capacity, 0), f"p = {self.target_t1} is out of [0, c]"

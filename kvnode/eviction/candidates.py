@@ -1,0 +1,105 @@
+"""What every eviction order shares: the page as an order reads it, the base of the orders,
+and a heap of eviction candidates that is never edited in the middle.
+
+Design notes
+1. A Candidates heap holds (rank, key) for pages that may be evicted, smallest rank first.
+   Entries are never removed from the middle: when a page's rank changes, the order pushes
+   a new entry and the old one goes stale. An entry is valid only while the order says it
+   is current (the page exists, still has that rank in that queue, may be evicted); stale
+   entries are skipped when popped and dropped when the heap is rebuilt, which happens when
+   it holds more than twice the pages cached (+64): so every operation is O(log n) amortized.
+2. A leased or pinned candidate is dropped when popped; the store offers it again when its
+   lease ends or its last pin is released, and the order pushes it back at its unchanged rank.
+3. A touch is a use of the page, except the touch a page gets when a child joins it (the
+   store touches a parent as it stores the child): a page's child count grows by one with
+   that touch, so an order that counts uses (ARC, S3-FIFO, LFU) tells the two apart by
+   the child count it saw last. Otherwise a chain stored once would count every page but
+   the last as used twice.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Callable, Iterable, Mapping, Protocol
+
+from kvnode.eviction.policy import EvictionPolicy
+
+
+class Page(Protocol):
+    """What the orders read of a store's page."""
+
+    tick: int  # last touch
+    stored_tick: int  # when it was stored
+    children: int  # cached pages that name it as parent
+    lease_until: float  # 0.0 when not leased
+    pins: int  # readers sending the page's bytes straight from the pool right now
+    slot: int | None  # its RAM slot; None when it is on disk only (ram_queue.py)
+
+
+class Candidates:
+    """A min-heap of (rank, key) of pages that may be evicted, lazily invalidated (design notes 1, 2)."""
+
+    def __init__(self) -> None:
+        self.heap: list[tuple] = []
+
+    def push(self, rank, key: bytes, num_pages: int, live: Callable[[], Iterable[tuple]]) -> None:
+        heapq.heappush(self.heap, (rank, key))
+        if len(self.heap) > 2 * num_pages + 64:
+            self.heap = list(live())
+            heapq.heapify(self.heap)
+
+    def pop(self, current: Callable[[object, bytes], Page | None], now: float, protect: bytes) -> tuple | None:
+        """The first (rank, key) whose page `current` returns, not leased or pinned, not `protect`; taken off."""
+        heap = self.heap
+        held = []
+        found = None
+        while heap:
+            rank, key = heapq.heappop(heap)
+            page = current(rank, key)
+            if page is None or page.lease_until > now or page.pins:
+                continue  # stale; a leased or pinned page is offered again when that ends
+            if key == protect:
+                held.append((rank, key))
+                continue
+            found = (rank, key)
+            break
+        for entry in held:
+            heapq.heappush(heap, entry)
+        return found
+
+    def entries(self) -> set[tuple]:
+        return set(self.heap)
+
+
+class Order:
+    """The base of every order: what the store calls, and the leaf rule."""
+
+    def __init__(self, policy: EvictionPolicy, pages: Mapping[bytes, Page]):
+        self.policy = policy
+        self._pages = pages  # the store's index, read only
+
+    def may_evict(self, page: Page) -> bool:
+        """Whether the policy allows evicting `page` once it is unleased and unpinned."""
+        return not (self.policy.leaves_only and page.children)
+
+    def is_free(self, page: Page) -> bool:
+        """Evictable now, as far as the store's leases and pins go (tests' checks, not leases' expiry)."""
+        return self.may_evict(page) and page.lease_until == 0.0 and not page.pins
+
+    def offer(self, key: bytes, page: Page) -> None:
+        """`key` was stored, or its lease ended, or its last pin was released."""
+        raise NotImplementedError
+
+    def touched(self, key: bytes, page: Page) -> None:
+        raise NotImplementedError
+
+    def lost_last_child(self, key: bytes, page: Page) -> None:
+        raise NotImplementedError
+
+    def pop(self, now: float, protect: bytes) -> bytes | None:
+        """The key to evict next (never `protect`); the store evicts it. None when nothing may go."""
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Assert the order's own bookkeeping (tests call it after every step)."""
+        raise NotImplementedError
