@@ -83,7 +83,7 @@ def test_table_shows_the_baseline_ratio():
     assert result.returncode == 0, result.stderr
     header = next(line for line in result.stdout.splitlines() if line.startswith("capacity"))
     assert "vs fifo" in header and "orphans peak" in header
-    assert sum(1 for line in result.stdout.splitlines() if line.startswith("50%")) == 2
+    assert sum(1 for line in result.stdout.splitlines() if line.startswith("50%")) == 3  # and belady-min
 
 
 @pytest.mark.parametrize("option, value", [

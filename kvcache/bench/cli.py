@@ -10,7 +10,7 @@ BENCHES = [
     ("engine", "paged engine prefill/decode/TTFT against a dense runner"),
     ("remote", "TTFT cold vs warm from a kvnode vs warm local"),
     ("persistence", "the disk tier: fetch from disk vs RAM vs a plain file read; restart time with 1 GiB on disk"),
-    ("eviction", "hit rate and orphans of prefix-aware vs LRU vs FIFO eviction"),
+    ("eviction", "hit rate and orphans of the eviction policies against Belady's bound, on a trace (--trace) or generated"),
     ("load", "the cluster under concurrent load, with the cache and without"),
     ("chaos", "faults under load: failed and differing answers against an undisturbed run"),
     ("determinism", "seeded and greedy answers resumed or batched against the same request alone"),
