@@ -14,6 +14,7 @@ import time
 from coordinator import agent
 from kvcache.units import format_size, parse_size
 from kvnode.data_dir import DataDir
+from kvnode.eviction import ALIASES, NODE_POLICIES, POLICIES, PREFIX_LRU
 from kvnode.data_plane import DEFAULT_MAX_CONNECTIONS, DataPlaneServer
 from kvnode.disk_tier import DiskTier
 from kvnode.flusher import Flusher
@@ -42,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_PAGE_BYTES,
         help=f"bytes per page; must match the workers' model (default {DEFAULT_PAGE_BYTES}, the tiny model in float32)",
+    )
+    parser.add_argument(
+        "--eviction", default=PREFIX_LRU.name, metavar="POLICY",
+        help=f"which leaf goes first when the pool is full: {', '.join(NODE_POLICIES)}; each evicts only "
+             "leaves, so no page is cached without its prefix (default %(default)s; `kvcache bench eviction` "
+             "compares them)",
     )
     parser.add_argument("--node-id", default=None,
                         help="name shown in Info and logs (default: the one kept in --data-dir, else random)")
@@ -114,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--drain-timeout must not be negative, got {args.drain_timeout}")
         if args.max_keys < 1:
             raise ValueError(f"--max-keys must be positive, got {args.max_keys}")
+        eviction = ALIASES.get(args.eviction, args.eviction)
+        if eviction not in NODE_POLICIES:
+            why = " evicts pages whose children are cached (bench only)" if eviction in POLICIES else " is unknown"
+            raise ValueError(f"--eviction {args.eviction}{why}: choose one of {', '.join(NODE_POLICIES)}")
         capacity_pages = capacity_bytes // args.page_bytes
         if capacity_pages < 1:
             raise ValueError(
@@ -126,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-leases-per-call must be at least 1, got {max_leases_per_call}")
         serving.tune_allocator()
         data_dir, disk = open_disk_tier(args, capacity_pages)
-        store = PageStore(capacity_pages, args.page_bytes,
+        store = PageStore(capacity_pages, args.page_bytes, policy=eviction,
                           max_leased_pages=int((disk.capacity_pages if disk else capacity_pages) * args.max_leased_fraction),
                           max_leases_per_call=max_leases_per_call, disk=disk, write_through=args.flush_interval == 0)
         if store.recovered is not None:
@@ -167,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
         data_plane.start()
     print(
         f"kvnode {service.node_id} listening on {serving.host_port(args.host, port)} "
-        f"({capacity_pages} pages of {args.page_bytes} bytes, {format_size(capacity_pages * args.page_bytes)}"
+        f"({capacity_pages} pages of {args.page_bytes} bytes, {format_size(capacity_pages * args.page_bytes)}, "
+        f"eviction {store.policy.name}"
         + (f"; disk tier {store.capacity_pages} pages, {format_size(store.capacity_pages * args.page_bytes)}, "
            f"{store.num_used()} recovered" if disk is not None else "") + ")",
         flush=True,

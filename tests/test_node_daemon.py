@@ -93,6 +93,8 @@ def test_bad_arguments_exit_with_one_clear_error_line(args, fragments):
         (["--max-message-bytes", "big"], ["cannot read size 'big'"]),
         (["--page-bytes", "0"], ["--page-bytes must be positive"]),
         (["--max-keys", "0"], ["--max-keys must be positive"]),
+        (["--eviction", "lru"], ["--eviction lru evicts pages whose children are cached", "prefix-arc"]),
+        (["--eviction", "mru"], ["--eviction mru is unknown: choose one of prefix-lru, prefix-arc"]),
     ],
 )
 def test_more_bad_arguments_in_process(capsys, args, fragments):
@@ -100,6 +102,18 @@ def test_more_bad_arguments_in_process(capsys, args, fragments):
     code = cli.main(["node", "--port", "0", "--capacity", "64KiB", *args])
     captured = capsys.readouterr()
     assert_one_clear_error(subprocess.CompletedProcess([], code, captured.out, captured.err), *fragments)
+
+
+@pytest.mark.parametrize("policy", ["prefix-arc", "prefix-s3fifo", "prefix-lfu"])
+def test_the_node_runs_the_eviction_policy_it_is_given(tmp_path, policy):
+    with node_process(tmp_path, "--capacity", "8KiB", "--page-bytes", "1024", "--eviction", policy) as daemon:
+        pages = np.zeros((2, 1024), dtype=np.uint8)
+        with NodeClient(daemon.address) as client:
+            for n in range(6):  # 12 pages in a pool of 8: leaves go, and no page without its parent stays
+                assert client.put_pages([key(2 * n), key(2 * n + 1)], [b"", key(2 * n)], pages).stored == 2
+            assert client.lookup([key(10), key(11)]) == 2
+            assert client.stats()["evictions"] == 4
+    assert f"eviction {policy})" in read_log(tmp_path)
 
 
 def test_a_taken_port_exits_with_one_clear_error_line(node_proc):
