@@ -11,6 +11,7 @@ BENCHES = [
     ("remote", "TTFT cold vs warm from a kvnode vs warm local"),
     ("persistence", "the disk tier: fetch from disk vs RAM vs a plain file read; restart time with 1 GiB on disk"),
     ("eviction", "hit rate and orphans of the eviction policies against Belady's bound, on a trace (--trace) or generated"),
+    ("ring", "the ring at 10-1,000 simulated kvnodes with churn: hit rate, keys moved, balance, placement cost"),
     ("load", "the cluster under concurrent load, with the cache and without"),
     ("chaos", "faults under load: failed and differing answers against an undisturbed run"),
     ("determinism", "seeded and greedy answers resumed or batched against the same request alone"),
