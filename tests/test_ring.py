@@ -78,3 +78,12 @@ def test_placement_key_uses_session_or_prompt_prefix():
     assert placement_key(system + "What is 2+2?") == placement_key(system + "Name a colour.")
     assert placement_key("short one") != placement_key("short two")
     assert placement_key("anything", session_id="s1") == placement_key("else", session_id="s1")
+
+
+def test_placement_walks_the_ring_as_uhashring_range_does():
+    ring = Ring({f"127.0.0.1:{7000 + i}": (i % 3 + 1) * 2**30 for i in range(12)})
+    for i in range(2000):
+        key = placement_key(f"prompt {i}")
+        for replicas in (1, 2, 3, 12, 20):
+            expected = [c["nodename"] for c in ring._ring.range(key, size=min(replicas, 12))]
+            assert ring.placement(key, replicas) == expected
