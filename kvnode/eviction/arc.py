@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Mapping
 
-from kvnode.eviction.candidates import Candidates, Order, Page
+from kvnode.eviction.candidates import Page, SegmentedOrder
 from kvnode.eviction.policy import EvictionPolicy
 
 T1, T2 = 1, 2
@@ -37,16 +37,14 @@ class _Entry:
     children: int  # the page's child count when the order last saw it
 
 
-class ArcOrder(Order):
+class ArcOrder(SegmentedOrder):
     def __init__(self, policy: EvictionPolicy, pages: Mapping[bytes, Page]):
-        super().__init__(policy, pages)
+        super().__init__(policy, pages, (T1, T2))
         self._entries: dict[bytes, _Entry] = {}
-        self._lists = {T1: Candidates(), T2: Candidates()}
         self._sizes = {T1: 0, T2: 0}
         self._ghosts: dict[int, OrderedDict[bytes, None]] = {T1: OrderedDict(), T2: OrderedDict()}  # B1, B2
         self.target_t1 = 0.0  # ARC's p
         self.capacity = 0  # ARC's c (design note 4)
-        self._tick = 0
 
     def offer(self, key: bytes, page: Page) -> None:
         entry = self._entries.get(key)
@@ -91,7 +89,7 @@ class ArcOrder(Order):
         t1 = self._sizes[T1]
         first = T1 if t1 and t1 > self.target_t1 else T2
         for where in (first, T2 if first == T1 else T1):
-            found = self._lists[where].pop(self._current_in(where), now, protect)
+            found = self._segments[where].pop(self._current_in(where), now, protect)
             if found is not None:
                 key = found[1]
                 del self._entries[key]
@@ -101,24 +99,6 @@ class ArcOrder(Order):
                 return key
         return None
 
-    def _queue(self, key: bytes, entry: _Entry, page: Page) -> None:
-        if self.may_evict(page):
-            where = entry.where
-            self._lists[where].push(entry.rank, key, len(self._pages), lambda: self._live(where))
-
-    def _current_in(self, where: int):
-        def current(rank: int, key: bytes) -> Page | None:
-            entry = self._entries.get(key)
-            if entry is None or entry.where != where or entry.rank != rank:
-                return None
-            page = self._pages[key]
-            return page if self.may_evict(page) else None
-
-        return current
-
-    def _live(self, where: int) -> list[tuple[int, bytes]]:
-        return [(e.rank, k) for k, e in self._entries.items() if e.where == where and self.may_evict(self._pages[k])]
-
     def _trim_ghosts(self) -> None:
         b1, b2 = self._ghosts[T1], self._ghosts[T2]
         c = self.capacity
@@ -127,16 +107,12 @@ class ArcOrder(Order):
         while (b1 or b2) and self._sizes[T1] + self._sizes[T2] + len(b1) + len(b2) > 2 * c:
             (b2 if b2 else b1).popitem(last=False)
 
-    def _next_tick(self) -> int:
-        self._tick += 1
-        return self._tick
-
     def check(self) -> None:
         assert self._entries.keys() == self._pages.keys(), "the order's pages differ from the store's"
         for where in (T1, T2):
             size = sum(1 for e in self._entries.values() if e.where == where)
             assert size == self._sizes[where], f"list {where} counts {self._sizes[where]} pages, holds {size}"
-            entries = self._lists[where].entries()
+            entries = self._segments[where].entries()
             for key, entry in self._entries.items():
                 if entry.where == where and self.is_free(self._pages[key]):
                     assert (entry.rank, key) in entries, f"page {key.hex()} cannot be evicted: no queue entry"

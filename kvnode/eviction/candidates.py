@@ -103,3 +103,36 @@ class Order:
     def check(self) -> None:
         """Assert the order's own bookkeeping (tests call it after every step)."""
         raise NotImplementedError
+
+
+class SegmentedOrder(Order):
+    """An order whose pages sit in one of a few Candidates heaps (`entry.where`) ranked by
+    `entry.rank`: ARC's T1 and T2, S3-FIFO's small and main queues."""
+
+    def __init__(self, policy: EvictionPolicy, pages: Mapping[bytes, Page], segments: Iterable[int]):
+        super().__init__(policy, pages)
+        self._entries: dict = {}  # key -> the order's entry: at least `where` and `rank`
+        self._segments = {where: Candidates() for where in segments}
+        self._tick = 0
+
+    def _queue(self, key: bytes, entry, page: Page) -> None:
+        if self.may_evict(page):
+            where = entry.where
+            self._segments[where].push(entry.rank, key, len(self._pages), lambda: self._live(where))
+
+    def _current_in(self, where: int):
+        def current(rank: int, key: bytes) -> Page | None:
+            entry = self._entries.get(key)
+            if entry is None or entry.where != where or entry.rank != rank:
+                return None
+            page = self._pages[key]
+            return page if self.may_evict(page) else None
+
+        return current
+
+    def _live(self, where: int) -> list[tuple[int, bytes]]:
+        return [(e.rank, k) for k, e in self._entries.items() if e.where == where and self.may_evict(self._pages[k])]
+
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick

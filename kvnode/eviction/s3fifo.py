@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Mapping
 
-from kvnode.eviction.candidates import Candidates, Order, Page
+from kvnode.eviction.candidates import Page, SegmentedOrder
 from kvnode.eviction.policy import EvictionPolicy
 
 SMALL, MAIN = 1, 2
@@ -40,15 +40,13 @@ class _Entry:
     children: int  # the page's child count when the order last saw it
 
 
-class S3FifoOrder(Order):
+class S3FifoOrder(SegmentedOrder):
     def __init__(self, policy: EvictionPolicy, pages: Mapping[bytes, Page]):
-        super().__init__(policy, pages)
+        super().__init__(policy, pages, (SMALL, MAIN))
         self._entries: dict[bytes, _Entry] = {}
-        self._queues = {SMALL: Candidates(), MAIN: Candidates()}
         self._sizes = {SMALL: 0, MAIN: 0}
         self._ghosts: OrderedDict[bytes, None] = OrderedDict()
         self.capacity = 0
-        self._tick = 0
 
     def offer(self, key: bytes, page: Page) -> None:
         entry = self._entries.get(key)
@@ -81,7 +79,7 @@ class S3FifoOrder(Order):
         return None
 
     def _evict_small(self, now: float, protect: bytes) -> bytes | None:
-        queue, current = self._queues[SMALL], self._current_in(SMALL)
+        queue, current = self._segments[SMALL], self._current_in(SMALL)
         while (found := queue.pop(current, now, protect)) is not None:
             key = found[1]
             entry = self._entries[key]
@@ -96,7 +94,7 @@ class S3FifoOrder(Order):
         return None
 
     def _evict_main(self, now: float, protect: bytes) -> bytes | None:
-        queue, current = self._queues[MAIN], self._current_in(MAIN)
+        queue, current = self._segments[MAIN], self._current_in(MAIN)
         while (found := queue.pop(current, now, protect)) is not None:
             key = found[1]
             entry = self._entries[key]
@@ -122,34 +120,12 @@ class S3FifoOrder(Order):
         del self._entries[key]
         self._sizes[entry.where] -= 1
 
-    def _queue(self, key: bytes, entry: _Entry, page: Page) -> None:
-        if self.may_evict(page):
-            where = entry.where
-            self._queues[where].push(entry.rank, key, len(self._pages), lambda: self._live(where))
-
-    def _current_in(self, where: int):
-        def current(rank: int, key: bytes) -> Page | None:
-            entry = self._entries.get(key)
-            if entry is None or entry.where != where or entry.rank != rank:
-                return None
-            page = self._pages[key]
-            return page if self.may_evict(page) else None
-
-        return current
-
-    def _live(self, where: int) -> list[tuple[int, bytes]]:
-        return [(e.rank, k) for k, e in self._entries.items() if e.where == where and self.may_evict(self._pages[k])]
-
-    def _next_tick(self) -> int:
-        self._tick += 1
-        return self._tick
-
     def check(self) -> None:
         assert self._entries.keys() == self._pages.keys(), "the order's pages differ from the store's"
         for where in (SMALL, MAIN):
             size = sum(1 for e in self._entries.values() if e.where == where)
             assert size == self._sizes[where], f"queue {where} counts {self._sizes[where]} pages, holds {size}"
-            entries = self._queues[where].entries()
+            entries = self._segments[where].entries()
             for key, entry in self._entries.items():
                 if entry.where == where and self.is_free(self._pages[key]):
                     assert (entry.rank, key) in entries, f"page {key.hex()} cannot be evicted: no queue entry"
