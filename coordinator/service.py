@@ -76,7 +76,7 @@ class CoordinatorService:
         now = self.membership.clock()
         members = [
             pb.MemberStatus(
-                member_id=m.member_id, role=m.role, address=m.address, alive=m.alive,
+                role=m.role, address=m.address, alive=m.alive,  # never member_id: the member's credential
                 seconds_since_beat=now - m.last_beat, capacity_bytes=m.capacity_bytes, page_bytes=m.page_bytes,
                 model=m.model, load=pb.MemberLoad(**m.load), outstanding=self.router.outstanding(m.address),
             )

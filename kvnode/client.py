@@ -250,7 +250,7 @@ class NodeClient:
                     )
 
         reply = self._call(self._put_pages, messages(), timeout)
-        return PutResult(tuple(_OUTCOME_NAMES[o] for o in reply.outcomes))
+        return PutResult(tuple(_OUTCOME_NAMES.get(o, "unknown") for o in reply.outcomes))
 
     def stats(self, timeout: float | None = None) -> dict[str, int]:
         reply = self._call(self._stats, pb.StatsRequest(), timeout)

@@ -28,8 +28,8 @@ def tiny_engine(model):
     return Engine(model, num_blocks=128, page_tokens=16, max_num_batched_tokens=256, seed=0)
 
 
-def timed_lookups(tier):
-    """Seconds each lookup held the engine's thread, as they happen."""
+def timed_lookups(tier, healthy: Placement):
+    """Seconds each lookup of a flooding request (not `healthy`'s) held the engine's thread."""
     took, lookup = [], tier.lookup
 
     def timed(keys, placement):
@@ -37,7 +37,8 @@ def timed_lookups(tier):
         try:
             return lookup(keys, placement)
         finally:
-            took.append(time.monotonic() - started)
+            if placement.addresses != healthy.addresses:
+                took.append(time.monotonic() - started)
 
     tier.lookup = timed
     return took
@@ -66,7 +67,7 @@ def test_the_engine_serves_others_while_a_client_floods_it_with_silent_placement
     engine.attach_remote_tier(tier)
     warm = engine.generate(["Hello there, a first request that knows the node."], max_new_tokens=2, tier_context=good)
     assert warm[0].finish_reason == "length"
-    lookups = timed_lookups(tier)
+    lookups = timed_lookups(tier, good)
     stop = threading.Event()
 
     def loop():
@@ -93,5 +94,5 @@ def test_the_engine_serves_others_while_a_client_floods_it_with_silent_placement
 
     assert victim.token_ids == expected
     assert victim.usage.cached_tokens_remote == 64  # the healthy node served, flood or not
-    assert len(lookups) >= FLOOD + 1 and max(lookups) < 1.0, f"a lookup blocked the engine {max(lookups):.2f}s"
+    assert len(lookups) >= FLOOD and max(lookups) < 1.0, f"a flood's lookup blocked the engine {max(lookups):.2f}s"
     assert took < 20.0, f"the other request took {took:.1f}s (before the node table: ~{FLOOD * 4} s)"

@@ -188,15 +188,6 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._live) or not self._inbox.empty()
 
-    def fail_all(self, message: str) -> int:
-        """Finish every request with an error (the engine cannot go on); how many there were."""
-        with self._lock:
-            self._take_inbox()
-            lives = list(self._live.values())
-            for live in lives:
-                self._fail(live, message)
-            return len(lives)
-
     def get_num_free_blocks(self) -> int:
         return self.pool.get_num_free_blocks()
 

@@ -73,10 +73,6 @@ class WorkerMetrics:
         self._vllm_ttft = self.vllm_ttft.labels(model)
         self._model = model
 
-    def attach(self, engine: Engine) -> None:
-        """Count every request the engine finishes (its `on_finish` hook)."""
-        engine.on_finish = self.on_finish
-
     def on_finish(self, completion: Completion) -> None:
         usage = completion.usage
         self._by_source["local"].inc(usage.cached_tokens_local)

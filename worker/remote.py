@@ -308,17 +308,25 @@ class RemoteTier:
                     batch.append(self._outbox.get_nowait())
                 except queue.Empty:
                     break
-            by_node: dict[str, list] = {}
-            for addresses, key, parent, data in batch:
-                wire = data.astype(self.wire_dtype, copy=False)
-                for address in addresses:
-                    by_node.setdefault(address, []).append((key, parent, wire))
-            self.nodes.contact(list(by_node))  # first contacts at once, then one wait for all of them
-            until = time.monotonic() + self.lookup_timeout_s
-            for address, items in by_node.items():
-                self._write(address, items, until)
-            for _ in batch:
-                self._outbox.task_done()
+            try:
+                self._send(batch)
+            except Exception as exc:  # a bug of ours must not end write-back for the life of the process
+                log.exception("write-back of %d pages failed: %r; dropping them", len(batch), exc)
+                self._count("pages_dropped", len(batch))
+            finally:
+                for _ in batch:
+                    self._outbox.task_done()
+
+    def _send(self, batch: list) -> None:
+        by_node: dict[str, list] = {}
+        for addresses, key, parent, data in batch:
+            wire = data.astype(self.wire_dtype, copy=False)
+            for address in addresses:
+                by_node.setdefault(address, []).append((key, parent, wire))
+        self.nodes.contact(list(by_node))  # first contacts at once, then one wait for all of them
+        until = time.monotonic() + self.lookup_timeout_s
+        for address, items in by_node.items():
+            self._write(address, items, until)
 
     def _write(self, address: str, items: list, contact_until: float) -> None:
         with self.nodes.use([address]) as nodes:

@@ -34,7 +34,7 @@ from protos import kvcache_pb2 as pb
 from protos import serving
 from worker.client import usage_to_proto
 from worker.engine import Engine
-from worker.model.chat import ChatError, Message
+from worker.model.chat import MAX_MESSAGES, ChatError, Message
 from worker.outputs import RequestIdInUse
 from worker.remote import Placement
 from worker.sampling import FINISH_ERROR, SamplingParams
@@ -143,7 +143,9 @@ class WorkerService:
         except ValueError as exc:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # Runs when the call ends for any reason, on gRPC's event thread: must not wait (design note 1).
-        context.add_callback(lambda: self.engine.cancel(handle))
+        if not context.add_callback(lambda: self.engine.cancel(handle)):
+            self.engine.cancel(handle)  # the call ended already: nobody will read the request's tokens
+            return
         while True:
             if self.handed_back is not None or self.broken is not None:
                 self._check_serving(context)
@@ -200,6 +202,9 @@ class WorkerService:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "send a prompt or chat messages, not both")
         if not prompt and not request.messages:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty: send text, token ids or messages")
+        if len(request.messages) > MAX_MESSAGES:  # before anything is built from them
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                   f"the chat has {len(request.messages)} messages; at most {MAX_MESSAGES}")
         max_chars = self.engine.max_total_tokens * MAX_PROMPT_CHARS_PER_TOKEN
         chars = len(prompt) if isinstance(prompt, str) else sum(len(m.content) + len(m.role) for m in request.messages)
         if chars > max_chars:
