@@ -15,15 +15,16 @@ from typing import Callable, Sequence
 import grpc
 
 from protos import kvcache_pb2 as pb
+from protos import security
 
 log = logging.getLogger("membership")
 _SERVICE = "/kvcache.v1.Coordinator/"
 
 
 class _Coordinator:
-    def __init__(self, address: str):
+    def __init__(self, address: str, credentials: security.Credentials | None):
         self.address = address
-        self.channel = grpc.insecure_channel(address)
+        self.channel = security.channel(address, credentials)
         self.register = self.channel.unary_unary(
             _SERVICE + "Register", pb.RegisterRequest.SerializeToString, pb.RegisterReply.FromString
         )
@@ -44,11 +45,12 @@ class MembershipAgent:
         registration: pb.RegisterRequest,
         load: Callable[[], pb.MemberLoad],
         interval_s: float = 1.0,
+        credentials: security.Credentials | None = None,
     ):
         self.registration = registration
         self.load = load
         self.interval_s = interval_s
-        self._coordinators = [_Coordinator(a) for a in dict.fromkeys(coordinators)]
+        self._coordinators = [_Coordinator(a, credentials) for a in dict.fromkeys(coordinators)]
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
 
@@ -112,8 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def start_from_args(args: argparse.Namespace, port: int, registration: pb.RegisterRequest,
-                    load: Callable[[], pb.MemberLoad]) -> MembershipAgent | None:
-    """Start beating to args.coordinators (None when there are none: a standalone daemon)."""
+                    load: Callable[[], pb.MemberLoad],
+                    credentials: security.Credentials | None = None) -> MembershipAgent | None:
+    """Start beating to args.coordinators (None when there are none: a standalone daemon);
+    with `credentials`, over mutual TLS."""
     coordinators = [a.strip() for a in args.coordinators.split(",") if a.strip()]
     if not coordinators:
         return None
@@ -122,6 +126,6 @@ def start_from_args(args: argparse.Namespace, port: int, registration: pb.Regist
     else:
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         registration.address = f"{host}:{port}"
-    membership = MembershipAgent(coordinators, registration, load)
+    membership = MembershipAgent(coordinators, registration, load, credentials=credentials)
     membership.start()
     return membership

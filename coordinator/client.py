@@ -3,16 +3,21 @@
 Client(["host:port", ...]) talks to any of several coordinators: one that does not
 answer is skipped, and a greedy or seeded request whose coordinator dies mid-stream
 is resumed through another without repeating or losing a token.
+
+A secure cluster: `tls_ca` (the cluster's CA file) checks the coordinators, `tls_cert` and
+`tls_key` (a client certificate of that CA) are presented to them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 import grpc
 
 from protos import kvcache_pb2 as pb
+from protos import security
 from protos.observability import traced_channel
 from worker.client import Finished, Piece, Usage, generate_request, parse_reply
 
@@ -40,13 +45,18 @@ class _Coordinator:
 
 
 class Client:
-    def __init__(self, coordinators: Sequence[str], timeout: float = 600.0):
+    def __init__(self, coordinators: Sequence[str], timeout: float = 600.0, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None):
         if not coordinators:
             raise ValueError("give at least one coordinator address (host:port)")
+        if (tls_cert or tls_key) and not tls_ca:
+            raise ValueError("a client certificate needs tls_ca, the CA that checks the coordinators")
+        credentials = security.Credentials(Path(tls_ca), tls_cert and Path(tls_cert),
+                                           tls_key and Path(tls_key)) if tls_ca else None
         self.timeout = timeout
         self._coordinators = []
         for address in dict.fromkeys(coordinators):
-            channel = traced_channel(grpc.insecure_channel(address))
+            channel = traced_channel(security.channel(address, credentials))
             self._coordinators.append(_Coordinator(
                 address,
                 channel,

@@ -12,7 +12,7 @@ from coordinator.membership import Membership
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.ring import DEFAULT_PREFIX_CHARS
 from coordinator.service import SERVICE_NAME, CoordinatorService, handler, run_sweeper
-from protos import observability, serving
+from protos import observability, security, serving
 
 log = logging.getLogger("coordinator")
 
@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              f"(default {DEFAULT_MAX_STREAMS}; membership and status calls have threads of their own)",
     )
     parser.add_argument("--grace", type=float, default=5.0, help="seconds running requests get on stop (default 5)")
+    security.add_arguments(parser)
     observability.add_arguments(parser)
 
 
@@ -47,22 +48,25 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--prefix-chars must be at least 1, got {args.prefix_chars}")
         if args.max_streams < 1:
             raise ValueError(f"--max-streams must be at least 1, got {args.max_streams}")
+        credentials = security.from_args(args)
         membership = Membership()
         service = CoordinatorService(membership, args.replicas, args.prefix_chars, args.coordinator_id,
-                                     max_streams=args.max_streams)
+                                     max_streams=args.max_streams, credentials=credentials)
         observability.setup_tracing(args, "kvcache-coordinator")
         metrics = CoordinatorMetrics(membership, service.router) if args.metrics_port is not None else None
         service.metrics = service.relay.metrics = metrics
         server, health = serving.make_server(
             [handler(service)], [SERVICE_NAME], max_workers=server_threads(args.max_streams),
             interceptors=observability.server_interceptors(SERVICE_NAME, metrics and metrics.request_duration))
-        port = serving.bind(server, args.host, args.port)
+        port = serving.bind(server, args.host, args.port, credentials)
         if metrics is not None:
             observability.start_metrics(metrics.registry, args)
     except (ValueError, OSError) as exc:
         print(f"kvcache coordinator: error: {exc}", file=sys.stderr)
         return 2
     stopping = serving.stop_on_signals()
+    security.reload_on_sighup(credentials)
+    security.warn_if_exposed(args.host, credentials, log)
     sweeper = threading.Thread(target=run_sweeper, args=(membership, stopping), name="sweeper", daemon=True)
     sweeper.start()
     server.start()

@@ -34,13 +34,14 @@ class CoordinatorService:
         coordinator_id: str | None = None,
         request_timeout_s: float = 600.0,
         max_streams: int = DEFAULT_MAX_STREAMS,
+        credentials=None,
     ):
         self.membership = membership
         self.router = Router()
         self.replicas = replicas
         self.coordinator_id = coordinator_id or uuid.uuid4().hex[:12]
         self.streams = StreamSlots(max_streams)
-        self.workers = WorkerStreams()
+        self.workers = WorkerStreams(credentials)  # mutual TLS to workers when given
         self.relay = Relay(membership, self.router, self.workers.open, replicas, prefix_chars, request_timeout_s)
         self.metrics = None  # coordinator.metrics.CoordinatorMetrics (--metrics-port): requests by outcome
 

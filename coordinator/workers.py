@@ -10,11 +10,13 @@ import grpc
 
 from coordinator.relay import AttemptFailed, ClientCall
 from protos import kvcache_pb2 as pb
+from protos import security
 from worker.client import WorkerClient
 
 
 class WorkerStreams:
-    def __init__(self):
+    def __init__(self, credentials: security.Credentials | None = None):
+        self.credentials = credentials
         self._clients: dict[str, WorkerClient] = {}
         self._lock = threading.Lock()
 
@@ -33,7 +35,7 @@ class WorkerStreams:
         with self._lock:
             client = self._clients.get(address)
             if client is None:
-                client = self._clients[address] = WorkerClient(address)
+                client = self._clients[address] = WorkerClient(address, credentials=self.credentials)
             return client
 
     def close(self) -> None:

@@ -231,14 +231,15 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
                   worker_kv_cache: str = "64MiB", blas_threads: int | None = None, on_start=None,
                   cluster: LocalCluster | None = None, step_logs: bool = False,
                   max_prefill_tokens: int | None = None, data_dir: Path | None = None,
-                  metrics: bool = False) -> LocalCluster:
+                  metrics: bool = False, tls_dir: Path | None = None) -> LocalCluster:
     """Start coordinators, then kvnodes and workers registered with them (not yet waiting for health).
 
     Each worker gets `blas_threads` BLAS threads (default: cores / workers, at least 1) and
     `max_prefill_tokens` (default: the worker's own); with `step_logs`, each writes one JSON line
     per engine step to `<logs>/<worker>.steps.jsonl`. With `data_dir`, kvnode i keeps its pages in
     `<data_dir>/node-i` (kvcache node --data-dir); with `metrics`, every member serves Prometheus
-    metrics on a free port (`Daemon.metrics_url`).
+    metrics on a free port (`Daemon.metrics_url`). With `tls_dir` (made by `kvcache certs`), every
+    member serves and calls over mutual TLS with its role's certificate (tls_args).
 
     `on_start(cluster)` runs after each start, so a caller can record pids as they appear; on
     failure, or an interrupt (Ctrl-C, a SIGTERM handler's SystemExit), whatever started is
@@ -250,6 +251,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
 
     def launch(role: str, name: str, daemon_args: list[str]) -> Daemon:
         extra = ["--metrics-port", "0"] if metrics else []
+        if tls_dir is not None:
+            extra += tls_args(tls_dir, role)
         daemon = Daemon(role, ["--port", "0", *extra, *daemon_args], log_path=logs / f"{name}.log")
         cluster.daemons.append(daemon)
         if on_start:
@@ -295,6 +298,20 @@ def add_worker(cluster: LocalCluster, logs: Path, name: str, model: str = "tiny"
     return daemon
 
 
+def tls_args(tls_dir: Path, role: str) -> list[str]:
+    """--tls-cert, --tls-key and --tls-ca of `role` from a folder made by `kvcache certs`."""
+    return ["--tls-cert", str(tls_dir / f"{role}.pem"), "--tls-key", str(tls_dir / f"{role}.key"),
+            "--tls-ca", str(tls_dir / "ca.pem")]
+
+
+def client_tls(tls_dir: Path | None) -> dict:
+    """Client's keywords for a cluster started with `tls_dir` (its client certificate); {} for plaintext."""
+    if tls_dir is None:
+        return {}
+    return {"tls_ca": str(tls_dir / "ca.pem"), "tls_cert": str(tls_dir / "client.pem"),
+            "tls_key": str(tls_dir / "client.key")}
+
+
 def default_blas_threads(workers: int) -> int:
     """BLAS threads per worker when `workers` share this machine's cores."""
     return max(1, (os.cpu_count() or 1) // max(1, workers))
@@ -315,8 +332,9 @@ def _write_cluster_file(path: Path, args, started: list[Daemon]) -> None:
 
 
 def wait_healthy(coordinators: list[str], nodes: int, workers: int, timeout_s: float = 60.0,
-                 stopping: threading.Event | None = None) -> None:
-    """Until every coordinator sees `nodes` kvnodes and `workers` workers alive (TimeoutError after timeout_s)."""
+                 stopping: threading.Event | None = None, client_options: dict | None = None) -> None:
+    """Until every coordinator sees `nodes` kvnodes and `workers` workers alive (TimeoutError after timeout_s);
+    `client_options`: Client's keywords (TLS, token) for a secure cluster."""
     deadline = time.monotonic() + timeout_s
     pending = list(coordinators)
     seen = "nothing yet"
@@ -327,7 +345,7 @@ def wait_healthy(coordinators: list[str], nodes: int, workers: int, timeout_s: f
             raise TimeoutError(f"cluster not healthy after {timeout_s:.0f}s: coordinator {pending[0]} sees {seen}")
         address = pending[0]
         try:
-            with Client([address]) as client:
+            with Client([address], **(client_options or {})) as client:
                 status = client.status(timeout=2.0)
             alive = [m.role for m in status.members if m.alive]
             seen = f"{alive.count('node')}/{nodes} kvnodes, {alive.count('worker')}/{workers} workers"

@@ -13,6 +13,7 @@ from dataclasses import asdict
 
 from coordinator.client import Client, ClusterError
 from kvcache.chat_sessions import ChatSession
+from protos import security
 from worker.client import Finished, Piece, WorkerClient, WorkerError
 
 DEFAULT_COORDINATORS = "127.0.0.1:50050"
@@ -42,11 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cache", action="store_true", help="bypass every cache tier (recompute the whole prompt)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, usage")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up (default 300)")
+    security.add_arguments(parser, client=True)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         prompt, session = _prompt(args)
+        credentials = security.from_args(args, client=True)
     except ValueError as exc:
         print(f"kvcache generate: error: {exc}", file=sys.stderr)
         return 2
@@ -63,11 +66,11 @@ def run(args: argparse.Namespace) -> int:
     text, token_ids, finished = [], [], None
     try:
         if args.worker:
-            client = WorkerClient(args.worker, timeout=args.timeout)
+            client = WorkerClient(args.worker, timeout=args.timeout, credentials=credentials)
             events = client.generate(prompt, **options)
         else:
             del options["placement"]
-            client = Client(coordinator_addresses(args.coordinators), timeout=args.timeout)
+            client = Client(coordinator_addresses(args.coordinators), timeout=args.timeout, **tls_options(args))
             events = client.generate(prompt, session_id=args.session, **options)
         with client:
             for event in events:
@@ -133,3 +136,8 @@ def coordinator_addresses(text: str | None) -> list[str]:
 def printable(text: str) -> str:
     """Text safe for a terminal: control characters (a random model emits them) become U+FFFD."""
     return "".join(ch if ch.isprintable() or ch in "\n\t" else "\ufffd" for ch in text)
+
+
+def tls_options(args: argparse.Namespace) -> dict:
+    """Client's TLS keywords from --tls-ca, --tls-cert and --tls-key."""
+    return {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key}

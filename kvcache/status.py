@@ -10,20 +10,22 @@ from google.protobuf.json_format import MessageToDict
 
 from coordinator.client import Client, ClusterError
 from kvcache.bench.report import print_table
-from kvcache.generate import coordinator_addresses
+from kvcache.generate import coordinator_addresses, tls_options
+from protos import security
 from kvcache.units import format_size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coordinators", default=None, help="coordinator addresses: A,B (default as for generate)")
     parser.add_argument("--json", action="store_true", help="print the status as JSON")
+    security.add_arguments(parser, client=True)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with Client(coordinator_addresses(args.coordinators)) as client:
+        with Client(coordinator_addresses(args.coordinators), **tls_options(args)) as client:
             status = client.status()
-    except ClusterError as exc:
+    except (ClusterError, ValueError) as exc:
         print(f"kvcache status: error: {exc}", file=sys.stderr)
         return 1
     if args.json:

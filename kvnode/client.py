@@ -21,6 +21,7 @@ from kvnode import wire
 from kvnode.data_client import DataPlaneClient, DataPlaneError
 from kvnode.store import InvalidRequest, check_key
 from protos import kvcache_pb2 as pb
+from protos import security
 from protos.observability import traced_channel
 
 log = logging.getLogger("kvnode.client")
@@ -109,17 +110,22 @@ def _check_keys(address: str, keys: Sequence[bytes], parents: Sequence[bytes] = 
 
 
 class NodeClient:
-    """`use_data_plane=False` keeps every call on gRPC (benches and tests compare the two)."""
+    """`use_data_plane=False` keeps every call on gRPC (benches and tests compare the two);
+    `credentials` (protos.security) make gRPC mutual TLS; such a client uses gRPC only."""
 
-    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S, use_data_plane: bool = True):
+    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S, use_data_plane: bool = True,
+                 credentials: security.Credentials | None = None):
         self.address = address
+        self.credentials = credentials
+        if credentials is not None:
+            self.use_data_plane = False  # the data plane has no TLS yet
         self.timeout = timeout
         self.use_data_plane = use_data_plane
         self._data: DataPlaneClient | None = None
         self._told_busy = False
         self._data_lock = threading.Lock()
-        self._channel = traced_channel(grpc.insecure_channel(
-            address,
+        self._channel = traced_channel(security.channel(
+            address, credentials,
             options=[
                 ("grpc.max_receive_message_length", _CLIENT_MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", _CLIENT_MAX_MESSAGE_BYTES),

@@ -22,7 +22,7 @@ from kvnode.metrics import NodeMetrics
 from kvnode.service import DEFAULT_MAX_KEYS, SERVICE_NAME, KVStoreService, handler
 from kvnode.store import PageStore
 from protos import kvcache_pb2 as pb
-from protos import observability, serving
+from protos import observability, security, serving
 
 log = logging.getLogger("kvnode")
 
@@ -107,6 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "before they are cut (default %(default)s; --grace is the old name)",
     )
     agent.add_arguments(parser)
+    security.add_arguments(parser)
     observability.add_arguments(parser)
 
 
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         max_leases_per_call = args.max_keys if args.max_leases_per_call is None else args.max_leases_per_call
         if max_leases_per_call < 1:
             raise ValueError(f"--max-leases-per-call must be at least 1, got {max_leases_per_call}")
+        credentials = security.from_args(args)
         serving.tune_allocator()
         data_dir, disk = open_disk_tier(args, capacity_pages)
         store = PageStore(capacity_pages, args.page_bytes, policy=eviction,
@@ -150,9 +152,9 @@ def run(args: argparse.Namespace) -> int:
         server, health = serving.make_server(
             [handler(service)], [SERVICE_NAME], max_message_bytes,
             interceptors=observability.server_interceptors(SERVICE_NAME, metrics and metrics.durations))
-        port = serving.bind(server, args.host, args.port)
+        port = serving.bind(server, args.host, args.port, credentials)
         data_plane = None
-        if not args.no_data_plane:
+        if not args.no_data_plane and credentials is None:  # no TLS on the data plane yet
             if not 0 <= args.data_port <= 65535:
                 raise ValueError(f"--data-port must be between 0 and 65535, got {args.data_port}")
             if args.data_max_connections < 1:
@@ -172,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     stopping = serving.stop_on_signals()
+    security.reload_on_sighup(credentials)
+    security.warn_if_exposed(args.host, credentials, log)
     flusher = Flusher(store, args.flush_interval).start() if disk is not None and args.flush_interval > 0 else None
     server.start()
     if data_plane is not None:
@@ -191,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     registration = pb.RegisterRequest(
         role="node", capacity_bytes=store.capacity_pages * args.page_bytes, page_bytes=args.page_bytes
     )
-    membership = agent.start_from_args(args, port, registration, lambda: node_load(store))
+    membership = agent.start_from_args(args, port, registration, lambda: node_load(store), credentials)
     serving.wait_until(stopping)
     drain(args.drain_timeout, membership, health, server, service, data_plane, flusher)
     if disk is not None:

@@ -127,14 +127,18 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-def bind(server: grpc.Server, host: str, port: int) -> int:
-    """Bind host:port (port 0 picks a free one) and return the port, or raise a clear error."""
+def bind(server: grpc.Server, host: str, port: int, credentials=None) -> int:
+    """Bind host:port (port 0 picks a free one) and return the port, or raise a clear error.
+    With `credentials` (protos.security.Credentials) the port takes mutual TLS only."""
     where = host_port(host, port)
     reason = _why_unbindable(host.strip("[]"), port)
     if reason:
         raise OSError(f"cannot listen on {where}: {reason}")
     try:
-        bound = server.add_insecure_port(where)
+        if credentials is None:
+            bound = server.add_insecure_port(where)
+        else:
+            bound = server.add_secure_port(where, credentials.server_credentials())
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {where} ({exc}): is the port taken?") from exc
     if bound == 0:

@@ -8,6 +8,7 @@ from typing import Iterator, Mapping, Sequence
 import grpc
 
 from protos import kvcache_pb2 as pb
+from protos import security
 from protos.observability import traced_channel
 from worker.usage import Usage
 
@@ -107,10 +108,10 @@ def parse_reply(reply: pb.GenerateReply) -> Piece | Finished:
 
 
 class WorkerClient:
-    def __init__(self, address: str, timeout: float = 300.0):
+    def __init__(self, address: str, timeout: float = 300.0, credentials: security.Credentials | None = None):
         self.address = address
         self.timeout = timeout
-        self._channel = traced_channel(grpc.insecure_channel(address))
+        self._channel = traced_channel(security.channel(address, credentials))
         self._generate = self._channel.unary_stream(
             _SERVICE + "Generate", pb.GenerateRequest.SerializeToString, pb.GenerateReply.FromString
         )

@@ -16,7 +16,7 @@ import time
 from coordinator import agent
 from kvcache.units import format_size, parse_size
 from protos import kvcache_pb2 as pb
-from protos import observability, serving
+from protos import observability, security, serving
 from worker.engine import Engine
 from worker.metrics import WorkerMetrics
 from worker.model import blas
@@ -78,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "elsewhere (default %(default)s)",
     )
     agent.add_arguments(parser)
+    security.add_arguments(parser)
     observability.add_arguments(parser)
 
 
@@ -97,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--blas-threads must be at least 1, got {args.blas_threads}")
             blas.cap_threads(args.blas_threads)
             log.info("BLAS capped at %d thread(s)", args.blas_threads)
+        credentials = security.from_args(args)
         serving.tune_allocator()
         engine = Engine.load(
             args.model,
@@ -109,9 +111,10 @@ def run(args: argparse.Namespace) -> int:
         )
         tracing = observability.setup_tracing(args, "kvcache-worker")
         if tracing or args.metrics_port is not None:
-            tier = ObservedRemoteTier(engine.kv_pool, args.kv_dtype, lease_ms=args.lease_ms, tracing=tracing)
+            tier = ObservedRemoteTier(engine.kv_pool, args.kv_dtype, lease_ms=args.lease_ms, tracing=tracing,
+                                      credentials=credentials)
         else:
-            tier = RemoteTier(engine.kv_pool, args.kv_dtype, lease_ms=args.lease_ms)
+            tier = RemoteTier(engine.kv_pool, args.kv_dtype, lease_ms=args.lease_ms, credentials=credentials)
         engine.attach_remote_tier(tier)
         step_log = None
         if args.step_log:
@@ -130,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         server, health = serving.make_server(
             [handler(service)], [SERVICE_NAME], max_workers=args.max_streams + CONTROL_THREADS,
             interceptors=observability.server_interceptors(SERVICE_NAME, metrics and metrics.request_duration))
-        port = serving.bind(server, args.host, args.port)
+        port = serving.bind(server, args.host, args.port, credentials)
         if metrics is not None:
             observability.start_metrics(metrics.registry, args)
     except (ValueError, OSError, MemoryError) as exc:
@@ -138,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     stopping = serving.stop_on_signals()
+    security.reload_on_sighup(credentials)
+    security.warn_if_exposed(args.host, credentials, log)
     service.start()
     server.start()
     page_bytes = engine.model.page_bytes(args.kv_dtype, args.page_tokens)
@@ -150,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     registration = pb.RegisterRequest(
         role="worker", page_bytes=page_bytes, model=engine.model.name, fingerprint=engine.fingerprint.hex()
     )
-    membership = agent.start_from_args(args, port, registration, lambda: worker_load(engine))
+    membership = agent.start_from_args(args, port, registration, lambda: worker_load(engine), credentials)
     while not stopping.wait(0.5) and not broken.is_set():
         pass
     service.accepting = False

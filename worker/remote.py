@@ -80,6 +80,7 @@ class RemoteTier:
         queue_bytes: int = 256 * 2**20,
         fetch_batch_bytes: int = 16 * 2**20,
         min_batch_bytes: int = 2 * 2**20,
+        credentials=None,
     ):
         self.pool = pool
         self.wire_dtype = np.dtype(kv_dtype)
@@ -93,7 +94,8 @@ class RemoteTier:
         self.stats = TierStats()
         self._stats_lock = threading.Lock()  # counted from the engine thread and the sender thread
         self.nodes = NodeTable(self.page_bytes, lookup_timeout_s, retry_after_s, max_retry_after_s, max_nodes,
-                               max_probes, on_failure=lambda: self._count("node_failures", 1))
+                               max_probes, on_failure=lambda: self._count("node_failures", 1),
+                               credentials=credentials)
         # Float32 copies, cast when sent: bounded in bytes (1,024 gpt2-small pages would be 1.2 GB).
         self._outbox: queue.Queue = queue.Queue(maxsize=max(16, queue_bytes // pool[0].nbytes))
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fetch")

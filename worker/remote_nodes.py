@@ -60,6 +60,7 @@ class NodeTable:
         max_nodes: int,
         max_probes: int,
         on_failure: Callable[[], None] = lambda: None,
+        credentials=None,
     ):
         if max_nodes < 1 or max_probes < 1:
             raise ValueError(f"max_nodes and max_probes must be positive, got {max_nodes} and {max_probes}")
@@ -70,6 +71,7 @@ class NodeTable:
         self.max_nodes = max_nodes
         self.max_probes = max_probes
         self.on_failure = on_failure
+        self.credentials = credentials  # protos.security.Credentials: mutual TLS to kvnodes
         self._nodes: OrderedDict[str, Node] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
         self._num_probes = 0
@@ -167,7 +169,7 @@ class NodeTable:
                 return None
             del self._nodes[victim.address]
             evicted.append(victim)
-        node = self._nodes[address] = Node(address, NodeClient(address))
+        node = self._nodes[address] = Node(address, NodeClient(address, credentials=self.credentials))
         return node
 
     def _victim(self) -> Node | None:

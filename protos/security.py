@@ -1,0 +1,179 @@
+"""Who may talk to a kvcache daemon: TLS and mutual TLS for gRPC and the data plane.
+
+Design notes
+1. One Credentials per process, from --tls-cert, --tls-key and --tls-ca. A daemon gives all
+   three: its gRPC port and its data port then take TLS only, and only from a peer presenting a
+   certificate signed by the CA (mutual TLS); its own calls to other members present its
+   certificate. grpcio's Python API can require a client certificate or not ask for one, not
+   ask and check it when given (tried: require_client_auth=False never sees the peer's
+   certificate), so every port of a secure daemon requires one, a coordinator's too: clients
+   hold a certificate of the CA (`kvcache certs` makes `client.pem`) and a token says who they
+   are (note 3 of the token check).
+2. Without the options a daemon stays plaintext, for a loopback development cluster; bound to
+   another address it says so in one warning line at start.
+3. The files are read at start (a bad file is a clear error then) and again on SIGHUP: new
+   gRPC connections and data plane connections use the new certificate, running ones keep
+   theirs (rotation without a restart). gRPC asks for the current certificate at each new
+   handshake (dynamic server credentials).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import signal
+import socket
+import ssl
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger("security")
+
+
+@dataclass
+class Credentials:
+    """Certificate, key and CA files; `cert` and `key` may be None for a client that only checks servers."""
+
+    ca: Path
+    cert: Path | None = None
+    key: Path | None = None
+    generation: int = field(default=0, init=False)  # bumped by each reload
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("give --tls-cert and --tls-key together")
+        self._lock = threading.Lock()
+        self.load()
+
+    def load(self) -> None:
+        """Read the files and build contexts from them (ValueError naming the file that fails)."""
+        ca = _read(self.ca, "--tls-ca")
+        cert = _read(self.cert, "--tls-cert") if self.cert else None
+        key = _read(self.key, "--tls-key") if self.key else None
+        server_context = client_context = None
+        try:
+            client_context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=ca.decode())
+            if cert is not None:
+                client_context.load_cert_chain(self.cert, self.key)
+                server_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+                server_context.minimum_version = ssl.TLSVersion.TLSv1_2
+                server_context.load_cert_chain(self.cert, self.key)
+                server_context.load_verify_locations(cadata=ca.decode())
+                server_context.verify_mode = ssl.CERT_REQUIRED  # mutual TLS (note 1)
+        except (ssl.SSLError, ValueError) as exc:
+            raise ValueError(f"TLS files {self.cert or ''} {self.key or ''} {self.ca} do not make a certificate, "
+                             f"key and CA that fit: {exc}") from None
+        with self._lock:
+            self._ca, self._cert, self._key = ca, cert, key
+            self._server_context, self._client_context = server_context, client_context
+            self.generation += 1
+
+    # ---- gRPC --------------------------------------------------------------------
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Mutual TLS: a peer must present a certificate of the CA; re-read on reload (note 3)."""
+        if self._cert is None:
+            raise ValueError("a server needs --tls-cert and --tls-key")
+        served = [0]
+
+        def current():
+            with self._lock:
+                if served[0] == self.generation:
+                    return None  # unchanged: gRPC keeps the configuration it has
+                served[0] = self.generation
+                return grpc.ssl_server_certificate_configuration([(self._key, self._cert)], self._ca)
+
+        return grpc.dynamic_ssl_server_credentials(current(), current, require_client_authentication=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        with self._lock:
+            return grpc.ssl_channel_credentials(self._ca, self._key, self._cert)
+
+    # ---- the data plane ---------------------------------------------------------
+
+    def server_context(self) -> ssl.SSLContext:
+        with self._lock:
+            if self._server_context is None:
+                raise ValueError("a server needs --tls-cert and --tls-key")
+            return self._server_context
+
+    def client_context(self) -> ssl.SSLContext:
+        with self._lock:
+            return self._client_context
+
+
+def _read(path: Path, option: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{option} {path}: {exc.strerror or exc}") from None
+
+
+def channel(address: str, credentials: Credentials | None, options=()) -> grpc.Channel:
+    """The one way to open a channel to a member: TLS with `credentials`, else plaintext."""
+    if credentials is None:
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, credentials.channel_credentials(), options=list(options))
+
+
+def add_arguments(parser: argparse.ArgumentParser, client: bool = False) -> None:
+    """--tls-cert, --tls-key, --tls-ca: every daemon's and client's."""
+    who = "this client's" if client else "this daemon's"
+    parser.add_argument("--tls-cert", metavar="FILE", default=None,
+                        help=f"{who} certificate (PEM), presented to peers; with --tls-key and --tls-ca "
+                             f"every connection is TLS (kvcache certs DIR makes them)")
+    parser.add_argument("--tls-key", metavar="FILE", default=None, help=f"{who} private key (PEM)")
+    parser.add_argument("--tls-ca", metavar="FILE", default=None,
+                        help="the cluster's CA certificate (PEM): peers must present a certificate it signed")
+
+
+def from_args(args: argparse.Namespace, client: bool = False) -> Credentials | None:
+    """Credentials from the options, None when none is given (plaintext); ValueError for a partial set."""
+    given = [args.tls_cert, args.tls_key, args.tls_ca]
+    if not any(given):
+        return None
+    if client and args.tls_ca and not args.tls_cert and not args.tls_key:
+        return Credentials(Path(args.tls_ca))
+    if not all(given):
+        raise ValueError("give --tls-cert, --tls-key and --tls-ca together"
+                         + ("" if not client else " (or --tls-ca alone, to check the servers only)"))
+    return Credentials(Path(args.tls_ca), Path(args.tls_cert), Path(args.tls_key))
+
+
+def reload_on_sighup(credentials: Credentials | None) -> None:
+    """Re-read the certificate files on SIGHUP (note 3); a file that fails keeps the old ones."""
+    if credentials is None:
+        return
+
+    def reload(*_):
+        try:
+            credentials.load()
+            log.info("TLS files re-read: new connections use them")
+        except ValueError as exc:
+            log.warning("TLS files not re-read, the old ones stay: %s", exc)
+
+    signal.signal(signal.SIGHUP, reload)
+
+
+def warn_if_exposed(host: str, credentials: Credentials | None, logger: logging.Logger) -> None:
+    """One warning line for a plaintext daemon listening beyond loopback (note 2)."""
+    if credentials is None and not is_loopback(host):
+        logger.warning("listening on %s without TLS: anyone who reaches this port can use it "
+                       "(give --tls-cert, --tls-key and --tls-ca)", host)
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
+        except (socket.gaierror, ValueError):
+            return False

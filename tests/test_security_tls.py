@@ -1,0 +1,108 @@
+"""A cluster started with TLS (certificates made by `kvcache certs` into the test's folder): every
+gRPC and data port takes mutual TLS only; members and clients holding a certificate of the
+cluster's CA work as in plaintext, and nobody else gets a call through."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import stat
+
+import grpc
+import pytest
+from cryptography import x509
+
+from cluster_helpers import collect
+from coordinator.client import Client
+from kvcache.certs import ROLES, make_certs
+from kvcache.cluster import client_tls, start_cluster, wait_healthy
+from protos import kvcache_pb2 as pb
+from protos import security
+from worker.engine import Engine
+
+PROMPT = "The bakery opens at seven and closes when the bread is gone. Do you sell rye bread?"
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("certs")
+    make_certs(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def secure_cluster(tmp_path_factory, certs):
+    with start_cluster(tmp_path_factory.mktemp("cluster"), nodes=1, workers=1, coordinators=1, replicas=1,
+                       node_capacity="16MiB", worker_kv_cache="16MiB", tls_dir=certs) as cluster:
+        wait_healthy(cluster.coordinator_addresses, nodes=1, workers=1, client_options=client_tls(certs))
+        yield cluster
+
+
+def member_credentials(certs, role="worker") -> security.Credentials:
+    return security.Credentials(certs / "ca.pem", certs / f"{role}.pem", certs / f"{role}.key")
+
+
+def test_certs_name_loopback_and_the_hosts_given_and_keep_keys_private(tmp_path):
+    make_certs(tmp_path, hosts=["kv-1.example", "10.0.0.7"])
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.pem").read_bytes())
+    for role in ROLES:
+        cert = x509.load_pem_x509_certificate((tmp_path / f"{role}.pem").read_bytes())
+        assert cert.issuer == ca.subject
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert set(names.get_values_for_type(x509.DNSName)) == {"localhost", "kv-1.example"}
+        assert set(names.get_values_for_type(x509.IPAddress)) == {
+            ipaddress.ip_address(a) for a in ("127.0.0.1", "::1", "10.0.0.7")}
+        assert stat.S_IMODE(os.stat(tmp_path / f"{role}.key").st_mode) == 0o600
+    with pytest.raises(ValueError, match="exists"):
+        make_certs(tmp_path)
+
+
+def test_with_certificates_the_answer_equals_the_engine_alone(secure_cluster, certs):
+    expected = Engine.load("tiny").generate(PROMPT, max_new_tokens=8)[0].token_ids
+    with Client(secure_cluster.coordinator_addresses, **client_tls(certs)) as client:
+        tokens, done = collect(client.generate(PROMPT, max_tokens=8))
+        again, second = collect(client.generate(PROMPT, max_tokens=8))
+    assert tokens == again == expected and done.finish_reason == "length"
+    assert second.usage.cached_tokens_local + second.usage.cached_tokens_remote > 0
+
+
+def test_a_plaintext_connection_to_every_grpc_port_fails(secure_cluster):
+    for daemon in secure_cluster.daemons:
+        with grpc.insecure_channel(daemon.address) as channel:
+            with pytest.raises(grpc.RpcError) as failed:
+                channel.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=5)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, daemon.role
+
+
+@pytest.mark.parametrize("who", ["no client certificate", "a certificate of another CA"])
+def test_tls_without_a_cluster_certificate_cannot_register_beat_put_or_get(secure_cluster, certs, tmp_path, who):
+    ca = (certs / "ca.pem").read_bytes()
+    if who == "no client certificate":
+        credentials = grpc.ssl_channel_credentials(ca)
+    else:
+        make_certs(tmp_path / "other")
+        credentials = grpc.ssl_channel_credentials(ca, (tmp_path / "other" / "node.key").read_bytes(),
+                                                   (tmp_path / "other" / "node.pem").read_bytes())
+    coordinator = secure_cluster.role("coordinator")[0].address
+    node = secure_cluster.role("node")[0].address
+    calls = [
+        (coordinator, "/kvcache.v1.Coordinator/Register",
+         pb.RegisterRequest(role="node", address="127.0.0.1:1", capacity_bytes=2**20, page_bytes=1024)),
+        (coordinator, "/kvcache.v1.Coordinator/Heartbeat", pb.HeartbeatRequest(member_id="x")),
+        (node, "/kvcache.v1.KVStore/GetPages", pb.GetPagesRequest(keys=[b"k" * 16])),
+    ]
+    for address, method, request in calls:
+        with grpc.secure_channel(address, credentials) as channel:
+            streaming = method.endswith("GetPages")
+            stub = (channel.unary_stream if streaming else channel.unary_unary)(
+                method, type(request).SerializeToString, None)
+            with pytest.raises(grpc.RpcError) as failed:
+                reply = stub(request, timeout=5)
+                if streaming:
+                    list(reply)
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, method
+    with grpc.secure_channel(node, credentials) as channel:
+        put = channel.stream_unary("/kvcache.v1.KVStore/PutPages", None, None)
+        with pytest.raises(grpc.RpcError) as failed:
+            put(iter([b""]), timeout=5)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
