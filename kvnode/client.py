@@ -111,14 +111,12 @@ def _check_keys(address: str, keys: Sequence[bytes], parents: Sequence[bytes] = 
 
 class NodeClient:
     """`use_data_plane=False` keeps every call on gRPC (benches and tests compare the two);
-    `credentials` (protos.security) make gRPC mutual TLS; such a client uses gRPC only."""
+    `credentials` (protos.security) make both gRPC and the data plane mutual TLS."""
 
     def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S, use_data_plane: bool = True,
                  credentials: security.Credentials | None = None):
         self.address = address
         self.credentials = credentials
-        if credentials is not None:
-            self.use_data_plane = False  # the data plane has no TLS yet
         self.timeout = timeout
         self.use_data_plane = use_data_plane
         self._data: DataPlaneClient | None = None
@@ -287,7 +285,8 @@ class NodeClient:
                     return None
                 if self._data is not None:
                     self._data.close()
-                self._data = DataPlaneClient(host, port)
+                tls = self.credentials.client_context() if self.credentials is not None else None
+                self._data = DataPlaneClient(host, port, tls)
             return self._data
 
     def _data_plane_failed(self, plane: DataPlaneClient, exc: DataPlaneError) -> None:

@@ -154,14 +154,14 @@ def run(args: argparse.Namespace) -> int:
             interceptors=observability.server_interceptors(SERVICE_NAME, metrics and metrics.durations))
         port = serving.bind(server, args.host, args.port, credentials)
         data_plane = None
-        if not args.no_data_plane and credentials is None:  # no TLS on the data plane yet
+        if not args.no_data_plane:
             if not 0 <= args.data_port <= 65535:
                 raise ValueError(f"--data-port must be between 0 and 65535, got {args.data_port}")
             if args.data_max_connections < 1:
                 raise ValueError(f"--data-max-connections must be at least 1, got {args.data_max_connections}")
             try:
                 data_plane = DataPlaneServer(store, args.host, args.data_port, args.max_keys,
-                                             max_connections=args.data_max_connections)
+                                             max_connections=args.data_max_connections, credentials=credentials)
             except OSError as exc:
                 raise OSError(f"cannot listen on {serving.host_port(args.host, args.data_port)} "
                               f"for the data plane: {exc.strerror or exc}") from None
@@ -189,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     if data_plane is not None:
-        log.info("data plane (GET/PUT of pages over plain TCP) on %s", serving.host_port(args.host, data_plane.port))
+        log.info("data plane (GET/PUT of pages over %s) on %s", "TLS" if credentials else "plain TCP",
+                 serving.host_port(args.host, data_plane.port))
     else:
         log.info("data plane off (--no-data-plane): pages move over gRPC only")
     registration = pb.RegisterRequest(

@@ -17,6 +17,7 @@ Design notes
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from typing import Sequence
@@ -48,8 +49,12 @@ class _Retry(Exception):
 
 
 class DataPlaneClient:
-    def __init__(self, host: str, port: int):
+    """`tls`: an ssl client context (protos.security.Credentials.client_context): every connection
+    is TLS, checked against the node's certificate, and presents ours (mutual TLS)."""
+
+    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None = None):
         self.host, self.port = host, port
+        self.tls = tls
         self.connected_once = False
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -127,8 +132,25 @@ class DataPlaneClient:
                                  connect_failed=True) from None
         sock.settimeout(None)  # blocking; deadlines come from kernel timeouts (note 2)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls is not None:
+            sock = self._handshake(sock, deadline)
         self.connected_once = True
         return sock, False
+
+    def _handshake(self, sock: socket.socket, deadline: float) -> ssl.SSLSocket:
+        """TLS on a new connection. A node that closes it unanswered (at its connection limit) or
+        whose certificate fails makes a DataPlaneError; never connected before, `connect_failed`."""
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            return self.tls.wrap_socket(sock, server_hostname=self.host)
+        except ssl.SSLCertVerificationError as exc:
+            sock.close()
+            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"TLS to {self.address}: {exc.verify_message}",
+                                 connect_failed=True) from None
+        except (ssl.SSLError, OSError) as exc:
+            sock.close()
+            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"TLS handshake with {self.address} failed: {exc}",
+                                 connect_failed=not self.connected_once, closed_unanswered=True) from None
 
     def _drop_idle(self) -> None:
         with self._lock:

@@ -30,12 +30,19 @@ Design notes
    at once, and lets the requests being served finish within its timeout, then cuts the rest.
    A request is being served once its header is read and taken under the lock; a header read
    after the drain began is answered UNAVAILABLE (the client goes elsewhere).
+6. With `credentials` (protos/security.py) every connection is TLS and the peer must present a
+   certificate of the cluster's CA (mutual TLS), as on the node's gRPC port. The handshake runs
+   on the connection's thread within `timeout_s`, with the context current at that moment (a
+   SIGHUP may have re-read the files). A connection over the bound is closed without an answer
+   (no handshake is spent on it); the client sends that call over gRPC. Replies are written
+   part by part (an SSL socket has no sendmsg), each page straight from its slot still.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 
@@ -68,8 +75,10 @@ class DataPlaneServer:
     def __init__(self, store: PageStore, host: str = "127.0.0.1", port: int = 0, max_keys: int = 256,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_put_bytes_in_flight: int = DEFAULT_MAX_PUT_BYTES_IN_FLIGHT,
-                 keep_buffer_bytes: int = DEFAULT_KEEP_PER_CONNECTION, max_kept_buffer_bytes: int = DEFAULT_KEEP_TOTAL):
+                 keep_buffer_bytes: int = DEFAULT_KEEP_PER_CONNECTION, max_kept_buffer_bytes: int = DEFAULT_KEEP_TOTAL,
+                 credentials=None):
         self.store = store
+        self.credentials = credentials  # design note 6
         self.buffers = BufferBudget(keep_buffer_bytes, max_kept_buffer_bytes)
         self.max_keys = max_keys
         self.max_connections = max_connections
@@ -165,6 +174,10 @@ class DataPlaneServer:
                 if not full:
                     thread = threading.Thread(target=self._serve, args=(conn, peer), name="data-plane-conn", daemon=True)
                     self._connections[conn] = thread
+            if full and self.credentials is not None:
+                log.info("data plane closed a connection from %s: %d connections open", peer, self.max_connections)
+                conn.close()  # design note 6
+                continue
             if full:
                 log.info("data plane refused a connection from %s: %d connections open", peer, self.max_connections)
                 self._refuse(conn, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -175,6 +188,8 @@ class DataPlaneServer:
     def _serve(self, conn: socket.socket, peer) -> None:
         connection = None
         try:
+            if self.credentials is not None:
+                conn = self._handshake(conn, peer)
             connection = _Connection(conn, self.timeout_s, ReceiveBuffer(self.buffers))
             while not self._stopping.is_set():
                 if not self._serve_one(connection):
@@ -186,6 +201,8 @@ class DataPlaneServer:
         except dw.FrameError as exc:
             log.info("refused data plane request: %s: %s", exc.code.name, exc)
             self._refuse(conn, exc.code, str(exc), connection.pending if connection else 0)
+        except ssl.SSLError as exc:
+            log.info("data plane dropped %s: %s", peer, exc)
         except OSError as exc:  # e.g. reset before its options could be set
             log.info("data plane dropped %s: %s", peer, exc)
         except Exception:  # a bug here must not take the node down: close this connection only
@@ -196,6 +213,25 @@ class DataPlaneServer:
                 connection.buffer.close()
             with self._lock:
                 self._connections.pop(conn, None)
+
+    def _handshake(self, conn: socket.socket, peer) -> ssl.SSLSocket:
+        """Mutual TLS on an accepted connection (design note 6); it takes the socket's place."""
+        raw = conn
+        try:
+            raw.settimeout(self.timeout_s)
+            conn = self.credentials.server_context().wrap_socket(raw, server_side=True)
+            conn.settimeout(None)
+        except (ssl.SSLError, OSError) as exc:
+            raw.close()
+            raise _Dropped(f"TLS handshake failed: {exc}") from None
+        finally:
+            with self._lock:
+                thread = self._connections.pop(raw, None)
+                if thread is not None and conn is not raw:
+                    self._connections[conn] = thread
+        if self._stopping.is_set():
+            raise _Dropped("stopping")
+        return conn
 
     def _serve_one(self, connection: "_Connection") -> bool:
         """Serve one request; False when the peer closed the connection between requests."""

@@ -23,6 +23,7 @@ Design notes
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import time
 from dataclasses import dataclass
@@ -138,7 +139,13 @@ def parse_reply_header(buf) -> tuple[grpc.StatusCode, int, int]:
 
 def set_kernel_timeouts(sock: socket.socket, timeout_s: float, receive: bool = True) -> None:
     """SO_RCVTIMEO (unless not `receive`) and SO_SNDTIMEO on a blocking socket: a stalled recv
-    or send raises BlockingIOError after timeout_s, with no poll before each call."""
+    or send raises BlockingIOError after timeout_s, with no poll before each call.
+
+    A TLS socket gets a socket timeout instead (socket.timeout, a poll before each call): over
+    a kernel timeout the ssl module would retry the read or write forever."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(timeout_s)
+        return
     seconds = int(timeout_s)
     value = struct.pack("ll", seconds, int((timeout_s - seconds) * 1e6))
     if receive:
@@ -163,7 +170,7 @@ def send_parts(sock: socket.socket, parts: list, deadline: float | None = None) 
             if left <= 0:
                 raise socket.timeout("the send's deadline passed")
             set_kernel_timeouts(sock, left, receive=False)
-        sent = sock.sendmsg(parts[:_IOV_BATCH])
+        sent = sock.send(parts[0]) if isinstance(sock, ssl.SSLSocket) else sock.sendmsg(parts[:_IOV_BATCH])
         while parts and sent >= parts[0].nbytes:
             sent -= parts[0].nbytes
             parts.pop(0)

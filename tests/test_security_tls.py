@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 import stat
 
 import grpc
+import numpy as np
 import pytest
 from cryptography import x509
 
@@ -16,6 +18,9 @@ from cluster_helpers import collect
 from coordinator.client import Client
 from kvcache.certs import ROLES, make_certs
 from kvcache.cluster import client_tls, start_cluster, wait_healthy
+from kvnode import data_wire as dw
+from kvnode.client import NodeClient
+from kvnode.data_client import DataPlaneClient, DataPlaneError
 from protos import kvcache_pb2 as pb
 from protos import security
 from worker.engine import Engine
@@ -40,6 +45,12 @@ def secure_cluster(tmp_path_factory, certs):
 
 def member_credentials(certs, role="worker") -> security.Credentials:
     return security.Credentials(certs / "ca.pem", certs / f"{role}.pem", certs / f"{role}.key")
+
+
+def data_port(secure_cluster, certs) -> int:
+    node = secure_cluster.role("node")[0]
+    with NodeClient(node.address, credentials=member_credentials(certs)) as client:
+        return client.info().data_port
 
 
 def test_certs_name_loopback_and_the_hosts_given_and_keep_keys_private(tmp_path):
@@ -106,3 +117,41 @@ def test_tls_without_a_cluster_certificate_cannot_register_beat_put_or_get(secur
         with pytest.raises(grpc.RpcError) as failed:
             put(iter([b""]), timeout=5)
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_kvnode_serves_members_over_its_tls_data_plane(secure_cluster, certs):
+    node = secure_cluster.role("node")[0]
+    keys = [bytes([i]) * 16 for i in range(1, 3)]
+    with NodeClient(node.address, credentials=member_credentials(certs)) as client:
+        page_bytes = client.info().page_bytes
+        data = np.random.default_rng(3).integers(0, 256, size=(2, page_bytes), dtype=np.uint8)
+        assert client.put_pages(keys, [b"", keys[0]], data).outcomes[0] in ("stored", "already_present")
+        assert client.get_pages(keys).tobytes() == data.tobytes()
+        assert client.data_plane_address() is not None and client.use_data_plane, "no fallback to gRPC"
+    assert "data plane (GET/PUT of pages over TLS)" in node.log_path.read_text()
+
+
+def test_a_plaintext_connection_to_the_data_port_gets_no_page(secure_cluster, certs):
+    port = data_port(secure_cluster, certs)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(dw.get_request([b"k" * 16]))
+        received = b""
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except (ConnectionResetError, socket.timeout):
+            pass
+    assert not received.startswith(dw.ok_reply(0)[:4]), "a plaintext peer must not get a reply frame"
+    plain = DataPlaneClient("127.0.0.1", port)
+    with pytest.raises(DataPlaneError):
+        plain.get_into([b"k" * 16], memoryview(bytearray(1024)), timeout_s=5)
+    plain.close()
+
+
+def test_tls_without_a_client_certificate_cannot_fetch_from_the_data_port(secure_cluster, certs):
+    port = data_port(secure_cluster, certs)
+    checks_server_only = security.Credentials(certs / "ca.pem")
+    client = DataPlaneClient("127.0.0.1", port, checks_server_only.client_context())
+    with pytest.raises(DataPlaneError):
+        client.get_into([b"k" * 16], memoryview(bytearray(1024)), timeout_s=5)
+    client.close()
