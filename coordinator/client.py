@@ -4,8 +4,9 @@ Client(["host:port", ...]) talks to any of several coordinators: one that does n
 answer is skipped, and a greedy or seeded request whose coordinator dies mid-stream
 is resumed through another without repeating or losing a token.
 
-A secure cluster: `tls_ca` (the cluster's CA file) checks the coordinators, `tls_cert` and
-`tls_key` (a client certificate of that CA) are presented to them.
+A secure cluster: `token` is sent with every call (`authorization: Bearer TOKEN`; it names the
+tenant whose cached pages the requests share), `tls_ca` (the cluster's CA file) checks the
+coordinators, `tls_cert` and `tls_key` (a client certificate of that CA) are presented to them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import grpc
 
 from protos import kvcache_pb2 as pb
 from protos import security
+from protos.tokens import authorization
 from protos.observability import traced_channel
 from worker.client import Finished, Piece, Usage, generate_request, parse_reply
 
@@ -45,8 +47,8 @@ class _Coordinator:
 
 
 class Client:
-    def __init__(self, coordinators: Sequence[str], timeout: float = 600.0, tls_ca: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None):
+    def __init__(self, coordinators: Sequence[str], timeout: float = 600.0, token: str | None = None,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None):
         if not coordinators:
             raise ValueError("give at least one coordinator address (host:port)")
         if (tls_cert or tls_key) and not tls_ca:
@@ -54,6 +56,7 @@ class Client:
         credentials = security.Credentials(Path(tls_ca), tls_cert and Path(tls_cert),
                                            tls_key and Path(tls_key)) if tls_ca else None
         self.timeout = timeout
+        self._metadata = authorization(token)
         self._coordinators = []
         for address in dict.fromkeys(coordinators):
             channel = traced_channel(security.channel(address, credentials))
@@ -83,7 +86,7 @@ class Client:
                 attempt = pb.GenerateRequest()
                 attempt.CopyFrom(request)
                 attempt.resume_token_ids.extend(sent)
-            stream = coordinator.generate(attempt, timeout=self.timeout)
+            stream = coordinator.generate(attempt, timeout=self.timeout, metadata=self._metadata)
             try:
                 for reply in stream:
                     event = parse_reply(reply)
@@ -113,7 +116,7 @@ class Client:
         errors = []
         for coordinator in self._in_order():
             try:
-                return coordinator.status(pb.ClusterStatusRequest(), timeout=timeout)
+                return coordinator.status(pb.ClusterStatusRequest(), timeout=timeout, metadata=self._metadata)
             except grpc.RpcError as exc:
                 errors.append(f"{coordinator.address}: {exc.code().name}")
         raise ClusterError(grpc.StatusCode.UNAVAILABLE, "no coordinator answered: " + "; ".join(errors))

@@ -12,9 +12,12 @@ from coordinator.membership import Membership
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.ring import DEFAULT_PREFIX_CHARS
 from coordinator.service import SERVICE_NAME, CoordinatorService, handler, run_sweeper
-from protos import observability, security, serving
+from protos import observability, security, serving, tokens
 
 log = logging.getLogger("coordinator")
+
+# Called by members, not clients: open to any holder of a cluster certificate, no token (protos/tokens.py note 2).
+MEMBER_METHODS = [f"/{SERVICE_NAME}/{name}" for name in ("Register", "Heartbeat", "Deregister")]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--grace", type=float, default=5.0, help="seconds running requests get on stop (default 5)")
     security.add_arguments(parser)
+    tokens.add_arguments(parser)
     observability.add_arguments(parser)
 
 
@@ -49,15 +53,18 @@ def run(args: argparse.Namespace) -> int:
         if args.max_streams < 1:
             raise ValueError(f"--max-streams must be at least 1, got {args.max_streams}")
         credentials = security.from_args(args)
+        client_tokens = tokens.from_args(args)
         membership = Membership()
         service = CoordinatorService(membership, args.replicas, args.prefix_chars, args.coordinator_id,
-                                     max_streams=args.max_streams, credentials=credentials)
+                                     max_streams=args.max_streams, credentials=credentials,
+                                     tokens=client_tokens)
         observability.setup_tracing(args, "kvcache-coordinator")
         metrics = CoordinatorMetrics(membership, service.router) if args.metrics_port is not None else None
         service.metrics = service.relay.metrics = metrics
         server, health = serving.make_server(
             [handler(service)], [SERVICE_NAME], max_workers=server_threads(args.max_streams),
-            interceptors=observability.server_interceptors(SERVICE_NAME, metrics and metrics.request_duration))
+            interceptors=tokens.interceptors(client_tokens, MEMBER_METHODS)
+            + observability.server_interceptors(SERVICE_NAME, metrics and metrics.request_duration))
         port = serving.bind(server, args.host, args.port, credentials)
         if metrics is not None:
             observability.start_metrics(metrics.registry, args)

@@ -70,6 +70,8 @@ class ClientCall:
     time_remaining: Callable[[], float | None]  # seconds left of the client's deadline (None: no deadline)
     is_active: Callable[[], bool]  # False once the client cancelled, went away or ran out of time
     on_end: Callable[[Callable[[], None]], object]  # run a callback when the call ends
+    namespace: str = ""  # the caller's tenant namespace (protos/tokens.py): salts the placement key
+    metadata: tuple = ()  # sent on with each attempt: the caller's authorization, for the worker
 
 
 # (worker address, request, timeout s, call) -> the worker's replies; raises AttemptFailed.
@@ -103,7 +105,7 @@ class Relay:
             raise Refused(StatusCode.INVALID_ARGUMENT, "the prompt is empty: send text, token ids or messages")
         prompt_head = (request.prompt or " ".join(map(str, request.prompt_token_ids[: self.prefix_chars]))
                        or chat_head(request.messages, self.prefix_chars))
-        key = placement_key(prompt_head, request.session_id, self.prefix_chars)
+        key = placement_key(prompt_head, request.session_id, self.prefix_chars, call.namespace)
         forward = pb.GenerateRequest()
         forward.CopyFrom(request)
         del forward.placement[:]

@@ -29,11 +29,17 @@ def epoch_of(nodes: Mapping[str, int]) -> str:
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
-def placement_key(prompt: str, session_id: str = "", prefix_chars: int = DEFAULT_PREFIX_CHARS) -> str:
-    """The session id when given, else a digest of the prompt's first characters (never tokenized)."""
+def placement_key(prompt: str, session_id: str = "", prefix_chars: int = DEFAULT_PREFIX_CHARS,
+                  namespace: str = "") -> str:
+    """The session id when given, else a digest of the prompt's first characters (never tokenized);
+    salted with a tenant's `namespace` (protos/tokens.py), so tenants' prompts land apart."""
     if session_id:
-        return "session:" + session_id
-    return hashlib.blake2b(prompt[:prefix_chars].encode(), digest_size=16).hexdigest()
+        key = "session:" + session_id
+    else:
+        key = hashlib.blake2b(prompt[:prefix_chars].encode(), digest_size=16).hexdigest()
+    if namespace:
+        return "tenant:" + hashlib.blake2b(f"{namespace}\0{key}".encode(), digest_size=16).hexdigest()
+    return key
 
 
 class Ring:

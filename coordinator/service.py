@@ -19,6 +19,7 @@ from coordinator.router import Router
 from coordinator.workers import WorkerStreams
 from protos import kvcache_pb2 as pb
 from protos import serving
+from protos.tokens import forwarded
 
 log = logging.getLogger("coordinator")
 
@@ -35,6 +36,7 @@ class CoordinatorService:
         request_timeout_s: float = 600.0,
         max_streams: int = DEFAULT_MAX_STREAMS,
         credentials=None,
+        tokens=None,
     ):
         self.membership = membership
         self.router = Router()
@@ -44,6 +46,7 @@ class CoordinatorService:
         self.workers = WorkerStreams(credentials)  # mutual TLS to workers when given
         self.relay = Relay(membership, self.router, self.workers.open, replicas, prefix_chars, request_timeout_s)
         self.metrics = None  # coordinator.metrics.CoordinatorMetrics (--metrics-port): requests by outcome
+        self.tokens = tokens  # protos.tokens.Tokens (--tokens-file): the caller's tenant salts its placement
 
     # ---- membership ------------------------------------------------------------
 
@@ -98,7 +101,10 @@ class CoordinatorService:
             self._refuse_at_limit(context)
         outcome = "cancelled"  # unless it ends otherwise: the client went away
         try:
-            call = ClientCall(context.time_remaining, context.is_active, context.add_callback)
+            metadata = context.invocation_metadata()
+            tenant = self.tokens.tenant_of(metadata) if self.tokens is not None else None
+            call = ClientCall(context.time_remaining, context.is_active, context.add_callback,
+                              namespace=tenant.namespace if tenant else "", metadata=forwarded(metadata))
             for reply in self.relay.generate(request, call):
                 if reply.finish_reason:  # the final reply: done, whenever the client hangs up after it
                     outcome = "ok"

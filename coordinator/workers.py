@@ -22,7 +22,7 @@ class WorkerStreams:
 
     def open(self, address: str, request: pb.GenerateRequest, timeout: float,
              call: ClientCall) -> Iterator[pb.GenerateReply]:
-        stream = self._client(address).generate_stream(request, timeout=timeout)
+        stream = self._client(address).generate_stream(request, timeout=timeout, metadata=call.metadata)
         call.on_end(stream.cancel)  # the client went away: the worker frees the request's blocks at once
         try:
             yield from stream

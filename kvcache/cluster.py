@@ -231,7 +231,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
                   worker_kv_cache: str = "64MiB", blas_threads: int | None = None, on_start=None,
                   cluster: LocalCluster | None = None, step_logs: bool = False,
                   max_prefill_tokens: int | None = None, data_dir: Path | None = None,
-                  metrics: bool = False, tls_dir: Path | None = None) -> LocalCluster:
+                  metrics: bool = False, tls_dir: Path | None = None,
+                  tokens_file: Path | None = None) -> LocalCluster:
     """Start coordinators, then kvnodes and workers registered with them (not yet waiting for health).
 
     Each worker gets `blas_threads` BLAS threads (default: cores / workers, at least 1) and
@@ -239,7 +240,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
     per engine step to `<logs>/<worker>.steps.jsonl`. With `data_dir`, kvnode i keeps its pages in
     `<data_dir>/node-i` (kvcache node --data-dir); with `metrics`, every member serves Prometheus
     metrics on a free port (`Daemon.metrics_url`). With `tls_dir` (made by `kvcache certs`), every
-    member serves and calls over mutual TLS with its role's certificate (tls_args).
+    member serves and calls over mutual TLS with its role's certificate (tls_args); with
+    `tokens_file`, coordinators and workers want a client token from it (protos/tokens.py).
 
     `on_start(cluster)` runs after each start, so a caller can record pids as they appear; on
     failure, or an interrupt (Ctrl-C, a SIGTERM handler's SystemExit), whatever started is
@@ -253,6 +255,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
         extra = ["--metrics-port", "0"] if metrics else []
         if tls_dir is not None:
             extra += tls_args(tls_dir, role)
+        if tokens_file is not None and role in ("coordinator", "worker"):
+            extra += ["--tokens-file", str(tokens_file)]
         daemon = Daemon(role, ["--port", "0", *extra, *daemon_args], log_path=logs / f"{name}.log")
         cluster.daemons.append(daemon)
         if on_start:

@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 from coordinator.client import Client, ClusterError
 from kvcache.chat_sessions import ChatSession
-from protos import security
+from protos import security, tokens
 from worker.client import Finished, Piece, WorkerClient, WorkerError
 
 DEFAULT_COORDINATORS = "127.0.0.1:50050"
@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cache", action="store_true", help="bypass every cache tier (recompute the whole prompt)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, usage")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up (default 300)")
+    add_token_argument(parser)
     security.add_arguments(parser, client=True)
 
 
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         prompt, session = _prompt(args)
         credentials = security.from_args(args, client=True)
+        token = tokens.client_token(args.token_file)
     except ValueError as exc:
         print(f"kvcache generate: error: {exc}", file=sys.stderr)
         return 2
@@ -66,11 +68,12 @@ def run(args: argparse.Namespace) -> int:
     text, token_ids, finished = [], [], None
     try:
         if args.worker:
-            client = WorkerClient(args.worker, timeout=args.timeout, credentials=credentials)
+            client = WorkerClient(args.worker, timeout=args.timeout, credentials=credentials, token=token)
             events = client.generate(prompt, **options)
         else:
             del options["placement"]
-            client = Client(coordinator_addresses(args.coordinators), timeout=args.timeout, **tls_options(args))
+            client = Client(coordinator_addresses(args.coordinators), timeout=args.timeout, token=token,
+                            **tls_options(args))
             events = client.generate(prompt, session_id=args.session, **options)
         with client:
             for event in events:
@@ -136,6 +139,12 @@ def coordinator_addresses(text: str | None) -> list[str]:
 def printable(text: str) -> str:
     """Text safe for a terminal: control characters (a random model emits them) become U+FFFD."""
     return "".join(ch if ch.isprintable() or ch in "\n\t" else "\ufffd" for ch in text)
+
+
+def add_token_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--token-file", metavar="FILE", default=None,
+                        help="a file holding this client's token, sent as `authorization: Bearer TOKEN` "
+                             "(default: $KVCACHE_TOKEN; none when unset)")
 
 
 def tls_options(args: argparse.Namespace) -> dict:

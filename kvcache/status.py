@@ -10,20 +10,22 @@ from google.protobuf.json_format import MessageToDict
 
 from coordinator.client import Client, ClusterError
 from kvcache.bench.report import print_table
-from kvcache.generate import coordinator_addresses, tls_options
-from protos import security
+from kvcache.generate import add_token_argument, coordinator_addresses, tls_options
+from protos import security, tokens
 from kvcache.units import format_size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coordinators", default=None, help="coordinator addresses: A,B (default as for generate)")
     parser.add_argument("--json", action="store_true", help="print the status as JSON")
+    add_token_argument(parser)
     security.add_arguments(parser, client=True)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with Client(coordinator_addresses(args.coordinators), **tls_options(args)) as client:
+        token = tokens.client_token(args.token_file)
+        with Client(coordinator_addresses(args.coordinators), token=token, **tls_options(args)) as client:
             status = client.status()
     except (ClusterError, ValueError) as exc:
         print(f"kvcache status: error: {exc}", file=sys.stderr)

@@ -10,6 +10,7 @@ import grpc
 from protos import kvcache_pb2 as pb
 from protos import security
 from protos.observability import traced_channel
+from protos.tokens import authorization
 from worker.usage import Usage
 
 _SERVICE = "/kvcache.v1.Worker/"
@@ -108,9 +109,11 @@ def parse_reply(reply: pb.GenerateReply) -> Piece | Finished:
 
 
 class WorkerClient:
-    def __init__(self, address: str, timeout: float = 300.0, credentials: security.Credentials | None = None):
+    def __init__(self, address: str, timeout: float = 300.0, credentials: security.Credentials | None = None,
+                 token: str | None = None):
         self.address = address
         self.timeout = timeout
+        self.metadata = authorization(token)  # protos/tokens.py: a worker started with --tokens-file needs one
         self._channel = traced_channel(security.channel(address, credentials))
         self._generate = self._channel.unary_stream(
             _SERVICE + "Generate", pb.GenerateRequest.SerializeToString, pb.GenerateReply.FromString
@@ -130,13 +133,15 @@ class WorkerClient:
         finally:
             stream.cancel()  # a caller that stops early frees the worker's blocks at once
 
-    def generate_stream(self, request: pb.GenerateRequest, timeout: float | None = None):
-        """The raw reply stream (a grpc call: iterate it, `cancel()` it); for relays such as the coordinator."""
-        return self._generate(request, timeout=timeout or self.timeout)
+    def generate_stream(self, request: pb.GenerateRequest, timeout: float | None = None, metadata=None):
+        """The raw reply stream (a grpc call: iterate it, `cancel()` it); for relays such as the coordinator,
+        which send their caller's `metadata` (its token) instead of this client's."""
+        return self._generate(request, timeout=timeout or self.timeout,
+                              metadata=self.metadata if metadata is None else metadata)
 
     def info(self, timeout: float = 5.0) -> WorkerInfo:
         try:
-            reply = self._info(pb.WorkerInfoRequest(), timeout=timeout)
+            reply = self._info(pb.WorkerInfoRequest(), timeout=timeout, metadata=self.metadata)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
         return WorkerInfo(**{name: getattr(reply, name) for name in WorkerInfo.__dataclass_fields__})

@@ -16,7 +16,7 @@ import time
 from coordinator import agent
 from kvcache.units import format_size, parse_size
 from protos import kvcache_pb2 as pb
-from protos import observability, security, serving
+from protos import observability, security, serving, tokens
 from worker.engine import Engine
 from worker.metrics import WorkerMetrics
 from worker.model import blas
@@ -79,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     agent.add_arguments(parser)
     security.add_arguments(parser)
+    tokens.add_arguments(parser)
     observability.add_arguments(parser)
 
 
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
             blas.cap_threads(args.blas_threads)
             log.info("BLAS capped at %d thread(s)", args.blas_threads)
         credentials = security.from_args(args)
+        client_tokens = tokens.from_args(args)  # the coordinators' file: they send their caller's token on
         serving.tune_allocator()
         engine = Engine.load(
             args.model,
@@ -126,13 +128,14 @@ def run(args: argparse.Namespace) -> int:
             log.info("logging every engine step to %s", args.step_log)
         broken = threading.Event()
         service = WorkerService(engine, args.worker_id, args.max_tokens_limit, args.max_streams, args.step_timeout,
-                                on_broken=lambda reason: broken.set())
+                                on_broken=lambda reason: broken.set(), tokens=client_tokens)
         metrics = WorkerMetrics(engine, tier) if args.metrics_port is not None else None
         attach(service, tier, metrics, tracing)
         # Threads for every stream, plus a few that health checks and Info always find free (service note 2).
         server, health = serving.make_server(
             [handler(service)], [SERVICE_NAME], max_workers=args.max_streams + CONTROL_THREADS,
-            interceptors=observability.server_interceptors(SERVICE_NAME, metrics and metrics.request_duration))
+            interceptors=tokens.interceptors(client_tokens)
+            + observability.server_interceptors(SERVICE_NAME, metrics and metrics.request_duration))
         port = serving.bind(server, args.host, args.port, credentials)
         if metrics is not None:
             observability.start_metrics(metrics.registry, args)

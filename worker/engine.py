@@ -48,6 +48,7 @@ import numpy as np
 
 from worker.block_pool import BlockPool
 from worker.model import ForwardBatch, load_model
+from worker.pages import tenant_root
 from worker.request import Request, RequestStatus
 from worker.sampling import FINISH_ABORT, FINISH_ERROR, SamplingParams, StopChecker, sample
 from worker.scheduler import PREFILL_TOKENS_PER_STEP, RemoteTier, ScheduledBatch, Scheduler
@@ -123,9 +124,10 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, tier_context: Any = None, bypass_cache: bool = False,
-                    resumed_token_ids: Sequence[int] = (), **sampling) -> RequestHandle:
+                    resumed_token_ids: Sequence[int] = (), namespace: str = "", **sampling) -> RequestHandle:
         """Queue a request (text or token ids); sampling options go in `params` or as keywords.
-        `resumed_token_ids`: tokens another worker already generated for it (design note 7)."""
+        `resumed_token_ids`: tokens another worker already generated for it (design note 7).
+        `namespace`: the caller's tenant namespace, mixed into the root of its page keys (worker/pages.py)."""
         if params is None:
             params = SamplingParams(**sampling)
         elif sampling:
@@ -136,7 +138,8 @@ class Engine:
             raise ValueError(f"the prompt and resumed tokens are {len(token_ids) + len(resumed)} tokens; this engine "
                              f"takes at most {self.max_total_tokens}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = Request(request_id, token_ids, params, self.fingerprint, self.page_tokens, tier_context, bypass_cache)
+        request = Request(request_id, token_ids, params, tenant_root(self.fingerprint, namespace), self.page_tokens,
+                          tier_context, bypass_cache)
         checker = StopChecker(self.tokenizer, params, token_ids, self.tokenizer.eos_token_id, self.max_total_tokens)
         for token in resumed:
             if checker.finish_reason is not None:

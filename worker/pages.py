@@ -3,7 +3,8 @@
 A page's key is the 16-byte BLAKE2b digest of its parent page's key followed by its token ids
 as fixed-width little-endian unsigned 32-bit ints. The first page's parent is the model
 fingerprint (architecture, weights, KV dtype, page size), so a key names a page's whole prefix
-and KV of different models never mix.
+and KV of different models never mix. A tenant's namespace (protos/tokens.py) is mixed into that
+root, so the same prompt from two tenants has unrelated keys on every tier.
 """
 
 from __future__ import annotations
@@ -15,6 +16,16 @@ import numpy as np
 
 KEY_BYTES = 16
 TOKEN_DTYPE = np.dtype("<u4")  # vocabularies stay far below 2**32
+
+
+def tenant_root(fingerprint: bytes, namespace: str) -> bytes:
+    """The root of a tenant's key chain: the fingerprint itself for the shared namespace ("")."""
+    if not namespace:
+        return fingerprint
+    digest = hashlib.blake2b(b"kvcache tenant\0", digest_size=KEY_BYTES)
+    digest.update(fingerprint)
+    digest.update(namespace.encode())
+    return digest.digest()
 
 
 def page_key(parent_key: bytes, page_token_ids: Sequence[int]) -> bytes:

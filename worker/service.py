@@ -54,8 +54,9 @@ _WAKE_S = 1.0
 class WorkerService:
     def __init__(self, engine: Engine, worker_id: str | None = None, max_tokens_limit: int = 4096,
                  max_streams: int = DEFAULT_MAX_STREAMS, step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
-                 on_broken: Callable[[str], None] | None = None):
+                 on_broken: Callable[[str], None] | None = None, tokens=None):
         self.engine = engine
+        self.tokens = tokens  # protos.tokens.Tokens (--tokens-file): the caller's tenant roots its page keys
         self.worker_id = worker_id or uuid.uuid4().hex[:12]
         self.max_tokens_limit = max_tokens_limit
         self.max_streams = max_streams
@@ -130,6 +131,10 @@ class WorkerService:
         finally:
             self._streams.release()
 
+    def _namespace(self, context) -> str:
+        tenant = self.tokens.tenant_of(context.invocation_metadata()) if self.tokens is not None else None
+        return tenant.namespace if tenant else ""
+
     def _generate(self, request, context):
         prompt, resumed, params, placement = self._parse(request, context)
         request_id = request.request_id or uuid.uuid4().hex[:16]
@@ -137,7 +142,8 @@ class WorkerService:
             self.spans.begin(request_id, placement)
         try:
             handle = self.engine.add_request(prompt, params, request_id=request_id, tier_context=placement,
-                                             bypass_cache=request.no_cache, resumed_token_ids=resumed)
+                                             bypass_cache=request.no_cache, resumed_token_ids=resumed,
+                                             namespace=self._namespace(context))
         except RequestIdInUse as exc:
             _abort(context, grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except ValueError as exc:
