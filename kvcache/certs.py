@@ -20,11 +20,6 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
 ROLES = ("coordinator", "node", "worker", "client")
 DEFAULT_HOSTS = ("127.0.0.1", "::1", "localhost")
 DEFAULT_DAYS = 365
@@ -52,6 +47,12 @@ def run(args: argparse.Namespace) -> int:
 
 def make_certs(folder: Path, hosts: Sequence[str] = (), days: int = DEFAULT_DAYS, force: bool = False) -> list[Path]:
     """The CA and every role's certificate in `folder`; the paths written."""
+    # Imported here: every `kvcache` command builds this one's parser, and cryptography takes ~0.1 s.
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
     if days < 1:
         raise ValueError(f"--days must be at least 1, got {days}")
     folder.mkdir(parents=True, exist_ok=True)
@@ -83,14 +84,18 @@ def make_certs(folder: Path, hosts: Sequence[str] = (), days: int = DEFAULT_DAYS
     return written
 
 
-def _builder(subject: x509.Name, issuer: x509.Name, public_key, now: datetime.datetime, days: int) -> x509.CertificateBuilder:
+def _builder(subject, issuer, public_key, now: datetime.datetime, days: int):
+    from cryptography import x509
+
     return (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(public_key)
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))  # a peer's clock a little behind
             .not_valid_after(now + datetime.timedelta(days=days)))
 
 
-def _general_name(name: str) -> x509.GeneralName:
+def _general_name(name: str):
+    from cryptography import x509
+
     try:
         return x509.IPAddress(ipaddress.ip_address(name.strip("[]")))
     except ValueError:
@@ -103,6 +108,8 @@ def _write_pem(path: Path, data: bytes) -> Path:
 
 
 def _write_key(path: Path, key) -> Path:
+    from cryptography.hazmat.primitives import serialization
+
     data = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

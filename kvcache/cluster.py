@@ -20,6 +20,7 @@ from pathlib import Path
 
 from coordinator.client import Client, ClusterError
 from kvcache.launch import Daemon, DaemonFailed
+from protos import tokens
 from kvcache.units import parse_size
 from kvcache.model_pages import model_page_bytes
 from worker.model.named import DEFAULT_MODEL
@@ -52,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help=f"cluster file and logs (default ./{DEFAULT_RUN_DIR})")
     up.add_argument("--detach", action="store_true", help="return once healthy; stop later with `kvcache cluster down`")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a healthy cluster (default 120)")
+    up.add_argument("--secure", action="store_true",
+                    help="mutual TLS between every member (a development CA and certificates made into RUN_DIR/tls "
+                         "by `kvcache certs`) and a client token (RUN_DIR/tokens, printed); `generate` and "
+                         "`status` then need the printed options")
     up.add_argument("--no-metrics", action="store_true",
                     help="no --metrics-port on the members (default: each serves Prometheus metrics on a free "
                          "port, recorded in the cluster file as `metrics`)")
@@ -83,6 +88,9 @@ def run_up(args: argparse.Namespace) -> int:
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
 
+    tls_dir, tokens_file, token = _secure_files(run_dir) if args.secure else (None, None, None)
+    client_options = {**client_tls(tls_dir), "token": token} if args.secure else {}
+
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
@@ -92,9 +100,10 @@ def run_up(args: argparse.Namespace) -> int:
                       args.node_capacity, args.worker_kv_cache, blas_threads=args.blas_threads,
                       max_prefill_tokens=args.max_prefill_tokens, cluster=cluster, metrics=not args.no_metrics,
                       data_dir=Path(args.data_dir).resolve() if args.data_dir else None,
+                      tls_dir=tls_dir, tokens_file=tokens_file,
                       on_start=lambda c: _write_cluster_file(cluster_file, args, c.daemons))
         coordinators = cluster.coordinator_addresses
-        wait_healthy(coordinators, args.nodes, args.workers, args.timeout, stopping)
+        wait_healthy(coordinators, args.nodes, args.workers, args.timeout, stopping, client_options)
     except (DaemonFailed, TimeoutError, InterruptedError, ValueError) as exc:
         print(f"kvcache cluster up: error: {exc}", file=sys.stderr)
         cluster.stop()
@@ -104,7 +113,14 @@ def run_up(args: argparse.Namespace) -> int:
     print(f"coordinators: {','.join(coordinators)}")
     print(f"logs: {logs}")
     print(f"cluster file: {cluster_file}")
-    print(f"try: kvcache generate --coordinators {','.join(coordinators)} \"Hello\"", flush=True)
+    if args.secure:
+        tls = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in client_tls(tls_dir).items())
+        print(f"mutual TLS: certificates in {tls_dir}; tokens file {tokens_file}")
+        print(f"token: {token}")
+        print(f"try: KVCACHE_TOKEN={token} kvcache generate --coordinators {','.join(coordinators)} {tls} \"Hello\"",
+              flush=True)
+    else:
+        print(f"try: kvcache generate --coordinators {','.join(coordinators)} \"Hello\"", flush=True)
     if args.detach:
         return 0
     print("Ctrl-C stops the cluster.", flush=True)
@@ -120,6 +136,20 @@ def run_up(args: argparse.Namespace) -> int:
     cluster_file.unlink(missing_ok=True)
     print("cluster stopped", flush=True)
     return 0
+
+
+def _secure_files(run_dir: Path) -> tuple[Path, Path, str]:
+    """Certificates in RUN_DIR/tls and a tokens file of one tenant, `default`, with a new token."""
+    from kvcache.certs import make_certs
+
+    tls_dir = run_dir / "tls"
+    make_certs(tls_dir, force=True)
+    token = tokens.new_token()
+    tokens_file = run_dir / "tokens"
+    fd = os.open(tokens_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(f"default {token}\n")
+    return tls_dir, tokens_file, token
 
 
 def prometheus_config(cluster: dict) -> list[dict]:

@@ -104,3 +104,13 @@ def test_rotation_puts_each_transport_in_each_place_equally_often():
     for place in range(3):
         assert sorted(order[place][0] for order in rounds) == sorted(names * 2)
     assert rotated_order(["kvnode", "socket"], 1) == [("socket", "get"), ("kvnode", "get"), ("socket", "put"), ("kvnode", "put")]
+
+
+def test_tls_adds_a_row_for_the_data_plane_over_mutual_tls_and_its_ratio_to_plaintext():
+    result = _bench(*TINY, "--tls", "--redis-server", "no-such-redis-server-here")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    _check_measured(report["transports"]["kvnode_tls"])
+    for op in ("get", "put"):
+        assert report["ratios"][op]["kvnode_tls/kvnode"] == pytest.approx(
+            report["transports"]["kvnode_tls"][op]["gb_per_s"] / report["transports"]["kvnode"][op]["gb_per_s"])

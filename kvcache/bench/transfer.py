@@ -9,6 +9,10 @@ array, as a worker's fetch would. Puts store fresh pages: new keys on the kvnode
 evicts, its pool holding 8 batches), and on Redis a rotation over 8 batches of keys, each
 SET replacing a whole value. Defaults: batches of 16 pages of 589,824 bytes, one page of
 16 tokens of a GPT-2-small-sized model in float16.
+
+With --tls a second kvnode runs with mutual TLS (certificates made for the run in a temporary
+folder) and its data plane is one more row, interleaved with the others; its ratio to the
+plaintext data plane is printed (the goal: a TLS fetch at 0.6 of plaintext or better).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import contextlib
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,12 +31,16 @@ from kvcache.bench import redis_baseline
 from kvcache.bench.loopback import SocketBaseline
 from kvcache.bench.node import GPT2_SMALL_FP16_PAGE
 from kvcache.bench.report import dump_json, latency_summary_ms, machine, print_table, pyplot, rotated_order, versions
+from kvcache.cluster import tls_args
 from kvcache.launch import Daemon
 from kvnode.client import NodeClient
-from protos import serving
+from protos import security, serving
 
 TRANSPORTS = ("kvnode", "kvnode_grpc", "redis", "socket")  # "kvnode": its data plane
-LABELS = {"kvnode": "kvnode data plane", "kvnode_grpc": "kvnode gRPC", "redis": "redis", "socket": "raw socket"}
+TLS = "kvnode_tls"  # with --tls: a kvnode's data plane over mutual TLS
+LABELS = {"kvnode": "kvnode data plane", "kvnode_grpc": "kvnode gRPC", "redis": "redis", "socket": "raw socket",
+          TLS: "kvnode data plane, TLS"}
+TLS_GOAL = 0.6  # TLS fetch GB/s over the plaintext data plane's
 OPS = ("get", "put")
 RING_BATCHES = 8  # the kvnode's pool and Redis's put keys hold this many batches
 
@@ -43,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, default=50, help="measured batches per transport and op (default 50)")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured batches first (default 3)")
     parser.add_argument("--redis-server", default="redis-server", help="redis-server command (default: from PATH)")
+    parser.add_argument("--tls", action="store_true",
+                        help="also measure a kvnode's data plane over mutual TLS, beside plaintext, and print the ratio")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--plot", metavar="DIR", help="also write a bar chart of GB/s per transport (PNG) into DIR")
 
@@ -101,10 +112,11 @@ def measure(args: argparse.Namespace) -> dict:
         if redis_missing is None:
             redis = stack.enter_context(redis_baseline.RedisBaseline(
                 args.redis_server, max_memory_bytes=batch_bytes * (RING_BATCHES + 2) + 64 * 2**20))
-        times = _interleaved(client, grpc_client, redis, raw, n, page_bytes, args.warmup, args.batches)
+        tls_client = _tls_client(stack, page_bytes, batch_bytes) if args.tls else None
+        times = _interleaved(client, grpc_client, redis, raw, n, page_bytes, args.warmup, args.batches, tls_client)
 
     transports: dict[str, dict] = {}
-    for name in TRANSPORTS:
+    for name in TRANSPORTS + ((TLS,) if args.tls else ()):
         if name == "redis" and redis_missing:
             transports[name] = {"missing": redis_missing}
             continue
@@ -113,8 +125,24 @@ def measure(args: argparse.Namespace) -> dict:
             "ratios": ratios(transports)}
 
 
+def _tls_client(stack: contextlib.ExitStack, page_bytes: int, batch_bytes: int) -> NodeClient:
+    """A kvnode with mutual TLS on both ports, certificates made for this run, and a member's client of it."""
+    from kvcache.certs import make_certs  # cryptography: only when asked for
+
+    folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvcache-bench-tls-")))
+    make_certs(folder)
+    node = stack.enter_context(Daemon("node", [
+        "--port", "0", "--page-bytes", str(page_bytes), "--capacity", str(batch_bytes * RING_BATCHES),
+        *tls_args(folder, "node")]))
+    credentials = security.Credentials(folder / "ca.pem", folder / "worker.pem", folder / "worker.key")
+    client = stack.enter_context(NodeClient(node.address, timeout=60.0, credentials=credentials))
+    if client.data_plane_address() is None:
+        raise RuntimeError("the TLS kvnode started for the bench serves no data plane")
+    return client
+
+
 def _interleaved(client: NodeClient, grpc_client: NodeClient, redis, raw: SocketBaseline, n: int, page_bytes: int,
-                 warmup: int, batches: int) -> dict[str, dict[str, list[float]]]:
+                 warmup: int, batches: int, tls_client: NodeClient | None = None) -> dict[str, dict[str, list[float]]]:
     rng = np.random.default_rng(0)
     pages = rng.integers(0, 256, size=(n, page_bytes), dtype=np.uint8)
     out = np.empty_like(pages)
@@ -136,15 +164,19 @@ def _interleaved(client: NodeClient, grpc_client: NodeClient, redis, raw: Socket
     if redis is not None:
         ops[("redis", "get")] = lambda i: redis.get(redis_keys, out)
         ops[("redis", "put")] = lambda i: redis.put(redis_put_keys[i % RING_BATCHES], pages)
-    times: dict[str, dict[str, list[float]]] = {t: {op: [] for op in OPS} for t in TRANSPORTS}
+    if tls_client is not None:
+        tls_client.put_pages(node_keys, [b""] * n, pages)
+        ops[(TLS, "get")] = lambda i: tls_client.get_pages(node_keys, out=out)
+        ops[(TLS, "put")] = lambda i: tls_client.put_pages([os.urandom(16) for _ in range(n)], [b""] * n, pages)
+    times: dict[str, dict[str, list[float]]] = {t: {op: [] for op in OPS} for t in (*TRANSPORTS, TLS)}
     for i in range(warmup + batches):
-        for transport, op in rotated_order([t for t in TRANSPORTS if (t, "get") in ops], i):
+        for transport, op in rotated_order([t for t in (*TRANSPORTS, TLS) if (t, "get") in ops], i):
             start = time.perf_counter()
             ops[(transport, op)](i)
             if i >= warmup:
                 times[transport][op].append(time.perf_counter() - start)
 
-    for transport, fetch in ((t, ops.get((t, "get"))) for t in ("kvnode", "kvnode_grpc", "redis")):
+    for transport, fetch in ((t, ops.get((t, "get"))) for t in ("kvnode", "kvnode_grpc", "redis", TLS)):
         if fetch is not None:
             out[:] = 0
             fetch(0)
@@ -159,10 +191,13 @@ def _summary(samples: list[float], batch_bytes: int) -> dict:
 
 
 def ratios(transports: dict[str, dict]) -> dict[str, dict[str, float | None]]:
-    """GB/s of each transport over Redis's and over the socket's, per op ("kvnode/redis": 1.2, ...)."""
+    """GB/s of each transport over Redis's and over the socket's, per op ("kvnode/redis": 1.2, ...);
+    with TLS measured, also "kvnode_tls/kvnode" (TLS over the plaintext data plane)."""
     found: dict[str, dict[str, float | None]] = {}
     for op in OPS:
         found[op] = {}
+        if TLS in transports:
+            found[op][f"{TLS}/kvnode"] = transports[TLS][op]["gb_per_s"] / transports["kvnode"][op]["gb_per_s"]
         for name in (t for t in TRANSPORTS if t in transports):
             for base in ("redis", "socket"):
                 if name == base:
@@ -181,7 +216,7 @@ def print_report(result: dict) -> None:
           f"({result['batch_bytes'] / 2**20:.1f} MiB), interleaved")
     rows = []
     for op in OPS:
-        for name in TRANSPORTS:
+        for name in (t for t in (*TRANSPORTS, TLS) if t in transports):
             figures = transports[name]
             if "missing" in figures:
                 rows.append([op, LABELS[name], "-", "-", "-", "-", "-", figures["missing"]])
@@ -190,6 +225,10 @@ def print_report(result: dict) -> None:
             rows.append([op, LABELS[name], f["gb_per_s"], f["p50_ms"], f["p99_ms"],
                          _ratio(f, transports["redis"].get(op)), _ratio(f, transports["socket"][op]), ""])
     print_table(["op", "transport", "GB/s", "p50 ms", "p99 ms", "x redis", "x socket", "note"], rows)
+    if TLS in transports:
+        get, put = (result["ratios"][op][f"{TLS}/kvnode"] for op in OPS)
+        print(f"\nTLS data plane / plaintext: get {get:.2f}x, put {put:.2f}x "
+              f"(goal: get >= {TLS_GOAL}: {'met' if get >= TLS_GOAL else 'not met'})")
     if "plot" in result:
         print(f"\nchart: {result['plot']}")
 
@@ -202,7 +241,7 @@ def plot(result: dict, folder: Path) -> Path:
     """A grouped bar chart of GB/s per transport, get and put side by side; returns the PNG's path."""
     plt = pyplot()
     transports = result["transports"]
-    names = [t for t in TRANSPORTS if "missing" not in transports[t]]
+    names = [t for t in (*TRANSPORTS, TLS) if t in transports and "missing" not in transports[t]]
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.38
     for k, op in enumerate(OPS):
