@@ -155,3 +155,36 @@ def test_tls_without_a_client_certificate_cannot_fetch_from_the_data_port(secure
     with pytest.raises(DataPlaneError):
         client.get_into([b"k" * 16], memoryview(bytearray(1024)), timeout_s=5)
     client.close()
+
+
+def test_sighup_re_reads_the_certificate_files_for_new_connections(tmp_path):
+    """Rotation without a restart: files replaced by another CA's, SIGHUP, and new connections
+    need the new CA's certificates on both ports (gRPC and the data plane)."""
+    import shutil
+    import signal
+
+    from cluster_helpers import wait_for
+    from kvcache.cluster import tls_args
+    from kvcache.launch import Daemon
+    from kvnode.client import NodeError
+
+    old, new, live = tmp_path / "old", tmp_path / "new", tmp_path / "live"
+    make_certs(old)
+    make_certs(new)
+    shutil.copytree(old, live)
+    with Daemon("node", ["--port", "0", "--page-bytes", "1024", "--capacity", "64KiB", *tls_args(live, "node")],
+                log_path=tmp_path / "node.log") as node:
+        with NodeClient(node.address, credentials=member_credentials(old)) as client:
+            assert client.info().page_bytes == 1024
+        for name in ("ca.pem", "node.pem", "node.key"):
+            shutil.copy(new / name, live / name)
+        os.kill(node.pid, signal.SIGHUP)
+        assert wait_for(lambda: "TLS files re-read" in (tmp_path / "node.log").read_text(), timeout_s=10)
+        keys = [b"r" * 16]
+        with NodeClient(node.address, credentials=member_credentials(new)) as client:
+            client.put_pages(keys, [b""], np.zeros((1, 1024), dtype=np.uint8))
+            assert client.get_pages(keys).shape == (1, 1024) and client.use_data_plane
+        with NodeClient(node.address, credentials=member_credentials(old), timeout=3) as client:
+            with pytest.raises(NodeError) as refused:
+                client.info()
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
