@@ -11,6 +11,7 @@ coordinators, `tls_cert` and `tls_key` (a client certificate of that CA) are pre
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
@@ -23,7 +24,7 @@ from protos.tokens import authorization
 from protos.observability import traced_channel
 from worker.client import Finished, Piece, Usage, generate_request, parse_reply
 
-__all__ = ["Client", "ClusterError", "Finished", "Piece", "Usage"]
+__all__ = ["Cancel", "Client", "ClusterError", "Finished", "Piece", "Usage"]
 
 _SERVICE = "/kvcache.v1.Coordinator/"
 # A coordinator that is down, or at its limit of streams (RESOURCE_EXHAUSTED): try the next one.
@@ -36,6 +37,31 @@ class ClusterError(Exception):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+
+
+class Cancel:
+    """Ends a Client.generate from any thread: its current stream is cancelled at once (the worker
+    frees the request's blocks) and generate raises ClusterError(CANCELLED), trying no other
+    coordinator. For callers that iterate generate on one thread and learn of a hang-up on another."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._stream = None
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            stream = self._stream
+        if stream is not None:
+            stream.cancel()
+
+    def _attach(self, stream) -> None:
+        with self._lock:
+            self._stream = stream
+            cancelled = self.cancelled
+        if cancelled:
+            stream.cancel()
 
 
 @dataclass
@@ -71,10 +97,10 @@ class Client:
         self._preferred = 0
 
     def generate(self, prompt: str | Sequence[int] | Sequence[Mapping[str, str]], session_id: str = "",
-                 **options) -> Iterator[Piece | Finished]:
+                 cancel: Cancel | None = None, **options) -> Iterator[Piece | Finished]:
         """Pieces as they come, then one Finished; options as worker.client.generate_request. The
         prompt is text, token ids, or a chat ([{"role": ..., "content": ...}, ...]) that the worker
-        renders with its model's template."""
+        renders with its model's template. `cancel.cancel()` ends it from another thread."""
         request = generate_request(prompt, **options)
         request.session_id = session_id
         resumable = request.temperature == 0 or request.HasField("seed")
@@ -87,6 +113,8 @@ class Client:
                 attempt.CopyFrom(request)
                 attempt.resume_token_ids.extend(sent)
             stream = coordinator.generate(attempt, timeout=self.timeout, metadata=self._metadata)
+            if cancel is not None:
+                cancel._attach(stream)
             try:
                 for reply in stream:
                     event = parse_reply(reply)
@@ -98,6 +126,8 @@ class Client:
                         return
                 errors.append(f"{coordinator.address}: stream ended without finishing")
             except grpc.RpcError as exc:
+                if cancel is not None and cancel.cancelled:
+                    raise ClusterError(grpc.StatusCode.CANCELLED, "cancelled by the caller") from None
                 if exc.code() not in _TRY_ELSEWHERE:
                     raise ClusterError(exc.code(), exc.details() or "no details") from None
                 errors.append(f"{coordinator.address}: {exc.code().name}: {exc.details()}")
