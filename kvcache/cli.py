@@ -10,6 +10,7 @@ from kvcache import __version__
 
 def build_parser() -> argparse.ArgumentParser:
     from coordinator import daemon as coordinator_daemon
+    from gateway import daemon as gateway_daemon
     from kvcache import certs, cluster, generate, status
     from kvcache.bench import cli as bench_cli
     from kvnode import daemon as node_daemon
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --model: the workers' KV dtype (default float32)")
     command("worker", worker_daemon, "start an inference worker")
     command("coordinator", coordinator_daemon, "start a coordinator (membership, ring, routing)")
+    command("gateway", gateway_daemon, "serve an OpenAI-compatible HTTP API in front of the coordinators")
     command("cluster", cluster, "start or stop a local multi-process cluster")
     command("generate", generate, "send a prompt and stream the answer")
     command("status", status, "show the cluster: members, pages, load")

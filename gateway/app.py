@@ -1,0 +1,152 @@
+"""The gateway's ASGI app (Starlette): OpenAI's routes over an Upstream.
+
+Every answer that is not a success is OpenAI's error shape (errors.py), also for unknown routes
+and methods; a 500 means a bug of ours, logged with its traceback, never a client's mistake."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import aclosing, asynccontextmanager
+from typing import Awaitable, Callable
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from coordinator.client import Finished, Piece
+from gateway import sse
+from gateway.bodies import CLIENT_GONE, read_json
+from gateway.errors import ApiError
+from gateway.replies import Reply, model_body
+from gateway.shapes import Call, parse_chat, parse_completion
+from gateway.upstream import Upstream
+
+log = logging.getLogger("gateway")
+
+
+def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, on_startup: Callable[[], None] | None = None,
+               metrics=None) -> Starlette:
+    async def list_models(request: Request) -> Response:
+        models = await upstream.models()
+        return JSONResponse({"object": "list", "data": [model_body(n, t) for n, t in models.items()]})
+
+    async def get_model(request: Request) -> Response:
+        name = request.path_params["model"]
+        await upstream.check_model(name)
+        return JSONResponse(model_body(name, (await upstream.models())[name]))
+
+    async def completions(request: Request) -> Response:
+        return await _generate(request, parse_completion, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, parse_chat, chat=True)
+
+    async def _generate(request: Request, parse: Callable[[object], Call], chat: bool) -> Response:
+        call = parse(await read_json(request, max_body_bytes, body_timeout_s))
+        await upstream.check_model(call.model)
+        reply = Reply(call.model, chat)
+        events = upstream.events(call)
+        finished = metrics.finished if metrics is not None else None
+        if call.stream:
+            first = await _unless_disconnected(request, events.__anext__)
+            return StreamingResponse(sse.stream(reply, first, events, call.include_usage, finished),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+        async def collect() -> tuple[str, Finished]:
+            text = []
+            async with aclosing(events):
+                async for event in events:
+                    if isinstance(event, Piece):
+                        text.append(event.text)
+                    else:
+                        return "".join(text), event
+            raise ApiError(503, "the cluster ended the stream without a final message")
+
+        text, done = await _unless_disconnected(request, collect)
+        if finished is not None:
+            finished(done)
+        return JSONResponse(reply.whole(text, done.finish_reason, done.usage))
+
+    async def health(request: Request) -> Response:
+        try:
+            models = await upstream.models(fresh=True)
+        except ApiError as exc:
+            return JSONResponse({"status": "unavailable", "reason": exc.message}, status_code=503)
+        if not models:
+            return JSONResponse({"status": "unavailable", "reason": "no live worker"}, status_code=503)
+        return JSONResponse({"status": "ok", "models": list(models), "running": upstream.running})
+
+    routes = [
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    if metrics is not None:
+        routes.append(Route("/metrics", metrics.endpoint, methods=["GET"]))
+    middleware = metrics.middleware() if metrics is not None else []
+    return Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _bug},
+        lifespan=_lifespan(on_startup),
+    )
+
+
+async def _unless_disconnected(request: Request, work: Callable[[], Awaitable]):
+    """work()'s result, or ApiError(499) as soon as the client hangs up (work is cancelled: the
+    request ends on its worker)."""
+    result, error, gone = None, None, False
+    async with anyio.create_task_group() as group:
+        async def watch() -> None:
+            nonlocal gone
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            group.cancel_scope.cancel()
+
+        async def run() -> None:
+            nonlocal result, error
+            try:
+                result = await work()
+            except Exception as exc:   # raised below, not wrapped in the task group's ExceptionGroup
+                error = exc
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch)
+        group.start_soon(run)
+    if error is not None:
+        raise error
+    if gone:
+        raise ApiError(CLIENT_GONE, "the client closed the request")
+    return result
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    if exc.status >= 500:
+        log.info("%s %s: %d %s", request.method, request.url.path, exc.status, exc.message)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    return ApiError(exc.status_code, message.get(exc.status_code, str(exc.detail))).response()
+
+
+async def _bug(request: Request, exc: Exception) -> Response:
+    log.exception("%s %s failed", request.method, request.url.path)
+    return ApiError(500, "the gateway failed on this request (a bug: see its log)").response()
+
+
+def _lifespan(on_startup):
+    @asynccontextmanager
+    async def lifespan(app):
+        if on_startup is not None:
+            on_startup()
+        yield
+
+    return lifespan

@@ -1,0 +1,114 @@
+"""`kvcache gateway`: an OpenAI-compatible HTTP API in front of the coordinators.
+
+Serves GET /v1/models, POST /v1/completions and /v1/chat/completions (stream: true sends
+server-sent events ending in `data: [DONE]`), GET /health, and with --metrics GET /metrics, on
+uvicorn. Prints `gateway listening on http://HOST:PORT` once it serves; stops on SIGTERM, giving
+running requests --grace seconds."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+
+from kvcache.units import parse_size
+from protos.serving import add_listen_arguments
+
+log = logging.getLogger("gateway")
+
+DEFAULT_COORDINATORS = "127.0.0.1:50050"
+DEFAULT_MAX_STREAMS = 64
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT_S = 30.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_listen_arguments(parser, default_port=8000)
+    parser.add_argument("--coordinators", default=None,
+                        help=f"coordinator addresses, tried in turn: A,B (default $KVCACHE_COORDINATORS or "
+                             f"{DEFAULT_COORDINATORS})")
+    parser.add_argument("--max-streams", type=int, default=DEFAULT_MAX_STREAMS,
+                        help=f"requests served at once; one more is answered 429 (default {DEFAULT_MAX_STREAMS})")
+    parser.add_argument("--max-body-bytes", default=str(DEFAULT_MAX_BODY_BYTES),
+                        help="largest request body; a larger one is answered 413 (default 4MiB)")
+    parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                        help=f"seconds a request body may take to arrive; then 408 (default {DEFAULT_BODY_TIMEOUT_S:g})")
+    parser.add_argument("--request-timeout", type=float, default=600.0,
+                        help="seconds one generation may take on the cluster (default 600)")
+    parser.add_argument("--grace", type=float, default=5.0, help="seconds running requests get on stop (default 5)")
+    parser.add_argument("--metrics", action="store_true",
+                        help="serve Prometheus metrics at /metrics on the gateway's own port (default: off)")
+
+
+def run(args: argparse.Namespace) -> int:
+    # Here, not at the top: every `kvcache` command builds this parser, and only this one needs them.
+    import uvicorn
+
+    from coordinator.client import Client
+    from gateway.app import create_app
+    from gateway.upstream import Upstream
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        coordinators = _addresses(args.coordinators)
+        max_body_bytes = parse_size(args.max_body_bytes)
+        for name in ("max_streams", "body_timeout", "request_timeout"):
+            if getattr(args, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+        sock = _listen(args.host, args.port)
+    except (ValueError, OSError) as exc:
+        print(f"kvcache gateway: error: {exc}", file=sys.stderr)
+        return 2
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    metrics = None
+    if args.metrics:
+        from gateway.metrics import GatewayMetrics
+
+        metrics = GatewayMetrics()
+
+    def started() -> None:
+        if metrics is not None:
+            log.info("metrics on %s/metrics", url)
+        print(f"gateway listening on {url} (OpenAI API at {url}/v1, coordinators {','.join(coordinators)}, "
+              f"up to {args.max_streams} requests)", flush=True)
+
+    with Client(coordinators, timeout=args.request_timeout) as client:
+        upstream = Upstream(client, args.max_streams)
+        if metrics is not None:
+            metrics.watch(upstream)
+        app = create_app(upstream, max_body_bytes, args.body_timeout, on_startup=started, metrics=metrics)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=args.grace,
+                                # Connections beyond this get 503 from uvicorn before any work is done.
+                                limit_concurrency=args.max_streams * 2 + 16)
+        uvicorn.Server(config).run(sockets=[sock])
+    log.info("stopped")
+    return 0
+
+
+def _addresses(text: str | None) -> list[str]:
+    text = text or os.environ.get("KVCACHE_COORDINATORS") or DEFAULT_COORDINATORS
+    addresses = [a.strip() for a in text.split(",") if a.strip()]
+    if not addresses:
+        raise ValueError("--coordinators names no address")
+    return addresses
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before uvicorn starts, so --port 0 can be printed."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be between 0 and 65535, got {port}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock

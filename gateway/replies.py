@@ -1,0 +1,78 @@
+"""The response bodies: a completion, a chat completion, their streamed chunks and the usage.
+
+usage is OpenAI's (prompt, completion and total tokens; prompt_tokens_details.cached_tokens =
+the prompt tokens the cluster served from a cache, a worker's own or a kvnode's) with our
+breakdown beside it under `kvcache`: where the cached tokens came from, how many were computed,
+and the worker's time to first token."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from worker.client import Usage
+
+OWNED_BY = "kvcache"
+
+
+def usage_body(usage: Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens_local + usage.cached_tokens_remote},
+        "kvcache": {
+            "cached_tokens_local": usage.cached_tokens_local,
+            "cached_tokens_remote": usage.cached_tokens_remote,
+            "computed_tokens": usage.computed_tokens,
+            "ttft_ms": round(usage.ttft_ms, 3),
+        },
+    }
+
+
+def model_body(name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": OWNED_BY}
+
+
+@dataclass
+class Reply:
+    """One response's identity, shared by its chunks: chat or text completion."""
+
+    model: str
+    chat: bool
+    id: str = field(default="")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+
+    def whole(self, text: str, finish_reason: str, usage: Usage) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+                "usage": usage_body(usage)}
+
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
+              with_usage_field: bool = False) -> dict:
+        """A streamed chunk: new text, or the finish reason; `role` opens a chat's assistant message."""
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+        if with_usage_field:
+            body["usage"] = None   # OpenAI's shape while include_usage is on: the last chunk carries it
+        return body
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": usage_body(usage)}
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": None}

@@ -1,0 +1,165 @@
+"""The request bodies of /v1/completions and /v1/chat/completions as OpenAI's reference shapes
+them (pydantic models), and what a valid one asks the cluster for (a Call).
+
+Notes
+1. Defaults are OpenAI's, not `kvcache generate`'s: temperature 1 (0 is greedy), max_tokens 16
+   for completions; a chat without max_tokens gets DEFAULT_CHAT_MAX_TOKENS (OpenAI's "up to the
+   context" would tie every such request to the worker's limit).
+2. Unknown fields are ignored, as vLLM does; fields we cannot honour (n > 1, logprobs, tools,
+   echo, best_of, suffix, penalties) are refused with a 400 that names them, never ignored.
+3. `prompt_cache_key`, else `user`, becomes the session id: the coordinators place by it, so one
+   user's requests meet the same kvnodes and worker.
+4. Extensions vLLM also takes: `top_k` (0 or -1: no cut) and `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.errors import ApiError, bad_request
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+DEFAULT_CHAT_MAX_TOKENS = 512
+MAX_STOP = 4
+MAX_SESSION_CHARS = 256
+_U32 = 2**32 - 1
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=_U32)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=_U32)
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: Union[str, list[str], None] = None
+    n: int | None = Field(None, ge=1)
+    user: str | None = Field(None, max_length=MAX_SESSION_CHARS)
+    prompt_cache_key: str | None = Field(None, max_length=MAX_SESSION_CHARS)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: Union[bool, int, None] = None
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=_U32)
+    tools: list | None = None
+
+
+@dataclass
+class Call:
+    """What one request asks the cluster: generate(prompt, session_id, **options)."""
+
+    model: str
+    prompt: object                      # text, token ids or chat messages
+    session_id: str
+    options: dict = field(default_factory=dict)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_completion(body: object) -> Call:
+    request = _validate(CompletionRequest, body)
+    _refuse_if(request.echo, "echo")
+    _refuse_if(request.best_of not in (None, 1), "best_of")
+    _refuse_if(request.suffix, "suffix")
+    return _call(request, _one_prompt(request.prompt), request.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
+
+
+def parse_chat(body: object) -> Call:
+    request = _validate(ChatRequest, body)
+    _refuse_if(request.tools, "tools")
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
+                for m in request.messages]
+    max_tokens = request.max_completion_tokens or request.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+    return _call(request, messages, max_tokens)
+
+
+def _validate(model: type[BaseModel], body: object) -> BaseModel:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+
+
+def _call(request: _Common, prompt: object, max_tokens: int) -> Call:
+    _refuse_if(request.n not in (None, 1), "n", "n: only 1 choice per request is supported; send n requests")
+    _refuse_if(request.logprobs, "logprobs")
+    _refuse_if(request.presence_penalty, "presence_penalty")
+    _refuse_if(request.frequency_penalty, "frequency_penalty")
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options: only allowed when stream is true", param="stream_options")
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    if len(stop) > MAX_STOP or any(not s for s in stop):
+        raise bad_request(f"stop: at most {MAX_STOP} non-empty strings, got {len(stop)}", param="stop")
+    options = dict(
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=max(0, request.top_k or 0),
+        seed=None if request.seed is None else request.seed % 2**64,   # OpenAI's seeds are signed
+        stop=stop,
+        ignore_eos=request.ignore_eos,
+    )
+    return Call(model=request.model, prompt=prompt, session_id=request.prompt_cache_key or request.user or "",
+                options=options, stream=bool(request.stream),
+                include_usage=bool(request.stream_options and request.stream_options.include_usage))
+
+
+def _one_prompt(prompt) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if not prompt:
+        raise bad_request("prompt: is empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        if any(not 0 <= p <= _U32 for p in prompt):
+            raise bad_request("prompt: token ids must be between 0 and 2**32 - 1", param="prompt")
+        return list(prompt)
+    if len(prompt) == 1:
+        return _one_prompt(prompt[0])
+    raise bad_request(f"prompt: one prompt per request is supported, got {len(prompt)}", param="prompt")
+
+
+def _text(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part.text for part in content)
+
+
+def _refuse_if(value, param: str, message: str | None = None) -> None:
+    if value:
+        raise ApiError(400, message or f"{param}: not supported by this server", param=param)

@@ -1,0 +1,43 @@
+"""Server-sent events of a streamed completion: one `data: {json}` event per chunk, the finish
+reason, with include_usage a last chunk carrying usage, and `data: [DONE]`."""
+
+from __future__ import annotations
+
+import json
+from contextlib import aclosing
+from typing import AsyncIterator
+
+from coordinator.client import Finished, Piece
+from gateway.errors import ApiError
+from gateway.replies import Reply
+
+DONE = b"data: [DONE]\n\n"
+
+
+def event(body: dict) -> bytes:
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def stream(reply: Reply, first: Piece | Finished, events: AsyncIterator, include_usage: bool,
+                 on_finish=None) -> AsyncIterator[bytes]:
+    """The events of one response; leaving early (the client went away) closes `events`, which
+    cancels the request on its worker. `on_finish(finished)` runs once the final event is sent."""
+    async with aclosing(events):
+        if reply.chat:
+            yield event(reply.chunk(role=True, with_usage_field=include_usage))
+        current = first
+        try:
+            while True:
+                if isinstance(current, Finished):
+                    yield event(reply.chunk(finish_reason=current.finish_reason, with_usage_field=include_usage))
+                    if include_usage:
+                        yield event(reply.usage_chunk(current.usage))
+                    if on_finish is not None:
+                        on_finish(current)
+                    break
+                if current.text:
+                    yield event(reply.chunk(current.text, with_usage_field=include_usage))
+                current = await events.__anext__()
+        except ApiError as exc:   # the status line is sent already: the error goes in the stream, as vLLM does
+            yield event(exc.body())
+        yield DONE

@@ -1,0 +1,86 @@
+"""The cluster as the gateway sees it: the coordinators through coordinator.client.Client, and
+nothing else. Its calls block (gRPC), so each runs on a worker thread of a bounded pool, and a
+request's stream is handed to the event loop one event at a time.
+
+Notes
+1. Models are the names the live workers registered (ClusterStatus), asked again at most every
+   MODELS_TTL_S seconds, and at once for a name not seen yet (a worker that just joined).
+2. At most `max_streams` requests run at once (each may hold a thread while it waits for its
+   next token); one more is refused with 429 before anything is sent to the cluster.
+3. A request whose client goes away is cancelled (Cancel): its gRPC stream ends at once, the
+   coordinator cancels the worker's, and the worker frees the request's blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+import anyio
+import anyio.to_thread
+
+from coordinator.client import Cancel, Client, ClusterError, Finished, Piece
+from gateway.errors import ApiError, from_cluster
+from gateway.shapes import Call
+
+MODELS_TTL_S = 2.0
+STATUS_TIMEOUT_S = 5.0
+
+
+class Upstream:
+    def __init__(self, client: Client, max_streams: int):
+        self.client = client
+        self.max_streams = max_streams
+        self.running = 0
+        self._threads = anyio.CapacityLimiter(max_streams + 4)   # + a few for status calls
+        self._models: dict[str, int] = {}                      # name -> first seen (unix seconds)
+        self._models_at = float("-inf")
+        self.started = int(time.time())
+
+    async def models(self, fresh: bool = False) -> dict[str, int]:
+        if fresh or time.monotonic() - self._models_at > MODELS_TTL_S:
+            status = await self._blocking(self.client.status, STATUS_TIMEOUT_S)
+            now = int(time.time())
+            names = {m.model for m in status.members if m.role == "worker" and m.alive and m.model}
+            self._models = {name: self._models.get(name, now) for name in sorted(names)}
+            self._models_at = time.monotonic()
+        return self._models
+
+    async def check_model(self, name: str) -> None:
+        models = await self.models()
+        if name not in models:
+            models = await self.models(fresh=True)
+        if not models:
+            raise ApiError(503, "no worker is serving: the cluster has no live worker", code="no_worker")
+        if name not in models:
+            raise ApiError(404, f"The model `{name}` does not exist; this cluster serves: {', '.join(models)}",
+                           param="model", code="model_not_found")
+
+    async def events(self, call: Call) -> AsyncIterator[Piece | Finished]:
+        """The request's events; ApiError for a refusal. Leaving the loop early cancels the request."""
+        if self.running >= self.max_streams:
+            raise ApiError(429, f"the gateway is serving its limit of {self.max_streams} requests: retry shortly",
+                           code="too_many_requests")
+        self.running += 1
+        cancel = Cancel()
+        stream = self.client.generate(call.prompt, session_id=call.session_id, cancel=cancel, **call.options)
+        try:
+            while True:
+                event = await self._blocking(next, stream, None, abandon=True)
+                if event is None:
+                    raise ApiError(503, "the cluster ended the stream without a final message")
+                yield event
+                if isinstance(event, Finished):
+                    return
+        finally:
+            self.running -= 1
+            cancel.cancel()   # a no-op once finished (note 3)
+
+    async def _blocking(self, function, *args, abandon: bool = False):
+        try:
+            return await anyio.to_thread.run_sync(function, *args, limiter=self._threads,
+                                                  abandon_on_cancel=abandon)
+        except ClusterError as exc:
+            raise from_cluster(exc.code, exc.details) from None
+        except ValueError as exc:   # generate_request refuses what protobuf cannot hold
+            raise ApiError(400, str(exc)) from None

@@ -1,0 +1,60 @@
+"""A real local cluster with a real `kvcache gateway` process in front of it, for the gateway's
+tests: the model is a small random Llama GGUF with a ChatML template (chats work, and it runs
+fast on two cores). Every process is stopped by its own pid when the block ends, also on failure."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client as http_client
+import json
+from pathlib import Path
+from typing import Iterator
+from urllib.parse import urlsplit
+
+from gguf_helpers import write_gguf
+from kvcache.cluster import LocalCluster, start_cluster, wait_healthy
+from kvcache.launch import Daemon
+from worker.model.testing import llama_config, random_tensors_for
+
+PAGE_TOKENS = 16
+
+
+def write_chat_model(folder: Path, max_positions: int = 4096) -> Path:
+    config = llama_config(vocab_size=300, eos_token_id=2, max_positions=max_positions)
+    path = folder / "chat.gguf"
+    write_gguf(path, config, random_tensors_for(config, seed=31))
+    return path
+
+
+@contextlib.contextmanager
+def cluster_with_gateway(folder: Path, *gateway_args: str, metrics: bool = True, nodes: int = 2,
+                         workers: int = 1) -> Iterator[tuple[LocalCluster, Daemon]]:
+    model = write_chat_model(folder)
+    with start_cluster(folder / "logs", nodes=nodes, workers=workers, coordinators=1, replicas=1, model=str(model),
+                       node_capacity="16MiB", worker_kv_cache="16MiB", metrics=metrics) as cluster:
+        wait_healthy(cluster.coordinator_addresses, nodes=nodes, workers=workers)
+        args = ["--host", "127.0.0.1", "--port", "0", "--coordinators", ",".join(cluster.coordinator_addresses)]
+        gateway = Daemon("gateway", [*args, *gateway_args],
+                         log_path=folder / "logs" / "gateway.log")
+        try:
+            yield cluster, gateway
+        finally:
+            gateway.stop(timeout_s=10.0)
+
+
+def http(url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+         timeout_s: float = 30.0) -> tuple[int, dict, bytes]:
+    """One plain HTTP request: (status, headers, body)."""
+    parts = urlsplit(url)
+    connection = http_client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+    try:
+        connection.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        connection.close()
+
+
+def post_json(url: str, path: str, body: object, timeout_s: float = 30.0) -> tuple[int, object]:
+    status, _, data = http(url, "POST", path, json.dumps(body).encode(), timeout_s=timeout_s)
+    return status, json.loads(data)

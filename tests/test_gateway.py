@@ -1,0 +1,242 @@
+"""The OpenAI-compatible gateway as a real process in front of a real local cluster, spoken to with
+the real `openai` package: models, completions and chats with and without streaming, usage that
+shows the cache (a shared system prompt, a growing chat), greedy answers equal to gRPC generate's,
+errors in OpenAI's shape with the right statuses (never a 500 for a client's mistake), and a client
+that hangs up mid-stream freeing its request on the worker."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from cluster_helpers import wait_for
+from coordinator.client import Client, Finished, Piece
+from metrics_helpers import scrape
+from gateway_helpers import PAGE_TOKENS, cluster_with_gateway, http, post_json
+from kvcache.launch import Daemon
+from worker.client import WorkerClient
+
+SYSTEM = ("You are the support assistant of a small bakery on the corner of the market square. Be kind, "
+          "be brief, and never invent prices or opening hours that you were not told about.")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with cluster_with_gateway(tmp_path_factory.mktemp("gateway")) as (cluster, gateway):
+        yield cluster, gateway
+
+
+@pytest.fixture(scope="module")
+def gateway(served):
+    return served[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def api(gateway):
+    with openai.OpenAI(base_url=gateway.address + "/v1", api_key="unused", max_retries=0, timeout=60.0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(api):
+    [only] = api.models.list().data
+    return only.id
+
+
+def grpc_text(cluster, prompt, **options) -> tuple[str, Finished]:
+    text, finished = [], None
+    with Client(cluster.coordinator_addresses) as client:
+        for event in client.generate(prompt, **options):
+            if isinstance(event, Piece):
+                text.append(event.text)
+            else:
+                finished = event
+    return "".join(text), finished
+
+
+def test_models_lists_the_workers_model(api, cluster, model):
+    with Client(cluster.coordinator_addresses) as client:
+        workers = [m.model for m in client.status().members if m.role == "worker"]
+    assert workers == [model] and model.startswith("chat")
+    [listed] = api.models.list().data
+    assert listed.owned_by == "kvcache" and listed.object == "model" and listed.created > 0
+    assert api.models.retrieve(model).id == model
+
+
+def test_health(gateway):
+    status, _, body = http(gateway.address, "GET", "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+
+
+def test_greedy_completion_equals_grpc_generate(api, cluster, model):
+    prompt = "The bakery opens at seven and the first bread comes out of the oven at"
+    reply = api.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+    expected, finished = grpc_text(cluster, prompt, max_tokens=12, temperature=0.0)
+    [choice] = reply.choices
+    assert choice.text == expected and choice.finish_reason == finished.finish_reason
+    assert reply.object == "text_completion" and reply.model == model
+    assert reply.usage.prompt_tokens == finished.usage.prompt_tokens
+    assert reply.usage.completion_tokens == finished.usage.completion_tokens
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    # Token ids as the prompt give the same answer as the text they encode.
+    ids = api.completions.create(model=model, prompt=[5, 17, 42, 99, 7], max_tokens=6, temperature=0)
+    assert ids.choices[0].text == grpc_text(cluster, [5, 17, 42, 99, 7], max_tokens=6, temperature=0.0)[0]
+
+
+def test_greedy_chat_equals_grpc_generate_streamed_or_not(api, cluster, model):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Do you sell rye bread?"}]
+    whole = api.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0)
+    expected, finished = grpc_text(cluster, messages, max_tokens=10, temperature=0.0)
+    [choice] = whole.choices
+    assert choice.message.role == "assistant" and choice.message.content == expected
+    assert choice.finish_reason == finished.finish_reason and whole.object == "chat.completion"
+
+    chunks = list(api.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [finished.finish_reason]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.prompt_tokens == finished.usage.prompt_tokens
+    assert last.usage.completion_tokens == finished.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    # Without include_usage no chunk carries usage.
+    plain = list(api.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                             stream=True))
+    assert all(c.usage is None for c in plain) and all(c.choices for c in plain)
+
+
+def test_streamed_events_end_with_done(gateway, model):
+    body = {"model": model, "prompt": "Fresh croissants every", "max_tokens": 5, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    status, headers, data = http(gateway.address, "POST", "/v1/completions", json.dumps(body).encode())
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [e for e in data.decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    parsed = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert parsed[-1]["choices"] == [] and parsed[-1]["usage"]["completion_tokens"] == 5
+    assert parsed[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_shared_system_prompt_is_served_from_the_cache(api, model):
+    first = api.chat.completions.create(
+        model=model, max_tokens=4, temperature=0,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Is there bread left?"}])
+    second = api.chat.completions.create(
+        model=model, max_tokens=4, temperature=0,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Any cakes today?"}])
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    ours = second.usage.model_extra["kvcache"]
+    assert cached >= PAGE_TOKENS and cached == ours["cached_tokens_local"] + ours["cached_tokens_remote"]
+    assert ours["computed_tokens"] == second.usage.prompt_tokens - cached and ours["ttft_ms"] > 0
+    assert first.usage.prompt_tokens_details.cached_tokens <= cached
+
+
+def test_a_growing_chat_hits_the_cache_for_its_earlier_turns(api, model):
+    messages = [{"role": "system", "content": "You answer in one short sentence."},
+                {"role": "user", "content": "Which bread keeps longest, rye or white?"}]
+    for turn in range(3):
+        reply = api.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                            user="growing-chat")
+        if turn:
+            # Every full page of the previous turn's prompt came from the cache.
+            assert reply.usage.prompt_tokens_details.cached_tokens >= previous // PAGE_TOKENS * PAGE_TOKENS > 0
+        previous = reply.usage.prompt_tokens
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": f"And what about turn {turn + 2}?"}]
+
+
+def test_unknown_model_is_not_found(api):
+    with pytest.raises(openai.NotFoundError) as raised:
+        api.completions.create(model="no-such-model", prompt="Hello", max_tokens=2)
+    assert raised.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("bad", [{"temperature": 3.5}, {"temperature": -1}, {"top_p": 0}, {"n": 2},
+                                 {"max_tokens": 0}, {"max_tokens": 10**9}, {"stop": ["a", "b", "c", "d", "e"]},
+                                 {"logprobs": True}, {"stream_options": {"include_usage": True}}])
+def test_bad_parameters_are_bad_requests(api, model, bad):
+    with pytest.raises(openai.BadRequestError) as raised:
+        api.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                    **{"max_tokens": 2, **bad})
+    assert raised.value.status_code == 400 and raised.value.body["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body", [
+    b"{not json", b"[]", b'"a string"', b"{}", b'{"model": "x"}', b'{"model": 5, "prompt": "a"}',
+    b'{"model": "M", "prompt": ""}', b'{"model": "M", "prompt": []}', b'{"model": "M", "prompt": [[1], [2]]}',
+    b'{"model": "M", "prompt": [-1]}', b'{"model": "M", "prompt": "a", "seed": 1e400}',
+    b'{"model": "M", "prompt": "a", "temperature": NaN}', b'{"model": "M", "prompt": "a", "max_tokens": "many"}',
+    b"[" * 100_000 + b"]" * 100_000, b"\xff\xfe garbage",
+])
+def test_malformed_bodies_get_400_in_openai_shape(gateway, model, body):
+    status, _, data = http(gateway.address, "POST", "/v1/completions", body.replace(b'"M"', json.dumps(model).encode()))
+    assert status == 400, data
+    error = json.loads(data)["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_chat_bodies_the_worker_refuses_are_400_not_500(gateway, model):
+    for messages in ([], [{"role": "wizard", "content": "x"}], [{"role": "user", "content": [{"type": "image"}]}]):
+        status, body = post_json(gateway.address, "/v1/chat/completions", {"model": model, "messages": messages})
+        assert status == 400, body
+
+
+def test_oversized_body_unknown_route_and_method(gateway):
+    status, _, data = http(gateway.address, "POST", "/v1/completions", b"x" * (5 * 1024 * 1024))
+    assert status == 413 and json.loads(data)["error"]["message"]
+    status, _, data = http(gateway.address, "GET", "/v1/nothing-here")
+    assert status == 404 and json.loads(data)["error"]["type"] == "invalid_request_error"
+    status, _, data = http(gateway.address, "GET", "/v1/completions")
+    assert status == 405 and "error" in json.loads(data)
+
+
+def test_a_client_that_hangs_up_mid_stream_frees_its_worker(api, cluster, model):
+    [worker] = cluster.role("worker")
+    before = scrape(worker.metrics_url)
+    with WorkerClient(worker.address) as probe:
+        stream = api.completions.create(model=model, prompt="Tell me everything about sourdough.", max_tokens=3000,
+                                        temperature=0, stream=True, extra_body={"ignore_eos": True})
+        for seen, _ in enumerate(stream, start=1):
+            if seen == 3:
+                break
+        assert probe.info().running == 1
+        stream.close()   # the HTTP connection is closed mid-stream
+        assert wait_for(lambda: probe.info().running == 0, timeout_s=15.0), "the request kept running on its worker"
+    # It ended because it was aborted, long before its 3,000 tokens.
+    after = scrape(worker.metrics_url)
+    assert after.sum("kvcache_worker_requests_total", finish_reason="abort") - \
+        before.sum("kvcache_worker_requests_total", finish_reason="abort") == 1
+    generated = after.sum("kvcache_worker_generation_tokens_total") - before.sum("kvcache_worker_generation_tokens_total")
+    assert 3 <= generated < 3000
+
+
+def test_a_saturated_gateway_answers_429_and_one_without_a_cluster_503(cluster, model, tmp_path):
+    args = ["--host", "127.0.0.1", "--port", "0"]
+    with Daemon("gateway", [*args, "--coordinators", ",".join(cluster.coordinator_addresses), "--max-streams", "1"],
+                log_path=tmp_path / "busy.log") as busy, \
+            openai.OpenAI(base_url=busy.address + "/v1", api_key="unused", max_retries=0, timeout=60.0) as api:
+        holding = api.completions.create(model=model, prompt="Hold on", max_tokens=3000, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})
+        try:
+            next(iter(holding))
+            with pytest.raises(openai.RateLimitError) as raised:
+                api.completions.create(model=model, prompt="Me too", max_tokens=2)
+            assert raised.value.response.headers["retry-after"] == "1"
+        finally:
+            holding.close()
+    with Daemon("gateway", [*args, "--coordinators", "127.0.0.1:1"], log_path=tmp_path / "alone.log") as alone, \
+            openai.OpenAI(base_url=alone.address + "/v1", api_key="unused", max_retries=0, timeout=60.0) as api:
+        with pytest.raises(openai.APIStatusError) as raised:
+            api.completions.create(model=model, prompt="Anyone?", max_tokens=2)
+        assert raised.value.status_code == 503
+        assert http(alone.address, "GET", "/health")[0] == 503

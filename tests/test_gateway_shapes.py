@@ -1,0 +1,48 @@
+"""The gateway's request shapes without a network: OpenAI's defaults, the forms a prompt may take,
+and what is refused with a 400 that names the parameter."""
+
+import pytest
+
+from gateway.errors import ApiError
+from gateway.shapes import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, parse_chat, parse_completion
+
+
+def test_openai_defaults():
+    call = parse_completion({"model": "m", "prompt": "Hi"})
+    assert call.options["max_tokens"] == DEFAULT_COMPLETION_MAX_TOKENS and call.options["temperature"] == 1.0
+    assert call.options["top_p"] == 1.0 and call.options["seed"] is None and not call.stream
+    chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
+    assert chat.options["max_tokens"] == DEFAULT_CHAT_MAX_TOKENS
+
+
+def test_prompt_forms_and_chat_content():
+    assert parse_completion({"model": "m", "prompt": ["Hi"]}).prompt == "Hi"
+    assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).prompt == [1, 2, 3]
+    assert parse_completion({"model": "m", "prompt": [[4, 5]]}).prompt == [4, 5]
+    chat = parse_chat({"model": "m", "max_completion_tokens": 7, "max_tokens": 9, "messages": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None}]})
+    assert chat.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"},
+                           {"role": "assistant", "content": ""}]
+    assert chat.options["max_tokens"] == 7
+
+
+def test_session_stop_seed_and_stream_options():
+    call = parse_completion({"model": "m", "prompt": "x", "user": "u1", "stop": "\n", "seed": -1, "stream": True,
+                             "stream_options": {"include_usage": True}, "top_k": -1, "ignore_eos": True})
+    assert call.session_id == "u1" and call.options["stop"] == ["\n"] and call.options["seed"] == 2**64 - 1
+    assert call.stream and call.include_usage and call.options["top_k"] == 0 and call.options["ignore_eos"]
+    assert parse_completion({"model": "m", "prompt": "x", "user": "u", "prompt_cache_key": "k"}).session_id == "k"
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"n": 3}, "n"), ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"suffix": "z"}, "suffix"),
+    ({"logprobs": 2}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"), ({"temperature": 2.5}, "temperature"),
+    ({"top_p": 1.5}, "top_p"), ({"stop": [""]}, "stop"), ({"user": "u" * 300}, "user"), ({"prompt": [[1], [2]]}, "prompt"),
+    ({"prompt": [2**32]}, "prompt"), ({"stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_refusals_name_the_parameter(extra, param):
+    with pytest.raises(ApiError) as raised:
+        parse_completion({"model": "m", "prompt": "x", **extra})
+    assert raised.value.status == 400 and raised.value.param == param, raised.value.message
