@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="mutual TLS between every member (a development CA and certificates made into RUN_DIR/tls "
                          "by `kvcache certs`) and a client token (RUN_DIR/tokens, printed); `generate` and "
                          "`status` then need the printed options")
+    up.add_argument("--gateway-port", type=int, default=0,
+                    help="port of the OpenAI-compatible HTTP gateway in front of the coordinators (default 0: a "
+                         "free one; its URL is printed and in the cluster file as `gateway`)")
+    up.add_argument("--no-gateway", action="store_true", help="start no HTTP gateway")
     up.add_argument("--no-metrics", action="store_true",
                     help="no --metrics-port on the members (default: each serves Prometheus metrics on a free "
                          "port, recorded in the cluster file as `metrics`)")
@@ -101,6 +105,8 @@ def run_up(args: argparse.Namespace) -> int:
                       max_prefill_tokens=args.max_prefill_tokens, cluster=cluster, metrics=not args.no_metrics,
                       data_dir=Path(args.data_dir).resolve() if args.data_dir else None,
                       tls_dir=tls_dir, tokens_file=tokens_file,
+                      # The gateway does not speak mutual TLS or pass client tokens yet: none on a secure cluster.
+                      gateway_port=None if args.no_gateway or args.secure else args.gateway_port,
                       on_start=lambda c: _write_cluster_file(cluster_file, args, c.daemons))
         coordinators = cluster.coordinator_addresses
         wait_healthy(coordinators, args.nodes, args.workers, args.timeout, stopping, client_options)
@@ -111,6 +117,8 @@ def run_up(args: argparse.Namespace) -> int:
         return 1
     print(f"cluster up: {args.coordinators} coordinators, {args.nodes} kvnodes, {args.workers} workers, model {args.model}")
     print(f"coordinators: {','.join(coordinators)}")
+    if cluster.gateway_url:
+        print(f"gateway: {cluster.gateway_url} (OpenAI API at {cluster.gateway_url}/v1)")
     print(f"logs: {logs}")
     print(f"cluster file: {cluster_file}")
     if args.secure:
@@ -219,6 +227,8 @@ def _check_counts(args: argparse.Namespace) -> None:
         raise ValueError(f"--blas-threads must be at least 1, got {args.blas_threads}")
     if args.max_prefill_tokens is not None and args.max_prefill_tokens < 1:
         raise ValueError(f"--max-prefill-tokens must be at least 1, got {args.max_prefill_tokens}")
+    if not 0 <= args.gateway_port <= 65535:
+        raise ValueError(f"--gateway-port must be between 0 and 65535, got {args.gateway_port}")
     if args.replicas > args.nodes:
         raise ValueError(f"--replicas {args.replicas} exceeds --nodes {args.nodes}: each replica needs its own kvnode")
 
@@ -235,6 +245,11 @@ class LocalCluster:
     @property
     def coordinator_addresses(self) -> list[str]:
         return [d.address for d in self.role("coordinator")]
+
+    @property
+    def gateway_url(self) -> str | None:
+        """http://HOST:PORT of the HTTP gateway, when one was started."""
+        return next((d.address for d in self.role("gateway")), None)
 
     def restart(self, daemon: Daemon, port: int | None = None, timeout_s: float = 30.0) -> Daemon:
         """Start a stopped member again with its arguments, on `port` (default: the port it had), same log."""
@@ -262,7 +277,7 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
                   cluster: LocalCluster | None = None, step_logs: bool = False,
                   max_prefill_tokens: int | None = None, data_dir: Path | None = None,
                   metrics: bool = False, tls_dir: Path | None = None,
-                  tokens_file: Path | None = None) -> LocalCluster:
+                  tokens_file: Path | None = None, gateway_port: int | None = None) -> LocalCluster:
     """Start coordinators, then kvnodes and workers registered with them (not yet waiting for health).
 
     Each worker gets `blas_threads` BLAS threads (default: cores / workers, at least 1) and
@@ -271,7 +286,9 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
     `<data_dir>/node-i` (kvcache node --data-dir); with `metrics`, every member serves Prometheus
     metrics on a free port (`Daemon.metrics_url`). With `tls_dir` (made by `kvcache certs`), every
     member serves and calls over mutual TLS with its role's certificate (tls_args); with
-    `tokens_file`, coordinators and workers want a client token from it (protos/tokens.py).
+    `tokens_file`, coordinators and workers want a client token from it (protos/tokens.py). With
+    `gateway_port` (0: a free one), an HTTP gateway (`kvcache gateway`) serves the OpenAI API in
+    front of the coordinators, with /metrics when `metrics`.
 
     `on_start(cluster)` runs after each start, so a caller can record pids as they appear; on
     failure, or an interrupt (Ctrl-C, a SIGTERM handler's SystemExit), whatever started is
@@ -307,6 +324,12 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
         for i in range(workers):
             add_worker(cluster, logs, f"worker-{i}", model, kv_dtype, worker_kv_cache, launch, blas_threads=threads,
                        step_log=step_logs, max_prefill_tokens=max_prefill_tokens)
+        if gateway_port is not None:
+            gateway = Daemon("gateway", ["--port", str(gateway_port), "--coordinators", joined,
+                                         *(["--metrics"] if metrics else [])], log_path=logs / "gateway.log")
+            cluster.daemons.append(gateway)
+            if on_start:
+                on_start(cluster)
     except BaseException:
         cluster.stop()
         raise
@@ -352,8 +375,10 @@ def default_blas_threads(workers: int) -> int:
 
 
 def _write_cluster_file(path: Path, args, started: list[Daemon]) -> None:
+    gateway = next((d.address for d in started if d.role == "gateway"), None)
     cluster = {
         "model": args.model,
+        **({"gateway": gateway} if gateway else {}),
         "replicas": args.replicas,
         "members": [
             {"role": d.role, "address": d.address, "pid": d.pid, "log": str(d.log_path),
@@ -391,15 +416,16 @@ def wait_healthy(coordinators: list[str], nodes: int, workers: int, timeout_s: f
         time.sleep(0.2)
 
 
+_STOP_RANK = {"gateway": 0, "worker": 1, "node": 2, "coordinator": 3}
+
+
 def _stop_order(members: list[dict]) -> list[dict]:
-    """Workers first (they drain), then kvnodes, then coordinators."""
-    rank = {"worker": 0, "node": 1, "coordinator": 2}
-    return sorted(members, key=lambda m: rank.get(m["role"], 3))
+    """The gateway first (it takes no new request), workers (they drain), then kvnodes, then coordinators."""
+    return sorted(members, key=lambda m: _STOP_RANK.get(m["role"], 4))
 
 
 def _stop_all(started: list[Daemon]) -> None:
-    order = {"worker": 0, "node": 1, "coordinator": 2}
-    for daemon in sorted(started, key=lambda d: order.get(d.role, 3)):
+    for daemon in sorted(started, key=lambda d: _STOP_RANK.get(d.role, 4)):
         if daemon.alive():
             os.kill(daemon.pid, signal.SIGTERM)
     for daemon in started:

@@ -254,6 +254,7 @@ def _busy_worker(cluster):
 @pytest.mark.parametrize("option, message", [
     (["--max-prefill-tokens", "0"], "--max-prefill-tokens must be at least 1, got 0"),
     (["--replicas", "4"], "--replicas 4 exceeds --nodes 3"),
+    (["--gateway-port", "70000"], "--gateway-port must be between 0 and 65535, got 70000"),
 ])
 def test_cluster_up_refuses_bad_options_in_one_line_before_starting_anything(tmp_path, option, message):
     done = subprocess.run([sys.executable, "-m", "kvcache.cli", "cluster", "up", "--run-dir", str(tmp_path / "run"),

@@ -150,7 +150,10 @@ def test_cluster_up_records_each_members_metrics_and_prints_scrape_targets(tmp_p
     try:
         assert up.returncode == 0, up.stderr
         members = json.loads((run_dir / "cluster.json").read_text())["members"]
-        assert sorted(m["role"] for m in members) == ["coordinator", "node", "worker"]
+        assert sorted(m["role"] for m in members) == ["coordinator", "gateway", "node", "worker"]
+        [gateway] = [m for m in members if m["role"] == "gateway"]
+        assert json.loads((run_dir / "cluster.json").read_text())["gateway"] == gateway["address"]
+        assert f"gateway: {gateway['address']} (OpenAI API at {gateway['address']}/v1)" in up.stdout
         printed = subprocess.run([*cli, "prometheus-config", "--run-dir", str(run_dir)], capture_output=True,
                                  text=True, timeout=60)
         assert printed.returncode == 0, printed.stderr

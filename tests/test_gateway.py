@@ -24,7 +24,7 @@ SYSTEM = ("You are the support assistant of a small bakery on the corner of the 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    with cluster_with_gateway(tmp_path_factory.mktemp("gateway")) as (cluster, gateway):
+    with cluster_with_gateway(tmp_path_factory.mktemp("gateway"), "--metrics") as (cluster, gateway):
         yield cluster, gateway
 
 
@@ -240,3 +240,23 @@ def test_a_saturated_gateway_answers_429_and_one_without_a_cluster_503(cluster, 
             api.completions.create(model=model, prompt="Anyone?", max_tokens=2)
         assert raised.value.status_code == 503
         assert http(alone.address, "GET", "/health")[0] == 503
+
+
+def test_metrics_count_requests_and_the_usage_they_reported(api, gateway, model):
+    before = scrape(gateway.metrics_url)
+    reply = api.completions.create(model=model, prompt="Metrics, please: how many loaves", max_tokens=3, temperature=0)
+    after = scrape(gateway.metrics_url)
+
+    def delta(name, **labels):
+        return after.sum(name, **labels) - before.sum(name, **labels)
+
+    assert delta("kvcache_gateway_requests_total", route="/v1/completions", status="200") == 1
+    assert delta("kvcache_gateway_prompt_tokens_total") == reply.usage.prompt_tokens
+    assert delta("kvcache_gateway_prompt_tokens_total", source="computed") == \
+        reply.usage.model_extra["kvcache"]["computed_tokens"]
+    assert delta("kvcache_gateway_generation_tokens_total") == reply.usage.completion_tokens == 3
+    assert delta("kvcache_gateway_request_duration_seconds_count", route="/v1/completions") == 1
+    assert after.value("kvcache_gateway_running_requests") == 0
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="nope", prompt="x", max_tokens=1)
+    assert scrape(gateway.metrics_url).sum("kvcache_gateway_requests_total", route="/v1/completions", status="404") >= 1
