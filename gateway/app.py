@@ -52,7 +52,8 @@ def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, o
         finished = metrics.finished if metrics is not None else None
         if call.stream:
             first = await _unless_disconnected(request, events.__anext__)
-            return StreamingResponse(sse.stream(reply, first, events, call.include_usage, finished),
+            return StreamingResponse(sse.stream(reply, first, events, call.include_usage, finished,
+                                                call.return_token_ids),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
         async def collect() -> tuple[str, Finished]:

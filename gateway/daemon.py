@@ -102,7 +102,9 @@ def _listen(host: str, port: int) -> socket.socket:
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {port}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
+    # without it Nagle held each first event until the client's delayed ACK (~40 ms per response).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host.strip("[]"), port))

@@ -57,13 +57,16 @@ class Reply:
                 "usage": usage_body(usage)}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-              with_usage_field: bool = False) -> dict:
-        """A streamed chunk: new text, or the finish reason; `role` opens a chat's assistant message."""
+              with_usage_field: bool = False, token_ids: list[int] | None = None) -> dict:
+        """A streamed chunk: new text, or the finish reason; `role` opens a chat's assistant message;
+        `token_ids` (the return_token_ids extension) the ids the text came from."""
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if with_usage_field:
             body["usage"] = None   # OpenAI's shape while include_usage is on: the last chunk carries it

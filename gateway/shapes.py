@@ -9,7 +9,9 @@ Notes
    echo, best_of, suffix, penalties) are refused with a 400 that names them, never ignored.
 3. `prompt_cache_key`, else `user`, becomes the session id: the coordinators place by it, so one
    user's requests meet the same kvnodes and worker.
-4. Extensions vLLM also takes: `top_k` (0 or -1: no cut) and `ignore_eos`.
+4. Extensions vLLM also takes: `top_k` (0 or -1: no cut), `ignore_eos`, and `return_token_ids`
+   (each streamed chunk carries the token ids of its text: a client can send a conversation back
+   as token ids, as the load bench does).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class _Common(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    return_token_ids: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: Union[bool, int, None] = None
@@ -86,6 +89,7 @@ class Call:
     options: dict = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
+    return_token_ids: bool = False
 
 
 def parse_completion(body: object) -> Call:
@@ -137,7 +141,8 @@ def _call(request: _Common, prompt: object, max_tokens: int) -> Call:
     )
     return Call(model=request.model, prompt=prompt, session_id=request.prompt_cache_key or request.user or "",
                 options=options, stream=bool(request.stream),
-                include_usage=bool(request.stream_options and request.stream_options.include_usage))
+                include_usage=bool(request.stream_options and request.stream_options.include_usage),
+                return_token_ids=request.return_token_ids)
 
 
 def _one_prompt(prompt) -> str | list[int]:

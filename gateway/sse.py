@@ -19,7 +19,7 @@ def event(body: dict) -> bytes:
 
 
 async def stream(reply: Reply, first: Piece | Finished, events: AsyncIterator, include_usage: bool,
-                 on_finish=None) -> AsyncIterator[bytes]:
+                 on_finish=None, token_ids: bool = False) -> AsyncIterator[bytes]:
     """The events of one response; leaving early (the client went away) closes `events`, which
     cancels the request on its worker. `on_finish(finished)` runs once the final event is sent."""
     async with aclosing(events):
@@ -35,8 +35,10 @@ async def stream(reply: Reply, first: Piece | Finished, events: AsyncIterator, i
                     if on_finish is not None:
                         on_finish(current)
                     break
-                if current.text:
-                    yield event(reply.chunk(current.text, with_usage_field=include_usage))
+                # Every token is sent as it comes, also one whose text is still empty (a character
+                # split across tokens): a client sees the first token when the worker makes it.
+                yield event(reply.chunk(current.text, with_usage_field=include_usage,
+                                        token_ids=current.token_ids if token_ids else None))
                 current = await events.__anext__()
         except ApiError as exc:   # the status line is sent already: the error goes in the stream, as vLLM does
             yield event(exc.body())
