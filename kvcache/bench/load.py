@@ -19,6 +19,11 @@ that fixed per-request costs (the coordinator hop, streaming, page fetches) make
 time to first token (`kvcache bench remote --model tiny` shows warm-from-kvnode only a few times
 faster than cold), which would hide what the cache saves on a model worth caching.
 
+With --gateway, each level runs a third pass, with the cache, through `kvcache gateway` (OpenAI's
+streamed /v1/completions over HTTP) on a workload of its own tag (so it starts cold too), and the
+report puts its TTFT and throughput beside the gRPC cache pass's: what the HTTP hop adds (goal:
+under 5 ms at TTFT p50). `--gateway local` starts a gateway in front of the local cluster.
+
 A local cluster's workers get `cores / workers` BLAS threads each (--blas-threads): two workers
 that each run OpenBLAS's default of one thread per core on two cores made every prefill several
 times slower (the threads spin waiting for a core the other worker holds), in both passes alike.
@@ -44,6 +49,7 @@ from worker.model import load_model_tokenizer
 from worker.model.tokenizer import Tokenizer
 
 TTFT_GOAL = 5.0
+GATEWAY_TTFT_GOAL_MS = 5.0
 WARM_SHARE_GOAL = 0.80
 
 
@@ -51,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = wl.WorkloadConfig()
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--coordinators", default=None, help="use a running cluster (A,B) instead of starting one")
+    cluster.add_argument("--gateway", default=None, metavar="URL",
+                         help="also drive the load through this `kvcache gateway` (http://HOST:PORT, in front of "
+                              "the same cluster); `local` starts one in front of the local cluster")
     cluster.add_argument("--model", default="gpt2-small-shape", help="tiny, gpt2-small-shape or a checkpoint folder "
                          "(default gpt2-small-shape; see the description); with --coordinators, the model the "
                          "cluster runs: session turns are sent as its token ids")
@@ -114,14 +123,15 @@ def run(args: argparse.Namespace) -> int:
             return 2
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so the local cluster is stopped on the way out
     try:
-        with _cluster(args) as coordinators:
-            return _bench(args, config, levels, coordinators, tokenizer)
+        with _cluster(args) as (coordinators, gateway):
+            return _bench(args, config, levels, coordinators, tokenizer, gateway)
     except (ClusterError, TimeoutError, OSError, RuntimeError, ValueError) as exc:
         print(f"kvcache bench load: error: {exc}", file=sys.stderr)
         return 1
 
 
-def _bench(args, config: wl.WorkloadConfig, levels: list[int], coordinators: list[str], tokenizer: Tokenizer) -> int:
+def _bench(args, config: wl.WorkloadConfig, levels: list[int], coordinators: list[str], tokenizer: Tokenizer,
+           gateway: str | None = None) -> int:
     members = _members(coordinators)
     _check_positions(config, args, members["worker_limits"])
     if members["model"] != (Path(args.model).name or args.model):
@@ -140,7 +150,8 @@ def _bench(args, config: wl.WorkloadConfig, levels: list[int], coordinators: lis
         "workload": {**config.__dict__, "mix": list(config.mix)},
         "cluster": {"started_here": args.coordinators is None, "coordinators": coordinators,
                     "blas_threads_per_worker": _blas_threads(args) if args.coordinators is None else None,
-                    "nodes": members["nodes"], "workers": members["workers"], "model": members["model"]},
+                    "nodes": members["nodes"], "workers": members["workers"], "model": members["model"],
+                    "gateway": gateway},
         "order": f"{warmup} uncached warm-up requests (not counted), then per concurrency level the no-cache "
                  "pass, then the cache pass (which starts cold: the no-cache pass writes nothing)",
         "goals": {"ttft_p50_gain": TTFT_GOAL, "cached_share_once_warm": WARM_SHARE_GOAL},
@@ -156,6 +167,14 @@ def _bench(args, config: wl.WorkloadConfig, levels: list[int], coordinators: lis
             results, wall_s, nodes, workers = run_pass(run_, jobs, f"{name.replace('_', '-')} pass, {level} clients")
             passes[name] = {"summary": summarize_pass(results, wall_s), "nodes": nodes, "workers": workers,
                             "ttft_ms_all": [round(r.ttft_ms, 3) for r in results if r.ok]}
+        if gateway:
+            gateway_jobs = wl.build_workload(config, f"{run_id}.{level}h ")
+            run_ = PassRun(coordinators, members["nodes"], members["workers"], level, False, args.max_tokens,
+                           args.duration, tokenizer, progress=not (args.json or args.no_progress), gateway=gateway,
+                           model=members["model"])
+            results, wall_s, nodes, workers = run_pass(run_, gateway_jobs, f"gateway pass, {level} clients")
+            passes["gateway"] = {"summary": summarize_pass(results, wall_s), "nodes": nodes, "workers": workers,
+                                 "ttft_ms_all": [round(r.ttft_ms, 3) for r in results if r.ok]}
         result["levels"].append(_level(level, tag, jobs, passes))
     if args.plot:
         result["plots"] = plot_charts(result, Path(args.plot))
@@ -176,6 +195,13 @@ def _level(level: int, tag: str, jobs: list[wl.Job], passes: dict) -> dict:
         **{f"latency_{p}": gain(cache["latency_ms"][p], base["latency_ms"][p], True) for p in cache["latency_ms"]},
     }
     evicted = sum(n["evictions"] for n in passes["cache"]["nodes"].values())
+    through_gateway = None
+    if "gateway" in passes:
+        http = passes["gateway"]["summary"]
+        added = http["ttft_ms"]["p50"] - cache["ttft_ms"]["p50"]
+        through_gateway = {"ttft_p50_ms": http["ttft_ms"]["p50"], "grpc_ttft_p50_ms": cache["ttft_ms"]["p50"],
+                           "ttft_p50_added_ms": added, "goal_met": added < GATEWAY_TTFT_GOAL_MS,
+                           "requests_per_s": http["requests_per_s"], "grpc_requests_per_s": cache["requests_per_s"]}
     interval = gain_interval(passes["cache"]["ttft_ms_all"], passes["no_cache"]["ttft_ms_all"])
     return {
         "concurrency": level,
@@ -186,6 +212,7 @@ def _level(level: int, tag: str, jobs: list[wl.Job], passes: dict) -> dict:
         "gains": gains,
         "ttft_p50_gain_interval": {"level": 0.9, "low": interval[0], "high": interval[1]},
         "pages_evicted": evicted,
+        **({"gateway": through_gateway} if through_gateway else {}),
         "goals_met": {"ttft_p50_gain": gains["ttft_p50"] >= TTFT_GOAL,
                       "cached_share_once_warm": cache["cache_once_warm"]["total"] >= WARM_SHARE_GOAL},
     }
@@ -205,12 +232,12 @@ class _cluster:
         self.args = args
         self.local = None
 
-    def __enter__(self) -> list[str]:
+    def __enter__(self) -> tuple[list[str], str | None]:
         from kvcache.cluster import start_cluster, wait_healthy
 
         a = self.args
         if a.coordinators:
-            return [c.strip() for c in a.coordinators.split(",") if c.strip()]
+            return [c.strip() for c in a.coordinators.split(",") if c.strip()], a.gateway
         logs = Path(a.logs) if a.logs else Path(tempfile.mkdtemp(prefix="kvcache-bench-load-")) / "logs"
         if not (a.json or a.no_progress):
             print(f"starting a local cluster ({a.nodes} kvnodes, {a.workers} workers, model {a.model}); logs in {logs}",
@@ -219,7 +246,7 @@ class _cluster:
                                    model=a.model, kv_dtype=a.kv_dtype, node_capacity=a.node_capacity,
                                    worker_kv_cache=a.worker_kv_cache, blas_threads=_blas_threads(a),
                                    step_logs=a.step_logs, max_prefill_tokens=a.max_prefill_tokens,
-                                   metrics=a.metrics)
+                                   metrics=a.metrics, gateway_port=0 if a.gateway == "local" else None)
         try:
             wait_healthy(self.local.coordinator_addresses, a.nodes, a.workers, timeout_s=180.0)
         except BaseException:
@@ -227,7 +254,7 @@ class _cluster:
             raise
         if a.metrics:
             self.scraper = Scraper([d.metrics_url for d in self.local.daemons]).start()
-        return self.local.coordinator_addresses
+        return self.local.coordinator_addresses, self.local.gateway_url if a.gateway == "local" else a.gateway
 
     def __exit__(self, *exc) -> None:
         if getattr(self, "scraper", None) is not None:
@@ -316,6 +343,13 @@ def _check(args) -> tuple[wl.WorkloadConfig, list[int]]:
         raise ValueError("--step-logs is for the local cluster; start a running cluster's workers with --step-log FILE")
     if args.step_logs and not args.logs:
         raise ValueError("--step-logs needs --logs DIR, the folder the step logs go to")
+    if args.gateway == "local" and args.coordinators:
+        raise ValueError("--gateway local starts a gateway in front of the local cluster: with --coordinators, "
+                         "give the URL of the running cluster's gateway")
+    if args.gateway and args.gateway != "local":
+        from kvcache.bench.gateway_client import GatewayClient
+
+        GatewayClient(args.gateway, "")   # ValueError for a URL it cannot use
     if args.warmup is not None and args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     mix = _floats(args.mix, "--mix")

@@ -51,6 +51,12 @@ def _print_level(level: dict) -> None:
     rows.append(["pages evicted (kvnodes)", level["pages_evicted"], evicted_base, ""])
     print_table(["measure", "cache", "no cache", "gain"], rows)
 
+    if "gateway" in level:
+        g_ = level["gateway"]
+        print(f"through the gateway (HTTP, cache on): TTFT p50 {g_['ttft_p50_ms']:.1f} ms against "
+              f"{g_['grpc_ttft_p50_ms']:.1f} ms over gRPC ({g_['ttft_p50_added_ms']:+.1f} ms; goal under 5 ms: "
+              f"{'met' if g_['goal_met'] else 'NOT met'}); {g_['requests_per_s']:.2f} requests/s against "
+              f"{g_['grpc_requests_per_s']:.2f}")
     met = level["goals_met"]
     interval = level["ttft_p50_gain_interval"]
     print(f"TTFT p50 gain {_x(g['ttft_p50'])}: {_x(interval['low'])}..{_x(interval['high'])} in {interval['level']:.0%} "

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from coordinator.client import Client, ClusterError, Finished, Piece
+from kvcache.bench.gateway_client import GatewayClient
 from kvcache.bench.report import Progress
 from kvcache.bench.stats import RequestResult
 from kvcache.bench.workload import Job, Request
@@ -35,6 +36,8 @@ class PassRun:
     duration_s: float
     tokenizer: Tokenizer          # the cluster's model's: sessions are sent as token ids (workload note 2)
     progress: bool = True
+    gateway: str | None = None    # http://HOST:PORT: send through `kvcache gateway` (OpenAI API) instead of gRPC
+    model: str = ""               # the model name the gateway's requests give
 
     @property
     def request_timeout_s(self) -> float:
@@ -53,7 +56,11 @@ def run_pass(run: PassRun, jobs: list[Job], label: str) -> tuple[list[RequestRes
     deadline = start + run.duration_s
 
     def client_loop(bar: Progress) -> None:
-        with Client(run.coordinators, timeout=run.request_timeout_s) as client:
+        if run.gateway:
+            connect = GatewayClient(run.gateway, run.model, timeout=run.request_timeout_s)
+        else:
+            connect = Client(run.coordinators, timeout=run.request_timeout_s)
+        with connect as client:
             while True:
                 with queue_lock:
                     job = next(queue, None)
