@@ -97,10 +97,12 @@ class Client:
         self._preferred = 0
 
     def generate(self, prompt: str | Sequence[int] | Sequence[Mapping[str, str]], session_id: str = "",
-                 cancel: Cancel | None = None, **options) -> Iterator[Piece | Finished]:
+                 cancel: Cancel | None = None, token: str | None = None, **options) -> Iterator[Piece | Finished]:
         """Pieces as they come, then one Finished; options as worker.client.generate_request. The
         prompt is text, token ids, or a chat ([{"role": ..., "content": ...}, ...]) that the worker
-        renders with its model's template. `cancel.cancel()` ends it from another thread."""
+        renders with its model's template. `cancel.cancel()` ends it from another thread. `token`
+        sends this call with another client's token (a gateway relaying its callers' keys)."""
+        metadata = self._metadata if token is None else authorization(token)
         request = generate_request(prompt, **options)
         request.session_id = session_id
         resumable = request.temperature == 0 or request.HasField("seed")
@@ -112,7 +114,7 @@ class Client:
                 attempt = pb.GenerateRequest()
                 attempt.CopyFrom(request)
                 attempt.resume_token_ids.extend(sent)
-            stream = coordinator.generate(attempt, timeout=self.timeout, metadata=self._metadata)
+            stream = coordinator.generate(attempt, timeout=self.timeout, metadata=metadata)
             if cancel is not None:
                 cancel._attach(stream)
             try:
@@ -142,12 +144,15 @@ class Client:
         raise ClusterError(grpc.StatusCode.RESOURCE_EXHAUSTED if busy else grpc.StatusCode.UNAVAILABLE,
                            "no coordinator could serve the request: " + "; ".join(errors))
 
-    def status(self, timeout: float = 5.0) -> pb.ClusterStatusReply:
+    def status(self, timeout: float = 5.0, token: str | None = None) -> pb.ClusterStatusReply:
+        metadata = self._metadata if token is None else authorization(token)
         errors = []
         for coordinator in self._in_order():
             try:
-                return coordinator.status(pb.ClusterStatusRequest(), timeout=timeout, metadata=self._metadata)
+                return coordinator.status(pb.ClusterStatusRequest(), timeout=timeout, metadata=metadata)
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # another coordinator would say the same
+                    raise ClusterError(exc.code(), exc.details() or "no details") from None
                 errors.append(f"{coordinator.address}: {exc.code().name}")
         raise ClusterError(grpc.StatusCode.UNAVAILABLE, "no coordinator answered: " + "; ".join(errors))
 

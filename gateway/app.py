@@ -27,16 +27,23 @@ from gateway.upstream import Upstream
 log = logging.getLogger("gateway")
 
 
+def bearer(request: Request) -> str | None:
+    """The caller's key (`Authorization: Bearer KEY`), passed on to the coordinators, which check it
+    (401 when they do not know it); None when there is none."""
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    return (key.strip() or None) if scheme.lower() == "bearer" else None
+
+
 def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, on_startup: Callable[[], None] | None = None,
                metrics=None) -> Starlette:
     async def list_models(request: Request) -> Response:
-        models = await upstream.models()
+        models = await upstream.models(token=bearer(request))
         return JSONResponse({"object": "list", "data": [model_body(n, t) for n, t in models.items()]})
 
     async def get_model(request: Request) -> Response:
-        name = request.path_params["model"]
-        await upstream.check_model(name)
-        return JSONResponse(model_body(name, (await upstream.models())[name]))
+        name, token = request.path_params["model"], bearer(request)
+        await upstream.check_model(name, token)
+        return JSONResponse(model_body(name, (await upstream.models(token=token))[name]))
 
     async def completions(request: Request) -> Response:
         return await _generate(request, parse_completion, chat=False)
@@ -45,10 +52,11 @@ def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, o
         return await _generate(request, parse_chat, chat=True)
 
     async def _generate(request: Request, parse: Callable[[object], Call], chat: bool) -> Response:
+        token = bearer(request)
         call = parse(await read_json(request, max_body_bytes, body_timeout_s))
-        await upstream.check_model(call.model)
+        await upstream.check_model(call.model, token)
         reply = Reply(call.model, chat)
-        events = upstream.events(call)
+        events = upstream.events(call, token)
         finished = metrics.finished if metrics is not None else None
         if call.stream:
             first = await _unless_disconnected(request, events.__anext__)
@@ -73,8 +81,10 @@ def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, o
 
     async def health(request: Request) -> Response:
         try:
-            models = await upstream.models(fresh=True)
+            models = await upstream.models(fresh=True, token=bearer(request))
         except ApiError as exc:
+            if exc.status == 401:  # the coordinators answered: they want a key to say more
+                return JSONResponse({"status": "ok", "models": [], "running": upstream.running})
             return JSONResponse({"status": "unavailable", "reason": exc.message}, status_code=503)
         if not models:
             return JSONResponse({"status": "unavailable", "reason": "no live worker"}, status_code=503)

@@ -14,6 +14,7 @@ import socket
 import sys
 
 from kvcache.units import parse_size
+from protos import security
 from protos.serving import add_listen_arguments
 
 log = logging.getLogger("gateway")
@@ -38,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds one generation may take on the cluster (default 600)")
     parser.add_argument("--grace", type=float, default=5.0, help="seconds running requests get on stop (default 5)")
+    # A secure cluster: the gateway reaches the coordinators over mutual TLS with a client
+    # certificate, and each caller's `Authorization: Bearer KEY` goes on with its calls.
+    security.add_arguments(parser, client=True)
     parser.add_argument("--metrics", action="store_true",
                         help="serve Prometheus metrics at /metrics on the gateway's own port (default: off)")
 
@@ -57,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         for name in ("max_streams", "body_timeout", "request_timeout"):
             if getattr(args, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+        credentials = security.from_args(args, client=True)  # checks the TLS options come together
         sock = _listen(args.host, args.port)
     except (ValueError, OSError) as exc:
         print(f"kvcache gateway: error: {exc}", file=sys.stderr)
@@ -75,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"gateway listening on {url} (OpenAI API at {url}/v1, coordinators {','.join(coordinators)}, "
               f"up to {args.max_streams} requests)", flush=True)
 
-    with Client(coordinators, timeout=args.request_timeout) as client:
+    tls = {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key} if credentials else {}
+    with Client(coordinators, timeout=args.request_timeout, **tls) as client:
         upstream = Upstream(client, args.max_streams)
         if metrics is not None:
             metrics.watch(upstream)

@@ -9,11 +9,15 @@ Notes
    next token); one more is refused with 429 before anything is sent to the cluster.
 3. A request whose client goes away is cancelled (Cancel): its gRPC stream ends at once, the
    coordinator cancels the worker's, and the worker frees the request's blocks.
+4. The caller's key (`Authorization: Bearer`) goes to the coordinators with each of its calls;
+   they check it, so the gateway keeps no tokens file. Models are cached per key (a bounded
+   number of keys), so a caller without a valid key never sees another's answer.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import AsyncIterator
 
 import anyio
@@ -24,6 +28,7 @@ from gateway.errors import ApiError, from_cluster
 from gateway.shapes import Call
 
 MODELS_TTL_S = 2.0
+MODELS_CACHED_KEYS = 256
 STATUS_TIMEOUT_S = 5.0
 
 
@@ -33,37 +38,43 @@ class Upstream:
         self.max_streams = max_streams
         self.running = 0
         self._threads = anyio.CapacityLimiter(max_streams + 4)   # + a few for status calls
-        self._models: dict[str, int] = {}                      # name -> first seen (unix seconds)
-        self._models_at = float("-inf")
+        self._first_seen: dict[str, int] = {}                  # model name -> first seen (unix seconds)
+        self._models: OrderedDict[str | None, tuple[float, dict[str, int]]] = OrderedDict()  # by key (note 4)
         self.started = int(time.time())
 
-    async def models(self, fresh: bool = False) -> dict[str, int]:
-        if fresh or time.monotonic() - self._models_at > MODELS_TTL_S:
-            status = await self._blocking(self.client.status, STATUS_TIMEOUT_S)
+    async def models(self, fresh: bool = False, token: str | None = None) -> dict[str, int]:
+        cached = self._models.get(token)
+        if fresh or cached is None or time.monotonic() - cached[0] > MODELS_TTL_S:
+            status = await self._blocking(self.client.status, STATUS_TIMEOUT_S, token)
             now = int(time.time())
             names = {m.model for m in status.members if m.role == "worker" and m.alive and m.model}
-            self._models = {name: self._models.get(name, now) for name in sorted(names)}
-            self._models_at = time.monotonic()
-        return self._models
+            for name in names:
+                self._first_seen.setdefault(name, now)
+            cached = self._models[token] = (time.monotonic(), {name: self._first_seen[name] for name in sorted(names)})
+            self._models.move_to_end(token)
+            while len(self._models) > MODELS_CACHED_KEYS:
+                self._models.popitem(last=False)
+        return cached[1]
 
-    async def check_model(self, name: str) -> None:
-        models = await self.models()
+    async def check_model(self, name: str, token: str | None = None) -> None:
+        models = await self.models(token=token)
         if name not in models:
-            models = await self.models(fresh=True)
+            models = await self.models(fresh=True, token=token)
         if not models:
             raise ApiError(503, "no worker is serving: the cluster has no live worker", code="no_worker")
         if name not in models:
             raise ApiError(404, f"The model `{name}` does not exist; this cluster serves: {', '.join(models)}",
                            param="model", code="model_not_found")
 
-    async def events(self, call: Call) -> AsyncIterator[Piece | Finished]:
+    async def events(self, call: Call, token: str | None = None) -> AsyncIterator[Piece | Finished]:
         """The request's events; ApiError for a refusal. Leaving the loop early cancels the request."""
         if self.running >= self.max_streams:
             raise ApiError(429, f"the gateway is serving its limit of {self.max_streams} requests: retry shortly",
                            code="too_many_requests")
         self.running += 1
         cancel = Cancel()
-        stream = self.client.generate(call.prompt, session_id=call.session_id, cancel=cancel, **call.options)
+        stream = self.client.generate(call.prompt, session_id=call.session_id, cancel=cancel, token=token,
+                                      **call.options)
         try:
             while True:
                 event = await self._blocking(next, stream, None, abandon=True)

@@ -105,8 +105,7 @@ def run_up(args: argparse.Namespace) -> int:
                       max_prefill_tokens=args.max_prefill_tokens, cluster=cluster, metrics=not args.no_metrics,
                       data_dir=Path(args.data_dir).resolve() if args.data_dir else None,
                       tls_dir=tls_dir, tokens_file=tokens_file,
-                      # The gateway does not speak mutual TLS or pass client tokens yet: none on a secure cluster.
-                      gateway_port=None if args.no_gateway or args.secure else args.gateway_port,
+                      gateway_port=None if args.no_gateway else args.gateway_port,
                       on_start=lambda c: _write_cluster_file(cluster_file, args, c.daemons))
         coordinators = cluster.coordinator_addresses
         wait_healthy(coordinators, args.nodes, args.workers, args.timeout, stopping, client_options)
@@ -326,7 +325,9 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
                        step_log=step_logs, max_prefill_tokens=max_prefill_tokens)
         if gateway_port is not None:
             gateway = Daemon("gateway", ["--port", str(gateway_port), "--coordinators", joined,
-                                         *(["--metrics"] if metrics else [])], log_path=logs / "gateway.log")
+                                         *(["--metrics"] if metrics else []),
+                                         *(tls_args(tls_dir, "client") if tls_dir is not None else [])],
+                             log_path=logs / "gateway.log")
             cluster.daemons.append(gateway)
             if on_start:
                 on_start(cluster)

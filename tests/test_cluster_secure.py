@@ -11,6 +11,8 @@ import shlex
 import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 from kvcache.cluster import _is_ours
 
@@ -36,6 +38,11 @@ def test_cluster_up_secure_prints_a_token_and_options_that_work_and_plaintext_do
         plain = subprocess.run([*cli, "generate", "--coordinators", coordinators, "--max-tokens", "2", "Hello"],
                                capture_output=True, text=True, timeout=120, env=env)
         assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr
+        # The gateway reaches the coordinators over mutual TLS and passes each caller's key on.
+        gateway = re.search(r"^gateway: (http://\S+) ", up.stdout, re.M).group(1)
+        assert completion(gateway, None)[0] == 401 and completion(gateway, "not-" + token)[0] == 401
+        status, body = completion(gateway, token)
+        assert status == 200 and body["usage"]["completion_tokens"] == 2, body
         for member in members:
             assert token not in open(member["log"]).read()
     finally:
@@ -46,3 +53,15 @@ def test_cluster_up_secure_prints_a_token_and_options_that_work_and_plaintext_do
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(member["pid"], signal.SIGKILL)
     assert down.returncode == 0, down.stderr
+
+
+def completion(gateway: str, key: str | None) -> tuple[int, dict]:
+    """POST /v1/completions to the gateway with `key` as its bearer token (none when None)."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0}).encode()
+    request = urllib.request.Request(f"{gateway}/v1/completions", data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
