@@ -18,12 +18,13 @@ from coordinator.ring import DEFAULT_PREFIX_CHARS
 from coordinator.router import Router
 from coordinator.workers import WorkerStreams
 from protos import kvcache_pb2 as pb
-from protos import serving
+from protos import security, serving
 from protos.tokens import forwarded
 
 log = logging.getLogger("coordinator")
 
 SERVICE_NAME = "kvcache.v1.Coordinator"
+MEMBERS = ("node", "worker")  # whose certificates may join a secure cluster (protos/security.py note 4)
 
 
 class CoordinatorService:
@@ -52,6 +53,7 @@ class CoordinatorService:
 
     def register(self, request, context) -> pb.RegisterReply:
         _check_parsed(request, context)
+        security.refuse_unless_member(context, MEMBERS, "Register", log)
         try:
             member = self.membership.register(
                 request.role, request.address, request.capacity_bytes, request.page_bytes,
@@ -65,11 +67,13 @@ class CoordinatorService:
 
     def heartbeat(self, request, context) -> pb.HeartbeatReply:
         _check_parsed(request, context)
+        security.refuse_unless_member(context, MEMBERS, "Heartbeat", log)
         load = {f.name: v for f, v in request.load.ListFields()} if request.HasField("load") else None
         return pb.HeartbeatReply(known=self.membership.heartbeat(request.member_id, load))
 
     def deregister(self, request, context) -> pb.DeregisterReply:
         _check_parsed(request, context)
+        security.refuse_unless_member(context, MEMBERS, "Deregister", log)
         member = self.membership.deregister(request.member_id)
         if member is not None:
             log.info("%s %s left (deregistered; epoch %s)", member.role, member.address, self.membership.ring.epoch)

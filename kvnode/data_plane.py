@@ -49,6 +49,7 @@ import time
 import grpc
 
 from kvnode import data_wire as dw
+from protos import security
 from kvnode.recv_buffers import DEFAULT_KEEP_PER_CONNECTION, DEFAULT_KEEP_TOTAL, BufferBudget, ReceiveBuffer
 from kvnode.store import KEY_BYTES, InvalidRequest, PageNotFound, PageStore, PutOutcome
 
@@ -190,6 +191,9 @@ class DataPlaneServer:
         try:
             if self.credentials is not None:
                 conn = self._handshake(conn, peer)
+                refusal = security.not_member_reason(security.socket_role(conn), ("worker",), "the data plane")
+                if refusal is not None:  # protos/security.py note 4
+                    raise _Dropped(refusal)
             connection = _Connection(conn, self.timeout_s, ReceiveBuffer(self.buffers))
             while not self._stopping.is_set():
                 if not self._serve_one(connection):

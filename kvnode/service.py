@@ -14,11 +14,13 @@ from kvcache import __version__
 from kvnode import wire
 from kvnode.store import InvalidRequest, LeaseRefused, PageNotFound, PageStore, PutOutcome, check_key
 from protos import kvcache_pb2 as pb
+from protos import security
 from protos.serving import DEFAULT_MAX_MESSAGE_BYTES, Malformed, tolerant
 
 log = logging.getLogger("kvnode")
 
 SERVICE_NAME = "kvcache.v1.KVStore"
+READERS = ("worker",)  # whose certificates may look pages up, get and put them (protos/security.py note 4)
 # Trailing metadata of a Lookup whose hits the node's leased-pages bound cut short (store design note 5).
 LEASE_LIMITED_KEY = "kvcache-lease-limited"
 DEFAULT_MAX_KEYS = 256
@@ -86,6 +88,7 @@ class KVStoreService:
 
     def lookup(self, request, context) -> pb.LookupReply:
         self._check_parsed(request, context)
+        security.refuse_unless_member(context, READERS, "Lookup", log)
         keys = self._checked_keys(request.keys, context)
         try:
             hits, cut = self.store.lookup_and_lease(keys, request.lease_ms)
@@ -102,6 +105,7 @@ class KVStoreService:
 
     def get_pages(self, request, context):
         self._check_parsed(request, context)
+        security.refuse_unless_member(context, READERS, "GetPages", log)
         keys = self._checked_keys(request.keys, context)
         if not keys:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "GetPages needs at least one key")
@@ -127,6 +131,7 @@ class KVStoreService:
             self._abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
 
     def put_pages(self, request_iterator, context) -> pb.PutReply:
+        security.refuse_unless_member(context, READERS, "PutPages", log)
         try:
             items = self._receive_pages(request_iterator)
             for key, parent, data in items:

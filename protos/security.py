@@ -15,6 +15,12 @@ Design notes
    gRPC connections and data plane connections use the new certificate, running ones keep
    theirs (rotation without a restart). gRPC asks for the current certificate at each new
    handshake (dynamic server credentials).
+4. A certificate says who the peer is, not only that the CA signed it: a member's has the common
+   name `kvcache-ROLE` (`kvcache certs` writes them so; a deployment's own CA must too). Member
+   calls check it (`refuse_unless_member`): only kvnodes and workers may Register, Heartbeat and
+   Deregister with a coordinator, and only workers may Lookup, get and put pages on a kvnode, over
+   gRPC or the data plane. A client's certificate (`kvcache-client`) reaches only client calls,
+   which its token then names. Plaintext calls (a loopback development cluster) are not checked.
 """
 
 from __future__ import annotations
@@ -177,3 +183,44 @@ def is_loopback(host: str) -> bool:
             return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
         except (socket.gaierror, ValueError):
             return False
+
+
+MEMBER_NAME_PREFIX = "kvcache-"
+
+
+def _role_of(common_name: str) -> str:
+    return common_name[len(MEMBER_NAME_PREFIX):] if common_name.startswith(MEMBER_NAME_PREFIX) else ""
+
+
+def peer_role(context: grpc.ServicerContext) -> str | None:
+    """The role in the calling peer's certificate ("" for none of ours); None for a plaintext call."""
+    auth = context.auth_context()
+    if b"ssl" not in auth.get("transport_security_type", []):
+        return None
+    names = auth.get("x509_common_name", [])
+    return _role_of(names[0].decode(errors="replace")) if names else ""
+
+
+def socket_role(conn: socket.socket) -> str | None:
+    """`peer_role` for a data plane connection: None when it is not TLS."""
+    if not isinstance(conn, ssl.SSLSocket):
+        return None
+    subject = dict(item for entry in (conn.getpeercert() or {}).get("subject", ()) for item in entry)
+    return _role_of(subject.get("commonName", ""))
+
+
+def not_member_reason(role: str | None, roles: tuple[str, ...], what: str) -> str | None:
+    """Why a peer of `role` may not do `what` (note 4); None when it may (or the call is plaintext)."""
+    if role is None or role in roles:
+        return None
+    return (f"{what} is for {' and '.join(roles)} members: the caller's certificate is "
+            f"{'for ' + role if role else 'not a kvcache member certificate'}")
+
+
+def refuse_unless_member(context: grpc.ServicerContext, roles: tuple[str, ...], what: str,
+                         logger: logging.Logger) -> None:
+    """Abort the call with PERMISSION_DENIED unless its certificate names one of `roles` (note 4)."""
+    reason = not_member_reason(peer_role(context), roles, what)
+    if reason is not None:
+        logger.info("refused request: PERMISSION_DENIED: %s", reason)
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)

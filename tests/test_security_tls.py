@@ -119,6 +119,47 @@ def test_tls_without_a_cluster_certificate_cannot_register_beat_put_or_get(secur
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_client_certificate_reaches_client_calls_only_not_a_members(secure_cluster, certs):
+    """The CA signed it, but it is not a member's: it may not join the cluster nor read or write
+    pages on a kvnode, over gRPC or the data plane (protos/security.py note 4)."""
+    client = member_credentials(certs, "client")
+    credentials = grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes(), (certs / "client.key").read_bytes(),
+                                               (certs / "client.pem").read_bytes())
+    coordinator = secure_cluster.role("coordinator")[0].address
+    node = secure_cluster.role("node")[0].address
+    calls = [
+        (coordinator, "/kvcache.v1.Coordinator/Register",
+         pb.RegisterRequest(role="node", address="127.0.0.1:1", capacity_bytes=2**20, page_bytes=1024)),
+        (coordinator, "/kvcache.v1.Coordinator/Heartbeat", pb.HeartbeatRequest(member_id="x")),
+        (coordinator, "/kvcache.v1.Coordinator/Deregister", pb.DeregisterRequest(member_id="x")),
+        (node, "/kvcache.v1.KVStore/Lookup", pb.LookupRequest(keys=[b"k" * 16])),
+        (node, "/kvcache.v1.KVStore/GetPages", pb.GetPagesRequest(keys=[b"k" * 16])),
+    ]
+    for address, method, request in calls:
+        with grpc.secure_channel(address, credentials) as channel:
+            streaming = method.endswith("GetPages")
+            stub = (channel.unary_stream if streaming else channel.unary_unary)(
+                method, type(request).SerializeToString, None)
+            with pytest.raises(grpc.RpcError) as failed:
+                reply = stub(request, timeout=5)
+                if streaming:
+                    list(reply)
+            assert failed.value.code() == grpc.StatusCode.PERMISSION_DENIED, method
+            assert "worker members" in failed.value.details() or "node and worker members" in failed.value.details()
+    with grpc.secure_channel(node, credentials) as channel:
+        put = channel.stream_unary("/kvcache.v1.KVStore/PutPages", None, None)
+        with pytest.raises(grpc.RpcError) as failed:
+            put(iter([b""]), timeout=5)
+        assert failed.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with NodeClient(node, credentials=client) as as_client:
+        assert as_client.info().page_bytes > 0  # Info stays open to any certificate of the cluster
+    plane = DataPlaneClient("127.0.0.1", data_port(secure_cluster, certs), client.client_context())
+    with pytest.raises(DataPlaneError):
+        plane.get_into([b"k" * 16], memoryview(bytearray(1024)), timeout_s=5)
+    plane.close()
+    assert "the data plane is for worker members" in secure_cluster.role("node")[0].log_path.read_text()
+
+
 def test_a_kvnode_serves_members_over_its_tls_data_plane(secure_cluster, certs):
     node = secure_cluster.role("node")[0]
     keys = [bytes([i]) * 16 for i in range(1, 3)]
