@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from worker.block_pool import BlockPool
+from worker.connector import KVConnector
 from worker.model import ForwardBatch, load_model
 from worker.pages import tenant_root
 from worker.request import Request, RequestStatus
@@ -58,6 +59,7 @@ from worker.usage import Usage
 log = logging.getLogger("worker.engine")
 
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+IDLE_WAIT_S = 0.05  # a step with nothing to run waits this long at most for remote KV or a new request
 
 
 @dataclass
@@ -89,8 +91,9 @@ class Engine:
         if num_blocks is None:
             num_blocks = max(1, kv_cache_bytes // (int(np.prod(block_shape)) * 4))
         self.pool = BlockPool(num_blocks, block_shape)
-        self.scheduler = Scheduler(self.pool, page_tokens, max_num_seqs, max_num_batched_tokens, remote_tier,
-                                   max_prefill_tokens=max_prefill_tokens)
+        self._work = threading.Event()  # set by add_request, cancel and the connector's finished work
+        self.scheduler = Scheduler(self.pool, page_tokens, max_num_seqs, max_num_batched_tokens,
+                                   self._connector_for(remote_tier), max_prefill_tokens=max_prefill_tokens)
         self.max_total_tokens = min(cfg.max_positions, num_blocks * page_tokens)
         self._rng = np.random.default_rng(seed)
         self._live: dict[str, _Live] = {}
@@ -99,7 +102,6 @@ class Engine:
         self._lock = threading.RLock()
         self._ids_in_use: set[str] = set()  # added and not finished: inbox and _live (design note 6)
         self._ids_lock = threading.Lock()
-        self._work = threading.Event()
         self._ids = itertools.count()
         self.on_step: Callable[[dict], None] | None = None  # called after every step with its record (the loop thread)
         self.on_finish: Callable[[Completion], None] | None = None  # called with each request's completion (metrics)
@@ -116,9 +118,19 @@ class Engine:
         return self.pool.kv
 
     def attach_remote_tier(self, tier: RemoteTier | None) -> None:
-        """Plug in (or, with None, remove) the remote tier; it usually needs `kv_pool`, hence after construction."""
+        """Plug in (or, with None, remove) the remote tier; it usually needs `kv_pool`, hence after construction.
+        Before any request uses it: the tier is reached through a KVConnector (worker/connector.py)."""
         with self._lock:
-            self.scheduler.tier = tier
+            old, self.scheduler.connector = self.scheduler.connector, self._connector_for(tier)
+        if old is not None:
+            old.close()
+
+    def _connector_for(self, tier: RemoteTier | None) -> KVConnector | None:
+        return None if tier is None else KVConnector(tier, wake=self._work.set)
+
+    @property
+    def connector(self) -> KVConnector | None:
+        return self.scheduler.connector
 
     # ---- any thread ----------------------------------------------------------
 
@@ -198,40 +210,49 @@ class Engine:
         return len(self.scheduler.running)
 
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + self._inbox.qsize()
+        """Requests queued or waiting for their remote KV."""
+        return len(self.scheduler.waiting) + len(self.scheduler.parked) + self._inbox.qsize()
 
     # ---- the loop thread -----------------------------------------------------
 
     def step(self) -> list[StreamDelta]:
         """Run one forward pass over the scheduled requests; returns the deltas it produced
-        (also those of newcomers computed between its layers, design note 4)."""
+        (also those of newcomers computed between its layers, design note 4). With nothing to
+        run while requests wait for remote KV, it waits for the connector (at most IDLE_WAIT_S,
+        outside the lock) and returns no deltas."""
         with self._lock:
+            self._work.clear()  # what arrives from here on wakes the wait below
             self._take_inbox()
             self._take_cancelled()
             started = time.monotonic()
             batch = self.scheduler.schedule()
-            if not batch.requests:
-                return []
-            newcomer_deltas: list[StreamDelta] = []
-            scheduler_failures: list[Exception] = []
+            if batch.requests:
+                return self._step_batch(batch, started)
+        if self.scheduler.has_unfinished():
+            self._work.wait(IDLE_WAIT_S)
+        return []
 
-            def between_layers() -> None:
-                if self._inbox.empty() or scheduler_failures:
-                    return  # nobody new: the usual case, one cheap check a layer
-                self._take_inbox()
-                paused = time.monotonic()
-                try:
-                    newcomer = self.scheduler.schedule_newcomer(batch)
-                except Exception as exc:  # not a request's fault: raised after the forward (design note 5)
-                    scheduler_failures.append(exc)
-                    return
-                if newcomer is not None:
-                    newcomer_deltas.extend(self._run_isolated(newcomer, paused))
+    def _step_batch(self, batch: ScheduledBatch, started: float) -> list[StreamDelta]:
+        newcomer_deltas: list[StreamDelta] = []
+        scheduler_failures: list[Exception] = []
 
-            deltas = self._run_isolated(batch, started, between_layers)
-            if scheduler_failures:
-                raise scheduler_failures[0]
-            return newcomer_deltas + deltas
+        def between_layers() -> None:
+            if self._inbox.empty() or scheduler_failures:
+                return  # nobody new: the usual case, one cheap check a layer
+            self._take_inbox()
+            paused = time.monotonic()
+            try:
+                newcomer = self.scheduler.schedule_newcomer(batch)
+            except Exception as exc:  # not a request's fault: raised after the forward (design note 5)
+                scheduler_failures.append(exc)
+                return
+            if newcomer is not None:
+                newcomer_deltas.extend(self._run_isolated(newcomer, paused))
+
+        deltas = self._run_isolated(batch, started, between_layers)
+        if scheduler_failures:
+            raise scheduler_failures[0]
+        return newcomer_deltas + deltas
 
     def _run_isolated(self, batch: ScheduledBatch, started: float,
                       between_layers: Callable[[], None] | None = None) -> list[StreamDelta]:

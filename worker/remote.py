@@ -3,8 +3,9 @@
 Design notes
 1. A kvnode never makes a request fail: every call has a short deadline, a node that fails is
    skipped for a while (longer each time in a row), and whatever cannot be fetched is computed.
-2. `lookup` and `fill` run on the engine's thread, and placement addresses come from clients,
-   so the engine never waits long on a node it has no good record of: first contact happens on
+2. `lookup` and `fill` run on the KV connector's threads (worker/connector.py), off the
+   engine's; still, placement addresses come from clients, so a request never waits long on a
+   node it has no good record of: first contact happens on
    a probe thread (remote_nodes.py), and a request waits for its nodes' probes at most
    `first_contact_wait_s` in all, then counts a miss while they go on. One request's lookup
    spends at most `lookup_timeout_s` across all its placed nodes, not that much per node.

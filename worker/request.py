@@ -13,6 +13,7 @@ from worker.sampling import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # parked while the connector fetches its pages
     FINISHED = "finished"
 
 

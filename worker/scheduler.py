@@ -10,8 +10,8 @@ Design notes
    first, so decoding is never starved (the budget holds one token per seat).
 3. Then prefill, shortest first: of the running requests part-way through their prompt and
    the waiting ones, the one with the fewest tokens left to compute (for a waiting request,
-   after its locally cached prefix: kvnode hits are learned only on admission, so they do not
-   count in the order) gets at most `max_prefill_tokens`; other prompts join its step only if
+   after its locally cached prefix, or the remote tier's hits once its lookup answered) gets at
+   most `max_prefill_tokens`; other prompts join its step only if
    they finish within `join_tokens` more tokens. A request whose prompt is mostly cached thus
    starts at once instead of queueing behind long uncached prompts, and a long prompt is
    computed in chunks between them. Why one prompt a step: on a CPU a prefill token costs about
@@ -29,11 +29,18 @@ Design notes
    this step is preempted: its blocks are released (its full pages stay in the prefix cache),
    its tokens so far are kept, and it waits to be recomputed (keeping its age, so it soon goes
    first). A request alone always fits, because prompts and lengths are capped at the pool's size.
-5. Admission reuses the longest locally cached prefix, then asks the remote tier about the
-   whole page chain (local hits included, so the tier learns which of our pages it lacks)
-   and has it fill fresh blocks past the local hits; whatever the tier does not fill is
-   computed. At least one prompt token is always computed (its logits give the next token),
-   so only pages before the last token are reused. A tier that fails counts as a miss.
+5. Admission reuses the longest locally cached prefix, then asks the KV connector
+   (worker/connector.py) what the remote tier holds of the whole page chain (local hits
+   included, so the tier learns which of our pages it lacks). While that lookup is in flight
+   the request stays waiting and others go first. With remote pages past the local hits, the
+   request gets blocks for them and is parked (WAITING_FOR_REMOTE_KVS) while the connector
+   fetches them off the engine's thread: not scheduled, not preempted, holding a seat. In the
+   first step after its load ended it joins as a running request, what landed counted as
+   computed; whatever the tier did not fill is computed. At least one prompt token is always
+   computed (its logits give the next token), so only pages before the last token are reused.
+   A tier that fails counts as a miss; a load the connector reports overdue is given up (its
+   blocks released once the loader lets go of them) and the request computes its prompt.
+   No network call is made here: the connector only submits and reports.
 6. Each page that becomes full is indexed in the prefix cache and announced to the tier.
 7. A request that arrives while a step computes a prompt's chunk may go between two layers of
    that step (the engine pauses the forward and asks `schedule_newcomer`): if all it has left
@@ -54,13 +61,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from worker.block_pool import BlockPool
+from worker.connector import KVConnector
 from worker.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
 
 
 class RemoteTier(Protocol):
-    """A second cache level behind the local prefix cache (issue 4 plugs in kvnodes).
+    """A second cache level behind the local prefix cache (issue 4 plugs in kvnodes); the
+    engine wraps it in a KVConnector, which calls `lookup` and `fill` on threads of its own.
 
     `context` is the request's opaque `tier_context` (e.g. its placement). The tier reads and
     writes the engine's pool array, `engine.kv_pool[block_id]`, in the page layout.
@@ -99,10 +108,13 @@ PREFILL_TOKENS_PER_STEP = 128  # prompt tokens per step at most: bounds the wait
 AGING_STEPS = 64                # steps waited after which a request goes before every younger one
 JOIN_TOKENS = 16                # tokens other prompts may add to a step's prefill if they finish in it
 
+_LOOKUP_PENDING = -1  # _admit: the connector's lookup has not answered yet
+_PARKED = -2          # _admit: blocks given, remote pages on their way (design note 5)
+
 
 class Scheduler:
     def __init__(self, pool: BlockPool, page_tokens: int, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 1024, tier: RemoteTier | None = None,
+                 max_num_batched_tokens: int = 1024, connector: KVConnector | None = None,
                  max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP, aging_steps: int = AGING_STEPS,
                  join_tokens: int = JOIN_TOKENS):
         if max_num_seqs < 1:
@@ -120,9 +132,11 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.aging_steps = aging_steps
         self.join_tokens = join_tokens
-        self.tier = tier
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order, oldest first
+        self.parked: list[Request] = []  # waiting for remote KV (design note 5): blocks held, not scheduled
+        self._remote_given_up: set[int] = set()  # ids of requests whose load was given up: they compute
         self.num_preemptions = 0
         self.num_steps = 0
 
@@ -135,10 +149,14 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.parked)
+
+    def num_seats_taken(self) -> int:
+        return len(self.running) + len(self.parked)
 
     def schedule(self) -> ScheduledBatch:
         self.num_steps += 1
+        self._take_finished_loads()
         batch = ScheduledBatch([], [])
         preempted = False
         for request in [r for r in self.running if _tokens_left(r) == 1]:  # decodes (design note 2)
@@ -161,12 +179,14 @@ class Scheduler:
                     continue
                 self._add_to_batch(batch, request, num_new)
             else:
-                if preempted or pool_short or len(self.running) >= self.max_num_seqs:
+                if preempted or pool_short or self.num_seats_taken() >= self.max_num_seqs:
                     continue  # no admission now; running requests later in the order may still compute
                 num_new = self._admit(request, limit)
                 if num_new == 0:
                     pool_short = True  # no request later in the order is admitted before this one
                     continue
+                if num_new < 0:
+                    continue  # its lookup is in flight, or it is parked while its pages arrive
                 self.waiting.remove(request)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
@@ -183,15 +203,15 @@ class Scheduler:
         """Between two layers of `step`'s forward: a waiting request to compute whole before the
         step goes on, or None (design note 7)."""
         chunk = max(step.num_new_tokens)
-        if (chunk <= self.join_tokens or not self.waiting or len(self.running) >= self.max_num_seqs
+        if (chunk <= self.join_tokens or not self.waiting or self.num_seats_taken() >= self.max_num_seqs
                 or step.admission_held or self._aged(step.requests[step.num_new_tokens.index(chunk)])):
             return None
         left, request = min(((self._tokens_to_compute(r), r) for r in self.waiting), key=lambda entry: entry[0])
         if left >= chunk:
             return None
         num_new = self._admit(request, left)
-        if num_new == 0:
-            return None  # the pool cannot take it without preempting: it waits for a step
+        if num_new <= 0:
+            return None  # the pool cannot take it without preempting, or it waits for its remote pages
         self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -210,11 +230,8 @@ class Scheduler:
             parent = keys[page - 1] if page else None
             block_id = self.pool.cache_full_block(request.block_table[page], keys[page], parent)
             request.block_table[page] = block_id
-            if self.tier is not None:
-                try:
-                    self.tier.on_page_full(keys[page], parent or b"", block_id, request.tier_context)
-                except Exception:  # a tier never fails a request
-                    log.exception("remote tier on_page_full failed for request %s", request.request_id)
+            if self.connector is not None:
+                self.connector.on_page_full(keys[page], parent or b"", block_id, request.tier_context)
         request.num_cached_pages = num_full
 
     def finish(self, request: Request) -> None:
@@ -223,7 +240,14 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.parked.remove(request)
+            self.connector.give_up_load(request, request.block_table)  # released when the loader is done
+            request.block_table = []
         self._release(request)
+        if self.connector is not None:
+            self.connector.forget(request)
+        self._remote_given_up.discard(id(request))
         request.status = RequestStatus.FINISHED
 
     # ---- internals -----------------------------------------------------------
@@ -298,7 +322,8 @@ class Scheduler:
         return len(self.pool.lookup(request.page_keys(reusable))) * self.page_tokens
 
     def _admit(self, request: Request, budget: int) -> int:
-        """Give a waiting request its cached prefix and first chunk; 0 if the pool cannot take it now."""
+        """Give a waiting request its cached prefix and first chunk: its new tokens; 0 if the pool
+        cannot take it now; _LOOKUP_PENDING or _PARKED (design note 5)."""
         P = self.page_tokens
         reusable = 0 if request.bypass_cache else (request.num_tokens - 1) // P  # design note 5
         keys = request.page_keys(reusable)
@@ -313,59 +338,68 @@ class Scheduler:
         if blocks_needed(0) > available:
             return 0
         num_remote = 0
-        if self.tier is not None and reusable:
-            # The whole chain, local hits included: it keeps popular prefixes fresh on the node,
-            # and shows which of our pages the node lacks (their children would be refused there).
-            found = self._tier_lookup(request, keys)
-            if found < num_hits:
-                self._tier_write_back(request, keys, hits, found)
+        if self.connector is not None and reusable and id(request) not in self._remote_given_up:
+            found = self.connector.get_num_matched_pages(request, keys, hits)
+            if found is None:
+                return _LOOKUP_PENDING
             num_remote = max(0, found - num_hits)
             while num_remote and blocks_needed(num_remote) > available:
                 num_remote -= 1
         self.pool.ref(hits)
         request.block_table = list(hits)
         request.num_cached_pages = num_hits
-        num_filled = self._tier_fill(request, keys, num_hits, num_remote) if num_remote else 0
-        request.num_computed_tokens = (num_hits + num_filled) * P
+        request.num_computed_tokens = num_hits * P
+        if num_remote:
+            blocks = self.pool.allocate(num_remote)
+            request.block_table += blocks
+            self.connector.start_load(request, keys[num_hits:num_hits + num_remote], blocks)
+            self.waiting.remove(request)
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self.parked.append(request)
+            return _PARKED
         if request.cached_tokens_local is None:
             request.cached_tokens_local = num_hits * P
-            request.cached_tokens_remote = num_filled * P
+            request.cached_tokens_remote = 0
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
         assert self._can_grow(request, num_new), "admission checked the blocks it needs"
         self._grow(request, num_new)
         return num_new
 
-    def _tier_lookup(self, request: Request, keys: list[bytes]) -> int:
-        try:
-            found = int(self.tier.lookup(keys, request.tier_context))
-        except Exception:
-            log.exception("remote tier lookup failed for request %s; computing instead", request.request_id)
-            return 0
-        return max(0, min(found, len(keys)))
+    def _take_finished_loads(self) -> None:
+        """Parked requests whose pages landed join the running ones (design note 5)."""
+        if self.connector is None:
+            return
+        finished = self.connector.take_finished_loads()
+        for blocks in finished.released:
+            self.pool.release(blocks)
+        for request in finished.overdue:  # given up: it computes its prompt instead
+            log.warning("remote pages for request %s still loading after %.0fs; computing instead",
+                        request.request_id, self.connector.timeout_s)
+            self.parked.remove(request)
+            self.connector.give_up_load(request, request.block_table)
+            request.block_table = []
+            request.num_cached_pages = 0
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self._remote_given_up.add(id(request))
+            self.waiting.appendleft(request)
+        for request, filled in finished.landed:
+            self._join(request, filled)
 
-    def _tier_write_back(self, request: Request, keys: list[bytes], hits: list[int], start: int) -> None:
-        """Hand the tier our cached pages from `start` on, which its nodes lack."""
-        for page in range(start, len(hits)):
-            try:
-                self.tier.on_page_full(keys[page], keys[page - 1] if page else b"", hits[page], request.tier_context)
-            except Exception:  # a tier never fails a request
-                log.exception("remote tier on_page_full failed for request %s", request.request_id)
-                return
-
-    def _tier_fill(self, request: Request, keys: list[bytes], num_hits: int, num_remote: int) -> int:
-        """Allocate `num_remote` blocks after the hits, let the tier fill a prefix of them, index those."""
-        blocks = self.pool.allocate(num_remote)
-        request.block_table += blocks
-        wanted = keys[num_hits:num_hits + num_remote]
-        try:
-            filled = int(self.tier.fill(wanted, list(blocks), request.tier_context))
-        except Exception:
-            log.exception("remote tier fill failed for request %s; computing instead", request.request_id)
-            filled = 0
-        filled = max(0, min(filled, num_remote))
-        for i in range(filled):
-            page = num_hits + i
+    def _join(self, request: Request, filled: int) -> None:
+        """Index the pages that landed in a parked request's blocks; it runs from the next step."""
+        P = self.page_tokens
+        num_hits = request.num_cached_pages
+        filled = max(0, min(filled, len(request.block_table) - num_hits))
+        keys = request.page_keys(num_hits + filled)
+        for page in range(num_hits, num_hits + filled):
             parent = keys[page - 1] if page else None
             request.block_table[page] = self.pool.cache_full_block(request.block_table[page], keys[page], parent)
         request.num_cached_pages = num_hits + filled
-        return filled
+        request.num_computed_tokens = (num_hits + filled) * P
+        if request.cached_tokens_local is None:
+            request.cached_tokens_local = num_hits * P
+            request.cached_tokens_remote = filled * P
+        self.parked.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
