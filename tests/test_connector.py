@@ -195,3 +195,50 @@ def test_a_load_that_hangs_is_given_up_and_the_request_computed(tiny):
     wait_until(lambda: fresh.step() == [] and fresh.get_num_free_blocks() == fresh.pool.num_blocks, 5.0)
     assert fresh.connector.num_pending() == 0
     fresh.pool.check_invariants()
+
+
+def test_the_lookup_starts_when_a_request_arrives_and_its_load_in_the_first_step(tiny):
+    """Prefetch on arrival: the tier is asked before the engine steps at all, so the first step
+    already parks the request with its load started, and the answer is the cold run's."""
+    prompt = SHARED + "What does a kvnode store?"
+    cold = tiny_engine(tiny).generate([prompt], max_new_tokens=8, ignore_eos=True)[0]
+    looked_up = threading.Event()
+    filled = threading.Event()
+
+    class DictTier:
+        def __init__(self, pool):
+            self.pool, self.pages = pool, {}
+
+        def lookup(self, keys, context):
+            looked_up.set()
+            n = 0
+            while n < len(keys) and keys[n] in self.pages:
+                n += 1
+            return n
+
+        def fill(self, keys, block_ids, context):
+            for key, block in zip(keys, block_ids):
+                self.pool[block] = self.pages[key]
+            filled.set()
+            return len(keys)
+
+        def on_page_full(self, key, parent, block_id, context):
+            self.pages[key] = self.pool[block_id].copy()
+
+    writer = tiny_engine(tiny)
+    writer.attach_remote_tier(source := DictTier(writer.kv_pool))
+    writer.generate([SHARED + "First question?"], max_new_tokens=2)
+    engine = tiny_engine(tiny)
+    engine.attach_remote_tier(tier := DictTier(engine.kv_pool))
+    tier.pages = dict(source.pages)
+    handle = engine.add_request(prompt, max_new_tokens=8, ignore_eos=True)
+    assert looked_up.wait(5.0)  # no step has run
+    wait_until(lambda: engine.connector.num_lookups_in_flight() == 0, 5.0)
+    assert engine.step() == []  # the first step parks it, its load started
+    assert engine.num_waiting() == 1 and engine.num_running() == 0
+    assert filled.wait(5.0)
+    while handle.completion is None:
+        engine.step()
+    out = handle.completion
+    assert out.token_ids == cold.token_ids
+    assert out.usage.cached_tokens_remote == 64 and out.usage.computed_tokens == out.usage.prompt_tokens - 64

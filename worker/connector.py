@@ -128,6 +128,13 @@ class KVConnector:
             self._write_back(request, keys, local_blocks, found)
         return found
 
+    def peek_matched_pages(self, request) -> int | None:
+        """What the request's lookup found, if it answered (nothing is consumed or started)."""
+        lookup = self._lookups.get(id(request))
+        if lookup is None or not lookup.future.done() or lookup.future.cancelled():
+            return None
+        return lookup.future.result()[0]
+
     def start_load(self, request, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Fetch `keys` into `block_ids` (allocated by the scheduler, not scheduled until the load ends)."""
         future = self._loader.submit(self._fill, list(keys), list(block_ids), request.tier_context)
@@ -162,6 +169,10 @@ class KVConnector:
         """The request ended: drop its lookup (a running one finishes unread)."""
         with self._lock:
             self._lookups.pop(id(request), None)
+
+    def num_lookups_in_flight(self) -> int:
+        with self._lock:
+            return sum(1 for lookup in self._lookups.values() if not lookup.future.done())
 
     def num_pending(self) -> int:
         """Lookups and loads not yet taken by the scheduler (loads given up included)."""

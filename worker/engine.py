@@ -161,11 +161,15 @@ class Engine:
         live = _Live(request, RequestHandle(request_id), checker, arrival=time.monotonic())
         live.num_sent_tokens = len(resumed)
         checker.take_text_delta()  # what the first worker already handed out
+        connector = self.scheduler.connector
+        keys = None if connector is None or bypass_cache else request.page_keys((request.num_tokens - 1) // self.page_tokens)
         with self._ids_lock:
             if request_id in self._ids_in_use:
                 raise RequestIdInUse(f"request id {request_id!r} is already in use by a request not yet finished: "
                                      f"give each request its own id")
             self._ids_in_use.add(request_id)
+            if keys:
+                connector.start_lookup(request, keys)  # prefetch on arrival (connector note 3)
             self._inbox.put(live)
         self._work.set()
         return live.handle
@@ -437,6 +441,8 @@ class Engine:
         request = live.request
         if request.status is not RequestStatus.FINISHED:
             self.scheduler.finish(request)
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.forget(request)  # its prefetch, if it never reached the scheduler
         del self._live[request.request_id]
         with self._ids_lock:
             self._ids_in_use.discard(request.request_id)

@@ -309,17 +309,21 @@ class Scheduler:
         return self.num_steps - request.arrival_step > self.aging_steps
 
     def _tokens_to_compute(self, request: Request) -> int:
-        """Prompt tokens a request still has to compute (a waiting one: after its local prefix cache)."""
+        """Prompt tokens a request still has to compute (a waiting one: after its cached prefix)."""
         if request.status is RequestStatus.RUNNING:
             return _tokens_left(request)
-        return request.num_tokens - self._num_locally_cached(request)
+        return request.num_tokens - self._num_cached(request)
 
-    def _num_locally_cached(self, request: Request) -> int:
-        """Prompt tokens a waiting request would reuse from the local prefix cache now."""
+    def _num_cached(self, request: Request) -> int:
+        """Prompt tokens a waiting request would reuse from the local prefix cache now, or from
+        the remote tier if its lookup answered with more (design note 3)."""
         if request.bypass_cache:
             return 0
         reusable = (request.num_tokens - 1) // self.page_tokens  # design note 5
-        return len(self.pool.lookup(request.page_keys(reusable))) * self.page_tokens
+        pages = len(self.pool.lookup(request.page_keys(reusable)))
+        if self.connector is not None and id(request) not in self._remote_given_up:
+            pages = max(pages, self.connector.peek_matched_pages(request) or 0)
+        return pages * self.page_tokens
 
     def _admit(self, request: Request, budget: int) -> int:
         """Give a waiting request its cached prefix and first chunk: its new tokens; 0 if the pool
