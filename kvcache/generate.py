@@ -41,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="the same seed gives the same text")
     parser.add_argument("--stop", action="append", default=[], help="stop at this string (repeatable)")
     parser.add_argument("--no-cache", action="store_true", help="bypass every cache tier (recompute the whole prompt)")
+    parser.add_argument("--priority", type=int, default=0, help="lower is scheduled first on the worker (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, usage")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up (default 300)")
     add_token_argument(parser)
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         stop=args.stop,
         placement=[a.strip() for a in args.nodes.split(",") if a.strip()],
         no_cache=args.no_cache,
+        priority=args.priority,
     )
     text, token_ids, finished = [], [], None
     try:

@@ -150,7 +150,7 @@ class NodeStats(_message.Message):
     def __init__(self, lookups: _Optional[int] = ..., hit_pages: _Optional[int] = ..., miss_pages: _Optional[int] = ..., puts: _Optional[int] = ..., stored_pages: _Optional[int] = ..., evictions: _Optional[int] = ..., refusals: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., get_pages: _Optional[int] = ..., disk_reads: _Optional[int] = ..., disk_writes: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., corrupted_pages_dropped: _Optional[int] = ..., orphaned_pages_dropped: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., recovery_ms: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "placement", "no_cache", "request_id", "session_id", "resume_token_ids", "ignore_eos", "messages")
+    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "placement", "no_cache", "request_id", "session_id", "resume_token_ids", "ignore_eos", "messages", "priority")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class GenerateRequest(_message.Message):
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
@@ -183,7 +184,8 @@ class GenerateRequest(_message.Message):
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., placement: _Optional[_Iterable[str]] = ..., no_cache: _Optional[bool] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    priority: int
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., placement: _Optional[_Iterable[str]] = ..., no_cache: _Optional[bool] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

@@ -78,6 +78,7 @@ def generate_request(
     no_cache: bool = False,
     request_id: str = "",
     ignore_eos: bool = False,
+    priority: int = 0,
 ) -> pb.GenerateRequest:
     request = pb.GenerateRequest(
         max_tokens=max_tokens,
@@ -90,6 +91,7 @@ def generate_request(
         no_cache=no_cache,
         request_id=request_id,
         ignore_eos=ignore_eos,
+        priority=priority,
     )
     if isinstance(prompt, str):
         request.prompt = prompt

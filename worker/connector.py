@@ -135,6 +135,10 @@ class KVConnector:
             return None
         return lookup.future.result()[0]
 
+    def is_looking_up(self, request) -> bool:
+        lookup = self._lookups.get(id(request))
+        return lookup is not None and not lookup.future.done()
+
     def start_load(self, request, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Fetch `keys` into `block_ids` (allocated by the scheduler, not scheduled until the load ends)."""
         future = self._loader.submit(self._fill, list(keys), list(block_ids), request.tier_context)

@@ -136,10 +136,12 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, tier_context: Any = None, bypass_cache: bool = False,
-                    resumed_token_ids: Sequence[int] = (), namespace: str = "", **sampling) -> RequestHandle:
+                    resumed_token_ids: Sequence[int] = (), namespace: str = "", priority: int = 0,
+                    **sampling) -> RequestHandle:
         """Queue a request (text or token ids); sampling options go in `params` or as keywords.
         `resumed_token_ids`: tokens another worker already generated for it (design note 7).
-        `namespace`: the caller's tenant namespace, mixed into the root of its page keys (worker/pages.py)."""
+        `namespace`: the caller's tenant namespace, mixed into the root of its page keys (worker/pages.py).
+        `priority`: lower is scheduled first (scheduler design note 8)."""
         if params is None:
             params = SamplingParams(**sampling)
         elif sampling:
@@ -151,7 +153,7 @@ class Engine:
                              f"takes at most {self.max_total_tokens}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(request_id, token_ids, params, tenant_root(self.fingerprint, namespace), self.page_tokens,
-                          tier_context, bypass_cache)
+                          tier_context, bypass_cache, priority=int(priority))
         checker = StopChecker(self.tokenizer, params, token_ids, self.tokenizer.eos_token_id, self.max_total_tokens)
         for token in resumed:
             if checker.finish_reason is not None:

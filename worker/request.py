@@ -21,13 +21,15 @@ class Request:
     """One sequence: its tokens (prompt, then generated), its blocks, and what is computed."""
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                 root_key: bytes, page_tokens: int, tier_context: Any = None, bypass_cache: bool = False):
+                 root_key: bytes, page_tokens: int, tier_context: Any = None, bypass_cache: bool = False,
+                 priority: int = 0):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.params = params
         self.tier_context = tier_context
         self.bypass_cache = bypass_cache
+        self.priority = priority  # lower goes first (the scheduler's design note 8)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []

@@ -51,6 +51,15 @@ Design notes
    preempted or found the pool short (the rules of note 4 and of `schedule`), and a step whose
    prompt was chosen by aging is never paused, so aging still bounds a long prompt's wait in
    steps (a step now lasts longer by the newcomers it carries, at most one per layer).
+8. Priorities (lower values first, default 0): the prefill order of note 3 ranks by priority
+   before tokens left (aged requests still go first), and preemption (note 4) takes the running
+   request of the highest value, the newest among equals, so a request is never preempted for
+   one of lower priority. Before a step takes its decodes, the first waiting request in that
+   order, if it lacks a seat or the blocks of its first chunk, preempts running requests of a
+   strictly higher value, one at a time, until it has them; it is then admitted in that step. Aging:
+   a request's priority counts one better for every `aging_steps + 1` steps since it arrived,
+   so a low-priority one cannot be preempted forever, and with equal priorities the order is
+   exactly that of notes 3 and 4.
 """
 
 from __future__ import annotations
@@ -157,6 +166,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         self.num_steps += 1
         self._take_finished_loads()
+        self._preempt_for_priority()
         batch = ScheduledBatch([], [])
         preempted = False
         for request in [r for r in self.running if _tokens_left(r) == 1]:  # decodes (design note 2)
@@ -280,12 +290,48 @@ class Scheduler:
         note 4); it may be preempted itself. True if anything was preempted."""
         preempted = False
         while not self._can_grow(request, num_new):
-            victim = next(r for r in reversed(self.running) if r not in batch.requests)
+            victim = self._victim(batch)
             self._preempt(victim)
             preempted = True
             if victim is request:
                 break
         return preempted
+
+    def _preempt_for_priority(self) -> None:
+        """Before the step takes its decodes: if the first waiting request in the prefill order
+        lacks a seat or blocks, preempt running requests of a higher priority value for it (note 8)."""
+        if not self.waiting:
+            return
+        no_batch = ScheduledBatch([], [])
+        request = next((r for r, _ in self._prefill_order(no_batch) if r.status is RequestStatus.WAITING), None)
+        if request is None or (self.connector is not None and self.connector.is_looking_up(request)):
+            return  # it could not be admitted now anyway
+        P = self.page_tokens
+        reusable = 0 if request.bypass_cache else (request.num_tokens - 1) // P
+        num_local = len(self.pool.lookup(request.page_keys(reusable)))
+        first_chunk_end = min(request.num_tokens, self._num_cached(request) + self.max_prefill_tokens)
+        needed = _cdiv(first_chunk_end, P) - num_local
+        while (self.num_seats_taken() >= self.max_num_seqs or needed > self.pool.get_num_free_blocks()):
+            victim = self._lower_victim(request, no_batch)
+            if victim is None:
+                return
+            self._preempt(victim)
+
+    def _victim(self, batch: ScheduledBatch, exclude: Request | None = None) -> Request | None:
+        """The running request outside the batch to preempt first: the highest priority value,
+        the newest among equals (design notes 4 and 8)."""
+        candidates = [(self._priority(r), i, r) for i, r in enumerate(self.running)
+                      if r not in batch.requests and r is not exclude]
+        return max(candidates, key=lambda entry: entry[:2])[2] if candidates else None
+
+    def _lower_victim(self, request: Request, batch: ScheduledBatch) -> Request | None:
+        """A running request that `request` may preempt: of a strictly higher priority value (note 8)."""
+        victim = self._victim(batch, exclude=request)
+        return victim if victim is not None and self._priority(victim) > self._priority(request) else None
+
+    def _priority(self, request: Request) -> int:
+        """Its priority, one better for every `aging_steps + 1` steps since it arrived (design note 8)."""
+        return request.priority - (self.num_steps - request.arrival_step) // (self.aging_steps + 1)
 
     def _add_to_batch(self, batch: ScheduledBatch, request: Request, num_new: int) -> None:
         self._grow(request, num_new)
@@ -294,13 +340,14 @@ class Scheduler:
 
     def _prefill_order(self, batch: ScheduledBatch) -> list[tuple[Request, int]]:
         """(request, prompt tokens it still has to compute) for running requests mid-prompt and
-        waiting ones: aged ones first (oldest first), then the fewest tokens left to compute first;
+        waiting ones: aged ones first (oldest first), then by priority (note 8), then the fewest tokens left first;
         ties keep running before waiting, queue order."""
         candidates = [r for r in self.running if r not in batch.requests] + list(self.waiting)
         ranked = []
         for request in candidates:
             left = self._tokens_to_compute(request)
-            ranked.append(((0, request.arrival_step) if self._aged(request) else (1, left), request, left))
+            rank = (0, request.arrival_step, 0) if self._aged(request) else (1, self._priority(request), left)
+            ranked.append((rank, request, left))
         ranked.sort(key=lambda entry: entry[0])
         return [(request, left) for _, request, left in ranked]
 

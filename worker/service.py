@@ -143,7 +143,7 @@ class WorkerService:
         try:
             handle = self.engine.add_request(prompt, params, request_id=request_id, tier_context=placement,
                                              bypass_cache=request.no_cache, resumed_token_ids=resumed,
-                                             namespace=self._namespace(context))
+                                             namespace=self._namespace(context), priority=request.priority)
         except RequestIdInUse as exc:
             _abort(context, grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except ValueError as exc:

@@ -1,0 +1,78 @@
+"""Priorities (scheduler design note 8): a high-priority request's time to first token, in engine
+steps, is the same behind a queue of low-priority requests as alone; it preempts them for a
+seat or for blocks, never the other way; aging lets a low-priority request through a stream of
+high-priority ones; and every answer is the one it gives alone."""
+
+import pytest
+
+from engine_helpers import make_engine
+
+LOW, HIGH = 5, 0
+HIGH_PROMPT = "the important question, asked " * 2  # 60 tokens: longer than every low one
+
+
+def steps_to_first_token(engine, handle, limit=200):
+    for steps in range(1, limit + 1):
+        engine.step()
+        if handle.completion is not None or handle.queue.qsize():
+            return steps
+    raise AssertionError(f"no first token in {limit} steps")
+
+
+def alone(prompt, **options):
+    return make_engine(num_blocks=64).generate([prompt], **options)[0]
+
+
+# seats: 4 seats, blocks to spare; blocks: 8 seats, a pool the low-priority requests fill.
+@pytest.mark.parametrize("limit", ["seats", "blocks"])
+def test_a_high_priority_request_starts_as_soon_behind_a_queue_of_low_priority_ones(limit):
+    options = dict(num_blocks=40, max_seqs=4) if limit == "seats" else dict(num_blocks=22, max_seqs=8)
+    lone = make_engine(**options)
+    baseline = steps_to_first_token(lone, lone.add_request(HIGH_PROMPT, max_new_tokens=5, priority=HIGH))
+
+    results = {}
+    for high_priority in (HIGH, LOW):  # the same request, with and without its priority
+        engine = make_engine(**options)
+        low = [engine.add_request(f"low {i} " + "x" * 12, max_new_tokens=40, ignore_eos=True, priority=LOW)
+               for i in range(10)]
+        for _ in range(6):
+            engine.step()
+        assert engine.num_running() >= 4 and engine.num_waiting() >= 2  # seats or blocks taken by low ones
+        high = engine.add_request(HIGH_PROMPT, max_new_tokens=5, priority=high_priority)
+        results[high_priority] = steps_to_first_token(engine, high)
+        while engine.has_unfinished():
+            engine.step()
+        engine.pool.check_invariants()
+        assert high.completion.token_ids == alone(HIGH_PROMPT, max_new_tokens=5).token_ids
+        for i, handle in enumerate(low):  # preempted and recomputed, with the same tokens
+            assert handle.completion.finish_reason == "length"
+            assert handle.completion.token_ids == alone(f"low {i} " + "x" * 12, max_new_tokens=40,
+                                                        ignore_eos=True).token_ids
+        if high_priority == HIGH:
+            assert sum(h.completion.num_preemptions for h in low) >= 1
+            assert high.completion.num_preemptions == 0
+
+    assert results[HIGH] == baseline, f"first token after {results[HIGH]} steps, alone after {baseline}"
+    assert results[LOW] > baseline + 5  # without its priority it waits for the queue
+
+
+def test_aging_lets_a_low_priority_request_through_a_stream_of_high_priority_ones():
+    aging_steps = 8
+    engine = make_engine(max_seqs=1)
+    engine.scheduler.aging_steps = aging_steps
+    first = engine.add_request("high 0 " + "y" * 10, max_new_tokens=6, ignore_eos=True, priority=HIGH)
+    engine.step()
+    low = engine.add_request("low one", max_new_tokens=3, ignore_eos=True, priority=LOW)
+    highs = [first]
+    for step in range(1, 200):
+        if step % 2 == 0:  # a new high-priority request every other step: the seat is never free of them
+            highs.append(engine.add_request(f"high {step} " + "y" * 10, max_new_tokens=6, ignore_eos=True,
+                                            priority=HIGH))
+        engine.step()
+        if low.queue.qsize():
+            break
+    assert low.queue.qsize(), "the low-priority request never started"
+    assert step <= aging_steps + 2 * 7, f"it started after {step} steps"  # aged, then the running one's end
+    while engine.has_unfinished():
+        engine.step()
+    assert low.completion.token_ids == alone("low one", max_new_tokens=3, ignore_eos=True).token_ids
