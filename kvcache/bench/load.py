@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import statistics
 import sys
 import tempfile
 import uuid
@@ -82,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request, EOS ignored (default 8)")
     load.add_argument("--warmup", type=int, default=None, help="uncached warm-up requests (default 2 per worker)")
     load.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    load.add_argument("--repeat", type=int, default=1, help="run the passes N times on the same cluster, each on "
+                      "fresh prompts, and print each run and the median gains (default 1)")
     mix = parser.add_argument_group("workload", "lengths are in characters (tokens for the byte-level presets)")
     mix.add_argument("--mix", default=_pair(defaults.mix), help="shares of shared-system-prompt, session and one-off "
                      f"requests (default {_pair(defaults.mix)})")
@@ -124,14 +127,45 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so the local cluster is stopped on the way out
     try:
         with _cluster(args) as (coordinators, gateway):
-            return _bench(args, config, levels, coordinators, tokenizer, gateway)
+            runs = []
+            for number in range(max(1, args.repeat)):
+                if args.repeat > 1 and not args.json:
+                    print(f"\n== run {number + 1} of {args.repeat} ==")
+                runs.append(_bench(args, config, levels, coordinators, tokenizer, gateway,
+                                   quiet_json=args.repeat > 1))
+            if args.repeat > 1:
+                _print_repeats(runs, args.json)
+            return 0
     except (ClusterError, TimeoutError, OSError, RuntimeError, ValueError) as exc:
         print(f"kvcache bench load: error: {exc}", file=sys.stderr)
         return 1
 
 
+def _print_repeats(runs: list[dict], as_json: bool) -> None:
+    """Each run's TTFT and throughput gains per concurrency level, and their median."""
+    summary = []
+    for index, level in enumerate(runs[0]["levels"]):
+        per_run = [run["levels"][index]["gains"] for run in runs]
+        names = ("ttft_p50", "ttft_p90", "ttft_p99", "requests_per_s")
+        summary.append({"concurrency": level["concurrency"],
+                        "runs": [{name: gains[name] for name in names} for gains in per_run],
+                        "median": {name: statistics.median(g[name] for g in per_run) for name in names}})
+    if as_json:
+        dump_json({"bench": "load", "repeat": len(runs), "runs": runs, "summary": summary})
+        return
+    print(f"\n== {len(runs)} runs ==")
+    for level in summary:
+        print(f"{level['concurrency']} clients: gain with the cache (no cache / cache)")
+        for number, gains in enumerate(level["runs"], 1):
+            print(f"  run {number}: TTFT p50 {gains['ttft_p50']:.2f}x  p90 {gains['ttft_p90']:.2f}x  "
+                  f"p99 {gains['ttft_p99']:.2f}x  requests/s {gains['requests_per_s']:.2f}x")
+        m = level["median"]
+        print(f"  median: TTFT p50 {m['ttft_p50']:.2f}x  p90 {m['ttft_p90']:.2f}x  p99 {m['ttft_p99']:.2f}x  "
+              f"requests/s {m['requests_per_s']:.2f}x")
+
+
 def _bench(args, config: wl.WorkloadConfig, levels: list[int], coordinators: list[str], tokenizer: Tokenizer,
-           gateway: str | None = None) -> int:
+           gateway: str | None = None, quiet_json: bool = False) -> dict:
     members = _members(coordinators)
     _check_positions(config, args, members["worker_limits"])
     if members["model"] != (Path(args.model).name or args.model):
@@ -178,11 +212,11 @@ def _bench(args, config: wl.WorkloadConfig, levels: list[int], coordinators: lis
         result["levels"].append(_level(level, tag, jobs, passes))
     if args.plot:
         result["plots"] = plot_charts(result, Path(args.plot))
-    if args.json:
-        dump_json(result)
-    else:
+    if not args.json:
         print_report(result)
-    return 0
+    elif not quiet_json:
+        dump_json(result)
+    return result
 
 
 def _level(level: int, tag: str, jobs: list[wl.Job], passes: dict) -> dict:
@@ -328,7 +362,7 @@ def _check(args) -> tuple[wl.WorkloadConfig, list[int]]:
         raise ValueError(f"--concurrency needs positive counts such as 4 or 1,2,4, got {args.concurrency!r}")
     if args.blas_threads is not None and args.blas_threads < 1:
         raise ValueError(f"--blas-threads must be at least 1, got {args.blas_threads}")
-    for name in ("requests", "max_tokens", "nodes", "workers", "replicas"):
+    for name in ("requests", "max_tokens", "nodes", "workers", "replicas", "repeat"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.replicas > args.nodes:
