@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import grpc
 
 from protos import kvcache_pb2 as pb
-from protos import security
+from protos import addresses, security
 
 log = logging.getLogger("membership")
 _SERVICE = "/kvcache.v1.Coordinator/"
@@ -109,23 +109,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--coordinators", default="", help="coordinators to register with and beat to: A,B (default: none, standalone)"
     )
     parser.add_argument(
-        "--advertise", default=None, help="host:port others reach this daemon at (default: the listening address)"
+        "--advertise", default=None, metavar="HOST[:PORT]",
+        help="the address other machines reach this daemon at, registered with the coordinators; its host "
+             "is the data plane's too (a kvnode's Info). PORT defaults to the bound one; an IPv6 address "
+             "goes in brackets, [fd00::1]:50051 (default: --host, refused when --host is a wildcard "
+             "such as 0.0.0.0 or ::)"
     )
 
 
-def start_from_args(args: argparse.Namespace, port: int, registration: pb.RegisterRequest,
+def advertised_address(args: argparse.Namespace, port: int) -> str:
+    """The host:port this member registers (protos.addresses.advertised); ValueError when there
+    is none to give, so the daemon refuses to start rather than register an undialable address."""
+    return addresses.advertised(args.host, port, args.advertise)
+
+
+def start_from_args(args: argparse.Namespace, address: str, registration: pb.RegisterRequest,
                     load: Callable[[], pb.MemberLoad],
                     credentials: security.Credentials | None = None) -> MembershipAgent | None:
-    """Start beating to args.coordinators (None when there are none: a standalone daemon);
-    with `credentials`, over mutual TLS."""
+    """Start beating to args.coordinators, registered at `address` (advertised_address), None
+    when there are none (a standalone daemon); with `credentials`, over mutual TLS."""
     coordinators = [a.strip() for a in args.coordinators.split(",") if a.strip()]
     if not coordinators:
         return None
-    if args.advertise:
-        registration.address = args.advertise
-    else:
-        host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-        registration.address = f"{host}:{port}"
+    registration.address = address
     membership = MembershipAgent(coordinators, registration, load, credentials=credentials)
     membership.start()
     return membership

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     sweeper.start()
     server.start()
     print(
-        f"coordinator {service.coordinator_id} listening on {args.host}:{port} "
+        f"coordinator {service.coordinator_id} listening on {serving.host_port(args.host, port)} "
         f"(replicas {args.replicas}, placement by the first {args.prefix_chars} characters or the session id, "
         f"up to {args.max_streams} streams)",
         flush=True,

@@ -14,7 +14,7 @@ import socket
 import sys
 
 from kvcache.units import parse_size
-from protos import security
+from protos import addresses, security
 from protos.serving import add_listen_arguments
 
 log = logging.getLogger("gateway")
@@ -116,7 +116,7 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.bind((host.strip("[]"), port))
     except OSError as exc:
         sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise OSError(f"cannot listen on {addresses.host_port(host, port)}: {exc.strerror or exc}") from None
     sock.listen(128)
     sock.set_inheritable(True)
     return sock

@@ -58,6 +58,7 @@ class NodeInfo:
     disk_capacity_pages: int = 0  # 0: the node has no disk tier
     disk_used_pages: int = 0
     dirty_pages: int = 0  # in RAM, not yet written to disk
+    data_host: str = ""  # the data plane's advertised host; "": the host of the gRPC address
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,7 @@ class NodeClient:
             reply.disk_capacity_pages,
             reply.disk_used_pages,
             reply.dirty_pages,
+            reply.data_host,
         )
         return self._node_info
 
@@ -273,12 +275,13 @@ class NodeClient:
     def _data_plane(self) -> DataPlaneClient | None:
         if not self.use_data_plane:
             return None
-        port = self._known_info().data_port
+        info = self._known_info()
+        port = info.data_port
         if not port:
             return None
         with self._data_lock:
             if self._data is None or self._data.port != port:
-                host = _host_of(self.address)
+                host = info.data_host or _host_of(self.address)
                 if host is None:
                     log.warning("kvnode %s: cannot tell its host for the data plane; using gRPC", self.address)
                     self.use_data_plane = False

@@ -22,7 +22,7 @@ from kvnode.metrics import NodeMetrics
 from kvnode.service import DEFAULT_MAX_KEYS, SERVICE_NAME, KVStoreService, handler
 from kvnode.store import PageStore
 from protos import kvcache_pb2 as pb
-from protos import observability, security, serving
+from protos import addresses, observability, security, serving
 
 log = logging.getLogger("kvnode")
 
@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         max_leases_per_call = args.max_keys if args.max_leases_per_call is None else args.max_leases_per_call
         if max_leases_per_call < 1:
             raise ValueError(f"--max-leases-per-call must be at least 1, got {max_leases_per_call}")
+        agent.advertised_address(args, args.port)  # refused before the pool is allocated
         credentials = security.from_args(args)
         serving.tune_allocator()
         data_dir, disk = open_disk_tier(args, capacity_pages)
@@ -153,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
             [handler(service)], [SERVICE_NAME], max_message_bytes,
             interceptors=observability.server_interceptors(SERVICE_NAME, metrics and metrics.durations))
         port = serving.bind(server, args.host, args.port, credentials)
+        address = agent.advertised_address(args, port)
         data_plane = None
         if not args.no_data_plane:
             if not 0 <= args.data_port <= 65535:
@@ -166,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
                 raise OSError(f"cannot listen on {serving.host_port(args.host, args.data_port)} "
                               f"for the data plane: {exc.strerror or exc}") from None
             service.data_port = data_plane.port
+            service.data_host = addresses.split_host_port(address)[0]
             data_plane.metrics = metrics
         if metrics is not None:
             observability.start_metrics(metrics.registry, args)
@@ -196,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     registration = pb.RegisterRequest(
         role="node", capacity_bytes=store.capacity_pages * args.page_bytes, page_bytes=args.page_bytes
     )
-    membership = agent.start_from_args(args, port, registration, lambda: node_load(store), credentials)
+    membership = agent.start_from_args(args, address, registration, lambda: node_load(store), credentials)
     serving.wait_until(stopping)
     drain(args.drain_timeout, membership, health, server, service, data_plane, flusher)
     if disk is not None:

@@ -35,6 +35,8 @@ from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 from wsgiref.simple_server import WSGIRequestHandler, make_server as make_wsgi_server
 
+from protos import addresses
+
 log = logging.getLogger(__name__)
 
 # Seconds, from a data plane GET of one small page to a long generation.
@@ -81,9 +83,9 @@ class MetricsServer:
             self._httpd = make_wsgi_server(host.strip("[]"), port, make_wsgi_app(registry), Server,
                                            handler_class=_QuietHandler)
         except OSError as exc:
-            raise OSError(f"cannot listen on {_host_port(host, port)} for metrics: {exc.strerror or exc}") from None
+            raise OSError(f"cannot listen on {addresses.host_port(host, port)} for metrics: {exc.strerror or exc}") from None
         self.host, self.port = host, self._httpd.server_port
-        self.url = f"http://{_host_port(host, self.port)}/metrics"
+        self.url = f"http://{addresses.host_port(host, self.port)}/metrics"
         self._thread = None
 
     def start(self) -> "MetricsServer":
@@ -268,6 +270,3 @@ def _streaming(behavior: Callable, timer, span_name: str | None, metadata):
 
     return call
 
-
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from protos import addresses
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
@@ -122,9 +124,7 @@ def make_server(
     return server, health_servicer
 
 
-def host_port(host: str, port: int) -> str:
-    """`host:port` as gRPC targets read it: an IPv6 literal goes in brackets ([::1]:50051)."""
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+host_port = addresses.host_port  # kept here too: daemons print their address with it
 
 
 def bind(server: grpc.Server, host: str, port: int, credentials=None) -> int:

@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--blas-threads must be at least 1, got {args.blas_threads}")
             blas.cap_threads(args.blas_threads)
             log.info("BLAS capped at %d thread(s)", args.blas_threads)
+        agent.advertised_address(args, args.port)  # refused before the model loads
         credentials = security.from_args(args)
         client_tokens = tokens.from_args(args)  # the coordinators' file: they send their caller's token on
         serving.tune_allocator()
@@ -137,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
             interceptors=tokens.interceptors(client_tokens)
             + observability.server_interceptors(SERVICE_NAME, metrics and metrics.request_duration))
         port = serving.bind(server, args.host, args.port, credentials)
+        address = agent.advertised_address(args, port)
         if metrics is not None:
             observability.start_metrics(metrics.registry, args)
     except (ValueError, OSError, MemoryError) as exc:
@@ -150,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     server.start()
     page_bytes = engine.model.page_bytes(args.kv_dtype, args.page_tokens)
     print(
-        f"worker {service.worker_id} listening on {args.host}:{port} (model {engine.model.name}, "
+        f"worker {service.worker_id} listening on {serving.host_port(args.host, port)} (model {engine.model.name}, "
         f"{args.kv_dtype} KV, pages of {page_bytes} bytes, {engine.pool.num_blocks} blocks, "
         f"{format_size(kv_cache_bytes)})",
         flush=True,
@@ -158,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     registration = pb.RegisterRequest(
         role="worker", page_bytes=page_bytes, model=engine.model.name, fingerprint=engine.fingerprint.hex()
     )
-    membership = agent.start_from_args(args, port, registration, lambda: worker_load(engine), credentials)
+    membership = agent.start_from_args(args, address, registration, lambda: worker_load(engine), credentials)
     while not stopping.wait(0.5) and not broken.is_set():
         pass
     service.accepting = False
