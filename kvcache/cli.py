@@ -11,7 +11,7 @@ from kvcache import __version__
 def build_parser() -> argparse.ArgumentParser:
     from coordinator import daemon as coordinator_daemon
     from gateway import daemon as gateway_daemon
-    from kvcache import certs, cluster, generate, status
+    from kvcache import certs, cluster, generate, health, status
     from kvcache.bench import cli as bench_cli
     from kvnode import daemon as node_daemon
     from worker import daemon as worker_daemon
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     command("generate", generate, "send a prompt and stream the answer")
     command("status", status, "show the cluster: members, pages, load")
     command("bench", bench_cli, "measure a part of the service")
+    command("health", health, "ask a daemon's gRPC health service whether it serves (a probe)")
     command("certs", certs, "make a development CA and certificates for TLS between members")
     return parser
 

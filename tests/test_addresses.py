@@ -102,3 +102,20 @@ def test_ipv6_literals_print_and_parse_in_brackets(tmp_path):
             assert client.put_pages(keys, [b""], pages).stored == 1
             np.testing.assert_array_equal(client.get_pages(keys), pages)
             assert client.use_data_plane
+
+
+def test_kvcache_health_is_a_probe_that_speaks_the_health_service(tmp_path):
+    with node_process(tmp_path, *NODE_ARGS) as node:
+        serving_ = run_kvcache(["health", node.address])
+        assert serving_.returncode == 0 and serving_.stdout.strip() == f"{node.address}: SERVING"
+    gone = run_kvcache(["health", node.address, "--timeout", "0.5"])
+    assert gone.returncode == 1 and "UNAVAILABLE" in gone.stderr
+
+
+def test_kvcache_health_speaks_mutual_tls(tmp_path):
+    assert run_kvcache(["certs", str(tmp_path / "tls")]).returncode == 0
+    tls = tmp_path / "tls"
+    member = ["--tls-cert", str(tls / "node.pem"), "--tls-key", str(tls / "node.key"), "--tls-ca", str(tls / "ca.pem")]
+    with node_process(tmp_path, *NODE_ARGS, *member) as node:
+        assert run_kvcache(["health", node.address, *member]).returncode == 0
+        assert run_kvcache(["health", node.address, "--timeout", "0.5"]).returncode == 1  # plaintext gets no answer
