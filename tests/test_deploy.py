@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
+import subprocess
 from importlib import resources
 from pathlib import Path
 
@@ -110,3 +112,16 @@ def test_the_dockerfile_installs_with_the_readmes_command():
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "RUN make install" in dockerfile
     assert "make install" in (ROOT / "README.md").read_text()
+
+
+def test_kustomize_builds_the_base_into_the_kvcache_namespace():
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: `kubectl kustomize` (offline) not tried")
+    built = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
+    assert built.returncode == 0, built.stderr
+    docs = [d for d in yaml.safe_load_all(built.stdout) if d]
+    assert len(docs) == sum(len(documents(p)) for p in MANIFESTS)
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        assert doc["kind"] == "Namespace" or doc["metadata"]["namespace"] == "kvcache"
