@@ -31,7 +31,10 @@ class Daemon:
     pipe, so the child keeps running safely after this process is gone (cluster --detach).
     """
 
-    def __init__(self, role: str, args: Sequence[str], log_path: Path | None = None, timeout_s: float = 60.0, env=None):
+    def __init__(self, role: str, args: Sequence[str], log_path: Path | None = None, timeout_s: float = 60.0, env=None,
+                 prefix: Sequence[str] = ()):
+        """`prefix`: a command that runs the daemon and execs it, keeping its pid (tests' `ip netns
+        exec NAME`, so a member runs on a host address of its own)."""
         self.role = role
         self.args = list(args)  # so a member can be started again as it was (LocalCluster.restart)
         if log_path is None:
@@ -42,7 +45,7 @@ class Daemon:
         with open(self.log_path, "ab") as log:
             self._start_offset = log.tell()
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvcache.cli", role, *args],
+                [*prefix, sys.executable, "-m", "kvcache.cli", role, *args],
                 stdout=log,
                 stderr=log,
                 stdin=subprocess.DEVNULL,

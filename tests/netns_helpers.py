@@ -1,0 +1,166 @@
+"""Members on hosts of their own, on one machine: a Linux network namespace per host, each with
+one address on a bridge, and faults made with `ip` (a host's link down and up).
+
+Everything is made inside namespaces the harness creates: the bridge lives in a namespace of its
+own (the switch), each host's veth pair runs from its namespace to the switch's, and the
+addresses (SUBNET, a private /24) exist only there. Nothing touches the machine's own network.
+close() removes every veth, the bridge and every namespace by the name it was made with, also
+after a failure; processes are the caller's to stop first (Daemon.stop, by pid)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from kvcache.launch import Daemon
+
+SUBNET = "10.77.0"  # SUBNET.1 upward, one per host, on the bridge inside the switch namespace
+_IP_TIMEOUT_S = 10.0
+
+
+def why_no_namespaces() -> str | None:
+    """None when this machine lets the tests make network namespaces, else why not."""
+    if sys.platform != "linux":
+        return "network namespaces are Linux's"
+    if os.geteuid() != 0:
+        return "making network namespaces needs root"
+    if shutil.which("ip") is None:
+        return "the ip command (iproute2) is not installed"
+    name = f"kvh{os.getpid()}probe"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, timeout=_IP_TIMEOUT_S)
+    if made.returncode != 0:
+        return f"cannot make a network namespace here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=_IP_TIMEOUT_S)
+    return None
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=_IP_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+class Hosts:
+    """Hosts by name, each in its own namespace with address SUBNET.N on one bridge."""
+
+    def __init__(self, names: Sequence[str]):
+        self.tag = f"kvh{os.getpid() % 100000}"
+        self.switch = f"{self.tag}-sw"
+        self.namespaces: dict[str, str] = {}  # host name -> namespace name, in creation order
+        self.ports: dict[str, str] = {}  # host name -> its veth end on the switch
+        self.addresses: dict[str, str] = {}
+        self._made: list[tuple[str, ...]] = []  # what close() removes, newest first
+        try:
+            _ip("netns", "add", self.switch)
+            self._made.append(("netns", "del", self.switch))
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            self._made.append(("-n", self.switch, "link", "del", "br0"))
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for index, name in enumerate(names):
+                self._add(index, name)
+        except BaseException:
+            self.close()
+            raise
+
+    def _add(self, index: int, name: str) -> None:
+        namespace, port = f"{self.tag}-{index}", f"s{index}"
+        _ip("netns", "add", namespace)
+        self._made.append(("netns", "del", namespace))
+        _ip("-n", namespace, "link", "set", "lo", "up")
+        _ip("-n", namespace, "link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", self.switch)
+        self._made.append(("-n", self.switch, "link", "del", port))  # takes its pair, eth0, with it
+        address = f"{SUBNET}.{index + 1}"
+        _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", "eth0")
+        _ip("-n", namespace, "link", "set", "eth0", "up")
+        _ip("-n", self.switch, "link", "set", port, "master", "br0")
+        _ip("-n", self.switch, "link", "set", port, "up")
+        self.namespaces[name], self.ports[name], self.addresses[name] = namespace, port, address
+
+    def close(self) -> None:
+        """Remove what was made, by name, newest first; one failure does not stop the rest."""
+        errors = []
+        while self._made:
+            command = self._made.pop()
+            try:
+                _ip(*command)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                errors.append(str(exc))
+        if errors:
+            raise RuntimeError("could not remove: " + "; ".join(errors))
+
+    def __enter__(self) -> "Hosts":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- members and clients ------------------------------------------------------
+
+    def prefix(self, host: str) -> list[str]:
+        """Run a command on `host`: ip execs it inside the namespace, so its pid is the command's."""
+        return ["ip", "netns", "exec", self.namespaces[host]]
+
+    def daemon(self, host: str, role: str, args: Sequence[str], log_path: Path, timeout_s: float = 60.0) -> Daemon:
+        """`kvcache ROLE --host ADDRESS ARGS` on `host`; the caller stops it (by its pid)."""
+        return Daemon(role, ["--host", self.addresses[host], *args], log_path=log_path, timeout_s=timeout_s,
+                      prefix=self.prefix(host))
+
+    def run_python(self, host: str, code: str, *args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
+        return subprocess.run([*self.prefix(host), sys.executable, "-c", code, *args], capture_output=True,
+                              text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+
+    def start_python(self, host: str, code: str, *args: str) -> subprocess.Popen:
+        """The same, left running: the caller waits for it (bounded) or kills it by its pid."""
+        return subprocess.Popen([*self.prefix(host), sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+
+    # ---- faults -----------------------------------------------------------------------
+
+    def partition(self, host: str) -> None:
+        """The host's link down at the switch: its packets go nowhere, nobody's reach it."""
+        _ip("-n", self.switch, "link", "set", self.ports[host], "down")
+
+    def heal(self, host: str) -> None:
+        _ip("-n", self.switch, "link", "set", self.ports[host], "up")
+
+
+# A client run on a host: `status COORDINATOR` prints the members as JSON; `generate COORDINATOR
+# PROMPTS_JSON` sends each prompt greedily in turn and prints one JSON line per answer (its tokens,
+# usage and when it ended, time.time()), an error as {"error": ...} (the run goes on).
+CLIENT = """
+import json, sys, time
+from coordinator.client import Client, Finished, Piece
+command, coordinator = sys.argv[1], sys.argv[2]
+with Client([coordinator], timeout=60.0) as client:
+    if command == "status":
+        members = client.status().members
+        print(json.dumps([{"role": m.role, "address": m.address, "alive": m.alive} for m in members]))
+    else:
+        for prompt in json.loads(sys.argv[3]):
+            tokens, usage = [], None
+            try:
+                for event in client.generate(prompt, max_tokens=8, temperature=0.0):
+                    if isinstance(event, Piece):
+                        tokens.extend(event.token_ids)
+                    elif isinstance(event, Finished):
+                        usage = event.usage.to_dict()
+                print(json.dumps({"tokens": tokens, "usage": usage, "ended": time.time()}), flush=True)
+            except Exception as exc:
+                print(json.dumps({"error": str(exc)}), flush=True)
+"""
+
+
+def first_line(process: subprocess.Popen, timeout_s: float) -> str:
+    """The first line `process` prints, waiting timeout_s at most ("" if none came)."""
+    ready, _, _ = select.select([process.stdout], [], [], timeout_s)
+    return process.stdout.readline() if ready else ""
+
+
+def answers(output: str) -> list[dict]:
+    return [json.loads(line) for line in output.splitlines() if line.strip()]

@@ -1,0 +1,122 @@
+"""Past one machine: a coordinator, two kvnodes, a worker and a client each on a host (network
+namespace) of its own, on one bridge (tests/netns_helpers.py). A kvnode partitioned (its link
+down) while greedy requests run costs no request, every answer equals the undisturbed run's, and
+once healed the same node process rejoins the coordinator."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import time
+
+import pytest
+
+from netns_helpers import CLIENT, Hosts, answers, first_line, why_no_namespaces
+
+_NO_NAMESPACES = why_no_namespaces()
+pytestmark = pytest.mark.skipif(_NO_NAMESPACES is not None, reason=f"multi-host tests: {_NO_NAMESPACES}")
+
+SYSTEM = "You are a careful assistant who answers in one short sentence. " * 4
+PROMPTS = [SYSTEM + f"Question {i}: what is {i} plus {i}?" for i in range(12)]
+
+
+def members(hosts: Hosts, coordinator: str) -> dict[str, bool]:
+    done = hosts.run_python("client", CLIENT, "status", coordinator, timeout_s=30.0)
+    if done.returncode != 0:
+        return {}
+    return {m["address"]: m["alive"] for m in json.loads(done.stdout)}
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+def generate(hosts: Hosts, coordinator: str) -> list[dict]:
+    done = hosts.run_python("client", CLIENT, "generate", coordinator, json.dumps(PROMPTS), timeout_s=300.0)
+    assert done.returncode == 0, done.stderr
+    return answers(done.stdout)
+
+
+def test_a_partitioned_kvnode_costs_no_request_and_rejoins_when_healed(tmp_path):
+    with Hosts(["coordinator", "node-a", "node-b", "worker", "client"]) as hosts, contextlib.ExitStack() as running:
+        def start(host: str, role: str, *args: str):
+            daemon = hosts.daemon(host, role, args, log_path=tmp_path / f"{host}.log")
+            running.callback(daemon.stop, 10.0)  # by its pid, also when the test fails
+            return daemon
+
+        coordinator = start("coordinator", "coordinator", "--port", "50050", "--replicas", "2").address
+        node_a = start("node-a", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator)
+        start("node-b", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator)
+        worker_args = ("--port", "50053", "--model", "tiny", "--coordinators", coordinator)
+        worker = start("worker", "worker", *worker_args)
+        addresses = {f"{hosts.addresses[h]}:{p}" for h, p in
+                     [("node-a", 50051), ("node-b", 50051), ("worker", 50053)]}
+        assert wait_until(lambda: {a for a, alive in members(hosts, coordinator).items() if alive} == addresses, 30.0)
+
+        undisturbed = generate(hosts, coordinator)
+        assert [a.get("error") for a in undisturbed] == [None] * len(PROMPTS)
+
+        # A new worker with an empty local cache: its prompts' cached prefixes now come from the
+        # kvnodes, each page on both (--replicas 2). Its pages were written back before it left.
+        worker.stop(15.0)
+        worker = start("worker", "worker", *worker_args)
+        assert wait_until(lambda: members(hosts, coordinator).get(worker.address) is True, 30.0)
+
+        load = hosts.start_python("client", CLIENT, "generate", coordinator, json.dumps(PROMPTS))
+        running.callback(lambda: load.poll() is None and load.kill())
+        first = first_line(load, timeout_s=120.0)  # the first answer is in: the rest run partitioned
+        assert first, "no first answer"
+        hosts.partition("node-a")
+        partitioned_at = time.time()
+        out, err = load.communicate(timeout=300.0)
+        assert load.returncode == 0, err
+        during = answers(first + out)
+        assert [a.get("error") for a in during] == [None] * len(PROMPTS)  # 0 failed
+        assert sum(a["ended"] > partitioned_at for a in during) >= len(PROMPTS) // 2
+        assert [a["tokens"] for a in during] == [a["tokens"] for a in undisturbed]
+        assert sum(a["usage"]["cached_tokens_remote"] for a in during) > 0  # from node-b, node-a's replica
+
+        node_a_address = f"{hosts.addresses['node-a']}:50051"
+        assert wait_until(lambda: members(hosts, coordinator).get(node_a_address) is False, 30.0)
+        hosts.heal("node-a")
+        assert wait_until(lambda: members(hosts, coordinator).get(node_a_address) is True, 30.0)
+        assert node_a.alive()  # rejoined without a restart
+
+        healed = generate(hosts, coordinator)
+        assert [a["tokens"] for a in healed] == [a["tokens"] for a in undisturbed]
+
+
+
+# Connect to a port of HOST where nothing listens: "refused" means its kernel answered (reachable),
+# "timeout" that the packets went nowhere (partitioned).
+PROBE = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], 9), timeout=1.0)
+    print("connected")
+except ConnectionRefusedError:
+    print("refused")
+except OSError:
+    print("timeout")
+"""
+
+
+def test_the_harness_partitions_and_heals_a_host_and_removes_what_it_made():
+    with Hosts(["a", "b"]) as hosts:
+        def probe() -> str:
+            return hosts.run_python("a", PROBE, hosts.addresses["b"], timeout_s=30.0).stdout.strip()
+
+        assert probe() == "refused"  # a reaches b across the bridge
+        hosts.partition("b")
+        assert probe() == "timeout"
+        hosts.heal("b")
+        assert probe() == "refused"
+        tag = hosts.tag
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    assert tag not in left
