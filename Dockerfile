@@ -16,5 +16,5 @@ ENV PATH=/opt/kvcache/.venv/bin:$PATH
 RUN useradd --system --uid 10001 kvcache && mkdir -p /var/lib/kvcache && chown kvcache /var/lib/kvcache
 USER 10001
 # Coordinator, kvnode gRPC, kvnode data plane, worker, gateway, metrics.
-EXPOSE 50050 50051 50052 50053 8000 9100
+EXPOSE 50050 50051 50052 50061 8000 9100
 CMD ["kvcache", "--help"]

@@ -53,10 +53,10 @@ def test_a_partitioned_kvnode_costs_no_request_and_rejoins_when_healed(tmp_path)
         coordinator = start("coordinator", "coordinator", "--port", "50050", "--replicas", "2").address
         node_a = start("node-a", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator)
         start("node-b", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator)
-        worker_args = ("--port", "50053", "--model", "tiny", "--coordinators", coordinator)
+        worker_args = ("--port", "50061", "--model", "tiny", "--coordinators", coordinator)
         worker = start("worker", "worker", *worker_args)
         addresses = {f"{hosts.addresses[h]}:{p}" for h, p in
-                     [("node-a", 50051), ("node-b", 50051), ("worker", 50053)]}
+                     [("node-a", 50051), ("node-b", 50051), ("worker", 50061)]}
         assert wait_until(lambda: {a for a, alive in members(hosts, coordinator).items() if alive} == addresses, 30.0)
 
         undisturbed = generate(hosts, coordinator)
