@@ -130,22 +130,34 @@ class Hosts:
         _ip("-n", self.switch, "link", "set", self.ports[host], "up")
 
 
-# A client run on a host: `status COORDINATOR` prints the members as JSON; `generate COORDINATOR
-# PROMPTS_JSON` sends each prompt greedily in turn and prints one JSON line per answer (its tokens,
-# usage and when it ended, time.time()), an error as {"error": ...} (the run goes on).
+# A client run on a host: `status COORDINATOR` prints the members as JSON; `busy COORDINATOR` the
+# first worker it sees running a request (none within 60 s: nothing); `generate COORDINATOR
+# PROMPTS_JSON [OPTIONS_JSON]` sends each prompt greedily in turn (options as Client.generate's,
+# default 8 tokens) and prints one JSON line per answer (its tokens, usage and when it ended,
+# time.time()), an error as {"error": ...} (the run goes on).
 CLIENT = """
 import json, sys, time
 from coordinator.client import Client, Finished, Piece
 command, coordinator = sys.argv[1], sys.argv[2]
 with Client([coordinator], timeout=60.0) as client:
-    if command == "status":
+    if command == "busy":  # poll every 20 ms, up to 60 s, for a worker running a request; print it
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline:
+            busy = [m.address for m in client.status().members if m.role == "worker" and m.outstanding]
+            if busy:
+                print(busy[0])
+                break
+            time.sleep(0.02)
+    elif command == "status":
         members = client.status().members
-        print(json.dumps([{"role": m.role, "address": m.address, "alive": m.alive} for m in members]))
+        print(json.dumps([{"role": m.role, "address": m.address, "alive": m.alive, "outstanding": m.outstanding}
+                          for m in members]))
     else:
+        options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {"max_tokens": 8}
         for prompt in json.loads(sys.argv[3]):
             tokens, usage = [], None
             try:
-                for event in client.generate(prompt, max_tokens=8, temperature=0.0):
+                for event in client.generate(prompt, temperature=0.0, **options):
                     if isinstance(event, Piece):
                         tokens.extend(event.token_ids)
                     elif isinstance(event, Finished):

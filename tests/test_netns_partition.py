@@ -120,3 +120,42 @@ def test_the_harness_partitions_and_heals_a_host_and_removes_what_it_made():
         tag = hosts.tag
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
     assert tag not in left
+
+
+def test_a_partitioned_workers_request_resumes_on_another_worker(tmp_path):
+    long = json.dumps({"max_tokens": 400, "ignore_eos": True})
+    with Hosts(["coordinator", "node", "worker-a", "worker-b", "client"]) as hosts, contextlib.ExitStack() as running:
+        def start(host: str, role: str, *args: str):
+            daemon = hosts.daemon(host, role, args, log_path=tmp_path / f"{host}.log")
+            running.callback(daemon.stop, 10.0)
+            return daemon
+
+        coordinator = start("coordinator", "coordinator", "--port", "50050", "--replicas", "1").address
+        start("node", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator)
+        workers = {start(h, "worker", "--port", "50061", "--model", "tiny", "--coordinators", coordinator).address: h
+                   for h in ("worker-a", "worker-b")}
+        assert wait_until(lambda: sum(members(hosts, coordinator).get(w) is True for w in workers) == 2, 30.0)
+
+        def run(prompt: str) -> subprocess.Popen:
+            load = hosts.start_python("client", CLIENT, "generate", coordinator, json.dumps([prompt]), long)
+            running.callback(lambda: load.poll() is None and load.kill())
+            return load
+
+        undisturbed = run(PROMPTS[0])
+        out, err = undisturbed.communicate(timeout=300.0)
+        (expected,) = answers(out)
+        assert expected.get("error") is None and len(expected["tokens"]) == 400, err
+
+        watch = hosts.start_python("client", CLIENT, "busy", coordinator)  # watching before the request starts
+        running.callback(lambda: watch.poll() is None and watch.kill())
+        time.sleep(1.0)  # the watcher is connected: its interpreter and grpc are loaded
+        load = run(PROMPTS[1])
+        busy = first_line(watch, timeout_s=90.0).strip()
+        assert busy in workers, "no worker was seen running the request"
+        hosts.partition(workers[busy])
+        out, err = load.communicate(timeout=300.0)
+        (answer,) = answers(out)
+        assert answer.get("error") is None, answer
+        reference = run(PROMPTS[1])  # the same prompt undisturbed, on the worker left
+        ref_out, _ = reference.communicate(timeout=300.0)
+        assert answer["tokens"] == answers(ref_out)[0]["tokens"]
