@@ -1,5 +1,6 @@
 """Members on hosts of their own, on one machine: a Linux network namespace per host, each with
-one address on a bridge, and faults made with `ip` (a host's link down and up).
+one address on a bridge, and faults made with `ip`: a host's link down and up (a partition), a
+blackhole route from one host to another (asymmetric: the rest still reach it).
 
 Everything is made inside namespaces the harness creates: the bridge lives in a namespace of its
 own (the switch), each host's veth pair runs from its namespace to the switch's, and the
@@ -128,6 +129,14 @@ class Hosts:
 
     def heal(self, host: str) -> None:
         _ip("-n", self.switch, "link", "set", self.ports[host], "up")
+
+    def cut(self, host: str, peer: str) -> None:
+        """Asymmetric: `host` sends nothing to `peer` (a blackhole route in host's namespace), so
+        their connections fail both ways, while everyone else still reaches `host`."""
+        _ip("-n", self.namespaces[host], "route", "add", "blackhole", f"{self.addresses[peer]}/32")
+
+    def mend(self, host: str, peer: str) -> None:
+        _ip("-n", self.namespaces[host], "route", "del", "blackhole", f"{self.addresses[peer]}/32")
 
 
 # A client run on a host: `status COORDINATOR` prints the members as JSON; `busy COORDINATOR` the

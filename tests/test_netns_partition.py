@@ -159,3 +159,36 @@ def test_a_partitioned_workers_request_resumes_on_another_worker(tmp_path):
         reference = run(PROMPTS[1])  # the same prompt undisturbed, on the worker left
         ref_out, _ = reference.communicate(timeout=300.0)
         assert answer["tokens"] == answers(ref_out)[0]["tokens"]
+
+
+def test_a_kvnode_cut_off_from_the_coordinator_only_costs_no_request(tmp_path):
+    # node-a can no longer reach the coordinator (its beats fail) but the worker still reaches
+    # node-a: the coordinator takes it out of the ring, placements name node-b alone, and every
+    # answer stays the undisturbed one; mended, node-a beats again and is back.
+    with Hosts(["coordinator", "node-a", "node-b", "worker", "client"]) as hosts, contextlib.ExitStack() as running:
+        def start(host: str, role: str, *args: str):
+            daemon = hosts.daemon(host, role, args, log_path=tmp_path / f"{host}.log")
+            running.callback(daemon.stop, 10.0)
+            return daemon
+
+        coordinator = start("coordinator", "coordinator", "--port", "50050", "--replicas", "1").address
+        node_a = start("node-a", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator)
+        start("node-b", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator)
+        worker_args = ("--port", "50061", "--model", "tiny", "--coordinators", coordinator)
+        worker = start("worker", "worker", *worker_args)
+        assert wait_until(lambda: sum(members(hosts, coordinator).values()) == 3, 30.0)
+        undisturbed = generate(hosts, coordinator)
+        assert [a.get("error") for a in undisturbed] == [None] * len(PROMPTS)
+
+        hosts.cut("node-a", "coordinator")
+        assert wait_until(lambda: members(hosts, coordinator).get(node_a.address) is False, 30.0)
+        worker.stop(15.0)  # a fresh worker: its prompts' pages come from (and go to) the kvnodes
+        worker = start("worker", "worker", *worker_args)
+        assert wait_until(lambda: members(hosts, coordinator).get(worker.address) is True, 30.0)
+        during = generate(hosts, coordinator)
+        assert [a.get("error") for a in during] == [None] * len(PROMPTS)
+        assert [a["tokens"] for a in during] == [a["tokens"] for a in undisturbed]
+
+        hosts.mend("node-a", "coordinator")
+        assert wait_until(lambda: members(hosts, coordinator).get(node_a.address) is True, 30.0)
+        assert node_a.alive()
