@@ -185,3 +185,60 @@ def first_line(process: subprocess.Popen, timeout_s: float) -> str:
 
 def answers(output: str) -> list[dict]:
     return [json.loads(line) for line in output.splitlines() if line.strip()]
+
+
+# A TCP proxy that adds latency, run on a host: `PROXY DELAY_MS LISTEN_HOST PORT:TARGET_HOST:PORT...`.
+# The kernel here has no netem qdisc, so delay is made in userspace: each chunk read is held until
+# DELAY_MS after it arrived, then written on, in each direction, so the latency is added without
+# capping the rate (chunks read meanwhile queue behind it). Prints "ready" once it listens.
+PROXY = """
+import collections, socket, sys, threading, time
+delay_s, host = float(sys.argv[1]) / 1000, sys.argv[2]
+
+def pump(src, dst):
+    held, lock, more = collections.deque(), threading.Condition(), [True]
+    def read():
+        while True:
+            try:
+                chunk = src.recv(1 << 20)
+            except OSError:
+                chunk = b""
+            with lock:
+                held.append((time.monotonic() + delay_s, chunk))
+                lock.notify()
+            if not chunk:
+                return
+    threading.Thread(target=read, daemon=True).start()
+    while True:
+        with lock:
+            while not held:
+                lock.wait()
+            due, chunk = held.popleft()
+        time.sleep(max(0.0, due - time.monotonic()))
+        if not chunk:
+            try:
+                dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            return
+        try:
+            dst.sendall(chunk)
+        except OSError:
+            return
+
+def serve(listener, target):
+    while True:
+        client, _ = listener.accept()
+        upstream = socket.create_connection(target)
+        for sock in (client, upstream):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        threading.Thread(target=pump, args=(client, upstream), daemon=True).start()
+        threading.Thread(target=pump, args=(upstream, client), daemon=True).start()
+
+for route in sys.argv[3:]:
+    port, target_host, target_port = route.split(":")
+    listener = socket.create_server((host, int(port)))
+    threading.Thread(target=serve, args=(listener, (target_host, int(target_port))), daemon=True).start()
+print("ready", flush=True)
+threading.Event().wait()
+"""

@@ -12,8 +12,11 @@ within 2x of warm-local.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
+from types import SimpleNamespace
+from typing import Iterator
 
 import numpy as np
 
@@ -30,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV dtype on the wire (default float16, half the bytes)")
     parser.add_argument("--repeats", type=int, default=3, help="prompts measured; medians are shown (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--node", default=None, metavar="HOST:PORT",
+                        help="measure against this running kvnode (on another machine, say; its pages must be "
+                             "the model's in --kv-dtype, and it needs room for the prompts) instead of starting one")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     serving.tune_allocator()
     pages_needed = (args.prompt_tokens // engines[0].page_tokens + 1) * (2 * args.repeats + 2)
     capacity = str(page_bytes * pages_needed)
-    with Daemon("node", ["--port", "0", "--page-bytes", str(page_bytes), "--capacity", capacity]) as node:
+    with _node(args.node, page_bytes, capacity) as node:
         tiers = [RemoteTier(engine.kv_pool, args.kv_dtype) for engine in engines]
         for engine, tier in zip(engines, tiers):
             engine.attach_remote_tier(tier)
@@ -130,6 +136,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"of the warm-from-kvnode TTFT, fetching the pages and writing them into the pool took "
           f"{result['fill_ms']:.1f} ms ({result['fill_gb_per_s']:.2f} GB/s); the rest computes the last page")
     return 0
+
+
+@contextlib.contextmanager
+def _node(address: str | None, page_bytes: int, capacity: str) -> Iterator[Daemon | SimpleNamespace]:
+    """The kvnode measured: the one at `address`, else a new one on loopback, stopped at the end."""
+    if address is not None:
+        yield SimpleNamespace(address=address)
+        return
+    with Daemon("node", ["--port", "0", "--page-bytes", str(page_bytes), "--capacity", capacity]) as node:
+        yield node
 
 
 def _pool_bytes(args: argparse.Namespace) -> int:
