@@ -139,7 +139,7 @@ class Hosts:
         _ip("-n", self.namespaces[host], "route", "del", "blackhole", f"{self.addresses[peer]}/32")
 
 
-# A client run on a host: `status COORDINATOR` prints the members as JSON; `busy COORDINATOR` the
+# A client run on a host: `status COORDINATOR` prints the members as JSON, `epoch COORDINATOR` its epoch; `busy COORDINATOR` the
 # first worker it sees running a request (none within 60 s: nothing); `generate COORDINATOR
 # PROMPTS_JSON [OPTIONS_JSON]` sends each prompt greedily in turn (options as Client.generate's,
 # default 8 tokens) and prints one JSON line per answer (its tokens, usage and when it ended,
@@ -161,6 +161,8 @@ with Client([coordinator], timeout=60.0) as client:
         members = client.status().members
         print(json.dumps([{"role": m.role, "address": m.address, "alive": m.alive, "outstanding": m.outstanding}
                           for m in members]))
+    elif command == "epoch":
+        print(client.status().epoch)
     else:
         options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {"max_tokens": 8}
         for prompt in json.loads(sys.argv[3]):

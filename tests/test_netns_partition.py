@@ -222,3 +222,41 @@ def test_bench_remote_across_hosts_through_a_delaying_proxy(tmp_path):
         assert "using gRPC" not in bench.stderr  # the pages came over the data plane, via the proxy's host
         print(f"\nbench remote across hosts, 1 ms each way: warm-from-kvnode {result['speedup_remote_vs_cold']:.1f}x "
               f"faster than cold, {result['remote_vs_local']:.2f}x warm-local")
+
+
+def test_coordinators_that_saw_a_partition_differently_converge_once_it_heals(tmp_path):
+    # node-a cannot reach coordinator-1 but still reaches coordinator-2: the two disagree on the
+    # live kvnodes (different epochs), yet a client's request succeeds through either; mended,
+    # they agree on one epoch again within a few beats.
+    names = ["coordinator-1", "coordinator-2", "node-a", "node-b", "worker", "client"]
+    with Hosts(names) as hosts, contextlib.ExitStack() as running:
+        def start(host: str, role: str, *args: str):
+            daemon = hosts.daemon(host, role, args, log_path=tmp_path / f"{host}.log")
+            running.callback(daemon.stop, 10.0)
+            return daemon
+
+        coordinators = [start(c, "coordinator", "--port", "50050").address for c in ("coordinator-1", "coordinator-2")]
+        joined = ",".join(coordinators)
+        node_a = start("node-a", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", joined)
+        start("node-b", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", joined)
+        start("worker", "worker", "--port", "50061", "--model", "tiny", "--coordinators", joined)
+
+        def epochs() -> list[str]:
+            return [hosts.run_python("client", CLIENT, "epoch", c, timeout_s=30.0).stdout.strip() for c in coordinators]
+
+        assert all(wait_until(lambda c=c: sum(members(hosts, c).values()) == 3, 30.0) for c in coordinators)
+        agreed = epochs()
+        assert agreed[0] == agreed[1] != ""
+
+        hosts.cut("node-a", "coordinator-1")
+        assert wait_until(lambda: members(hosts, coordinators[0]).get(node_a.address) is False, 30.0)
+        split = epochs()
+        assert split[0] != split[1] and split[1] == agreed[0]
+        for coordinator in coordinators:
+            answered = hosts.run_python("client", CLIENT, "generate", coordinator, json.dumps(PROMPTS[:2]),
+                                        timeout_s=120.0)
+            assert [a.get("error") for a in answers(answered.stdout)] == [None, None], answered.stderr
+
+        hosts.mend("node-a", "coordinator-1")
+        assert wait_until(lambda: len(set(epochs())) == 1, 15.0)  # a few beats
+        assert epochs()[0] == agreed[0]
