@@ -85,7 +85,7 @@ class Client:
         self._metadata = authorization(token)
         self._coordinators = []
         for address in dict.fromkeys(coordinators):
-            channel = traced_channel(security.channel(address, credentials))
+            channel = traced_channel(security.channel(address, credentials, security.KEEPALIVE_OPTIONS))
             self._coordinators.append(_Coordinator(
                 address,
                 channel,

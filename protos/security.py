@@ -119,6 +119,19 @@ def _read(path: Path, option: str) -> bytes:
         raise ValueError(f"{option} {path}: {exc.strerror or exc}") from None
 
 
+# For channels whose calls stream for long (a coordinator's to a worker, a client's to a
+# coordinator): a peer cut off mid-stream (its link down) sends nothing, not even a reset, and
+# without pings its caller would wait out the call's whole deadline. These channels ping every
+# 10 s, also while no data flows (a long prefill); no answer within 5 s ends their calls
+# UNAVAILABLE, so the caller resumes them elsewhere. Servers take a ping every 5 s at most
+# (protos/serving.py), so these never count as abuse.
+KEEPALIVE_OPTIONS = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+
 def channel(address: str, credentials: Credentials | None, options=()) -> grpc.Channel:
     """The one way to open a channel to a member: TLS with `credentials`, else plaintext."""
     if credentials is None:

@@ -139,7 +139,7 @@ class Hosts:
         _ip("-n", self.namespaces[host], "route", "del", "blackhole", f"{self.addresses[peer]}/32")
 
 
-# A client run on a host: `status COORDINATOR` prints the members as JSON, `epoch COORDINATOR` its epoch; `busy COORDINATOR` the
+# A client run on a host (COORDINATOR: one address, or A,B for generate): `status COORDINATOR` prints the members as JSON, `epoch COORDINATOR` its epoch; `busy COORDINATOR` the
 # first worker it sees running a request (none within 60 s: nothing); `generate COORDINATOR
 # PROMPTS_JSON [OPTIONS_JSON]` sends each prompt greedily in turn (options as Client.generate's,
 # default 8 tokens) and prints one JSON line per answer (its tokens, usage and when it ended,
@@ -148,7 +148,7 @@ CLIENT = """
 import json, sys, time
 from coordinator.client import Client, Finished, Piece
 command, coordinator = sys.argv[1], sys.argv[2]
-with Client([coordinator], timeout=60.0) as client:
+with Client(coordinator.split(","), timeout=60.0) as client:
     if command == "busy":  # poll every 20 ms, up to 60 s, for a worker running a request; print it
         deadline = time.monotonic() + 60.0
         while time.monotonic() < deadline:

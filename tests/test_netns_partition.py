@@ -260,3 +260,39 @@ def test_coordinators_that_saw_a_partition_differently_converge_once_it_heals(tm
         hosts.mend("node-a", "coordinator-1")
         assert wait_until(lambda: len(set(epochs())) == 1, 15.0)  # a few beats
         assert epochs()[0] == agreed[0]
+
+
+def test_a_request_through_a_partitioned_coordinator_resumes_through_the_other(tmp_path):
+    long = json.dumps({"max_tokens": 400, "ignore_eos": True})
+    names = ["coordinator-1", "coordinator-2", "node", "worker", "client"]
+    with Hosts(names) as hosts, contextlib.ExitStack() as running:
+        def start(host: str, role: str, *args: str):
+            daemon = hosts.daemon(host, role, args, log_path=tmp_path / f"{host}.log")
+            running.callback(daemon.stop, 10.0)
+            return daemon
+
+        coordinators = [start(c, "coordinator", "--port", "50050").address for c in ("coordinator-1", "coordinator-2")]
+        joined = ",".join(coordinators)
+        start("node", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", joined)
+        worker = start("worker", "worker", "--port", "50061", "--model", "tiny", "--coordinators", joined)
+        assert all(wait_until(lambda c=c: members(hosts, c).get(worker.address) is True, 30.0) for c in coordinators)
+
+        def run(prompt: str) -> subprocess.Popen:
+            load = hosts.start_python("client", CLIENT, "generate", joined, json.dumps([prompt]), long)
+            running.callback(lambda: load.poll() is None and load.kill())
+            return load
+
+        out, _ = run(PROMPTS[2]).communicate(timeout=300.0)
+        (expected,) = answers(out)
+        assert expected.get("error") is None and len(expected["tokens"]) == 400
+
+        watch = hosts.start_python("client", CLIENT, "busy", coordinators[0])
+        running.callback(lambda: watch.poll() is None and watch.kill())
+        time.sleep(1.0)
+        load = run(PROMPTS[2])  # the client tries coordinator-1 first
+        assert first_line(watch, timeout_s=90.0).strip() == worker.address
+        hosts.partition("coordinator-1")
+        out, err = load.communicate(timeout=300.0)
+        (answer,) = answers(out)
+        assert answer.get("error") is None, answer
+        assert answer["tokens"] == expected["tokens"]

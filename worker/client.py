@@ -110,25 +110,13 @@ def parse_reply(reply: pb.GenerateReply) -> Piece | Finished:
     return Piece(reply.text, list(reply.token_ids))
 
 
-# A worker cut off mid-stream (its link down) sends nothing, not even a reset: without pings its
-# caller would wait out the request's whole timeout. The channel pings every 10 s, also while no
-# data flows (a long prefill); no answer within 5 s ends its calls UNAVAILABLE, so a coordinator
-# resumes them on another worker. Servers take a ping every 5 s at most (protos/serving.py), so
-# these never count as abuse.
-KEEPALIVE_OPTIONS = (
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.http2.max_pings_without_data", 0),
-)
-
-
 class WorkerClient:
     def __init__(self, address: str, timeout: float = 300.0, credentials: security.Credentials | None = None,
                  token: str | None = None):
         self.address = address
         self.timeout = timeout
         self.metadata = authorization(token)  # protos/tokens.py: a worker started with --tokens-file needs one
-        self._channel = traced_channel(security.channel(address, credentials, KEEPALIVE_OPTIONS))
+        self._channel = traced_channel(security.channel(address, credentials, security.KEEPALIVE_OPTIONS))
         self._generate = self._channel.unary_stream(
             _SERVICE + "Generate", pb.GenerateRequest.SerializeToString, pb.GenerateReply.FromString
         )
