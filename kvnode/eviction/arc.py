@@ -108,14 +108,7 @@ class ArcOrder(SegmentedOrder):
             (b2 if b2 else b1).popitem(last=False)
 
     def check(self) -> None:
-        assert self._entries.keys() == self._pages.keys(), "the order's pages differ from the store's"
-        for where in (T1, T2):
-            size = sum(1 for e in self._entries.values() if e.where == where)
-            assert size == self._sizes[where], f"list {where} counts {self._sizes[where]} pages, holds {size}"
-            entries = self._segments[where].entries()
-            for key, entry in self._entries.items():
-                if entry.where == where and self.is_free(self._pages[key]):
-                    assert (entry.rank, key) in entries, f"page {key.hex()} cannot be evicted: no queue entry"
+        self._check_segments(self._sizes)
         b1, b2 = self._ghosts[T1], self._ghosts[T2]
         assert not (b1.keys() & self._pages.keys()) and not (b2.keys() & self._pages.keys()), "a ghost is cached"
         assert not (b1.keys() & b2.keys()), "a key is in both ghost lists"

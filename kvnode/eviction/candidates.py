@@ -136,3 +136,15 @@ class SegmentedOrder(Order):
     def _next_tick(self) -> int:
         self._tick += 1
         return self._tick
+
+    def _check_segments(self, sizes: dict[int, int]) -> None:
+        """The order's entries are the store's pages, each segment counts what it holds, and every
+        page that may go now has a live entry in its segment's heap (`check`'s common part)."""
+        assert self._entries.keys() == self._pages.keys(), "the order's pages differ from the store's"
+        for where, heap in self._segments.items():
+            size = sum(1 for e in self._entries.values() if e.where == where)
+            assert size == sizes[where], f"segment {where} counts {sizes[where]} pages, holds {size}"
+            entries = heap.entries()
+            for key, entry in self._entries.items():
+                if entry.where == where and self.is_free(self._pages[key]):
+                    assert (entry.rank, key) in entries, f"page {key.hex()} cannot be evicted: no queue entry"

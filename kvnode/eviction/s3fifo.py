@@ -121,14 +121,7 @@ class S3FifoOrder(SegmentedOrder):
         self._sizes[entry.where] -= 1
 
     def check(self) -> None:
-        assert self._entries.keys() == self._pages.keys(), "the order's pages differ from the store's"
-        for where in (SMALL, MAIN):
-            size = sum(1 for e in self._entries.values() if e.where == where)
-            assert size == self._sizes[where], f"queue {where} counts {self._sizes[where]} pages, holds {size}"
-            entries = self._segments[where].entries()
-            for key, entry in self._entries.items():
-                if entry.where == where and self.is_free(self._pages[key]):
-                    assert (entry.rank, key) in entries, f"page {key.hex()} cannot be evicted: no queue entry"
+        self._check_segments(self._sizes)
         assert all(0 <= e.uses <= MAX_USES for e in self._entries.values()), "a use count is out of range"
         assert not (self._ghosts.keys() & self._pages.keys()), "a ghost is cached"
         assert len(self._ghosts) <= max(self.capacity, 0), "the ghost queue is over its bound"
