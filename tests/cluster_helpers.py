@@ -8,6 +8,7 @@ every wait bounded in time.
 from __future__ import annotations
 
 import contextlib
+import signal
 import subprocess
 import sys
 import time
@@ -125,3 +126,22 @@ def collect(events) -> tuple[list[int], object]:
             finished = event
     assert finished is not None, "the stream ended without a final message"
     return tokens, finished
+
+
+def run_bench(bench: str, args: Sequence[str], timeout_s: float) -> tuple[int, str, str]:
+    """`kvcache bench BENCH ARGS` to completion; on timeout SIGTERM it (a bench stops its own
+    cluster on SIGTERM), then kill it, and fail the test."""
+    import pytest
+
+    process = subprocess.Popen(kvcache_command("bench", bench, *args), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        out, err = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGTERM)
+        try:
+            out, err = process.communicate(timeout=60)
+        finally:
+            process.kill()
+        pytest.fail(f"bench {bench} did not finish in {timeout_s}s: {err[-2000:]}")
+    return process.returncode, out, err

@@ -77,3 +77,13 @@ def no_kvnode_errors_logged(caplog):
         yield
     errors = [r for r in caplog.records if r.name == "kvnode" and r.levelno >= logging.ERROR]
     assert errors == [], [r.getMessage() for r in errors]
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    """A development CA and one certificate per role (`kvcache certs`), for a module's secure daemons."""
+    from kvcache.certs import make_certs  # cryptography: only for the tests that ask
+
+    folder = tmp_path_factory.mktemp("certs")
+    make_certs(folder)
+    return folder

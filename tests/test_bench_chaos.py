@@ -3,12 +3,12 @@ counting beneath its table (differences, excused deaths, log lines) on made-up o
 
 import json
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+import cluster_helpers
 
 from coordinator.client import Client
 from kvcache.bench.chaosload import ChaosRequest, Outcome, first_difference
@@ -16,26 +16,13 @@ from kvcache.bench.chaosreport import count_outcomes, print_report
 from kvcache.bench.chaoswatch import DeadSighting, Downtime, log_sightings, resumed_streams, wrongly_dead
 from kvcache.cluster import start_cluster, wait_healthy
 
-BENCH = [sys.executable, "-m", "kvcache.cli", "bench", "chaos"]
 SHORT = ["--nodes", "2", "--workers", "2", "--replicas", "1", "--node-capacity", "16MiB", "--worker-kv-cache",
          "16MiB", "--prompts", "6", "--max-tokens", "128", "--concurrency", "4", "--duration", "12",
          "--faults", "worker-kill", "--fault-interval", "8", "--request-timeout", "30", "--json", "--no-progress"]
 
 
 def run_bench(args, timeout=150):
-    """Run the bench; on timeout SIGTERM it (it stops its cluster), then kill it."""
-    process = subprocess.Popen(BENCH + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               stdin=subprocess.DEVNULL)
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.send_signal(signal.SIGTERM)
-        try:
-            out, err = process.communicate(timeout=60)
-        finally:
-            process.kill()
-        pytest.fail(f"bench chaos did not finish in {timeout}s: {err[-2000:]}")
-    return process.returncode, out, err
+    return cluster_helpers.run_bench("chaos", args, timeout)
 
 
 def running(pid: int) -> bool:

@@ -5,13 +5,12 @@ import importlib.util
 import json
 import math
 import os
-import signal
 import subprocess
-import sys
 
 import pytest
 
-BENCH = [sys.executable, "-m", "kvcache.cli", "bench", "load"]
+import cluster_helpers
+
 SMALL = ["--model", "tiny", "--nodes", "2", "--workers", "1", "--replicas", "1", "--node-capacity", "16MiB",
          "--worker-kv-cache", "16MiB", "--requests", "6", "--concurrency", "2", "--max-tokens", "2",
          "--duration", "60", "--warmup", "1", "--system-chars", "96", "--session-context-chars", "48",
@@ -19,19 +18,7 @@ SMALL = ["--model", "tiny", "--nodes", "2", "--workers", "1", "--replicas", "1",
 
 
 def run_bench(args, timeout=240):
-    """Run the bench; on timeout SIGTERM it (it stops its cluster), then kill it."""
-    process = subprocess.Popen(BENCH + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               stdin=subprocess.DEVNULL)
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.send_signal(signal.SIGTERM)
-        try:
-            out, err = process.communicate(timeout=60)
-        finally:
-            process.kill()
-        pytest.fail(f"bench load did not finish in {timeout}s: {err[-2000:]}")
-    return process.returncode, out, err
+    return cluster_helpers.run_bench("load", args, timeout)
 
 
 def test_short_run_reports_both_passes_and_ratios(tmp_path):
@@ -100,7 +87,7 @@ def test_plot_without_matplotlib_says_so(tmp_path):
     hide = tmp_path / "hide"
     hide.mkdir()
     (hide / "matplotlib.py").write_text("raise ImportError('hidden for this test')\n")
-    process = subprocess.run(BENCH + ["--model", "tiny", "--plot", str(tmp_path / "charts")], capture_output=True,
+    process = subprocess.run(cluster_helpers.kvcache_command("bench", "load") + ["--model", "tiny", "--plot", str(tmp_path / "charts")], capture_output=True,
                              text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(hide)})
     assert process.returncode == 2 and "pip install -e '.[bench]'" in process.stderr
     assert not (tmp_path / "charts").exists()

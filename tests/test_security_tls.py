@@ -29,13 +29,6 @@ PROMPT = "The bakery opens at seven and closes when the bread is gone. Do you se
 
 
 @pytest.fixture(scope="module")
-def certs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("certs")
-    make_certs(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
 def secure_cluster(tmp_path_factory, certs):
     with start_cluster(tmp_path_factory.mktemp("cluster"), nodes=1, workers=1, coordinators=1, replicas=1,
                        node_capacity="16MiB", worker_kv_cache="16MiB", tls_dir=certs) as cluster:

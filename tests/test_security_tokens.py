@@ -17,7 +17,6 @@ from cluster_helpers import collect, wait_for
 from coordinator.client import Client, ClusterError
 from coordinator.daemon import MEMBER_METHODS
 from coordinator.ring import placement_key
-from kvcache.certs import make_certs
 from kvcache.cluster import client_tls, start_cluster, wait_healthy
 from kvnode.client import NodeClient
 from protos import security
@@ -30,13 +29,6 @@ TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789", "car
           "docs": "docs-token-0123456789", "demo": "demo-token-0123456789"}
 SHARED = {"docs", "demo"}
 SYSTEM = "You are the support assistant of a small bakery. Be kind, be brief, never invent prices. "
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("certs")
-    make_certs(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
