@@ -10,6 +10,8 @@ after a failure; processes are the caller's to stop first (Daemon.stop, by pid).
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import select
@@ -244,3 +246,15 @@ for route in sys.argv[3:]:
 print("ready", flush=True)
 threading.Event().wait()
 """
+
+
+def starter(hosts: "Hosts", running: contextlib.ExitStack, log_dir: Path):
+    """`start(host, role, *args)`: a daemon on `host` logging to log_dir/HOST.log, stopped by its pid
+    when `running` closes (also when the test fails)."""
+
+    def start(host: str, role: str, *args: str) -> Daemon:
+        daemon = hosts.daemon(host, role, args, log_path=log_dir / f"{host}.log")
+        running.callback(daemon.stop, 10.0)
+        return daemon
+
+    return start

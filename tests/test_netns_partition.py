@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from netns_helpers import CLIENT, PROXY, Hosts, answers, first_line, why_no_namespaces
+from netns_helpers import CLIENT, Hosts, PROXY, answers, first_line, starter, why_no_namespaces
 
 _NO_NAMESPACES = why_no_namespaces()
 pytestmark = pytest.mark.skipif(_NO_NAMESPACES is not None, reason=f"multi-host tests: {_NO_NAMESPACES}")
@@ -46,10 +46,7 @@ def generate(hosts: Hosts, coordinator: str) -> list[dict]:
 
 def test_a_partitioned_kvnode_costs_no_request_and_rejoins_when_healed(tmp_path):
     with Hosts(["coordinator", "node-a", "node-b", "worker", "client"]) as hosts, contextlib.ExitStack() as running:
-        def start(host: str, role: str, *args: str):
-            daemon = hosts.daemon(host, role, args, log_path=tmp_path / f"{host}.log")
-            running.callback(daemon.stop, 10.0)  # by its pid, also when the test fails
-            return daemon
+        start = starter(hosts, running, tmp_path)  # each daemon stopped by its pid, also when the test fails
 
         coordinator = start("coordinator", "coordinator", "--port", "50050", "--replicas", "2").address
         node_a = start("node-a", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator)
@@ -126,10 +123,7 @@ def test_the_harness_partitions_and_heals_a_host_and_removes_what_it_made():
 def test_a_partitioned_workers_request_resumes_on_another_worker(tmp_path):
     long = json.dumps({"max_tokens": 400, "ignore_eos": True})
     with Hosts(["coordinator", "node", "worker-a", "worker-b", "client"]) as hosts, contextlib.ExitStack() as running:
-        def start(host: str, role: str, *args: str):
-            daemon = hosts.daemon(host, role, args, log_path=tmp_path / f"{host}.log")
-            running.callback(daemon.stop, 10.0)
-            return daemon
+        start = starter(hosts, running, tmp_path)  # each daemon stopped by its pid, also when the test fails
 
         coordinator = start("coordinator", "coordinator", "--port", "50050", "--replicas", "1").address
         start("node", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator)
@@ -167,10 +161,7 @@ def test_a_kvnode_cut_off_from_the_coordinator_only_costs_no_request(tmp_path):
     # node-a: the coordinator takes it out of the ring, placements name node-b alone, and every
     # answer stays the undisturbed one; mended, node-a beats again and is back.
     with Hosts(["coordinator", "node-a", "node-b", "worker", "client"]) as hosts, contextlib.ExitStack() as running:
-        def start(host: str, role: str, *args: str):
-            daemon = hosts.daemon(host, role, args, log_path=tmp_path / f"{host}.log")
-            running.callback(daemon.stop, 10.0)
-            return daemon
+        start = starter(hosts, running, tmp_path)  # each daemon stopped by its pid, also when the test fails
 
         coordinator = start("coordinator", "coordinator", "--port", "50050", "--replicas", "1").address
         node_a = start("node-a", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator)
@@ -230,10 +221,7 @@ def test_coordinators_that_saw_a_partition_differently_converge_once_it_heals(tm
     # they agree on one epoch again within a few beats.
     names = ["coordinator-1", "coordinator-2", "node-a", "node-b", "worker", "client"]
     with Hosts(names) as hosts, contextlib.ExitStack() as running:
-        def start(host: str, role: str, *args: str):
-            daemon = hosts.daemon(host, role, args, log_path=tmp_path / f"{host}.log")
-            running.callback(daemon.stop, 10.0)
-            return daemon
+        start = starter(hosts, running, tmp_path)  # each daemon stopped by its pid, also when the test fails
 
         coordinators = [start(c, "coordinator", "--port", "50050").address for c in ("coordinator-1", "coordinator-2")]
         joined = ",".join(coordinators)
@@ -266,10 +254,7 @@ def test_a_request_through_a_partitioned_coordinator_resumes_through_the_other(t
     long = json.dumps({"max_tokens": 400, "ignore_eos": True})
     names = ["coordinator-1", "coordinator-2", "node", "worker", "client"]
     with Hosts(names) as hosts, contextlib.ExitStack() as running:
-        def start(host: str, role: str, *args: str):
-            daemon = hosts.daemon(host, role, args, log_path=tmp_path / f"{host}.log")
-            running.callback(daemon.stop, 10.0)
-            return daemon
+        start = starter(hosts, running, tmp_path)  # each daemon stopped by its pid, also when the test fails
 
         coordinators = [start(c, "coordinator", "--port", "50050").address for c in ("coordinator-1", "coordinator-2")]
         joined = ",".join(coordinators)
