@@ -42,6 +42,7 @@ class Membership:
         self.dead_after_s = dead_after_s
         self._members: dict[str, Member] = {}
         self._lock = threading.Lock()
+        self._build_lock = threading.Lock()  # one ring build at a time, outside self._lock
         self._ring = Ring({})
 
     def register(self, role: str, address: str, capacity_bytes: int = 0, page_bytes: int = 0,
@@ -59,8 +60,8 @@ class Membership:
             member = Member(uuid.uuid4().hex[:12], role, address, capacity_bytes, page_bytes, model, fingerprint,
                             last_beat=self.clock())
             self._members[member.member_id] = member
-            self._rebuild_ring()
-            return member
+        self._refresh_ring()
+        return member
 
     def heartbeat(self, member_id: str, load: dict | None = None) -> bool:
         """Record a beat; False if the id is unknown (the member should register again)."""
@@ -71,18 +72,19 @@ class Membership:
             member.last_beat = self.clock()
             if load is not None:
                 member.load = dict(load)
-            if not member.alive:
-                member.alive = True
-                self._rebuild_ring()
-            return True
+            revived = not member.alive
+            member.alive = True
+        if revived:
+            self._refresh_ring()
+        return True
 
     def deregister(self, member_id: str) -> Member | None:
         """A member leaving on purpose: forget it now (it leaves the ring); None if unknown."""
         with self._lock:
             member = self._members.pop(member_id, None)
-            if member is not None:
-                self._rebuild_ring()
-            return member
+        if member is not None:
+            self._refresh_ring()
+        return member
 
     def sweep(self) -> list[Member]:
         """Mark members that missed their beats dead (and forget long-dead ones); returns the newly dead."""
@@ -96,8 +98,8 @@ class Membership:
                     newly_dead.append(member)
                 elif not member.alive and silent > FORGET_AFTER_S:
                     del self._members[member_id]
-            if newly_dead:
-                self._rebuild_ring()
+        if newly_dead:
+            self._refresh_ring()
         return newly_dead
 
     def mark_dead(self, address: str) -> None:
@@ -107,8 +109,8 @@ class Membership:
             for member in self._members.values():
                 if member.address == address and member.alive:
                     member.alive, member.last_beat, changed = False, self.clock() - self.dead_after_s, True
-            if changed:
-                self._rebuild_ring()
+        if changed:
+            self._refresh_ring()
 
     def members(self) -> list[Member]:
         with self._lock:
@@ -123,7 +125,12 @@ class Membership:
         """The ring over the live kvnodes (replaced, never mutated, on every change)."""
         return self._ring
 
-    def _rebuild_ring(self) -> None:
-        nodes = {m.address: m.capacity_bytes for m in self._members.values() if m.role == NODE and m.alive}
-        if nodes != self._ring.nodes:
-            self._ring = Ring(nodes)
+    def _refresh_ring(self) -> None:
+        """Build the ring for the live kvnodes as they are now, outside self._lock: a build takes
+        seconds at 1,000 nodes, and heartbeats must not wait for it. Builds run one at a time and
+        each reads the newest view, so the last one to finish matches the members."""
+        with self._build_lock:
+            with self._lock:
+                nodes = {m.address: m.capacity_bytes for m in self._members.values() if m.role == NODE and m.alive}
+            if nodes != self._ring.nodes:
+                self._ring = Ring(nodes)

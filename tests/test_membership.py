@@ -89,3 +89,39 @@ def test_a_member_that_deregisters_leaves_the_ring_at_once(clock):
     assert set(members.ring.nodes) == {"127.0.0.1:2"}
     assert [m.address for m in members.members()] == ["127.0.0.1:2"]
     assert members.deregister(a.member_id) is None and not members.heartbeat(a.member_id)
+
+
+def test_heartbeats_and_reads_do_not_wait_for_a_ring_build(clock, monkeypatch):
+    """A ring of 1,000 nodes takes seconds to build: members must keep beating meanwhile, and the
+    ring that is finally in place is the one for the newest live set."""
+    import threading
+
+    import coordinator.membership as membership_module
+
+    building, release = threading.Event(), threading.Event()
+    real_ring = membership_module.Ring
+
+    def slow_ring(nodes):
+        if len(nodes) == 2:  # only the second node's build is held
+            building.set()
+            assert release.wait(10), "the test never released the build"
+        return real_ring(nodes)
+
+    members = Membership(clock=clock)
+    first = members.register(NODE, "10.0.0.1:1", capacity_bytes=2**30)
+    monkeypatch.setattr(membership_module, "Ring", slow_ring)
+    joining = threading.Thread(target=members.register, args=(NODE, "10.0.0.2:1"), kwargs={"capacity_bytes": 2**30})
+    joining.start()
+    try:
+        assert building.wait(10), "the second node's ring build never started"
+        beats = []
+        beat = threading.Thread(target=lambda: beats.append(members.heartbeat(first.member_id)))
+        beat.start()
+        beat.join(5)
+        assert beats == [True], "a heartbeat waited for the ring build"
+        assert {m.address for m in members.live(NODE)} == {"10.0.0.1:1", "10.0.0.2:1"}
+    finally:
+        release.set()
+        joining.join(10)
+    assert not joining.is_alive()
+    assert set(members.ring.nodes) == {"10.0.0.1:1", "10.0.0.2:1"}
