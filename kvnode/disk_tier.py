@@ -61,6 +61,7 @@ class DiskTier:
         self.page_bytes = page_bytes
         self.slot_bytes = -(-(HEADER_BYTES + page_bytes) // BLOCK_BYTES) * BLOCK_BYTES
         self.path = self.directory / SLOTS_FILE
+        self._head = bytearray(HEADER_BYTES)  # read()'s header, reused: reads run under the store's lock
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             self._size_file()
@@ -99,9 +100,15 @@ class DiskTier:
 
     def read(self, slot: int, key: bytes, out) -> bool:
         """Read slot's page into `out` (page_bytes, writable); False when the slot does not hold
-        `key` intact (torn, corrupted, overwritten): then `out` holds garbage and must not be served."""
-        header = self.inspect(slot, bytearray(HEADER_BYTES), out)
-        return header is not None and header.key == key
+        `key` intact (torn, corrupted, overwritten): then `out` holds garbage and must not be served.
+        The hot path of a fetch from disk (design note 6): one preadv, one unpack, one checksum."""
+        page = memoryview(out).cast("B")
+        head = self._head
+        if os.preadv(self._fd, [head, page], self._offset(slot)) != HEADER_BYTES + self.page_bytes:
+            return False
+        magic, version, _, page_bytes, _, _, stored_key, _, checksum = HEADER.unpack_from(head)
+        return (stored_key == key and magic == MAGIC and version == VERSION and page_bytes == self.page_bytes
+                and checksum == self._checksum(head, page))
 
     def inspect(self, slot: int, head: bytearray, out) -> SlotHeader | None:
         """Read slot's header into `head` and its page into `out`: the header when the page is
@@ -143,9 +150,9 @@ class DiskTier:
     def is_empty(raw) -> bool:
         return bytes(raw[:4]) == bytes(4)
 
-    def _checksum(self, head, page: memoryview) -> int:
-        digest = xxhash.xxh3_64()
-        digest.update(memoryview(head)[:_CHECKED])
+    @staticmethod
+    def _checksum(head, page: memoryview) -> int:
+        digest = xxhash.xxh3_64(memoryview(head)[:_CHECKED])
         digest.update(page)
         return digest.intdigest()
 

@@ -479,9 +479,8 @@ class PageStore:
             self._drop_corrupted(key)
             raise PageNotFound(key)
         if slot is not None:
-            page.slot = slot
+            page.slot = slot  # queued for RAM by the touch that follows (_pin)
             self.stats.promotions += 1
-            self._ram_queue.offer(key, page)
         return memoryview(out)
 
     def _drop_corrupted(self, key: bytes) -> None:
