@@ -32,16 +32,21 @@ Design notes
    disk slot, taken when it is stored, and the disk's capacity is the node's; RAM keeps a copy
    of the pages used last. So the node's eviction (note 1) runs over the disk's pages and drops
    a page from the node only as a leaf, and RAM makes room by dropping the copy used least
-   recently (kvnode/eviction.py: RamQueue), whatever its place in a chain: the page stays on
+   recently (kvnode/eviction/ram_queue.py), whatever its place in a chain: the page stays on
    the node. A put lands in RAM, dirty: flush() (every --flush-interval) writes dirty pages to
    their slots, and so does dropping a dirty copy from RAM (demotion). So put acknowledges
    RAM, and disk within the flush interval; with `write_through` it writes the page before it
    answers. A page on disk only is read back into RAM when it is read (promotion) and checked
    against its checksum first; when no RAM slot is free or unpinned it is served from a
-   buffer of its own, not promoted.
-7. A page whose bytes on disk fail their checksum is never served: it is dropped with its
-   descendants (unreachable without it); a descendant pinned at that moment goes when its
-   last pin is released. At start the index is rebuilt from the slots (kvnode/recovery.py).
+   buffer of its own, not promoted. Moving copies between the tiers, and the disk's I/O
+   errors, are kvnode/tiers.py's.
+7. A page whose bytes on disk fail their checksum, or cannot be read, is never served: it is
+   dropped with its descendants (unreachable without it). At start the index is rebuilt from
+   the slots (kvnode/recovery.py).
+8. A page dropped while pinned (note 7: a descendant being sent, or flushed) leaves the index at
+   once, so no lookup counts it and no fetch pins it again; only its slots wait, in
+   `_condemned`, for its last unpin (a sender is still reading them). Until then its key
+   cannot be stored again (REFUSED_NO_ROOM), so an unpin by key always finds the right page.
 """
 
 from __future__ import annotations
@@ -57,8 +62,9 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from kvnode.disk_tier import DiskTier
-from kvnode.eviction import PREFIX_AWARE, EvictionPolicy, EvictionQueue, RamQueue, get_policy
+from kvnode.eviction import PREFIX_AWARE, EvictionPolicy, EvictionQueue, get_policy
 from kvnode.recovery import Recovered, recover
+from kvnode.tiers import Tiers
 
 log = logging.getLogger("kvnode")
 
@@ -128,6 +134,7 @@ class StoreStats:
     orphans_dropped: int = 0  # intact pages dropped because an ancestor was corrupted or lost
     recovered_pages: int = 0  # pages found intact on disk at start
     recovery_seconds: float = 0.0
+    disk_errors: int = 0  # reads, writes and syncs of the disk tier that failed (kvnode/tiers.py)
 
 
 def check_key(key: bytes, what: str = "key") -> None:
@@ -174,11 +181,9 @@ class PageStore:
         self._index: dict[bytes, _Page] = {}
         self._queue = EvictionQueue(self.policy, self._index)
         self.disk = disk
-        self.write_through = write_through
-        self._ram_queue = RamQueue(self._index) if disk is not None else None
-        self._free_disk_slots: list[int] = []
-        self._dirty: dict[bytes, None] = {}  # pages to write to disk, in the order stored
-        self._seq = 0  # write sequence of the disk tier's headers
+        self._tiers = (Tiers(disk, self._pool, self._free_slots, self._index, self.stats, self._drop_lost,
+                             write_through) if disk is not None else None)
+        self._condemned: dict[bytes, _Page] = {}  # dropped while pinned, slots held (design note 8)
         self._orphans_by_parent: dict[bytes, int] = {}  # missing parent key -> cached pages naming it
         self._num_orphans = 0
         self._lease_heap: list[tuple[float, bytes]] = []
@@ -191,10 +196,9 @@ class PageStore:
 
     def _recover(self, disk: DiskTier) -> None:
         found = self.recovered = recover(disk)
-        self._free_disk_slots = found.free_slots
         for header in found.pages:
             self._add(header.key, header.parent, None, disk_slot=header.slot)
-            self._seq = max(self._seq, header.seq)
+        self._tiers.recovered(max((h.seq for h in found.pages), default=0), found.free_slots)
         self.stats.recovered_pages = len(found.pages)
         self.stats.corrupted_dropped = found.corrupted
         self.stats.orphans_dropped = found.orphaned
@@ -207,19 +211,21 @@ class PageStore:
 
     def num_free(self) -> int:
         """Pages the node can still take without evicting (with a disk tier: free disk slots)."""
-        return len(self._free_disk_slots) if self.disk is not None else len(self._free_slots)
+        return len(self._tiers.free_disk_slots) if self._tiers is not None else len(self._free_slots)
 
     def num_in_ram(self) -> int:
         return self.ram_capacity_pages - len(self._free_slots)
 
     def num_on_disk(self) -> int:
-        """Pages written to the disk tier (its slots hold them whole); 0 without one."""
+        """Pages written to the disk tier (its slots hold them whole; not those a flush is still
+        writing); 0 without one."""
         with self._lock:
-            return 0 if self.disk is None else len(self._index) - len(self._dirty)
+            return 0 if self._tiers is None else len(self._index) - self._tiers.num_not_on_disk()
 
     def num_dirty(self) -> int:
-        """Pages in RAM not yet written to their disk slot."""
-        return len(self._dirty)
+        """Pages in RAM not yet written to their disk slot (a flush under way included)."""
+        with self._lock:
+            return 0 if self._tiers is None else self._tiers.num_not_on_disk()
 
     def num_leased(self) -> int:
         with self._lock:
@@ -327,15 +333,20 @@ class PageStore:
             if parent and self.policy.requires_parent and parent not in self._index:
                 self.stats.refusals += 1
                 return PutOutcome.REFUSED_NO_PARENT
-            slot = self._take_slot(now, protect=parent)
+            slot = self._take_slot(now, protect=parent) if key not in self._condemned else None
             if slot is None:
                 self.stats.refusals += 1
                 return PutOutcome.REFUSED_NO_ROOM
-            if self.disk is None:
+            if self._tiers is None:
                 self._pool[slot] = np.frombuffer(data, dtype=np.uint8)
                 self._add(key, parent, slot)
             else:
-                self._put_tiered(key, parent, data, disk_slot=slot)
+                ram_slot = self._tiers.place(key, parent, slot, data)
+                if ram_slot is False:  # the disk failed it (logged): as if there were no room
+                    self._tiers.free_disk_slots.append(slot)
+                    self.stats.refusals += 1
+                    return PutOutcome.REFUSED_NO_ROOM
+                self._tiers.landed(key, self._add(key, parent, ram_slot, disk_slot=slot))
             self.stats.stored_pages += 1
             self.stats.bytes_in += self.page_bytes  # pages stored, not pages offered
             return PutOutcome.STORED
@@ -352,31 +363,20 @@ class PageStore:
 
     def flush(self) -> int:
         """Write the dirty pages to their disk slots (design note 6), then sync the file; how many.
-        The writes run outside the lock, the pages pinned meanwhile."""
-        if self.disk is None:
+        The writes run outside the lock, the pages pinned meanwhile; a failed write is logged and
+        its pages stay dirty (kvnode/tiers.py)."""
+        if self._tiers is None:
             return 0
         with self._lock:
-            batch = []
-            for key in self._dirty:
-                page = self._index[key]
+            batch = self._tiers.take_dirty()
+            for _, page, _ in batch:
                 page.pins += 1
-                batch.append((key, page, self._next_seq()))
-            self._dirty.clear()
         written = 0
         try:
-            for key, page, seq in batch:
-                self.disk.write(page.disk_slot, key, page.parent, seq, self._pool[page.slot])
-                written += 1
-            if batch:
-                self.disk.sync()
+            written = self._tiers.write_batch(batch)
         finally:
             with self._lock:
-                self.stats.disk_writes += written
-                for number, (key, page, _) in enumerate(batch):
-                    if number < written:
-                        page.dirty = False
-                    else:
-                        self._dirty[key] = None  # a write failed: try again at the next flush
+                self._tiers.flushed(batch, written)
                 self._unpin([key for key, _, _ in batch])
         return written
 
@@ -386,8 +386,8 @@ class PageStore:
         self._tick += 1
         page.tick = self._tick
         self._queue.touched(key, page)
-        if self._ram_queue is not None:
-            self._ram_queue.offer(key, page)
+        if self._tiers is not None:
+            self._tiers.ram_queue.offer(key, page)
 
     def _add(self, key: bytes, parent: bytes, slot: int | None, disk_slot: int | None = None) -> _Page:
         """Index a new page in `slot`: a cached parent is touched first; a missing one makes it an orphan."""
@@ -405,29 +405,9 @@ class PageStore:
                      disk_slot=disk_slot)
         self._index[key] = page
         self._queue.offer(key, page)
-        if self._ram_queue is not None:
-            self._ram_queue.offer(key, page)
+        if self._tiers is not None:
+            self._tiers.ram_queue.offer(key, page)
         return page
-
-    def _put_tiered(self, key: bytes, parent: bytes, data, disk_slot: int) -> None:
-        """A new page into RAM, dirty, or straight to disk (write-through, or no RAM slot to be had)."""
-        slot = self._take_ram_slot()
-        page = self._add(key, parent, slot, disk_slot=disk_slot)
-        if slot is not None:
-            self._pool[slot] = np.frombuffer(data, dtype=np.uint8)
-        if slot is None or self.write_through:
-            self._write(key, page, data)
-        else:
-            page.dirty = True
-            self._dirty[key] = None
-
-    def _write(self, key: bytes, page: _Page, data) -> None:
-        self.disk.write(page.disk_slot, key, page.parent, self._next_seq(), data)
-        self.stats.disk_writes += 1
-
-    def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
 
     def _pin(self, keys: Sequence[bytes]) -> list[memoryview]:
         """Views of the pages' bytes, each pinned (read from disk first when it is there only);
@@ -439,58 +419,44 @@ class PageStore:
                 raise PageNotFound(key)
             pages.append(page)
         views: list[memoryview] = []
-        try:
-            for key, page in zip(keys, pages):
-                views.append(self._bytes_of(key, page))
-                self._touch(key, page)
-                page.pins += 1
-        except PageNotFound:
-            self._unpin(keys[: len(views)])
-            raise
+        for key, page in zip(keys, pages):
+            view = memoryview(self._pool[page.slot]) if self._tiers is None else self._tiers.bytes_of(key, page)
+            if view is None or self._index.get(key) is not page:  # lost on disk, or dropped with a lost page
+                self._unpin(keys[: len(views)])
+                raise PageNotFound(key)
+            views.append(view)
+            self._touch(key, page)
+            page.pins += 1
         self.stats.get_pages += len(keys)
         self.stats.bytes_out += self.page_bytes * len(keys)
         return views
 
     def _unpin(self, keys: Sequence[bytes]) -> None:
         for key in keys:
-            page = self._index[key]  # a pinned page is never evicted
+            page = self._index.get(key) or self._condemned[key]  # a pinned page is never evicted (note 8)
             assert page.pins > 0, f"page {key.hex()} unpinned more often than pinned"
             page.pins -= 1
             if page.pins:
                 continue
-            if page.parent and page.parent not in self._index and self.policy.requires_parent:
-                self._drop_subtree(key)  # its parent was dropped corrupted while it was pinned
+            if self._condemned.get(key) is page:
+                del self._condemned[key]
+                self._release_slots(key, page)
                 continue
             if page.lease_until == 0.0:
                 self._queue.offer(key, page)
-            if self._ram_queue is not None:
-                self._ram_queue.offer(key, page)
+            if self._tiers is not None:
+                self._tiers.ram_queue.offer(key, page)
 
-    def _bytes_of(self, key: bytes, page: _Page) -> memoryview:
-        """The page's bytes: its RAM slot, promoted there from disk first when it is on disk only."""
-        if page.slot is not None:
-            return memoryview(self._pool[page.slot])
-        slot = self._take_ram_slot()
-        out = self._pool[slot] if slot is not None else np.empty(self.page_bytes, dtype=np.uint8)
-        self.stats.disk_reads += 1
-        if not self.disk.read(page.disk_slot, key, out):
-            if slot is not None:
-                self._free_slots.append(slot)
-            self._drop_corrupted(key)
-            raise PageNotFound(key)
-        if slot is not None:
-            page.slot = slot  # queued for RAM by the touch that follows (_pin)
-            self.stats.promotions += 1
-        return memoryview(out)
-
-    def _drop_corrupted(self, key: bytes) -> None:
+    def _drop_lost(self, key: bytes, why: str) -> None:
+        """The disk lost `key` (design note 7): drop it and its descendants, with one log line."""
         dropped = self._drop_subtree(key)
         self.stats.corrupted_dropped += 1
         self.stats.orphans_dropped += dropped - 1
-        log.warning("page %s failed its checksum on disk: dropped it and %d descendants", key.hex(), dropped - 1)
+        log.warning("page %s %s: dropped it and %d descendants", key.hex(), why, dropped - 1)
 
     def _drop_subtree(self, key: bytes) -> int:
-        """Drop `key` and its descendants from the node (a pinned one waits for its last unpin); how many."""
+        """Drop `key` and its descendants from the node at once (a pinned one's slots wait for its
+        last unpin: design note 8); how many."""
         children: dict[bytes, list[bytes]] = {}
         for k, p in self._index.items():
             if p.parent:
@@ -498,13 +464,9 @@ class PageStore:
         order = [key]
         for k in order:
             order.extend(children.get(k, ()))
-        dropped = 0
         for k in reversed(order):  # leaves first
-            if self._index[k].pins:
-                continue
             self._evict(k, counted=False)
-            dropped += 1
-        return dropped
+        return len(order)
 
     def _lease(self, key: bytes, page: _Page, until: float) -> None:
         if until <= page.lease_until:
@@ -539,7 +501,7 @@ class PageStore:
     def _take_slot(self, now: float, protect: bytes) -> int | None:
         """A free slot of the node (with a disk tier: a disk slot), evicting the policy's next
         unleased victim (never `protect`) if needed."""
-        free = self._free_slots if self.disk is None else self._free_disk_slots
+        free = self._free_slots if self._tiers is None else self._tiers.free_disk_slots
         if not free:
             victim = self._queue.pop(now, protect)
             if victim is None:
@@ -547,28 +509,8 @@ class PageStore:
             self._evict(victim)
         return free.pop()
 
-    def _take_ram_slot(self) -> int | None:
-        """With a disk tier: a free RAM slot, demoting the least recently used copy if needed; None
-        when every copy is pinned."""
-        if not self._free_slots:
-            victim = self._ram_queue.pop()
-            if victim is None:
-                return None
-            self._demote(victim)
-        return self._free_slots.pop()
-
-    def _demote(self, key: bytes) -> None:
-        page = self._index[key]
-        if page.dirty:
-            self._write(key, page, self._pool[page.slot])
-            page.dirty = False
-            del self._dirty[key]
-        self._free_slots.append(page.slot)
-        page.slot = None
-        self.stats.demotions += 1
-
     def _evict(self, key: bytes, counted: bool = True) -> None:
-        """Drop `key` from the node, its slots back to the free lists."""
+        """Drop `key` from the node, its slots back to the free lists (once unpinned: note 8)."""
         page = self._index.pop(key)
         self.stats.evictions += counted
         parent = self._index.get(page.parent) if page.parent else None
@@ -584,12 +526,18 @@ class PageStore:
         if page.children:  # only lru and fifo evict a page with cached children: they become orphans
             self._orphans_by_parent[key] = page.children
             self._num_orphans += page.children
+        if self._tiers is not None:
+            self._tiers.dropped(key)
+        if page.pins:
+            self._condemned[key] = page
+        else:
+            self._release_slots(key, page)
+
+    def _release_slots(self, key: bytes, page: _Page) -> None:
         if page.slot is not None:
             self._free_slots.append(page.slot)
-        if page.disk_slot is not None:
-            self._dirty.pop(key, None)
-            self.disk.free(page.disk_slot)
-            self._free_disk_slots.append(page.disk_slot)
+        if self._tiers is not None:
+            self._tiers.forget(key, page)
 
     # ---- invariants (tests call this after every step) -----------------------
 
@@ -602,7 +550,7 @@ class PageStore:
                 if page.parent in self._index:
                     children[page.parent] = children.get(page.parent, 0) + 1
                 elif page.parent:
-                    assert not self.policy.requires_parent or page.pins, f"page {key.hex()} is cached, its parent not"
+                    assert not self.policy.requires_parent, f"page {key.hex()} is cached, its parent not"
                     orphans[page.parent] = orphans.get(page.parent, 0) + 1
             for key, page in self._index.items():
                 assert page.children == children.get(key, 0), f"page {key.hex()} child count is off"
@@ -614,23 +562,21 @@ class PageStore:
             live = {(p.lease_until, k) for k, p in self._index.items() if p.lease_until > 0.0}
             assert live <= set(self._lease_heap), "a leased page has no lease heap entry"
             self._queue.check()
-            if self._ram_queue is not None:
-                self._ram_queue.check()
+            if self._tiers is not None:
+                self._tiers.check()
 
     def _check_tiers(self) -> None:
-        """used + free = capacity on every tier; no slot both free and used, or used twice."""
-        pages = self._index.values()
+        """used + free = capacity on every tier (slots of condemned pages are used); no slot both
+        free and used, or used twice."""
+        pages = [*self._index.values(), *self._condemned.values()]
+        assert all(p.pins for p in self._condemned.values()), "an unpinned dropped page still holds its slots"
+        assert not self._condemned.keys() & self._index.keys(), "a dropped page is in the index"
         ram = [p.slot for p in pages if p.slot is not None]
         tiers = [("RAM", ram, self._free_slots, self.ram_capacity_pages)]
-        if self.disk is None:
-            assert len(ram) == len(self._index), "a page is not in RAM, and there is no disk tier"
+        if self._tiers is None:
+            assert len(ram) == len(pages), "a page is not in RAM, and there is no disk tier"
         else:
-            disk = [p.disk_slot for p in pages]
-            assert None not in disk, "a page has no disk slot"
-            tiers.append(("disk", disk, self._free_disk_slots, self.capacity_pages))
-            dirty = {k for k, p in self._index.items() if p.dirty}
-            assert dirty == set(self._dirty), "the dirty list is off"
-            assert all(self._index[k].slot is not None for k in dirty), "a dirty page has no RAM copy"
+            tiers.append(("disk", [p.disk_slot for p in pages], self._tiers.free_disk_slots, self.capacity_pages))
         for name, used, free, capacity in tiers:
             assert len(used) + len(free) == capacity, f"{name}: used {len(used)} + free {len(free)} != {capacity}"
             assert len(set(used)) == len(used), f"{name}: two pages share a slot"
