@@ -14,6 +14,7 @@ def test_bench_persistence_short_run_reports_fetch_and_restart(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["fetch"]["pages"] == 256
-    assert min(report["fetch"][path] for path in ("plain_read", "disk_tier", "ram_tier")) > 0
+    assert min(report["fetch"][path] for path in ("plain_read", "disk_tier", "ram_tier", "data_plane_disk",
+                                                  "data_plane_ram")) > 0
     assert report["restart"]["pages"] == 256 and report["restart"]["node_serving_s"] > 0
     assert list(tmp_path.iterdir()) == [], "the bench removes its data dir"

@@ -5,7 +5,8 @@ its baseline in the same run:
    promoted) in GB/s, beside the RAM tier's reads and a plain os.preadv of the same bytes from
    the same file, with the file in the OS page cache (goal: disk tier >= 0.7 of the plain read).
    Plain and disk passes alternate, so a shared machine's load weighs on both alike; the best
-   of each is reported, and the median of the rounds' ratios.
+   of each is reported, and the median of the rounds' ratios. Then the same pages fetched over
+   the data plane (GET on a real socket) from the disk tier beside the RAM tier.
 2. Restart: a real `kvcache node` started on a data dir holding --restart-size of pages, the
    seconds until it serves (its "listening" line; every page checked by then) (goal: < 3 s),
    beside the store's recovery alone in this process.
@@ -28,6 +29,8 @@ from kvcache.bench.report import dump_json, machine, print_table
 from kvcache.launch import Daemon
 from kvcache.units import parse_size
 from kvnode.client import NodeClient
+from kvnode.data_client import DataPlaneClient
+from kvnode.data_plane import DataPlaneServer
 from kvnode.disk_tier import HEADER_BYTES, DiskTier
 from kvnode.store import PageStore
 
@@ -71,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
                  for name in ("plain_read", "disk_tier", "ram_tier")])
     print(f"disk tier / plain read, per round (each pass right after its plain read), median: "
           f"{fetch['disk_paired_ratio']:.2f}")
+    print(f"over the data plane (GET, one connection): pages on disk {fetch['data_plane_disk']:.2f} GB/s, "
+          f"the same pages in RAM {fetch['data_plane_ram']:.2f} GB/s; disk / RAM per round, median: "
+          f"{fetch['data_plane_paired_ratio']:.2f}")
     print(f"goal: disk tier >= 0.7x the plain read: {'met' if fetch['disk_tier'] >= 0.7 * fetch['plain_read'] else 'NOT met'}")
     print(f"restart: {restart['pages']} pages ({restart['bytes'] / 2**30:.2f} GiB) on disk; a node serves again after "
           f"{restart['node_serving_s']:.2f}s (recovery {restart['node_recovery_s']:.2f}s of it; "
@@ -126,14 +132,44 @@ def measure_fetch(folder: Path, page_bytes: int, pages: int, rounds: int, per_ba
     pairs = [(plain_pass(), store_pass()) for _ in range(rounds)]  # interleaved: each pair under the same load
     plain, disk = max(p for p, _ in pairs), max(d for _, d in pairs)
     paired = float(np.median([d / p for p, d in pairs]))
-    store.disk.close()
+    disk_store = store
     ram_store = PageStore(pages, page_bytes, disk=DiskTier(folder, pages, page_bytes))  # RAM holds them all
     for batch in batches:
         ram_store.read(batch)  # promote every page
     store = ram_store
     ram = max(store_pass() for _ in range(rounds))
-    ram_store.disk.close()
-    return {"pages": len(keys), "plain_read": plain, "disk_tier": disk, "ram_tier": ram, "disk_paired_ratio": paired}
+    try:
+        wire = measure_data_plane(disk_store, ram_store, batches, page_bytes, rounds)
+    finally:
+        disk_store.disk.close()
+        ram_store.disk.close()
+    return {"pages": len(keys), "plain_read": plain, "disk_tier": disk, "ram_tier": ram, "disk_paired_ratio": paired,
+            **wire}
+
+
+def measure_data_plane(disk_store: PageStore, ram_store: PageStore, batches: list, page_bytes: int,
+                       rounds: int) -> dict:
+    """GETs over the data plane (a real socket, this process at both ends) of pages on disk only
+    beside the same pages in RAM, passes interleaved: what a disk-tier hit costs a fetch."""
+    servers = [DataPlaneServer(s, "127.0.0.1", 0).start() for s in (disk_store, ram_store)]
+    clients = [DataPlaneClient("127.0.0.1", server.port) for server in servers]
+    out = memoryview(bytearray(page_bytes * len(batches[0])))
+    total = sum(len(batch) for batch in batches) * page_bytes
+
+    def get_pass(client: DataPlaneClient) -> float:
+        started = time.perf_counter()
+        for batch in batches:
+            client.get_into(batch, out[: len(batch) * page_bytes], timeout_s=60.0)
+        return total / (time.perf_counter() - started) / 1e9
+
+    try:
+        pairs = [(get_pass(clients[1]), get_pass(clients[0])) for _ in range(rounds)]
+    finally:
+        for client, server in zip(clients, servers):
+            client.close()
+            server.stop()
+    return {"data_plane_ram": max(r for r, _ in pairs), "data_plane_disk": max(d for _, d in pairs),
+            "data_plane_paired_ratio": float(np.median([d / r for r, d in pairs]))}
 
 
 def measure_restart(folder: Path, page_bytes: int, pages: int) -> dict:
