@@ -173,6 +173,7 @@ class KVStoreService:
             orphaned_pages_dropped=s.orphans_dropped,
             recovered_pages=s.recovered_pages,
             recovery_ms=round(s.recovery_seconds * 1000),
+            disk_errors=s.disk_errors,
         )
 
     # ---- helpers -------------------------------------------------------------

@@ -447,10 +447,10 @@ class PageStore:
             if self._tiers is not None:
                 self._tiers.ram_queue.offer(key, page)
 
-    def _drop_lost(self, key: bytes, why: str) -> None:
+    def _drop_lost(self, key: bytes, why: str, corrupted: bool) -> None:
         """The disk lost `key` (design note 7): drop it and its descendants, with one log line."""
         dropped = self._drop_subtree(key)
-        self.stats.corrupted_dropped += 1
+        self.stats.corrupted_dropped += corrupted
         self.stats.orphans_dropped += dropped - 1
         log.warning("page %s %s: dropped it and %d descendants", key.hex(), why, dropped - 1)
 

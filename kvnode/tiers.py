@@ -34,10 +34,11 @@ log = logging.getLogger("kvnode")
 
 class Tiers:
     """RAM copies (slots of `pool`, free ones in `free_slots`, both the store's) and disk slots of
-    the pages in `index`; `lose(key, why)` drops a page the disk lost, with its descendants."""
+    the pages in `index`; `lose(key, why, corrupted)` drops a page the disk lost (corrupted, or
+    unreadable), with its descendants."""
 
     def __init__(self, disk: DiskTier, pool: np.ndarray, free_slots: list[int], index: Mapping[bytes, Page],
-                 stats, lose: Callable[[bytes, str], None], write_through: bool = False):
+                 stats, lose: Callable[[bytes, str, bool], None], write_through: bool = False):
         self.disk = disk
         self.write_through = write_through
         self.ram_queue = RamQueue(index)
@@ -129,14 +130,17 @@ class Tiers:
         out = self._pool[slot] if slot is not None else np.empty(self.disk.page_bytes, dtype=np.uint8)
         self._stats.disk_reads += 1
         try:
-            intact, why = self.disk.read(page.disk_slot, key, out), "failed its checksum on disk"
+            intact, error = self.disk.read(page.disk_slot, key, out), None
         except OSError as exc:
             self._stats.disk_errors += 1
-            intact, why = False, f"could not be read from {self.disk.path} ({exc})"
+            intact, error = False, exc
         if not intact:
             if slot is not None:
                 self._free_slots.append(slot)
-            self._lose(key, why)
+            if error is None:
+                self._lose(key, "failed its checksum on disk", True)
+            else:
+                self._lose(key, f"could not be read from {self.disk.path} ({error})", False)
             return None
         if slot is not None:
             page.slot = slot  # queued for RAM by the touch that follows (the store's _pin)

@@ -112,7 +112,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("lookups", "hit_pages", "miss_pages", "puts", "stored_pages", "evictions", "refusals", "bytes_in", "bytes_out", "get_pages", "disk_reads", "disk_writes", "promotions", "demotions", "corrupted_pages_dropped", "orphaned_pages_dropped", "recovered_pages", "recovery_ms")
+    __slots__ = ("lookups", "hit_pages", "miss_pages", "puts", "stored_pages", "evictions", "refusals", "bytes_in", "bytes_out", "get_pages", "disk_reads", "disk_writes", "promotions", "demotions", "corrupted_pages_dropped", "orphaned_pages_dropped", "recovered_pages", "recovery_ms", "disk_errors")
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
     MISS_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class NodeStats(_message.Message):
     ORPHANED_PAGES_DROPPED_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_PAGES_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_MS_FIELD_NUMBER: _ClassVar[int]
+    DISK_ERRORS_FIELD_NUMBER: _ClassVar[int]
     lookups: int
     hit_pages: int
     miss_pages: int
@@ -149,7 +150,8 @@ class NodeStats(_message.Message):
     orphaned_pages_dropped: int
     recovered_pages: int
     recovery_ms: int
-    def __init__(self, lookups: _Optional[int] = ..., hit_pages: _Optional[int] = ..., miss_pages: _Optional[int] = ..., puts: _Optional[int] = ..., stored_pages: _Optional[int] = ..., evictions: _Optional[int] = ..., refusals: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., get_pages: _Optional[int] = ..., disk_reads: _Optional[int] = ..., disk_writes: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., corrupted_pages_dropped: _Optional[int] = ..., orphaned_pages_dropped: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., recovery_ms: _Optional[int] = ...) -> None: ...
+    disk_errors: int
+    def __init__(self, lookups: _Optional[int] = ..., hit_pages: _Optional[int] = ..., miss_pages: _Optional[int] = ..., puts: _Optional[int] = ..., stored_pages: _Optional[int] = ..., evictions: _Optional[int] = ..., refusals: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., get_pages: _Optional[int] = ..., disk_reads: _Optional[int] = ..., disk_writes: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., corrupted_pages_dropped: _Optional[int] = ..., orphaned_pages_dropped: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., recovery_ms: _Optional[int] = ..., disk_errors: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "placement", "no_cache", "request_id", "session_id", "resume_token_ids", "ignore_eos", "messages", "priority")
