@@ -11,8 +11,8 @@ Design notes
    counts them in O(1) per operation, keeping per missing parent how many cached pages
    name it, so a parent stored again adopts its orphans.
 2. A put never evicts the parent it names, under every policy.
-3. Leases expire lazily: a heap holds (expiry, key); each operation first retires the
-   leases that ran out, so an abandoned lease frees itself. A leased page is never
+3. Leases (kvnode/leases.py) expire lazily: a heap holds (expiry, key); each operation first
+   retires the leases that ran out, so an abandoned lease frees itself. A leased page is never
    evicted, under every policy. A renewal leaves its old entry behind, stale; when stale
    entries outnumber live leases (2x + 64), the heap is rebuilt from its live entries, so
    a client renewing in a loop cannot grow it without bound (amortized O(1) per lease).
@@ -52,7 +52,6 @@ Design notes
 from __future__ import annotations
 
 import enum
-import heapq
 import logging
 import threading
 import time
@@ -63,6 +62,7 @@ import numpy as np
 
 from kvnode.disk_tier import DiskTier
 from kvnode.eviction import PREFIX_AWARE, EvictionPolicy, EvictionQueue, get_policy
+from kvnode.leases import Leases
 from kvnode.recovery import Recovered, recover
 from kvnode.tiers import Tiers
 
@@ -168,7 +168,7 @@ class PageStore:
                              f"got {max_leased_pages}")
         if max_leases_per_call is not None and max_leases_per_call < 1:
             raise ValueError(f"max_leases_per_call must be at least 1, got {max_leases_per_call}")
-        self.max_leased_pages = capacity_pages if max_leased_pages is None else max_leased_pages
+        self.max_leased_pages = capacity_pages if max_leased_pages is None else max_leased_pages  # note 5
         self.max_leases_per_call = max_leases_per_call
         self.capacity_pages = capacity_pages
         self.page_bytes = page_bytes
@@ -186,8 +186,7 @@ class PageStore:
         self._condemned: dict[bytes, _Page] = {}  # dropped while pinned, slots held (design note 8)
         self._orphans_by_parent: dict[bytes, int] = {}  # missing parent key -> cached pages naming it
         self._num_orphans = 0
-        self._lease_heap: list[tuple[float, bytes]] = []
-        self._num_leased = 0
+        self._leases = Leases(self._index, self.max_leased_pages)
         self._tick = 0
         self._lock = threading.Lock()
         self.recovered: Recovered | None = None
@@ -230,12 +229,12 @@ class PageStore:
     def num_leased(self) -> int:
         with self._lock:
             self._retire_leases(self.clock())
-            return self._num_leased
+            return self._leases.num_leased
 
     def lease_heap_size(self) -> int:
         """Entries in the lease heap, live and stale (tests watch it stay bounded)."""
         with self._lock:
-            return len(self._lease_heap)
+            return self._leases.heap_size()
 
     def num_orphans(self) -> int:
         """Cached pages whose parent is not cached (always 0 under prefix-aware)."""
@@ -271,12 +270,12 @@ class PageStore:
                 page = self._index.get(key)
                 if page is None:
                     break
-                if lease_ms and page.lease_until == 0.0 and self._num_leased >= self.max_leased_pages:
+                if lease_ms and not self._leases.can_lease(page):
                     cut = True
                     break
                 self._touch(key, page)
                 if lease_ms:
-                    self._lease(key, page, now + lease_ms / 1000.0)
+                    self._leases.lease(key, page, now + lease_ms / 1000.0)
                 hits += 1
             self.stats.lookups += 1
             self.stats.hit_pages += hits
@@ -468,35 +467,12 @@ class PageStore:
             self._evict(k, counted=False)
         return len(order)
 
-    def _lease(self, key: bytes, page: _Page, until: float) -> None:
-        if until <= page.lease_until:
-            return
-        if page.lease_until == 0.0:
-            self._num_leased += 1
-        page.lease_until = until
-        heapq.heappush(self._lease_heap, (until, key))
-        if len(self._lease_heap) > 2 * self._num_leased + 64:
-            self._compact_leases()
-
-    def _compact_leases(self) -> None:
-        """Drop the heap's stale entries (design note 3): O(heap), after as many renewals."""
-        index = self._index
-        live = [(until, key) for until, key in self._lease_heap
-                if (page := index.get(key)) is not None and page.lease_until == until]
-        heapq.heapify(live)
-        self._lease_heap = live
-
     def _retire_leases(self, now: float) -> None:
-        heap = self._lease_heap
-        while heap and heap[0][0] <= now:
-            until, key = heapq.heappop(heap)
-            page = self._index.get(key)
-            if page is None or page.lease_until != until:
-                continue  # renewed since, or gone
-            page.lease_until = 0.0
-            self._num_leased -= 1
-            if not page.pins:
-                self._queue.offer(key, page)
+        self._leases.retire(now, self._lease_ended)
+
+    def _lease_ended(self, key: bytes, page: _Page) -> None:
+        if not page.pins:
+            self._queue.offer(key, page)
 
     def _take_slot(self, now: float, protect: bytes) -> int | None:
         """A free slot of the node (with a disk tier: a disk slot), evicting the policy's next
@@ -512,6 +488,7 @@ class PageStore:
     def _evict(self, key: bytes, counted: bool = True) -> None:
         """Drop `key` from the node, its slots back to the free lists (once unpinned: note 8)."""
         page = self._index.pop(key)
+        self._leases.dropped(page)  # only a page dropped with a lost ancestor can be leased (note 7)
         self.stats.evictions += counted
         parent = self._index.get(page.parent) if page.parent else None
         if parent is not None:
@@ -556,11 +533,7 @@ class PageStore:
                 assert page.children == children.get(key, 0), f"page {key.hex()} child count is off"
             assert orphans == self._orphans_by_parent, "orphan counts per missing parent are off"
             assert self._num_orphans == sum(orphans.values()), f"orphan count {self._num_orphans} is off"
-            leased = sum(1 for p in self._index.values() if p.lease_until > 0.0)
-            assert leased == self._num_leased, f"leased count {self._num_leased} != {leased}"
-            assert leased <= self.max_leased_pages, f"{leased} pages leased, over the bound {self.max_leased_pages}"
-            live = {(p.lease_until, k) for k, p in self._index.items() if p.lease_until > 0.0}
-            assert live <= set(self._lease_heap), "a leased page has no lease heap entry"
+            self._leases.check()
             self._queue.check()
             if self._tiers is not None:
                 self._tiers.check()

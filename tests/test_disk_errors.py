@@ -175,3 +175,17 @@ def test_a_pinned_page_dropped_with_a_corrupted_ancestor_is_gone_at_once_its_slo
     assert store.num_pinned() == 0
     put_chain(store, [4], parent=key(3))
     assert store.read([key(4)]) == page(4, PAGE_BYTES)
+
+
+def test_leases_on_pages_dropped_with_a_corrupted_ancestor_no_longer_count(tmp_path):
+    """Else the leased-pages bound would shrink for good with every such drop."""
+    store = CheckedStore(PageStore(1, PAGE_BYTES, clock=FakeClock(), disk=DiskTier(tmp_path, 8, PAGE_BYTES),
+                                   max_leased_pages=3))
+    put_chain(store, [1, 2, 3])
+    assert store.lookup([key(1), key(2), key(3)], lease_ms=1000) == 3
+    flip_byte(tmp_path / SLOTS_FILE, store.store._index[key(2)].disk_slot * store.disk.slot_bytes + 100)
+    with pytest.raises(PageNotFound):
+        store.read([key(1), key(2)])
+    assert store.num_leased() == 1
+    put_chain(store, [5, 6])
+    assert store.lookup([key(5), key(6)], lease_ms=1000) == 2, "two more leases fit under the bound of 3"
