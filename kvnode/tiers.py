@@ -57,7 +57,8 @@ class Tiers:
         self.free_disk_slots = free_disk_slots
 
     def num_not_on_disk(self) -> int:
-        return len(self.dirty) + len(self.flushing)
+        """Indexed pages not (yet) written: dirty, or in a flush under way."""
+        return len(self.dirty) + sum(1 for key in self.flushing if key in self._index)
 
     # ---- puts ----------------------------------------------------------------
 

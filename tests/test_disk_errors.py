@@ -189,3 +189,30 @@ def test_leases_on_pages_dropped_with_a_corrupted_ancestor_no_longer_count(tmp_p
     assert store.num_leased() == 1
     put_chain(store, [5, 6])
     assert store.lookup([key(5), key(6)], lease_ms=1000) == 2, "two more leases fit under the bound of 3"
+
+
+def test_pages_dropped_while_a_flush_writes_them_are_not_counted_and_stay_dropped_after_a_restart(tmp_path):
+    disk = BlockingDisk(tmp_path, 8, PAGE_BYTES)
+    disk.go.set()
+    store = CheckedStore(PageStore(2, PAGE_BYTES, clock=FakeClock(), disk=disk))
+    put_chain(store, [1])
+    store.flush()
+    put_chain(store, [2, 3], parent=key(1))  # 1 clean on disk only, 2 and 3 dirty in RAM
+    disk.go.clear()
+    disk.writing.clear()
+    flush = threading.Thread(target=store.flush)
+    flush.start()
+    try:
+        assert disk.writing.wait(10)
+        flip_byte(tmp_path / SLOTS_FILE, store.store._index[key(1)].disk_slot * disk.slot_bytes + 100)
+        with pytest.raises(PageNotFound):
+            store.read([key(1)])
+        assert store.keys() == [] and (store.num_on_disk(), store.num_dirty()) == (0, 0)
+    finally:
+        disk.go.set()
+        flush.join(10)
+    assert store.keys() == [] and (store.num_on_disk(), store.num_dirty(), store.num_pinned()) == (0, 0, 0)
+    disk.close()
+    again = PageStore(2, PAGE_BYTES, disk=DiskTier(tmp_path, 8, PAGE_BYTES))
+    assert again.keys() == [] and again.stats.recovered_pages == 0
+    again.disk.close()
