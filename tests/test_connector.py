@@ -242,3 +242,46 @@ def test_the_lookup_starts_when_a_request_arrives_and_its_load_in_the_first_step
     out = handle.completion
     assert out.token_ids == cold.token_ids
     assert out.usage.cached_tokens_remote == 64 and out.usage.computed_tokens == out.usage.prompt_tokens - 64
+
+
+def test_close_is_bounded_by_a_hung_call_and_a_closed_connector_answers_a_miss_at_once():
+    """A lookup that does not return holds close() for its timeout only; what is asked after the
+    close is a miss without a call, and once the hung call ends no connector thread is left."""
+    from types import SimpleNamespace
+
+    from worker.connector import KVConnector
+
+    release, entered, calls = threading.Event(), threading.Event(), []
+
+    class HungTier:
+        def lookup(self, keys, context):
+            calls.append(keys)
+            entered.set()
+            release.wait(30.0)  # bounded, released by the test
+            return len(keys)
+
+        def fill(self, keys, block_ids, context):
+            return len(keys)
+
+        def on_page_full(self, key, parent, block_id, context):
+            pass
+
+    before = set(threading.enumerate())
+    connector = KVConnector(HungTier())
+    hung = SimpleNamespace(request_id="hung", tier_context=None)
+    try:
+        connector.start_lookup(hung, [b"k" * 16])
+        assert entered.wait(5.0)
+        started = time.monotonic()
+        assert connector.close(timeout_s=0.3) is False  # the hung call still runs
+        assert time.monotonic() - started < 5.0, "close waited for the hung call"
+        late = SimpleNamespace(request_id="late", tier_context=None)
+        connector.start_lookup(late, [b"a" * 16])
+        assert connector.get_num_matched_pages(late, [b"a" * 16], []) == 0  # a miss, no call
+        blocks = [3]
+        connector.start_load(late, [b"a" * 16], blocks)
+        assert connector.take_finished_loads().landed == [(late, 0)]
+        assert len(calls) == 1
+    finally:
+        release.set()
+    wait_until(lambda: not [t for t in threading.enumerate() if t not in before and t.name.startswith("kv-")], 5.0)

@@ -177,6 +177,27 @@ def test_sigterm_drains_running_requests_then_exits(tmp_path):
         assert refused.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+def test_sigterm_with_a_kvnode_in_use_ends_every_worker_thread(tmp_path):
+    """Lookups, loads, write-backs and probes ran against a kvnode: SIGTERM mid-request still
+    exits 0 within a bounded wait, and the worker's last lines say no thread of its own is left."""
+    with daemons(tmp_path, node("node"), worker("worker-a"), worker("worker-b")) as (kv, a, b):
+        with WorkerClient(a.address) as client_a, WorkerClient(b.address) as client_b:
+            run(client_a, SYSTEM + "Question one?", max_tokens=4, placement=[kv.address])
+            assert wait_for(lambda: used_pages(kv.address) >= 6, timeout_s=10.0)
+            _, warm = run(client_b, SYSTEM + "Question two?", max_tokens=4, placement=[kv.address])
+            assert warm.usage.cached_tokens_remote > 0  # b's connector looked up and loaded pages
+            events = client_b.generate(SYSTEM + "Question three?", max_tokens=60, ignore_eos=True,
+                                       placement=[kv.address])
+            assert isinstance(next(events), Piece)
+            b.process.send_signal(signal.SIGTERM)
+            rest = list(events)
+        assert isinstance(rest[-1], Finished)
+        assert b.process.wait(timeout=30) == 0
+        log = (tmp_path / "worker-b.log").read_text()
+        assert "stopped" in log.splitlines()[-1], log[-2000:]
+        assert "threads still running at exit" not in log, log[-2000:]
+
+
 @pytest.fixture(scope="module")
 def shared_worker(tmp_path_factory):
     with daemons(tmp_path_factory.mktemp("shared"), worker("worker")) as (w,):

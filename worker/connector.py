@@ -23,6 +23,9 @@ Design notes
    are released only when it does finish (`take_finished_loads` reports it).
 5. Each finished lookup or load calls `wake` (the engine's loop sleeps on it when nothing else
    can run).
+6. `close(timeout_s)` is bounded: queued work is dropped, running calls get `timeout_s` to end
+   (the tier's own deadlines end them sooner), and what is asked of a closed connector is
+   answered at once as a miss, so a step that races the close never waits for it.
 """
 
 from __future__ import annotations
@@ -30,13 +33,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 log = logging.getLogger("worker.connector")
 
 DEFAULT_TIMEOUT_S = 30.0  # a backstop: RemoteTier bounds its own calls far sooner (deadlines per call)
+DEFAULT_CLOSE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -79,6 +83,9 @@ class KVConnector:
         self._lock = threading.Lock()  # start_lookup runs on callers' threads
         self._lookup_pool = ThreadPoolExecutor(lookup_threads, thread_name_prefix="kv-lookup")
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
+        self._running: set[Future] = set()  # submitted and not done, for a bounded close
+        self._closed = False
+        self._pools_lock = threading.Lock()  # guards the two above; taken after _lock, never before
         self.num_lookups_given_up = 0
         self.num_loads_given_up = 0
 
@@ -94,10 +101,23 @@ class KVConnector:
                 return
             self._lookups[id(request)] = _Lookup(keys, self._submit_lookup(keys, request.tier_context), self.clock())
 
-    def close(self) -> None:
-        """Stop taking work; a lookup or load running ends within the tier's own deadlines."""
-        self._lookup_pool.shutdown(wait=True, cancel_futures=True)
-        self._loader.shutdown(wait=True, cancel_futures=True)
+    def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> bool:
+        """Stop taking work, drop what is queued, give running calls `timeout_s` to end (design
+        note 6); False, with one log line, when some still run then (their threads end with
+        the tier's deadlines)."""
+        with self._pools_lock:
+            self._closed = True
+            running = list(self._running)
+        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
+        self._loader.shutdown(wait=False, cancel_futures=True)
+        _, not_done = wait(running, timeout=timeout_s)
+        if not_done:
+            log.warning("KV connector closed with %d remote calls still running after %.1fs; "
+                        "they end with the remote tier's deadlines", len(not_done), timeout_s)
+            return False
+        self._lookup_pool.shutdown(wait=True)  # every thread is idle: they exit at once
+        self._loader.shutdown(wait=True)
+        return True
 
     # ---- the scheduler (under the engine's lock) -------------------------------------
 
@@ -141,8 +161,7 @@ class KVConnector:
 
     def start_load(self, request, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Fetch `keys` into `block_ids` (allocated by the scheduler, not scheduled until the load ends)."""
-        future = self._loader.submit(self._fill, list(keys), list(block_ids), request.tier_context)
-        future.add_done_callback(lambda _: self.wake())
+        future = self._submit(self._loader, 0, self._fill, list(keys), list(block_ids), request.tier_context)
         self._loads[id(request)] = _Load(request, future, self.clock())
 
     def take_finished_loads(self) -> FinishedLoads:
@@ -200,8 +219,24 @@ class KVConnector:
                 return
 
     def _submit_lookup(self, keys: list[bytes], context: Any) -> Future:
-        future = self._lookup_pool.submit(self._lookup, keys, context)
-        future.add_done_callback(lambda _: self.wake())
+        return self._submit(self._lookup_pool, (0, self.clock()), self._lookup, keys, context)
+
+    def _submit(self, pool: ThreadPoolExecutor, when_closed: Any, fn, *args) -> Future:
+        """`fn(*args)` on `pool`; once closed, a future already holding `when_closed` (a miss)."""
+        with self._pools_lock:
+            if self._closed:
+                future: Future = Future()
+                future.set_result(when_closed)
+                return future
+            future = pool.submit(fn, *args)
+            self._running.add(future)
+
+        def done(_):
+            with self._pools_lock:
+                self._running.discard(future)
+            self.wake()
+
+        future.add_done_callback(done)
         return future
 
     def _lookup(self, keys: list[bytes], context: Any) -> tuple[int, float]:
