@@ -76,3 +76,76 @@ def test_aging_lets_a_low_priority_request_through_a_stream_of_high_priority_one
     while engine.has_unfinished():
         engine.step()
     assert low.completion.token_ids == alone("low one", max_new_tokens=3, ignore_eos=True).token_ids
+
+
+def test_priority_goes_through_a_coordinator_to_the_worker(tmp_path):
+    """Real processes: a coordinator and a worker with one seat. A long low-priority request holds
+    the seat; a request sent after its first token is scheduled before the low one's last step when
+    it has the higher priority (it preempts it), and only after it with the same priority: so the
+    coordinator passes `priority` on and the worker schedules by it. The order is read from the
+    worker's step log (which requests each step ran), not from when replies reached the client."""
+    import json
+    import threading
+
+    from cluster_helpers import collect
+    from coordinator.client import Client, Finished, Piece
+    from kvcache.cluster import wait_healthy
+    from kvcache.launch import Daemon
+
+    low_prompt, high_prompt = "a long, unimportant story: " * 2, "the important question? " * 2
+    step_log = tmp_path / "steps.jsonl"
+    daemons, orders, seen = [], {}, {}
+    try:
+        daemons.append(Daemon("coordinator", ["--port", "0"], log_path=tmp_path / "coordinator.log"))
+        coordinator = daemons[0].address
+        daemons.append(Daemon("worker", ["--port", "0", "--coordinators", coordinator, "--model", "tiny",
+                                         "--kv-cache", "8MiB", "--max-num-seqs", "1", "--blas-threads", "1",
+                                         "--step-log", str(step_log)], log_path=tmp_path / "worker.log"))
+        wait_healthy([coordinator], nodes=0, workers=1, timeout_s=60.0)
+        with Client([coordinator], timeout=120.0) as client:
+            for round_, high_priority in enumerate((HIGH, LOW)):
+                events, results, lock = [], {}, threading.Lock()
+                low_started = threading.Event()
+
+                def read(name, stream):
+                    tokens = []
+                    for event in stream:
+                        if isinstance(event, Piece) and event.token_ids:
+                            if not tokens:
+                                with lock:
+                                    events.append((name, "first token"))
+                                if name == "low":
+                                    low_started.set()
+                            tokens.extend(event.token_ids)
+                        elif isinstance(event, Finished):
+                            with lock:
+                                events.append((name, "finished"))
+                            results[name] = (tokens, event)
+
+                low_id, high_id = f"low{round_}", f"high{round_}"
+                low = threading.Thread(target=read, daemon=True, args=("low", client.generate(
+                    low_prompt, max_tokens=400, ignore_eos=True, priority=LOW, request_id=low_id)))
+                low.start()
+                assert low_started.wait(60.0), "the low-priority request never started"
+                high = threading.Thread(target=read, daemon=True, args=("high", client.generate(
+                    high_prompt, max_tokens=5, priority=high_priority, request_id=high_id)))
+                high.start()
+                for thread in (low, high):
+                    thread.join(120.0)
+                    assert not thread.is_alive(), "a request did not finish within 120 s"
+                assert set(results) == {"low", "high"}, events
+                assert results["low"][1].finish_reason == "length" and len(results["low"][0]) == 400
+                seen[high_priority] = events
+                steps = [[r["id"].split(".")[0] for r in json.loads(line)["requests"]]
+                         for line in step_log.read_text().splitlines()]
+                high_first = min(i for i, ids in enumerate(steps) if high_id in ids)
+                low_last = max(i for i, ids in enumerate(steps) if low_id in ids)
+                orders[high_priority] = "high started first" if high_first < low_last else "low finished first"
+                alone_tokens, _ = collect(client.generate(high_prompt, max_tokens=5, priority=high_priority))
+                assert results["high"][0] == alone_tokens  # priority changes when, not what
+    finally:
+        for daemon in reversed(daemons):
+            daemon.stop(timeout_s=10.0)
+    assert orders == {HIGH: "high started first", LOW: "low finished first"}, orders
+    # seen by the client too, when the low request had hundreds of tokens to go
+    assert seen[HIGH].index(("high", "first token")) < seen[HIGH].index(("low", "finished")), seen[HIGH]
