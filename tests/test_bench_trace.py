@@ -156,6 +156,8 @@ def test_cost_times_every_policy_at_each_size():
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)["results"]
     assert {(r["policy"], r["pages"]) for r in rows} == {(p, n) for p in ("prefix-lru", "prefix-lfu") for n in (40, 400)}
-    assert all(r["us_per_page_op"] > 0 for r in rows)
+    assert all(r["us_per_page_op"] > 0 and r["us_per_page_op_gc_paused"] > 0 for r in rows)
+    table = run_bench("--cost", "--cost-pages", "40,400", "--policies", "prefix-lru")
+    assert table.returncode == 0 and "gc paused at 400" in table.stdout, table.stderr
     bad = run_bench("--cost", "--cost-pages", "ten")
     assert bad.returncode == 2 and "--cost-pages" in bad.stderr

@@ -5,12 +5,16 @@ The workload is the eviction bench's in miniature: requests look up a chain of 4
 put the pages they miss, parents first, over twice as many distinct chains as the pool
 holds, picked at random (seeded), so about half the puts evict. The pool is filled and run
 for as many requests again before the clock starts; then the time of 20,000 requests is
-divided by the pages they looked up or put.
+divided by the pages they looked up or put. It is timed twice: as a daemon runs, and with
+Python's cyclic garbage collector paused (`gc.disable`) over the same requests on a fresh
+store, since the collector walks every live object of the store now and then: the second
+figure is the policy's own work, the difference what a larger heap of objects costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 import time
@@ -37,7 +41,8 @@ def run_cost(args: argparse.Namespace, policies: list[str]) -> int:
     started = time.perf_counter()
     rows = []
     for policy, pages in progress([(p, n) for p in policies for n in sizes], "timing"):
-        rows.append({"policy": policy, "pages": pages, "us_per_page_op": cost(policy, pages)})
+        rows.append({"policy": policy, "pages": pages, "us_per_page_op": cost(policy, pages),
+                     "us_per_page_op_gc_paused": cost(policy, pages, collector=False)})
     result = {"bench": "eviction-cost", "machine": machine(), "versions": {"kvcache": __version__},
               "options": {"cost_pages": sizes, "policies": policies, "timed_requests": TIMED_REQUESTS},
               "results": rows, "seconds": time.perf_counter() - started}
@@ -46,16 +51,20 @@ def run_cost(args: argparse.Namespace, policies: list[str]) -> int:
         return 0
     table = []
     for policy in policies:
-        mine = {r["pages"]: r["us_per_page_op"] for r in rows if r["policy"] == policy}
-        table.append([policy, *(mine[n] for n in sizes), mine[sizes[-1]] / mine[sizes[0]]])
-    print_table(["policy", *(f"us/op at {n:,}" for n in sizes), f"{sizes[-1]:,} / {sizes[0]:,}"], table)
+        mine = {r["pages"]: r for r in rows if r["policy"] == policy}
+        with_gc = [mine[n]["us_per_page_op"] for n in sizes]
+        paused = [mine[n]["us_per_page_op_gc_paused"] for n in sizes]
+        table.append([policy, *with_gc, with_gc[-1] / with_gc[0], *paused, paused[-1] / paused[0]])
+    print_table(["policy", *(f"us/op at {n:,}" for n in sizes), f"{sizes[-1]:,} / {sizes[0]:,}",
+                 *(f"gc paused at {n:,}" for n in sizes), "gc paused ratio"], table)
     print(f"(per page looked up or put; a cost growing as log n would grow {_log_ratio(sizes):.2f}x "
           f"from {sizes[0]:,} to {sizes[-1]:,} pages, as n {sizes[-1] / sizes[0]:.0f}x; {result['seconds']:.1f} s)")
     return 0
 
 
-def cost(policy: str, capacity_pages: int) -> float:
-    """Microseconds per page looked up or put, once the pool is full and evicting."""
+def cost(policy: str, capacity_pages: int, collector: bool = True) -> float:
+    """Microseconds per page looked up or put, once the pool is full and evicting; with the
+    cyclic garbage collector paused during the timed requests when `collector` is False."""
     rng = random.Random(capacity_pages)
     num_chains = 2 * capacity_pages // CHAIN_PAGES
     store = PageStore(capacity_pages, 16, policy=policy)
@@ -65,9 +74,18 @@ def cost(policy: str, capacity_pages: int) -> float:
     chains = {c: [(c * CHAIN_PAGES + i).to_bytes(KEY_BYTES, "big") for i in range(CHAIN_PAGES)]
               for c in set(warm) | set(timed)}
     _requests(store, [chains[c] for c in warm], data)
-    begin = time.perf_counter()
-    _requests(store, [chains[c] for c in timed], data)
-    return (time.perf_counter() - begin) * 1e6 / (len(timed) * CHAIN_PAGES)
+    timed_chains = [chains[c] for c in timed]
+    paused = not collector and gc.isenabled()
+    if paused:
+        gc.collect()
+        gc.disable()
+    try:
+        begin = time.perf_counter()
+        _requests(store, timed_chains, data)
+        return (time.perf_counter() - begin) * 1e6 / (len(timed) * CHAIN_PAGES)
+    finally:
+        if paused:
+            gc.enable()
 
 
 def _requests(store: PageStore, requests: list[list[bytes]], data: bytes) -> None:
