@@ -6,7 +6,9 @@ Design notes
 1. Without aging, pages used often long ago would hold the cache forever; with it, a new
    page starts at the age of the last eviction, so old counts lose their weight as the
    age rises. Uses are counted without a bound; priorities only grow.
-2. One Candidates heap ranked by (priority, last use); only evictable pages are queued
+2. One Candidates heap ranked by (priority, last use), packed into one integer (priority
+   above the tick's TICK_BITS): a heap of 100,000s of entries compares ranks ~20 times a
+   pop, and one int compares faster than a nested tuple. Only evictable pages are queued
    (under the leaf rule, leaves). O(log n) per operation, amortized.
 3. A child joining a page (candidates.py note 3) is not a use; it refreshes the page's
    last use, as under prefix-lru.
@@ -21,10 +23,21 @@ from kvnode.eviction.candidates import Candidates, Order, Page
 from kvnode.eviction.policy import EvictionPolicy
 
 
+TICK_BITS = 48  # ticks (uses) before a rank's tick would spill into its priority: 2.8e14
+
+
+def _rank(priority: int, tick: int) -> int:
+    return (priority << TICK_BITS) | tick
+
+
+def _priority(rank: int) -> int:
+    return rank >> TICK_BITS
+
+
 @dataclass(slots=True)
 class _Entry:
     uses: int
-    rank: tuple[int, int]  # (priority, tick of the last use)
+    rank: int  # _rank(priority, tick of the last use)
     children: int  # the page's child count when the order last saw it
 
 
@@ -39,16 +52,16 @@ class LfuOrder(Order):
     def offer(self, key: bytes, page: Page) -> None:
         entry = self._entries.get(key)
         if entry is None:  # stored: its first use
-            entry = self._entries[key] = _Entry(1, (self.age + 1, self._next_tick()), page.children)
+            entry = self._entries[key] = _Entry(1, _rank(self.age + 1, self._next_tick()), page.children)
         self._queue(key, entry, page)
 
     def touched(self, key: bytes, page: Page) -> None:
         entry = self._entries[key]
         if page.children <= entry.children:
             entry.uses += 1
-            entry.rank = (self.age + entry.uses, self._next_tick())
+            entry.rank = _rank(self.age + entry.uses, self._next_tick())
         else:
-            entry.rank = (entry.rank[0], self._next_tick())
+            entry.rank = _rank(_priority(entry.rank), self._next_tick())
         entry.children = page.children
         self._queue(key, entry, page)
 
@@ -63,7 +76,7 @@ class LfuOrder(Order):
         if found is None:
             return None
         rank, key = found
-        self.age = max(self.age, rank[0])  # a non-leaf that became a leaf may rank below the age
+        self.age = max(self.age, _priority(rank))  # a non-leaf that became a leaf may rank below the age
         del self._entries[key]
         return key
 
@@ -71,14 +84,14 @@ class LfuOrder(Order):
         if self.may_evict(page):
             self._candidates.push(entry.rank, key, len(self._pages), self._live)
 
-    def _current(self, rank: tuple[int, int], key: bytes) -> Page | None:
+    def _current(self, rank: int, key: bytes) -> Page | None:
         entry = self._entries.get(key)
         if entry is None or entry.rank != rank:
             return None
         page = self._pages[key]
         return page if self.may_evict(page) else None
 
-    def _live(self) -> list[tuple[tuple[int, int], bytes]]:
+    def _live(self) -> list[tuple[int, bytes]]:
         return [(e.rank, k) for k, e in self._entries.items() if self.may_evict(self._pages[k])]
 
     def _next_tick(self) -> int:
@@ -89,6 +102,6 @@ class LfuOrder(Order):
         assert self._entries.keys() == self._pages.keys(), "the order's pages differ from the store's"
         entries = self._candidates.entries()
         for key, entry in self._entries.items():
-            assert entry.uses >= 1 and entry.rank[0] <= self.age + entry.uses, f"page {key.hex()} priority is off"
+            assert entry.uses >= 1 and _priority(entry.rank) <= self.age + entry.uses, f"page {key.hex()} priority is off"
             if self.is_free(self._pages[key]):
                 assert (entry.rank, key) in entries, f"page {key.hex()} cannot be evicted: no queue entry"
