@@ -28,8 +28,35 @@ __all__ = ["Cancel", "Client", "ClusterError", "Finished", "Piece", "Usage"]
 
 _SERVICE = "/kvcache.v1.Coordinator/"
 # A coordinator that is down, or at its limit of streams (RESOURCE_EXHAUSTED): try the next one.
-_TRY_ELSEWHERE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+TRY_ELSEWHERE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                   grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+def resumed(request: pb.GenerateRequest, sent: list[int]) -> pb.GenerateRequest:
+    """The request to send to the next coordinator after `sent` tokens: the worker goes on after
+    them, counting them as its own (max_tokens, usage)."""
+    if not sent:
+        return request
+    attempt = pb.GenerateRequest()
+    attempt.CopyFrom(request)
+    attempt.resume_token_ids.extend(sent)
+    return attempt
+
+
+def resumable(request: pb.GenerateRequest) -> bool:
+    return request.temperature == 0 or request.HasField("seed")
+
+
+def not_resumable(sent: list[int], errors: list[str]) -> "ClusterError":
+    return ClusterError(grpc.StatusCode.UNAVAILABLE,
+                        f"coordinator failed after {len(sent)} tokens ({errors[-1]}); a sampled request "
+                        f"without a seed cannot be resumed exactly: retry it")
+
+
+def none_served(codes: set, errors: list[str]) -> "ClusterError":
+    busy = codes == {grpc.StatusCode.RESOURCE_EXHAUSTED}  # every one at its limit: retry shortly
+    return ClusterError(grpc.StatusCode.RESOURCE_EXHAUSTED if busy else grpc.StatusCode.UNAVAILABLE,
+                        "no coordinator could serve the request: " + "; ".join(errors))
 
 
 class ClusterError(Exception):
@@ -105,16 +132,10 @@ class Client:
         metadata = self._metadata if token is None else authorization(token)
         request = generate_request(prompt, **options)
         request.session_id = session_id
-        resumable = request.temperature == 0 or request.HasField("seed")
         sent: list[int] = []
         errors, codes = [], set()
         for coordinator in self._in_order():
-            attempt = request
-            if sent:  # the worker goes on after them, counting them as its own (max_tokens, usage)
-                attempt = pb.GenerateRequest()
-                attempt.CopyFrom(request)
-                attempt.resume_token_ids.extend(sent)
-            stream = coordinator.generate(attempt, timeout=self.timeout, metadata=metadata)
+            stream = coordinator.generate(resumed(request, sent), timeout=self.timeout, metadata=metadata)
             if cancel is not None:
                 cancel._attach(stream)
             try:
@@ -130,19 +151,15 @@ class Client:
             except grpc.RpcError as exc:
                 if cancel is not None and cancel.cancelled:
                     raise ClusterError(grpc.StatusCode.CANCELLED, "cancelled by the caller") from None
-                if exc.code() not in _TRY_ELSEWHERE:
+                if exc.code() not in TRY_ELSEWHERE:
                     raise ClusterError(exc.code(), exc.details() or "no details") from None
                 errors.append(f"{coordinator.address}: {exc.code().name}: {exc.details()}")
                 codes.add(exc.code())
             finally:
                 stream.cancel()
-            if sent and not resumable:
-                raise ClusterError(grpc.StatusCode.UNAVAILABLE,
-                                   f"coordinator failed after {len(sent)} tokens ({errors[-1]}); a sampled request "
-                                   f"without a seed cannot be resumed exactly: retry it")
-        busy = codes == {grpc.StatusCode.RESOURCE_EXHAUSTED}  # every one at its limit: retry shortly
-        raise ClusterError(grpc.StatusCode.RESOURCE_EXHAUSTED if busy else grpc.StatusCode.UNAVAILABLE,
-                           "no coordinator could serve the request: " + "; ".join(errors))
+            if sent and not resumable(request):
+                raise not_resumable(sent, errors)
+        raise none_served(codes, errors)
 
     def status(self, timeout: float = 5.0, token: str | None = None) -> pb.ClusterStatusReply:
         metadata = self._metadata if token is None else authorization(token)

@@ -104,7 +104,7 @@ def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, o
         routes=routes,
         middleware=middleware,
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _bug},
-        lifespan=_lifespan(on_startup),
+        lifespan=_lifespan(upstream, on_startup),
     )
 
 
@@ -153,11 +153,15 @@ async def _bug(request: Request, exc: Exception) -> Response:
     return ApiError(500, "the gateway failed on this request (a bug: see its log)").response()
 
 
-def _lifespan(on_startup):
+def _lifespan(upstream: Upstream, on_startup):
     @asynccontextmanager
     async def lifespan(app):
-        if on_startup is not None:
-            on_startup()
-        yield
+        await upstream.open()   # on the loop that serves: grpc.aio's channels belong to it
+        try:
+            if on_startup is not None:
+                on_startup()
+            yield
+        finally:
+            await upstream.close()
 
     return lifespan

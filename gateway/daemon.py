@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     # Here, not at the top: every `kvcache` command builds this parser, and only this one needs them.
     import uvicorn
 
-    from coordinator.client import Client
+    from coordinator.aio_client import AsyncClient
     from gateway.app import create_app
     from gateway.upstream import Upstream
 
@@ -81,16 +81,15 @@ def run(args: argparse.Namespace) -> int:
               f"up to {args.max_streams} requests)", flush=True)
 
     tls = {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key} if credentials else {}
-    with Client(coordinators, timeout=args.request_timeout, **tls) as client:
-        upstream = Upstream(client, args.max_streams)
-        if metrics is not None:
-            metrics.watch(upstream)
-        app = create_app(upstream, max_body_bytes, args.body_timeout, on_startup=started, metrics=metrics)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=args.grace,
-                                # Connections beyond this get 503 from uvicorn before any work is done.
-                                limit_concurrency=args.max_streams * 2 + 16)
-        uvicorn.Server(config).run(sockets=[sock])
+    upstream = Upstream(lambda: AsyncClient(coordinators, timeout=args.request_timeout, **tls), args.max_streams)
+    if metrics is not None:
+        metrics.watch(upstream)
+    app = create_app(upstream, max_body_bytes, args.body_timeout, on_startup=started, metrics=metrics)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=args.grace,
+                            # Connections beyond this get 503 from uvicorn before any work is done.
+                            limit_concurrency=args.max_streams * 2 + 16)
+    uvicorn.Server(config).run(sockets=[sock])
     log.info("stopped")
     return 0
 

@@ -1,29 +1,29 @@
-"""The cluster as the gateway sees it: the coordinators through coordinator.client.Client, and
-nothing else. Its calls block (gRPC), so each runs on a worker thread of a bounded pool, and a
-request's stream is handed to the event loop one event at a time.
+"""The cluster as the gateway sees it: the coordinators through coordinator.aio_client.AsyncClient,
+and nothing else. Its calls run on the gateway's own event loop (grpc.aio): a request's tokens go
+from the gRPC stream to the HTTP response with no thread between them.
 
 Notes
 1. Models are the names the live workers registered (ClusterStatus), asked again at most every
    MODELS_TTL_S seconds, and at once for a name not seen yet (a worker that just joined).
-2. At most `max_streams` requests run at once (each may hold a thread while it waits for its
-   next token); one more is refused with 429 before anything is sent to the cluster.
-3. A request whose client goes away is cancelled (Cancel): its gRPC stream ends at once, the
-   coordinator cancels the worker's, and the worker frees the request's blocks.
+2. At most `max_streams` requests run at once; one more is refused with 429 before anything is
+   sent to the cluster.
+3. A request whose client goes away is cancelled: leaving `events` early cancels its gRPC call,
+   the coordinator cancels the worker's, and the worker frees the request's blocks.
 4. The caller's key (`Authorization: Bearer`) goes to the coordinators with each of its calls;
    they check it, so the gateway keeps no tokens file. Models are cached per key (a bounded
    number of keys), so a caller without a valid key never sees another's answer.
+5. The client is made by `open()` on the running loop (grpc.aio's channels belong to one loop),
+   from the gateway's startup, and closed by `close()` at its shutdown.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import AsyncIterator
+from contextlib import aclosing
+from typing import AsyncIterator, Awaitable, Callable
 
-import anyio
-import anyio.to_thread
-
-from coordinator.client import Cancel, Client, ClusterError, Finished, Piece
+from coordinator.aio_client import AsyncClient, ClusterError, Finished, Piece
 from gateway.errors import ApiError, from_cluster
 from gateway.shapes import Call
 
@@ -33,19 +33,26 @@ STATUS_TIMEOUT_S = 5.0
 
 
 class Upstream:
-    def __init__(self, client: Client, max_streams: int):
-        self.client = client
+    def __init__(self, open_client: Callable[[], AsyncClient], max_streams: int):
+        self._open_client = open_client
+        self.client: AsyncClient | None = None
         self.max_streams = max_streams
         self.running = 0
-        self._threads = anyio.CapacityLimiter(max_streams + 4)   # + a few for status calls
         self._first_seen: dict[str, int] = {}                  # model name -> first seen (unix seconds)
         self._models: OrderedDict[str | None, tuple[float, dict[str, int]]] = OrderedDict()  # by key (note 4)
         self.started = int(time.time())
 
+    async def open(self) -> None:
+        self.client = self._open_client()
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
     async def models(self, fresh: bool = False, token: str | None = None) -> dict[str, int]:
         cached = self._models.get(token)
         if fresh or cached is None or time.monotonic() - cached[0] > MODELS_TTL_S:
-            status = await self._blocking(self.client.status, STATUS_TIMEOUT_S, token)
+            status = await self._refusals(self.client.status(STATUS_TIMEOUT_S, token))
             now = int(time.time())
             names = {m.model for m in status.members if m.role == "worker" and m.alive and m.model}
             for name in names:
@@ -72,26 +79,25 @@ class Upstream:
             raise ApiError(429, f"the gateway is serving its limit of {self.max_streams} requests: retry shortly",
                            code="too_many_requests")
         self.running += 1
-        cancel = Cancel()
-        stream = self.client.generate(call.prompt, session_id=call.session_id, cancel=cancel, token=token,
-                                      **call.options)
         try:
-            while True:
-                event = await self._blocking(next, stream, None, abandon=True)
-                if event is None:
-                    raise ApiError(503, "the cluster ended the stream without a final message")
-                yield event
-                if isinstance(event, Finished):
-                    return
-        finally:
-            self.running -= 1
-            cancel.cancel()   # a no-op once finished (note 3)
-
-    async def _blocking(self, function, *args, abandon: bool = False):
-        try:
-            return await anyio.to_thread.run_sync(function, *args, limiter=self._threads,
-                                                  abandon_on_cancel=abandon)
-        except ClusterError as exc:
-            raise from_cluster(exc.code, exc.details) from None
+            stream = self.client.generate(call.prompt, session_id=call.session_id, token=token, **call.options)
+            async with aclosing(stream):
+                while True:
+                    event = await self._refusals(anext(stream, None))
+                    if event is None:
+                        raise ApiError(503, "the cluster ended the stream without a final message")
+                    yield event
+                    if isinstance(event, Finished):
+                        return
         except ValueError as exc:   # generate_request refuses what protobuf cannot hold
             raise ApiError(400, str(exc)) from None
+        finally:
+            self.running -= 1   # leaving early closed the stream, which cancelled the call (note 3)
+
+    @staticmethod
+    async def _refusals(pending: Awaitable):
+        """pending's result, the cluster's refusals as ApiErrors."""
+        try:
+            return await pending
+        except ClusterError as exc:
+            raise from_cluster(exc.code, exc.details) from None

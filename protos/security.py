@@ -139,6 +139,13 @@ def channel(address: str, credentials: Credentials | None, options=()) -> grpc.C
     return grpc.secure_channel(address, credentials.channel_credentials(), options=list(options))
 
 
+def aio_channel(address: str, credentials: Credentials | None, options=()) -> grpc.aio.Channel:
+    """The same on grpc.aio, for a caller on an asyncio event loop (the gateway); made on that loop."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=list(options))
+    return grpc.aio.secure_channel(address, credentials.channel_credentials(), options=list(options))
+
+
 def add_arguments(parser: argparse.ArgumentParser, client: bool = False) -> None:
     """--tls-cert, --tls-key, --tls-ca: every daemon's and client's."""
     who = "this client's" if client else "this daemon's"

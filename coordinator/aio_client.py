@@ -1,0 +1,96 @@
+"""AsyncClient: coordinator.client.Client on grpc.aio, for callers on an asyncio event loop (the
+gateway). Same coordinators tried in turn, same resume of a greedy or seeded request through
+another coordinator; its replies are read on the caller's loop, with no thread between them and it.
+
+Notes
+1. Made, used and closed on one running event loop (grpc.aio's channels belong to the loop they
+   were made on).
+2. Leaving `generate`'s loop early (closing it, or cancelling the task that reads it) cancels the
+   call: the coordinator cancels the worker's stream and the worker frees the request's blocks.
+3. No tracing interceptor: the gateway, its only user, does not trace.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import AsyncIterator, Mapping, Sequence
+
+import grpc
+
+from coordinator.client import (TRY_ELSEWHERE, ClusterError, Finished, Piece, none_served, not_resumable,
+                                resumable, resumed)
+from protos import kvcache_pb2 as pb
+from protos import kvcache_pb2_grpc as pb_grpc
+from protos import security
+from protos.tokens import authorization
+from worker.client import generate_request, parse_reply
+
+__all__ = ["AsyncClient", "ClusterError", "Finished", "Piece"]
+
+
+class AsyncClient:
+    def __init__(self, coordinators: Sequence[str], timeout: float = 600.0, token: str | None = None,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None):
+        if not coordinators:
+            raise ValueError("give at least one coordinator address (host:port)")
+        if (tls_cert or tls_key) and not tls_ca:
+            raise ValueError("a client certificate needs tls_ca, the CA that checks the coordinators")
+        credentials = security.Credentials(Path(tls_ca), tls_cert and Path(tls_cert),
+                                           tls_key and Path(tls_key)) if tls_ca else None
+        self.timeout = timeout
+        self._metadata = authorization(token)
+        self._channels = [(address, security.aio_channel(address, credentials, security.KEEPALIVE_OPTIONS))
+                          for address in dict.fromkeys(coordinators)]
+        self._stubs = [(address, pb_grpc.CoordinatorStub(channel)) for address, channel in self._channels]
+        self._preferred = 0
+
+    async def generate(self, prompt: str | Sequence[int] | Sequence[Mapping[str, str]], session_id: str = "",
+                       token: str | None = None, **options) -> AsyncIterator[Piece | Finished]:
+        """Pieces as they come, then one Finished; as Client.generate (note 2 for cancelling)."""
+        metadata = self._metadata if token is None else authorization(token)
+        request = generate_request(prompt, **options)
+        request.session_id = session_id
+        sent: list[int] = []
+        errors, codes = [], set()
+        for index, (address, stub) in self._in_order():
+            call = stub.Generate(resumed(request, sent), timeout=self.timeout, metadata=metadata)
+            try:
+                while (reply := await call.read()) is not grpc.aio.EOF:
+                    event = parse_reply(reply)
+                    if isinstance(event, Piece):
+                        sent.extend(event.token_ids)
+                    yield event
+                    if isinstance(event, Finished):
+                        self._preferred = index
+                        return
+                errors.append(f"{address}: stream ended without finishing")
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in TRY_ELSEWHERE:
+                    raise ClusterError(exc.code(), exc.details() or "no details") from None
+                errors.append(f"{address}: {exc.code().name}: {exc.details()}")
+                codes.add(exc.code())
+            finally:
+                call.cancel()   # a no-op once finished
+            if sent and not resumable(request):
+                raise not_resumable(sent, errors)
+        raise none_served(codes, errors)
+
+    async def status(self, timeout: float = 5.0, token: str | None = None) -> pb.ClusterStatusReply:
+        metadata = self._metadata if token is None else authorization(token)
+        errors = []
+        for _, (address, stub) in self._in_order():
+            try:
+                return await stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=timeout, metadata=metadata)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # another coordinator would say the same
+                    raise ClusterError(exc.code(), exc.details() or "no details") from None
+                errors.append(f"{address}: {exc.code().name}")
+        raise ClusterError(grpc.StatusCode.UNAVAILABLE, "no coordinator answered: " + "; ".join(errors))
+
+    def _in_order(self) -> list[tuple[int, tuple[str, object]]]:
+        numbered = list(enumerate(self._stubs))
+        return numbered[self._preferred:] + numbered[:self._preferred]
+
+    async def close(self) -> None:
+        for _, channel in self._channels:
+            await channel.close()
