@@ -23,6 +23,7 @@ DEFAULT_COORDINATORS = "127.0.0.1:50050"
 DEFAULT_MAX_STREAMS = 64
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_SEND_TIMEOUT_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds one generation may take on the cluster (default 600)")
     parser.add_argument("--grace", type=float, default=5.0, help="seconds running requests get on stop (default 5)")
+    parser.add_argument("--send-timeout", type=float, default=DEFAULT_SEND_TIMEOUT_S,
+                        help="seconds a client may take nothing the gateway sends it (it stopped reading, or is "
+                             "gone without a word) before its connection is dropped and its request cancelled on "
+                             f"its worker; Linux's TCP_USER_TIMEOUT (default {DEFAULT_SEND_TIMEOUT_S:g})")
     # A secure cluster: the gateway reaches the coordinators over mutual TLS with a client
     # certificate, and each caller's `Authorization: Bearer KEY` goes on with its calls.
     security.add_arguments(parser, client=True)
@@ -58,11 +63,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         coordinators = _addresses(args.coordinators)
         max_body_bytes = parse_size(args.max_body_bytes)
-        for name in ("max_streams", "body_timeout", "request_timeout"):
+        for name in ("max_streams", "body_timeout", "request_timeout", "send_timeout"):
             if getattr(args, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
         credentials = security.from_args(args, client=True)  # checks the TLS options come together
-        sock = _listen(args.host, args.port)
+        sock = _listen(args.host, args.port, args.send_timeout)
     except (ValueError, OSError) as exc:
         print(f"kvcache gateway: error: {exc}", file=sys.stderr)
         return 2
@@ -102,8 +107,16 @@ def _addresses(text: str | None) -> list[str]:
     return addresses
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before uvicorn starts, so --port 0 can be printed."""
+def _listen(host: str, port: int, send_timeout_s: float) -> socket.socket:
+    """The listening socket, bound before uvicorn starts, so --port 0 can be printed.
+
+    Its TCP_USER_TIMEOUT, which every connection accepted from it inherits, bounds how long the
+    kernel keeps a connection whose peer takes nothing: sent data unacknowledged, or held back
+    by a receive window closed since, for send_timeout_s. Then it drops the connection, the
+    gateway sees the client gone, and the request is cancelled on its worker as for a hang-up.
+    Without it, a client that opened a stream and stopped reading held its worker slot until the
+    request's deadline: uvicorn waits as long as it takes for room to write, the kernel too (it
+    probes a closed window forever)."""
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {port}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -111,6 +124,8 @@ def _listen(host: str, port: int) -> socket.socket:
     # without it Nagle held each first event until the client's delayed ACK (~40 ms per response).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):   # Linux; elsewhere a stalled reader waits for its deadline
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, round(send_timeout_s * 1000)))
     try:
         sock.bind((host.strip("[]"), port))
     except OSError as exc:

@@ -7,6 +7,8 @@ that hangs up mid-stream freeing its request on the worker."""
 from __future__ import annotations
 
 import json
+import socket
+from urllib.parse import urlsplit
 
 import openai
 import pytest
@@ -218,6 +220,40 @@ def test_a_client_that_hangs_up_mid_stream_frees_its_worker(api, cluster, model)
         before.sum("kvcache_worker_requests_total", finish_reason="abort") == 1
     generated = after.sum("kvcache_worker_generation_tokens_total") - before.sum("kvcache_worker_generation_tokens_total")
     assert 3 <= generated < 3000
+
+
+def test_a_client_that_stops_reading_is_dropped_and_frees_its_worker(cluster, model, tmp_path):
+    """A raw client with a small receive buffer opens a long stream and never reads: once its window
+    has been closed for --send-timeout seconds the gateway's kernel drops the connection, and the
+    request is cancelled on its worker, long before its tokens or its deadline (600 s) run out."""
+    [worker] = cluster.role("worker")
+    before = scrape(worker.metrics_url)
+    args = ["--host", "127.0.0.1", "--port", "0", "--coordinators", ",".join(cluster.coordinator_addresses)]
+    # A fifth of a second: the tiny model makes its 4,000 tokens in a few seconds, and the stream must be
+    # dropped before they are all made for the test to tell a drop from an end.
+    with Daemon("gateway", [*args, "--send-timeout", "0.2"], log_path=tmp_path / "stalled.log") as gateway, \
+            WorkerClient(worker.address) as probe:
+        body = json.dumps({"model": model, "prompt": "Tell me everything about rye.", "max_tokens": 4000,
+                           "temperature": 0, "stream": True, "ignore_eos": True}).encode()
+        parts = urlsplit(gateway.address)
+        reader = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # before connect: the window stays small
+        try:
+            reader.connect((parts.hostname, parts.port))
+            reader.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert wait_for(lambda: probe.info().running == 1, timeout_s=30.0), "the request never started"
+            # ...and is never read from again.
+            assert wait_for(lambda: probe.info().running == 0, timeout_s=60.0), "the stalled stream kept its worker"
+        finally:
+            reader.close()
+        log = gateway.log_path.read_text()
+    after = scrape(worker.metrics_url)
+    assert after.sum("kvcache_worker_requests_total", finish_reason="abort") - \
+        before.sum("kvcache_worker_requests_total", finish_reason="abort") == 1
+    generated = after.sum("kvcache_worker_generation_tokens_total") - before.sum("kvcache_worker_generation_tokens_total")
+    assert generated < 4000
+    assert log.count("stopped reading") == 1, log
 
 
 def test_a_saturated_gateway_answers_429_and_one_without_a_cluster_503(cluster, model, tmp_path):
