@@ -20,7 +20,7 @@ from coordinator.client import Finished, Piece
 from gateway import sse
 from gateway.bodies import CLIENT_GONE, read_json
 from gateway.errors import ApiError
-from gateway.replies import Reply, model_body
+from gateway.replies import Reply, combined, model_body
 from gateway.shapes import Call, parse_chat, parse_completion
 from gateway.upstream import Upstream
 
@@ -56,28 +56,32 @@ def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, o
         call = parse(await read_json(request, max_body_bytes, body_timeout_s))
         await upstream.check_model(call.model, token)
         reply = Reply(call.model, chat)
-        events = upstream.events(call, token)
+        events = upstream.choices(call, token)
         finished = metrics.finished if metrics is not None else None
         if call.stream:
             first = await _unless_disconnected(request, events.__anext__)
-            return StreamingResponse(sse.stream(reply, first, events, call.include_usage, finished,
+            return StreamingResponse(sse.stream(reply, call.n, first, events, call.include_usage, finished,
                                                 call.return_token_ids),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-        async def collect() -> tuple[str, Finished]:
-            text = []
+        async def collect() -> tuple[list[list[str]], dict[int, Finished]]:
+            texts, done = [[] for _ in range(call.n)], {}
             async with aclosing(events):
-                async for event in events:
+                async for index, event in events:
                     if isinstance(event, Piece):
-                        text.append(event.text)
+                        texts[index].append(event.text)
                     else:
-                        return "".join(text), event
+                        done[index] = event
+                        if len(done) == call.n:
+                            return texts, done
             raise ApiError(503, "the cluster ended the stream without a final message")
 
-        text, done = await _unless_disconnected(request, collect)
+        texts, done = await _unless_disconnected(request, collect)
         if finished is not None:
-            finished(done)
-        return JSONResponse(reply.whole(text, done.finish_reason, done.usage))
+            for event in done.values():
+                finished(event)
+        choices = [("".join(texts[i]), done[i].finish_reason) for i in range(call.n)]
+        return JSONResponse(reply.whole(choices, combined([done[i].usage for i in range(call.n)])))
 
     async def health(request: Request) -> Response:
         try:

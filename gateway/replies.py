@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from worker.client import Usage
 
@@ -31,6 +31,12 @@ def usage_body(usage: Usage) -> dict:
     }
 
 
+def combined(usages: list[Usage]) -> Usage:
+    """The usage of n choices of one prompt, as OpenAI counts it: the prompt once (the first
+    choice's, with where its tokens came from), the completion tokens of all."""
+    return replace(usages[0], completion_tokens=sum(u.completion_tokens for u in usages))
+
+
 def model_body(name: str, created: int) -> dict:
     return {"id": name, "object": "model", "created": created, "owned_by": OWNED_BY}
 
@@ -47,24 +53,26 @@ class Reply:
     def __post_init__(self):
         self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> dict:
+    def whole(self, choices: list[tuple[str, str]], usage: Usage) -> dict:
+        """The whole response: each choice's (text, finish reason), in order."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            bodies = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                       "finish_reason": finish_reason} for i, (text, finish_reason) in enumerate(choices)]
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+            bodies = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                      for i, (text, finish_reason) in enumerate(choices)]
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": bodies,
                 "usage": usage_body(usage)}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-              with_usage_field: bool = False, token_ids: list[int] | None = None) -> dict:
-        """A streamed chunk: new text, or the finish reason; `role` opens a chat's assistant message;
-        `token_ids` (the return_token_ids extension) the ids the text came from."""
+              with_usage_field: bool = False, token_ids: list[int] | None = None, index: int = 0) -> dict:
+        """A streamed chunk of choice `index`: new text, or the finish reason; `role` opens a chat's
+        assistant message; `token_ids` (the return_token_ids extension) the ids the text came from."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}

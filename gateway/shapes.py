@@ -5,11 +5,13 @@ Notes
 1. Defaults are OpenAI's, not `kvcache generate`'s: temperature 1 (0 is greedy), max_tokens 16
    for completions; a chat without max_tokens gets DEFAULT_CHAT_MAX_TOKENS (OpenAI's "up to the
    context" would tie every such request to the worker's limit).
-2. Unknown fields are ignored, as vLLM does; fields we cannot honour (n > 1, logprobs, tools,
-   echo, best_of, suffix, penalties) are refused with a 400 that names them, never ignored.
+2. Unknown fields are ignored, as vLLM does; fields we cannot honour (logprobs, tools, echo,
+   best_of, suffix, penalties) are refused with a 400 that names them, never ignored.
 3. `prompt_cache_key`, else `user`, becomes the session id: the coordinators place by it, so one
    user's requests meet the same kvnodes and worker.
-4. Extensions vLLM also takes: `top_k` (0 or -1: no cut), `ignore_eos`, and `return_token_ids`
+4. `n` choices (at most MAX_CHOICES) are n requests to the cluster, choice i with seed + i when
+   a seed is given (else each sampled on its own; greedy ones are alike).
+5. Extensions vLLM also takes: `top_k` (0 or -1: no cut), `ignore_eos`, and `return_token_ids`
    (each streamed chunk carries the token ids of its text: a client can send a conversation back
    as token ids, as the load bench does).
 """
@@ -26,6 +28,7 @@ from gateway.errors import ApiError, bad_request
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 512
 MAX_STOP = 4
+MAX_CHOICES = 8
 MAX_SESSION_CHARS = 256
 _U32 = 2**32 - 1
 
@@ -54,7 +57,7 @@ class _Common(BaseModel):
     top_k: int | None = Field(None, ge=-1, le=_U32)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: Union[str, list[str], None] = None
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     user: str | None = Field(None, max_length=MAX_SESSION_CHARS)
     prompt_cache_key: str | None = Field(None, max_length=MAX_SESSION_CHARS)
     stream: bool | None = False
@@ -90,6 +93,7 @@ class Call:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    n: int = 1                          # choices: n requests (note 4)
 
 
 def parse_completion(body: object) -> Call:
@@ -121,7 +125,6 @@ def _validate(model: type[BaseModel], body: object) -> BaseModel:
 
 
 def _call(request: _Common, prompt: object, max_tokens: int) -> Call:
-    _refuse_if(request.n not in (None, 1), "n", "n: only 1 choice per request is supported; send n requests")
     _refuse_if(request.logprobs, "logprobs")
     _refuse_if(request.presence_penalty, "presence_penalty")
     _refuse_if(request.frequency_penalty, "frequency_penalty")
@@ -142,7 +145,7 @@ def _call(request: _Common, prompt: object, max_tokens: int) -> Call:
     return Call(model=request.model, prompt=prompt, session_id=request.prompt_cache_key or request.user or "",
                 options=options, stream=bool(request.stream),
                 include_usage=bool(request.stream_options and request.stream_options.include_usage),
-                return_token_ids=request.return_token_ids)
+                return_token_ids=request.return_token_ids, n=request.n or 1)
 
 
 def _one_prompt(prompt) -> str | list[int]:

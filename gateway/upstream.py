@@ -18,9 +18,11 @@ Notes
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from contextlib import aclosing
+from dataclasses import replace
 from typing import AsyncIterator, Awaitable, Callable
 
 from coordinator.aio_client import AsyncClient, ClusterError, Finished, Piece
@@ -73,6 +75,19 @@ class Upstream:
             raise ApiError(404, f"The model `{name}` does not exist; this cluster serves: {', '.join(models)}",
                            param="model", code="model_not_found")
 
+    def choices(self, call: Call, token: str | None = None) -> AsyncIterator[tuple[int, Piece | Finished]]:
+        """(choice index, event) of each of the call's n choices, as they come; one request to the
+        cluster per choice, choice i seeded seed + i when the call has a seed (shapes note 4)."""
+        if call.n == 1:
+            return _numbered(self.events(call, token))
+        if self.running + call.n > self.max_streams:
+            raise ApiError(429, f"the gateway is serving {self.running} of its limit of {self.max_streams} requests; "
+                                f"{call.n} choices need as many: retry shortly", code="too_many_requests")
+        seed = call.options["seed"]
+        return _merged([self.events(replace(call, options={**call.options,
+                                                           "seed": None if seed is None else (seed + i) % 2**64}),
+                                    token) for i in range(call.n)])
+
     async def events(self, call: Call, token: str | None = None) -> AsyncIterator[Piece | Finished]:
         """The request's events; ApiError for a refusal. Leaving the loop early cancels the request."""
         if self.running >= self.max_streams:
@@ -101,3 +116,37 @@ class Upstream:
             return await pending
         except ClusterError as exc:
             raise from_cluster(exc.code, exc.details) from None
+
+
+async def _numbered(events: AsyncIterator) -> AsyncIterator[tuple[int, Piece | Finished]]:
+    async with aclosing(events):
+        async for event in events:
+            yield 0, event
+
+
+async def _merged(choices: list[AsyncIterator]) -> AsyncIterator[tuple[int, Piece | Finished]]:
+    """(index, event) of several choices' events as they come, until each has finished. A choice
+    that fails fails them all; leaving early cancels every one (each task closes its events)."""
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, events: AsyncIterator) -> None:
+        try:
+            async with aclosing(events):
+                async for event in events:
+                    await arrived.put((index, event, None))
+        except Exception as exc:   # handed to the reader, raised there
+            await arrived.put((index, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, events)) for i, events in enumerate(choices)]
+    try:
+        unfinished = len(tasks)
+        while unfinished:
+            index, event, error = await arrived.get()
+            if error is not None:
+                raise error
+            yield index, event
+            unfinished -= isinstance(event, Finished)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

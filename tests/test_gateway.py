@@ -157,13 +157,46 @@ def test_a_growing_chat_hits_the_cache_for_its_earlier_turns(api, model):
                      {"role": "user", "content": f"And what about turn {turn + 2}?"}]
 
 
+def test_n_choices_are_n_requests_seeded_seed_plus_index(api, model):
+    prompt = "Four loaves, three rolls and"
+    reply = api.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=1, seed=7, n=3,
+                                   extra_body={"ignore_eos": True})
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    alone = [api.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=1, seed=7 + i,
+                                    extra_body={"ignore_eos": True}) for i in range(3)]
+    assert [c.text for c in reply.choices] == [a.choices[0].text for a in alone]
+    assert len({c.text for c in reply.choices}) > 1   # different seeds, different samples
+    assert reply.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert reply.usage.completion_tokens == 18 == sum(a.usage.completion_tokens for a in alone)
+
+
+def test_n_streamed_choices_interleave_by_index_and_end_with_one_usage(api, model):
+    messages = [{"role": "user", "content": "Name two breads."}]
+    whole = api.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=1, seed=3, n=2)
+    stream = api.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=1, seed=3, n=2,
+                                         stream=True, stream_options={"include_usage": True})
+    texts, reasons, usages = {0: "", 1: ""}, {}, []
+    for chunk in stream:
+        if chunk.usage:
+            usages.append(chunk.usage)
+        for choice in chunk.choices:
+            assert choice.index not in reasons, "a chunk after its choice's finish"
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert set(reasons) == {0, 1}
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
+    [usage] = usages
+    assert usage.completion_tokens == whole.usage.completion_tokens == 10
+
+
 def test_unknown_model_is_not_found(api):
     with pytest.raises(openai.NotFoundError) as raised:
         api.completions.create(model="no-such-model", prompt="Hello", max_tokens=2)
     assert raised.value.body["code"] == "model_not_found"
 
 
-@pytest.mark.parametrize("bad", [{"temperature": 3.5}, {"temperature": -1}, {"top_p": 0}, {"n": 2},
+@pytest.mark.parametrize("bad", [{"temperature": 3.5}, {"temperature": -1}, {"top_p": 0}, {"n": 9},
                                  {"max_tokens": 0}, {"max_tokens": 10**9}, {"stop": ["a", "b", "c", "d", "e"]},
                                  {"logprobs": True}, {"stream_options": {"include_usage": True}}])
 def test_bad_parameters_are_bad_requests(api, model, bad):

@@ -4,7 +4,8 @@ and what is refused with a 400 that names the parameter."""
 import pytest
 
 from gateway.errors import ApiError
-from gateway.shapes import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, parse_chat, parse_completion
+from gateway.shapes import (DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, MAX_CHOICES, parse_chat,
+                            parse_completion)
 
 
 def test_openai_defaults():
@@ -37,7 +38,7 @@ def test_session_stop_seed_and_stream_options():
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"n": 3}, "n"), ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"suffix": "z"}, "suffix"),
+    ({"n": 9}, "n"), ({"n": 0}, "n"), ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"suffix": "z"}, "suffix"),
     ({"logprobs": 2}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"), ({"temperature": 2.5}, "temperature"),
     ({"top_p": 1.5}, "top_p"), ({"stop": [""]}, "stop"), ({"user": "u" * 300}, "user"), ({"prompt": [[1], [2]]}, "prompt"),
     ({"prompt": [2**32]}, "prompt"), ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -46,3 +47,8 @@ def test_refusals_name_the_parameter(extra, param):
     with pytest.raises(ApiError) as raised:
         parse_completion({"model": "m", "prompt": "x", **extra})
     assert raised.value.status == 400 and raised.value.param == param, raised.value.message
+
+
+def test_n_choices_up_to_the_limit():
+    assert parse_completion({"model": "m", "prompt": "x"}).n == 1
+    assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": MAX_CHOICES}).n == MAX_CHOICES
