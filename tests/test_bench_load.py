@@ -91,3 +91,22 @@ def test_plot_without_matplotlib_says_so(tmp_path):
                              text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(hide)})
     assert process.returncode == 2 and "pip install -e '.[bench]'" in process.stderr
     assert not (tmp_path / "charts").exists()
+
+
+def test_gateway_pass_and_paired_requests(tmp_path):
+    """--gateway local: a third pass through the HTTP gateway beside the gRPC ones, and the pairs of
+    back-to-back requests that measure what the hop adds (figures reported, never asserted)."""
+    code, out, err = run_bench(SMALL + ["--json", "--gateway", "local", "--gateway-pairs", "4"])
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["cluster"]["gateway"].startswith("http://")
+    [level] = report["levels"]
+    http = level["passes"]["gateway"]["summary"]
+    assert http["requests"] == 6 and http["failed"] == 0, http["errors"]
+    assert http["generated_tokens"] == 6 * 2 and http["ttft_ms"]["p50"] > 0
+    assert http["cache_once_warm"]["total"] > 0   # the HTTP pass reports the cache like the gRPC ones
+    assert level["gateway"]["ttft_p50_ms"] == http["ttft_ms"]["p50"]
+    paired = report["gateway_paired"]
+    assert paired["pairs"] == 4 and len(paired["added_ms_all"]) == 4
+    assert paired["grpc_ttft_p50_ms"] > 0 and paired["http_ttft_p50_ms"] > 0
+    assert all(math.isfinite(a) for a in paired["added_ms_all"]) and paired["goal_met"] in (True, False)

@@ -7,9 +7,12 @@ Bounds: a pass sends at most the workload's requests, and starts none after `dur
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from dataclasses import dataclass
+
+import grpc
 
 from coordinator.client import Client, ClusterError, Finished, Piece
 from kvcache.bench.gateway_client import GatewayClient
@@ -114,6 +117,37 @@ def warm_up(coordinators: list[str], count: int, max_tokens: int, run_id: str) -
             thread.start()
         for thread in threads:
             thread.join(300.0)
+
+
+def paired_ttft(coordinators: list[str], gateway: str, model: str, prompt: str, pairs: int,
+                max_tokens: int) -> dict:
+    """What the HTTP hop adds, measured in pairs: one prompt (cached after the first, uncounted,
+    request on each path) sent `pairs` times over gRPC and through the gateway back to back, the
+    first path alternating; each request's TTFT is the time to its first token, the same on both
+    paths. The median of the pairs' differences is robust to load that drifts during a run, which
+    two passes run a minute apart are not."""
+    grpc_ms, http_ms = [], []
+    with Client(coordinators, timeout=120.0) as grpc_client, GatewayClient(gateway, model, timeout=120.0) as http:
+        def ttft_ms(client) -> float:
+            start, first = time.perf_counter(), None
+            for event in client.generate(prompt, max_tokens=max_tokens, ignore_eos=True):
+                if isinstance(event, Piece) and first is None:
+                    first = time.perf_counter() - start
+            if first is None:
+                raise ClusterError(grpc.StatusCode.UNKNOWN, "a paired request generated no token")
+            return first * 1000
+
+        ttft_ms(grpc_client), ttft_ms(http)   # the prompt's pages cached, both connections open
+        for i in range(pairs):
+            if i % 2:
+                http_ms.append(ttft_ms(http))
+                grpc_ms.append(ttft_ms(grpc_client))
+            else:
+                grpc_ms.append(ttft_ms(grpc_client))
+                http_ms.append(ttft_ms(http))
+    added = [h - g for g, h in zip(grpc_ms, http_ms)]
+    return {"pairs": pairs, "grpc_ttft_p50_ms": statistics.median(grpc_ms), "http_ttft_p50_ms": statistics.median(http_ms),
+            "added_ms_p50": statistics.median(added), "added_ms_all": [round(a, 3) for a in added]}
 
 
 def _prompt(request: Request, history: list[int], tokenizer: Tokenizer) -> str | list[int]:
