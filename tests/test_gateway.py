@@ -289,6 +289,16 @@ def test_a_client_that_stops_reading_is_dropped_and_frees_its_worker(cluster, mo
     assert log.count("stopped reading") == 1, log
 
 
+def test_a_coordinator_that_is_down_is_skipped(api, cluster, model, tmp_path):
+    args = ["--host", "127.0.0.1", "--port", "0", "--coordinators", ",".join(["127.0.0.1:1", *cluster.coordinator_addresses])]
+    prompt = "Rye, spelt and"
+    expected = api.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
+    with Daemon("gateway", args, log_path=tmp_path / "skips.log") as skipping, \
+            openai.OpenAI(base_url=skipping.address + "/v1", api_key="unused", max_retries=0, timeout=60.0) as other:
+        assert [m.id for m in other.models.list().data] == [model]
+        assert other.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0).choices[0].text == expected
+
+
 def test_a_saturated_gateway_answers_429_and_one_without_a_cluster_503(cluster, model, tmp_path):
     args = ["--host", "127.0.0.1", "--port", "0"]
     with Daemon("gateway", [*args, "--coordinators", ",".join(cluster.coordinator_addresses), "--max-streams", "1"],
