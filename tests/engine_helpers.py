@@ -23,6 +23,9 @@ class ToyConfig:
     max_positions: int = 160
     eos_token_id: int = 256
 
+    def layer_windows(self):
+        return [None] * self.n_layers
+
 
 class ToyModel:
     name = "toy"

@@ -1,4 +1,5 @@
-"""The block pool: reference counts, the prefix cache, leaves-first LRU eviction, invariants."""
+"""The block pool: reference counts, the prefix cache, leaves-first LRU eviction (and past pages a
+sliding window released), invariants."""
 
 import os
 from pathlib import Path
@@ -114,17 +115,24 @@ class ReferencePool:
     def available(self):
         return sum(1 for b in range(len(self.refs)) if self.refs[b] == 0)
 
+    def children(self, b):
+        return [c for c in range(len(self.refs)) if self.keys[c] is not None and self.parents[c] == self.keys[b]]
+
     def allocate(self, b):
-        """Check that the pool's choice `b` is allowed: any free block, else the least recently used idle leaf."""
+        """Check that the pool's choice `b` is allowed: any free block, else the least recently used
+        idle page without idle children; evicting it uncaches every page below it."""
         free = [b for b in range(len(self.refs)) if self.refs[b] == 0 and self.keys[b] is None]
         if free:
             assert b in free, f"block {b} taken while free blocks {free} exist"
         else:
-            cached = set(k for k in self.keys if k is not None)
-            leaves = [b for b in range(len(self.refs)) if self.refs[b] == 0 and self.keys[b] is not None
-                      and not any(self.parents[c] == self.keys[b] for c in range(len(self.refs)) if self.keys[c] in cached)]
-            assert b == min(leaves, key=lambda b: self.last_use[b]), f"evicted {b}, not the LRU idle leaf"
-            self.keys[b] = self.parents[b] = None
+            evictable = [b for b in range(len(self.refs)) if self.refs[b] == 0 and self.keys[b] is not None
+                         and all(self.refs[c] > 0 for c in self.children(b))]
+            assert b == min(evictable, key=lambda b: self.last_use[b]), f"evicted {b}, not the LRU evictable page"
+            below = [b]
+            while below:
+                x = below.pop()
+                below += self.children(x)
+                self.keys[x] = self.parents[x] = None
         self.refs[b] = 1
 
     def cached_keys(self):
@@ -132,10 +140,11 @@ class ReferencePool:
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["start", "grow", "finish"]), st.integers(0, 5), st.integers(0, 3)),
-                    max_size=60))
+@given(ops=st.lists(st.tuples(st.sampled_from(["start", "grow", "slide", "finish"]), st.integers(0, 5),
+                              st.integers(0, 3)), max_size=60))
 def test_pool_matches_a_reference_model(ops):
-    """Sequences over a small key tree (so prefixes are shared) start, grow by a page, and finish."""
+    """Sequences over a small key tree (so prefixes are shared) start, grow by a page, release their
+    first page as a sliding window does, and finish."""
     num_blocks = 6
     pool, ref = BlockPool(num_blocks, SHAPE), ReferencePool(num_blocks)
     seqs: dict[int, list] = {}  # sequence id -> [(key, block)], the same blocks in both models
@@ -171,10 +180,16 @@ def test_pool_matches_a_reference_model(ops):
             if got != b:  # already cached: shared
                 ref.refs[b] = 0
                 ref.refs[got] += 1
-            else:
+            elif chain_key(path[:-1]) in ref.cached_keys():
                 ref.keys[b], ref.parents[b] = chain_key(path), chain_key(path[:-1])
             ref.touch(got)
             seqs[seq_id].append((path, got))
+        elif op == "slide" and len(seqs.get(seq_id, ())) > 1:
+            _, b = seqs[seq_id].pop(0)
+            pool.release([b])
+            ref.refs[b] -= 1
+            if ref.refs[b] == 0 and ref.keys[b] is not None:
+                ref.touch(b)
         elif op == "finish" and seq_id in seqs:
             blocks = [b for _, b in seqs.pop(seq_id)]
             pool.release(blocks)

@@ -22,6 +22,9 @@ Notes:
    within one, queries attend causally with one batched matmul per KV head (GQA: the G query heads
    of a group share their K/V), in query chunks that each read only the keys up to their last
    position and bound the score matrix's memory.
+5. With a sliding window, a sequence's blocks are read from the first one its step's queries can
+   see (worker/window.py): the cost of a token stays bounded by the window, and the blocks
+   before, which the scheduler may have released (RELEASED in the table), are never touched.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from worker.window import first_read_block
 
 # Largest score matrix a prefill builds at once (floats): 16 MiB. Also keeps chunks short enough
 # that skipping keys after a chunk's last query saves most of the causal triangle.
@@ -64,13 +69,15 @@ class GatherPlan:
         return out.reshape(S, n_parts, KV, MB * P, hd)
 
 
-def _plan(tables: list[np.ndarray], n_blocks: list[int], pool_shape: tuple[int, ...]) -> GatherPlan:
+def _plan(tables: list[np.ndarray], first_blocks: list[int], n_blocks: list[int],
+          pool_shape: tuple[int, ...]) -> GatherPlan:
+    """Rows of blocks table[first:n] of each sequence, padded to the longest run."""
     _, n_layers, _, KV, _, _ = pool_shape
-    MB = max(n_blocks)
+    MB = max(n - f for f, n in zip(first_blocks, n_blocks))
     padded = np.empty((len(tables), MB), dtype=np.int64)
-    for i, (table, nb) in enumerate(zip(tables, n_blocks)):
-        padded[i, :nb] = table[:nb]
-        padded[i, nb:] = table[0]
+    for i, (table, first, nb) in enumerate(zip(tables, first_blocks, n_blocks)):
+        padded[i, : nb - first] = table[first:nb]
+        padded[i, nb - first:] = table[first]
     kv_and_head = (np.arange(2)[:, None] * KV + np.arange(KV)[None, :])          # [2, KV]
     rows = (padded[:, None, None, :] * n_layers) * (2 * KV) + kv_and_head[None, :, :, None]
     return GatherPlan(rows, 2 * KV)
@@ -80,7 +87,7 @@ def _plan(tables: list[np.ndarray], n_blocks: list[int], pool_shape: tuple[int, 
 class DecodeGroup:
     rows: np.ndarray        # [Sg] batch rows of these sequences' new tokens
     plan: GatherPlan
-    bias: np.ndarray        # [Sg, MB * P]: 0 where a position exists, -inf past the context length
+    bias: np.ndarray        # [Sg, MB * P]: 0 where a key is seen, -inf past the context length or the window
 
 
 @dataclass
@@ -90,6 +97,7 @@ class PrefillSeq:
     context_len: int        # tokens after this step
     positions: np.ndarray   # [end - start] absolute positions of the new tokens
     plan: GatherPlan
+    first_position: int     # position of the first key gathered (a window skips the blocks before)
 
 
 @dataclass
@@ -115,30 +123,34 @@ class AttentionMetadata:
             rows = slice(int(query_starts[s]), int(query_starts[s + 1]))
             slot_blocks[rows] = np.asarray(block_tables[s])[positions[rows] // P]
         n_blocks = [int(n) for n in (np.asarray(context_lens) + P - 1) // P]
+        first = [first_read_block(int(positions[query_starts[s]]), window, P) for s in range(len(context_lens))]
 
         groups = []
-        decode_seqs = sorted(np.flatnonzero(counts == 1), key=lambda s: -n_blocks[s])
+        decode_seqs = sorted(np.flatnonzero(counts == 1), key=lambda s: first[s] - n_blocks[s])
         while decode_seqs:
             group = [decode_seqs.pop(0)]
-            total = n_blocks[group[0]]
-            longest = n_blocks[group[0]]
-            while decode_seqs and (len(group) + 1) * longest <= MAX_PADDING * (total + n_blocks[decode_seqs[0]]):
-                total += n_blocks[decode_seqs[0]]
+            total = longest = n_blocks[group[0]] - first[group[0]]
+            while decode_seqs and (len(group) + 1) * longest <= MAX_PADDING * (
+                    total + n_blocks[decode_seqs[0]] - first[decode_seqs[0]]):
+                total += n_blocks[decode_seqs[0]] - first[decode_seqs[0]]
                 group.append(decode_seqs.pop(0))
-            plan = _plan([np.asarray(block_tables[s]) for s in group], [n_blocks[s] for s in group], pool_shape)
+            plan = _plan([np.asarray(block_tables[s]) for s in group], [first[s] for s in group],
+                         [n_blocks[s] for s in group], pool_shape)
             MB = plan.rows.shape[3]
-            bias = np.zeros((len(group), MB * P), dtype=np.float32)
+            # absolute position of each gathered key; the query is at lens - 1
+            key_positions = np.asarray([first[s] * P for s in group])[:, None] + np.arange(MB * P)[None, :]
             lens = np.asarray(context_lens)[group][:, None]
-            bias[np.arange(MB * P)[None, :] >= lens] = -np.inf
-            if window is not None:          # the query is at lens - 1
-                bias[np.arange(MB * P)[None, :] < lens - window] = -np.inf
+            hidden = key_positions >= lens
+            if window is not None:
+                hidden |= key_positions < lens - window
+            bias = np.where(hidden, np.float32(-np.inf), np.float32(0))
             groups.append(DecodeGroup(np.asarray(query_starts)[group].astype(np.int64), plan, bias))
 
         prefills = []
         for s in np.flatnonzero(counts > 1):
             start, end = int(query_starts[s]), int(query_starts[s + 1])
-            plan = _plan([np.asarray(block_tables[s])], [n_blocks[s]], pool_shape)
-            prefills.append(PrefillSeq(start, end, int(context_lens[s]), positions[start:end], plan))
+            plan = _plan([np.asarray(block_tables[s])], [first[s]], [n_blocks[s]], pool_shape)
+            prefills.append(PrefillSeq(start, end, int(context_lens[s]), positions[start:end], plan, first[s] * P))
         sizes = [g.plan.rows.size for g in groups] + [p.plan.rows.size for p in prefills]
         return cls(slot_blocks, positions % P, groups, prefills, max(sizes), window=window)
 
@@ -156,9 +168,11 @@ def paged_attention(q: np.ndarray, kv_pool: np.ndarray, layer: int, meta: Attent
     for group in meta.decode_groups:
         out[group.rows] = _decode(q[group.rows], kv_pool, layer, meta, group, scale)
     for seq in meta.prefills:
-        kv = seq.plan.gather(kv_pool, layer, meta)[0]         # [2, KV, nb*P, hd]
-        k, v = kv[0, :, : seq.context_len], kv[1, :, : seq.context_len]
-        out[seq.start:seq.end] = causal_attention(q[seq.start:seq.end], k, v, seq.positions, scale, meta.window)
+        kv = seq.plan.gather(kv_pool, layer, meta)[0]         # [2, KV, nb*P, hd] from first_position on
+        n = seq.context_len - seq.first_position
+        k, v = kv[0, :, :n], kv[1, :, :n]
+        out[seq.start:seq.end] = causal_attention(q[seq.start:seq.end], k, v, seq.positions - seq.first_position,
+                                                  scale, meta.window)
     return out
 
 

@@ -6,15 +6,21 @@ Design notes
    running sequences), or cached-idle (ref count 0, still indexed by its page key so a later
    prompt can reuse it). Callers count cached-idle blocks as available: allocating takes a
    free block first and otherwise evicts one cached-idle page.
-2. Only leaves are evicted (cached pages no cached page names as parent), least recently
-   used first. A sequence references its whole page chain, so a referenced page's parent is
-   referenced too; hence whenever a cached-idle page exists, a cached-idle leaf exists, and
-   every cached-idle block can be reclaimed. Every cached page's parent stays cached.
-3. Evictable leaves sit in a heap keyed by their last-use tick; entries are invalidated
-   lazily (valid only while the page is still cached, idle, a leaf, and untouched since), as
-   in the kvnode store. Every operation is O(log n) amortized.
+2. A page is evicted only when none of its cached children is idle: leaves first, least
+   recently used first. Without sliding windows a sequence references its whole page chain,
+   so a referenced page's parent is referenced too and this is plain leaves-first eviction.
+   Every cached page's parent stays cached.
+3. Evictable pages sit in a heap keyed by their last-use tick; entries are invalidated
+   lazily (valid only while the page is still cached, idle, without idle children, and
+   untouched since), as in the kvnode store. Every operation is O(log n) amortized.
 4. Equal keys mean equal content: when a sequence fills a page whose key is already cached
    in another block, the sequence switches to the cached block and its own block is freed.
+5. A sequence under a sliding window releases its early pages while it still holds their
+   children (worker/window.py), so an idle page may have only referenced children. Such a
+   page can be evicted too, and with it goes its whole cached subtree, since lookups walk
+   from the root and could reach none of it: referenced descendants stay with their holders,
+   unindexed (freed when released), idle ones are freed. Every cached-idle block thus stays
+   reclaimable. A page filled after its parent was dropped is not indexed.
 """
 
 from __future__ import annotations
@@ -41,10 +47,11 @@ class BlockPool:
         self.block_keys: list[bytes | None] = [None] * num_blocks
         self.block_parents: list[bytes | None] = [None] * num_blocks
         self.block_ticks = [0] * num_blocks
-        self.num_cached_children = [0] * num_blocks
+        self.cached_children: list[set[int]] = [set() for _ in range(num_blocks)]
+        self.num_idle_children = [0] * num_blocks  # cached children with ref count 0 (design note 2)
         self.free_block_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() takes block 0 first
         self.key_to_block: dict[bytes, int] = {}
-        self._evictable_heap: list[tuple[int, int]] = []  # (tick, block_id) of cached-idle leaves
+        self._evictable_heap: list[tuple[int, int]] = []  # (tick, block_id) of evictable pages (note 3)
         self._num_cached_idle = 0
         self._tick = 0
         self.num_evictions = 0
@@ -81,11 +88,12 @@ class BlockPool:
                 f"block {block_id} is free: allocate it, do not ref it")
             if self.ref_counts[block_id] == 0:
                 self._num_cached_idle -= 1
+                self._count_idle_child(block_id, -1)
             self.ref_counts[block_id] += 1
             self._touch(block_id)
 
     def allocate(self, num: int) -> list[int]:
-        """`num` blocks holding nothing, each with one reference; evicts cached-idle leaves if needed."""
+        """`num` blocks holding nothing, each with one reference; evicts cached-idle pages if needed."""
         if num > self.get_num_free_blocks():
             raise ValueError(f"cannot allocate {num} blocks: only {self.get_num_free_blocks()} available")
         blocks = []
@@ -109,6 +117,7 @@ class BlockPool:
                 self.free_block_ids.append(block_id)
             else:
                 self._num_cached_idle += 1
+                self._count_idle_child(block_id, +1)
                 self._touch(block_id)
 
     def cache_full_block(self, block_id: int, key: bytes, parent_key: bytes | None) -> int:
@@ -116,7 +125,8 @@ class BlockPool:
 
         `parent_key` is the key of the page before (None for a sequence's first page). When the
         key is already cached elsewhere, that block gains a reference, `block_id` is released,
-        and the caller must use the returned block instead (design note 4).
+        and the caller must use the returned block instead (design note 4). When the parent is
+        no longer cached (design note 5) the block stays unindexed.
         """
         assert self.ref_counts[block_id] > 0, f"block {block_id} is not referenced"
         assert self.block_keys[block_id] is None, f"block {block_id} is cached already"
@@ -127,8 +137,9 @@ class BlockPool:
             return existing
         if parent_key is not None:
             parent = self.key_to_block.get(parent_key)
-            assert parent is not None, f"parent of page {key.hex()} is not cached"
-            self.num_cached_children[parent] += 1
+            if parent is None:
+                return block_id
+            self.cached_children[parent].add(block_id)
         self.key_to_block[key] = block_id
         self.block_keys[block_id] = key
         self.block_parents[block_id] = parent_key
@@ -145,7 +156,17 @@ class BlockPool:
 
     def _is_evictable(self, block_id: int) -> bool:
         return (self.ref_counts[block_id] == 0 and self.block_keys[block_id] is not None
-                and self.num_cached_children[block_id] == 0)
+                and self.num_idle_children[block_id] == 0)
+
+    def _count_idle_child(self, block_id: int, change: int) -> None:
+        """A cached block turned idle (+1), or referenced or evicted (-1): its parent's count."""
+        parent_key = self.block_parents[block_id]
+        if self.block_keys[block_id] is None or parent_key is None:
+            return
+        parent = self.key_to_block[parent_key]
+        self.num_idle_children[parent] += change
+        if change < 0 and self._is_evictable(parent):
+            self._push_evictable(parent)
 
     def _push_evictable(self, block_id: int) -> None:
         heapq.heappush(self._evictable_heap, (self.block_ticks[block_id], block_id))
@@ -160,18 +181,29 @@ class BlockPool:
                 break
         else:
             raise AssertionError("no evictable block although cached-idle blocks are counted")
-        key, parent_key = self.block_keys[block_id], self.block_parents[block_id]
-        del self.key_to_block[key]
-        self.block_keys[block_id] = None
-        self.block_parents[block_id] = None
-        self._num_cached_idle -= 1
-        self.num_evictions += 1
+        self._count_idle_child(block_id, -1)
+        parent_key = self.block_parents[block_id]
         if parent_key is not None:
-            parent = self.key_to_block[parent_key]
-            self.num_cached_children[parent] -= 1
-            if self._is_evictable(parent):
-                self._push_evictable(parent)
+            self.cached_children[self.key_to_block[parent_key]].discard(block_id)
+        self._uncache_subtree(block_id)
         return block_id
+
+    def _uncache_subtree(self, root: int) -> None:
+        """Unindex `root` (idle, being taken) and every cached page below it (design note 5)."""
+        stack = [root]
+        while stack:
+            block_id = stack.pop()
+            stack.extend(self.cached_children[block_id])
+            self.cached_children[block_id] = set()
+            self.num_idle_children[block_id] = 0
+            del self.key_to_block[self.block_keys[block_id]]
+            self.block_keys[block_id] = None
+            self.block_parents[block_id] = None
+            self.num_evictions += 1
+            if self.ref_counts[block_id] == 0:
+                self._num_cached_idle -= 1
+                if block_id != root:
+                    self.free_block_ids.append(block_id)
 
     # ---- invariants (tests call this after every step) -----------------------
 
@@ -186,20 +218,18 @@ class BlockPool:
             else:
                 assert refs > 0 or key is not None, f"block {block_id} is neither free, referenced nor cached"
         assert {k: b for b, k in enumerate(self.block_keys) if k is not None} == self.key_to_block, "index out of sync"
-        children = [0] * self.num_blocks
+        children: list[set[int]] = [set() for _ in range(self.num_blocks)]
         for block_id, key in enumerate(self.block_keys):
             parent_key = self.block_parents[block_id]
             if key is not None and parent_key is not None:
                 assert parent_key in self.key_to_block, f"page {key.hex()} is cached but its parent is not"
-                children[self.key_to_block[parent_key]] += 1
-        assert children == self.num_cached_children, "child counts out of sync"
+                children[self.key_to_block[parent_key]].add(block_id)
+        assert children == self.cached_children, "children out of sync"
+        idle_children = [sum(1 for c in kids if self.ref_counts[c] == 0) for kids in children]
+        assert idle_children == self.num_idle_children, "idle-children counts out of sync"
         idle = [b for b in range(self.num_blocks) if self.ref_counts[b] == 0 and self.block_keys[b] is not None]
         assert len(idle) == self._num_cached_idle, f"cached-idle count {self._num_cached_idle} != {len(idle)}"
-        for block_id in range(self.num_blocks):
-            if self.ref_counts[block_id] > 0 and self.block_parents[block_id] is not None:
-                parent = self.key_to_block[self.block_parents[block_id]]
-                assert self.ref_counts[parent] > 0, f"block {block_id} is referenced but its parent page is idle"
         entries = set(self._evictable_heap)
         for block_id in range(self.num_blocks):
             if self._is_evictable(block_id):
-                assert (self.block_ticks[block_id], block_id) in entries, f"leaf {block_id} cannot be evicted"
+                assert (self.block_ticks[block_id], block_id) in entries, f"page {block_id} cannot be evicted"

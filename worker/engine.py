@@ -55,6 +55,7 @@ from worker.sampling import FINISH_ABORT, FINISH_ERROR, SamplingParams, StopChec
 from worker.scheduler import PREFILL_TOKENS_PER_STEP, RemoteTier, ScheduledBatch, Scheduler
 from worker.outputs import Completion, RequestHandle, RequestIdInUse, StreamDelta
 from worker.usage import Usage
+from worker.window import release_window
 
 log = logging.getLogger("worker.engine")
 
@@ -93,7 +94,8 @@ class Engine:
         self.pool = BlockPool(num_blocks, block_shape)
         self._work = threading.Event()  # set by add_request, cancel and the connector's finished work
         self.scheduler = Scheduler(self.pool, page_tokens, max_num_seqs, max_num_batched_tokens,
-                                   self._connector_for(remote_tier), max_prefill_tokens=max_prefill_tokens)
+                                   self._connector_for(remote_tier), max_prefill_tokens=max_prefill_tokens,
+                                   release_window=release_window(cfg.layer_windows()))
         self.max_total_tokens = min(cfg.max_positions, num_blocks * page_tokens)
         self._rng = np.random.default_rng(seed)
         self._live: dict[str, _Live] = {}

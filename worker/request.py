@@ -32,8 +32,9 @@ class Request:
         self.priority = priority  # lower goes first (the scheduler's design note 8)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # block i holds positions [iP, (i+1)P)
         self.num_cached_pages = 0  # leading pages of block_table that are indexed in the prefix cache
+        self.num_released_blocks = 0  # leading entries a sliding window left behind (worker/window.py)
         self.num_preemptions = 0
         self.arrival_step = 0  # the scheduler's step count when it was added (its age, for aging)
         self.cached_tokens_local: int | None = None  # set by the first admission
@@ -45,6 +46,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def held_blocks(self) -> list[int]:
+        """The blocks it holds a reference on: its table without the pages a window released."""
+        return self.block_table[self.num_released_blocks:]
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -60,6 +60,9 @@ Design notes
    a request's priority counts one better for every `aging_steps + 1` steps since it arrived,
    so a low-priority one cannot be preempted forever, and with equal priorities the order is
    exactly that of notes 3 and 4.
+9. Sliding windows (worker/window.py): after each step a running request releases the blocks
+   no later query of its window reads, once its full pages are cached and copied for the
+   tier, so it holds at most about W / page_tokens + 1 blocks however long it grows.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ from typing import Any, Protocol, Sequence
 from worker.block_pool import BlockPool
 from worker.connector import KVConnector
 from worker.request import Request, RequestStatus
+from worker.window import release_passed_blocks
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +129,7 @@ class Scheduler:
     def __init__(self, pool: BlockPool, page_tokens: int, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 1024, connector: KVConnector | None = None,
                  max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP, aging_steps: int = AGING_STEPS,
-                 join_tokens: int = JOIN_TOKENS):
+                 join_tokens: int = JOIN_TOKENS, release_window: int | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
@@ -142,6 +146,7 @@ class Scheduler:
         self.aging_steps = aging_steps
         self.join_tokens = join_tokens
         self.connector = connector
+        self.release_window = release_window  # design note 9; None keeps every page to the end
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order, oldest first
         self.parked: list[Request] = []  # waiting for remote KV (design note 5): blocks held, not scheduled
@@ -228,10 +233,15 @@ class Scheduler:
         return ScheduledBatch([request], [num_new])
 
     def on_computed(self, request: Request, num_new_tokens: int) -> None:
-        """After the forward pass: the tokens are computed; index and announce pages that became full."""
+        """After the forward pass: the tokens are computed; index and announce pages that became
+        full, then release those a sliding window left behind."""
         request.num_computed_tokens += num_new_tokens
-        if request.bypass_cache:
-            return
+        if not request.bypass_cache:
+            self._cache_full_pages(request)
+        if self.release_window is not None:  # after the write-back copied the pages (design note 9)
+            release_passed_blocks(request, self.pool, self.release_window, self.page_tokens)
+
+    def _cache_full_pages(self, request: Request) -> None:
         num_full = request.num_computed_tokens // self.page_tokens
         if num_full <= request.num_cached_pages:
             return
@@ -272,8 +282,9 @@ class Scheduler:
         request.block_table += self.pool.allocate(self._blocks_needed(request, num_new))
 
     def _release(self, request: Request) -> None:
-        self.pool.release(request.block_table)
+        self.pool.release(request.held_blocks())
         request.block_table = []
+        request.num_released_blocks = 0
         request.num_cached_pages = 0
         request.num_computed_tokens = 0
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..attention import AttentionMetadata, paged_attention, write_kv
+from ..window import first_read_block
 from .blas import attention_threads, threads_for_rows
 from .chat import ChatError, ChatTemplate, folder_chat_template
 from .checkpoint import ARCH_MODULES, load_checkpoint
@@ -34,7 +35,9 @@ class ForwardBatch:
     positions: np.ndarray       # int64 [T]: absolute position of each new token in its sequence
     query_starts: np.ndarray    # int64 [S+1]: sequence s's new tokens are token_ids[query_starts[s]:query_starts[s+1]]
     context_lens: np.ndarray    # int64 [S]: tokens of sequence s after this step (cached + new)
-    block_tables: list[np.ndarray] = field(default_factory=list)  # per sequence: block i holds positions [iP, (i+1)P)
+    # per sequence: block i holds positions [iP, (i+1)P); with a sliding window, entries before
+    # the first block its queries see are not read (worker/window.py: RELEASED there)
+    block_tables: list[np.ndarray] = field(default_factory=list)
     all_logits: bool = False    # False: [S, vocab] at each sequence's last new token; True: [T, vocab]
 
 
@@ -213,8 +216,10 @@ def _validate(c: ModelConfig, batch: ForwardBatch, kv_pool: np.ndarray):
         raise ValueError("positions should be each sequence's new tokens, contiguous and ending at context_len - 1")
     for s, table in enumerate(batch.block_tables):
         needed = -(-int(context_lens[s]) // page_tokens)
+        first = first_read_block(int(positions[query_starts[s]]), c.sliding_window, page_tokens)  # what is read
         table = np.asarray(table)
-        if len(table) < needed or (needed and (table[:needed].min() < 0 or table[:needed].max() >= num_blocks)):
-            raise ValueError(f"sequence {s}: block table needs {needed} ids in [0, {num_blocks}) "
-                             f"for {int(context_lens[s])} tokens, got {table[:needed].tolist()}")
+        read = table[first:needed]
+        if len(table) < needed or (len(read) and (read.min() < 0 or read.max() >= num_blocks)):
+            raise ValueError(f"sequence {s}: block table needs {needed} ids for {int(context_lens[s])} tokens, "
+                             f"those from entry {first} on in [0, {num_blocks}), got {table[:needed].tolist()}")
     return token_ids, positions, query_starts, context_lens

@@ -48,6 +48,10 @@ class ModelConfig:
     # (Mistral's sliding_window); None = the whole context.
     sliding_window: int | None = None
 
+    def layer_windows(self) -> list[int | None]:
+        """The window each layer attends within (None: the whole context); one for all layers today."""
+        return [self.sliding_window] * self.n_layers
+
     def to_json(self) -> str:
         """Canonical text of every field: part of the model fingerprint."""
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
