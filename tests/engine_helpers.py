@@ -22,6 +22,7 @@ class ToyConfig:
     head_dim: int = 4
     max_positions: int = 160
     eos_token_id: int = 256
+    extra_eos_token_ids: tuple = ()
 
     def layer_windows(self):
         return [None] * self.n_layers

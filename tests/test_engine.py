@@ -2,10 +2,13 @@
 whole cached context: batching, chunking, prefix cache, preemption, sampling, stops, the remote
 tier. (With other threads at work: test_engine_threads.py.)"""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from engine_helpers import PROMPTS, P, alone, make_engine
+from engine_helpers import PROMPTS, P, ToyModel, alone, make_engine
+from worker.engine import Engine
 from worker.pages import page_keys
 
 
@@ -94,6 +97,22 @@ def test_stop_strings_and_stop_tokens():
     first = cold.token_ids.index(token)
     assert by_token.finish_reason == "stop" and by_token.token_ids == cold.token_ids[:first + 1]
     assert by_token.text == cold.text[:first]
+
+
+def test_generation_stops_at_any_of_the_models_end_of_text_ids():
+    """A model whose metadata lists further end-of-text ids (Llama 3's end of turn, GGUF's
+    eot_token_id) stops at each of them as at its eos; ignore_eos goes past them all."""
+    cold = alone("stop here", max_new_tokens=20)
+    token = cold.token_ids[6]
+    first = cold.token_ids.index(token)
+    model = ToyModel()
+    model.config = replace(model.config, extra_eos_token_ids=(255, token))
+    engine = Engine(model, num_blocks=64, page_tokens=P, seed=0)
+    [stopped] = engine.generate(["stop here"], max_new_tokens=20)
+    assert stopped.finish_reason == "stop" and stopped.token_ids == cold.token_ids[:first + 1]
+    assert stopped.text == cold.text[:first], "an end-of-text id is not text"
+    [past] = engine.generate(["stop here"], max_new_tokens=20, ignore_eos=True)
+    assert past.token_ids == cold.token_ids and past.finish_reason == "length"
 
 
 def test_streaming_yields_the_completion_piece_by_piece():

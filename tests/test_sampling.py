@@ -60,7 +60,7 @@ def feed(checker, text_or_ids):
 
 
 def test_a_stop_string_ends_the_text_before_it_and_is_never_streamed():
-    checker = StopChecker(ByteTokenizer(), SamplingParams(max_new_tokens=100, stop=("END", "zz")), [1, 2], 256, 1000)
+    checker = StopChecker(ByteTokenizer(), SamplingParams(max_new_tokens=100, stop=("END", "zz")), [1, 2], [256], 1000)
     reason, pieces, n = feed(checker, "hello ENand END more")
     assert reason == FINISH_STOP and n == len("hello ENand END")
     assert checker.text == "hello ENand " and "".join(pieces) == "hello ENand "
@@ -68,25 +68,29 @@ def test_a_stop_string_ends_the_text_before_it_and_is_never_streamed():
 
 def test_stop_tokens_eos_and_max_new_tokens():
     tok = ByteTokenizer()
-    checker = StopChecker(tok, SamplingParams(max_new_tokens=100), [], 256, 1000)
+    checker = StopChecker(tok, SamplingParams(max_new_tokens=100), [], [256], 1000)
     assert feed(checker, [104, 105, 256, 106])[0::2] == (FINISH_STOP, 3)
     assert checker.text == "hi"
-    checker = StopChecker(tok, SamplingParams(max_new_tokens=100, stop_token_ids=(105,)), [], 256, 1000)
+    checker = StopChecker(tok, SamplingParams(max_new_tokens=100, stop_token_ids=(105,)), [], [256], 1000)
     assert feed(checker, [104, 105, 106])[0::2] == (FINISH_STOP, 2)
-    checker = StopChecker(tok, SamplingParams(max_new_tokens=100, ignore_eos=True), [], 256, 1000)
+    checker = StopChecker(tok, SamplingParams(max_new_tokens=100, ignore_eos=True), [], [256], 1000)
     assert feed(checker, [104, 256, 105])[0::2] == (None, 3)
-    checker = StopChecker(tok, SamplingParams(max_new_tokens=3), [], 256, 1000)
+    checker = StopChecker(tok, SamplingParams(max_new_tokens=100), [], [256, 120], 1000)
+    assert feed(checker, [104, 120, 105])[0::2] == (FINISH_STOP, 2), "any end-of-text id stops"
+    checker = StopChecker(tok, SamplingParams(max_new_tokens=100, ignore_eos=True), [], [256, 120], 1000)
+    assert feed(checker, [104, 120, 256, 105])[0::2] == (None, 4)
+    checker = StopChecker(tok, SamplingParams(max_new_tokens=3), [], [256], 1000)
     assert feed(checker, "abcdef")[0::2] == (FINISH_LENGTH, 3)
     assert checker.text == "abc"
 
 
 def test_a_character_split_across_tokens_is_emitted_whole():
-    checker = StopChecker(ByteTokenizer(), SamplingParams(max_new_tokens=100), [], 256, 1000)
+    checker = StopChecker(ByteTokenizer(), SamplingParams(max_new_tokens=100), [], [256], 1000)
     _, pieces, _ = feed(checker, "aé€b")
     assert "\ufffd" not in "".join(pieces) and "".join(pieces) == "aé€b"
 
 
 def test_invalid_utf8_is_emitted_as_replacement_characters_without_waiting_forever():
-    checker = StopChecker(ByteTokenizer(), SamplingParams(max_new_tokens=100), [], 256, 1000)
+    checker = StopChecker(ByteTokenizer(), SamplingParams(max_new_tokens=100), [], [256], 1000)
     _, pieces, _ = feed(checker, [0xFF] * 10 + list(b"ok"))
     assert "".join(pieces).endswith("ok") and "".join(pieces).count("\ufffd") == 10

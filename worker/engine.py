@@ -97,6 +97,7 @@ class Engine:
                                    self._connector_for(remote_tier), max_prefill_tokens=max_prefill_tokens,
                                    release_window=release_window(cfg.layer_windows()))
         self.max_total_tokens = min(cfg.max_positions, num_blocks * page_tokens)
+        self.eos_token_ids = (self.tokenizer.eos_token_id, *cfg.extra_eos_token_ids)  # any of them stops
         self._rng = np.random.default_rng(seed)
         self._live: dict[str, _Live] = {}
         self._inbox: queue.SimpleQueue[_Live] = queue.SimpleQueue()
@@ -156,7 +157,7 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(request_id, token_ids, params, tenant_root(self.fingerprint, namespace), self.page_tokens,
                           tier_context, bypass_cache, priority=int(priority))
-        checker = StopChecker(self.tokenizer, params, token_ids, self.tokenizer.eos_token_id, self.max_total_tokens)
+        checker = StopChecker(self.tokenizer, params, token_ids, self.eos_token_ids, self.max_total_tokens)
         for token in resumed:
             if checker.finish_reason is not None:
                 raise ValueError(f"the resumed tokens go on after the request ended ({checker.finish_reason})")

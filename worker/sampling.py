@@ -103,13 +103,15 @@ class StopChecker:
     """Follows one request's new tokens: decides when it finishes and what text it has produced."""
 
     def __init__(self, tokenizer, params: SamplingParams, prompt_token_ids: Sequence[int],
-                 eos_token_id: int | None, max_total_tokens: int):
+                 eos_token_ids: Sequence[int], max_total_tokens: int):
+        """`eos_token_ids`: the model's end-of-text ids (its eos and any further ones its
+        metadata lists, as Llama 3's end-of-turn); any of them ends the text unless ignore_eos."""
         self.tokenizer = tokenizer
         self.params = params
         self.max_total_tokens = max_total_tokens
         self.stop_token_ids = set(params.stop_token_ids)
-        if eos_token_id is not None and not params.ignore_eos:
-            self.stop_token_ids.add(eos_token_id)
+        if not params.ignore_eos:
+            self.stop_token_ids.update(eos_token_ids)
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
         self._ids = list(prompt_token_ids[-6:])  # a little context so the first word decodes as it would mid-text
         self._prefix_offset = 0
