@@ -3,8 +3,11 @@ warm from a kvnode in another process, and warm from the worker's local prefix c
 in one run, with the ratios, the KV bytes fetched and the fetch rate achieved.
 
 Two engines share this process: A computes each prompt (cold, caches bypassed), then
-runs it again to write its pages to the node; B, whose local cache has never seen the
-prompt, fetches them from the node (warm remote), then runs it once more (warm local).
+runs it again to write its pages to the node, keeping them in its local cache; B, whose
+local cache has never seen the prompt, fetches them from the node (warm remote), and A runs
+it once more from its local cache (warm local). The two warm runs take turns going first
+from one prompt to the next: on a loaded machine the run right after A's long compute was
+slower (the same forward 1.1-1.5x), which always going first put on warm-remote alone.
 Every repeat uses a fresh random prompt. Goal: warm-remote >= 10x faster than cold and
 within 2x of warm-local.
 """
@@ -84,10 +87,16 @@ def run(args: argparse.Namespace) -> int:
                 if not tiers[0].flush(timeout_s=60.0):
                     raise RuntimeError("write-back to the node did not finish within 60 s")
                 bytes_before, fill_before = tiers[1].stats.bytes_fetched, tiers[1].stats.fill_ms
-                remote = reader.generate(prompt, max_new_tokens=1, tier_context=placement)[0]
+                warm = {}
+                for name in ("warm_remote", "warm_local")[::1 if len(fills) % 2 == 0 else -1]:
+                    engine = reader if name == "warm_remote" else writer
+                    warm[name] = engine.generate(prompt, max_new_tokens=1, tier_context=placement)[0]
+                remote, local = warm["warm_remote"], warm["warm_local"]
                 fetch_bytes = tiers[1].stats.bytes_fetched - bytes_before
                 fills.append(tiers[1].stats.fill_ms - fill_before)
-                local = reader.generate(prompt, max_new_tokens=1, tier_context=placement)[0]
+                if local.usage.cached_tokens_local != remote.usage.cached_tokens_remote:
+                    raise RuntimeError(f"warm-local reused {local.usage.cached_tokens_local} tokens, warm-remote fetched "
+                                       f"{remote.usage.cached_tokens_remote}: they should match; this is a bug")
                 if not cold.token_ids == remote.token_ids == local.token_ids:
                     raise RuntimeError("a cache hit changed the first token: this is a bug")
                 if remote.usage.cached_tokens_remote == 0:
@@ -108,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         "page_bytes": page_bytes,
         "ttft_ms": ttft,
         "samples_ms": samples,
+        "warm_remote_first": [i % 2 == 0 for i in range(args.repeats)],  # the warm runs' order in each repeat
         "cached_tokens_remote": remote_tokens,
         "kv_bytes_fetched": fetch_bytes,
         "speedup_remote_vs_cold": ttft["cold"] / ttft["warm_remote"],
