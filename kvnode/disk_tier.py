@@ -4,12 +4,15 @@ page goes in which slot, and when, is the store's (kvnode/store.py); rebuilding 
 start is kvnode/recovery.py's.
 
 Design notes
-1. A slot is a 64-byte header, then the page's bytes, rounded up to 4 KiB: a write never
+1. A slot is an 80-byte header, then the page's bytes, rounded up to 4 KiB: a write never
    shares a file-system block with another slot, so a torn write damages its own page only.
 2. The header holds a magic, a format version, the page length, a write sequence number,
-   the page's key, its parent key (flag: none for a root) and an xxh3-64 checksum over the
-   header's other fields and the page's bytes. A slot whose magic is zero is empty; anything
-   else that does not check out (bad magic, version, length, checksum) is corrupted or torn.
+   the page's key, its parent key (flag: none for a root), the page's own checksum (its
+   writer's, kvnode/checksum.py: kept so a page read back is still checked by its reader
+   against what the writer computed) and an xxh3-64 checksum over the header's other fields
+   and the page's bytes. A slot whose magic is zero is empty; anything else that does not
+   check out (bad magic, version, length, checksum) is corrupted or torn. Version 1 slots
+   (64-byte headers, no page checksum) are not read: their pages are dropped at start.
 3. Writes are one os.pwritev of header and page (no copy in Python); reads are one os.preadv
    into the caller's buffer (a RAM slot of the pool, so a promotion copies once). The file's
    blocks are reserved at start (posix_fallocate): the disk cannot fill up mid-run.
@@ -30,9 +33,10 @@ import xxhash
 
 SLOTS_FILE = "pages.slots"
 MAGIC = b"KVPG"
-VERSION = 1
-HEADER = struct.Struct("<4sHHIIQ16s16sQ")  # magic, version, flags, page bytes, reserved, seq, key, parent, checksum
-HEADER_BYTES = HEADER.size  # 64
+VERSION = 2
+# magic, version, flags, page bytes, reserved, seq, key, parent, page checksum, slot checksum
+HEADER = struct.Struct("<4sHHIIQ16s16s16sQ")
+HEADER_BYTES = HEADER.size  # 80
 _CHECKED = HEADER_BYTES - 8  # the checksum covers the header up to itself, then the page
 _HAS_PARENT = 1
 BLOCK_BYTES = 4096
@@ -45,7 +49,8 @@ class SlotHeader:
     key: bytes
     parent: bytes  # b"" for a root page
     seq: int
-    checksum: int
+    checksum_of_page: bytes  # the writer's (kvnode/checksum.py)
+    checksum: int  # of the slot: header and page
 
 
 class DiskTier:
@@ -89,11 +94,11 @@ class DiskTier:
 
     # ---- pages -----------------------------------------------------------------
 
-    def write(self, slot: int, key: bytes, parent: bytes, seq: int, data) -> None:
+    def write(self, slot: int, key: bytes, parent: bytes, seq: int, data, page_checksum: bytes) -> None:
         """Write one page and its header into `slot` (os.pwritev; in the page cache when it returns)."""
         page = memoryview(data).cast("B")
         assert page.nbytes == self.page_bytes, f"page of {page.nbytes} bytes, slots hold {self.page_bytes}"
-        head = self.header(key, parent, seq, page)
+        head = self.header(key, parent, page_checksum, seq, page)
         written = os.pwritev(self._fd, [head, page], self._offset(slot))
         if written != HEADER_BYTES + self.page_bytes:
             raise OSError(f"short write to {self.path}: {written} of {HEADER_BYTES + self.page_bytes} bytes")
@@ -106,7 +111,7 @@ class DiskTier:
         head = self._head
         if os.preadv(self._fd, [head, page], self._offset(slot)) != HEADER_BYTES + self.page_bytes:
             return False
-        magic, version, _, page_bytes, _, _, stored_key, _, checksum = HEADER.unpack_from(head)
+        magic, version, _, page_bytes, _, _, stored_key, _, _, checksum = HEADER.unpack_from(head)
         return (stored_key == key and magic == MAGIC and version == VERSION and page_bytes == self.page_bytes
                 and checksum == self._checksum(head, page))
 
@@ -132,23 +137,29 @@ class DiskTier:
 
     # ---- headers ---------------------------------------------------------------
 
-    def header(self, key: bytes, parent: bytes, seq: int, page: memoryview) -> bytes:
+    def header(self, key: bytes, parent: bytes, page_checksum: bytes, seq: int, page: memoryview) -> bytes:
         head = HEADER.pack(MAGIC, VERSION, _HAS_PARENT if parent else 0, self.page_bytes, 0, seq, key,
-                           parent or bytes(KEY_BYTES), 0)
+                           parent or bytes(KEY_BYTES), page_checksum, 0)
         return head[:_CHECKED] + self._checksum(head, page).to_bytes(8, "little")
 
     def parse_header(self, slot: int, raw) -> SlotHeader | None:
         """The header in `raw`, or None when it is not a valid one (empty or corrupted: see is_empty)."""
-        magic, version, flags, page_bytes, _, seq, key, parent, checksum = HEADER.unpack_from(raw)
+        magic, version, flags, page_bytes, _, seq, key, parent, page_checksum, checksum = HEADER.unpack_from(raw)
         if magic != MAGIC or version != VERSION or page_bytes != self.page_bytes or flags & ~_HAS_PARENT:
             return None
         if flags & _HAS_PARENT and (parent == key or parent == bytes(KEY_BYTES)):
             return None
-        return SlotHeader(slot, key, parent if flags & _HAS_PARENT else b"", seq, checksum)
+        return SlotHeader(slot, key, parent if flags & _HAS_PARENT else b"", seq, page_checksum, checksum)
 
     @staticmethod
     def is_empty(raw) -> bool:
         return bytes(raw[:4]) == bytes(4)
+
+    @staticmethod
+    def is_outdated(raw) -> bool:
+        """A slot an older node wrote (design note 2): not read, its page dropped."""
+        magic, version = struct.unpack_from("<4sH", raw)
+        return magic == MAGIC and version < VERSION
 
     @staticmethod
     def _checksum(head, page: memoryview) -> int:

@@ -31,13 +31,15 @@ class Recovered:
     pages: list[SlotHeader] = field(default_factory=list)  # parents before children
     free_slots: list[int] = field(default_factory=list)
     corrupted: int = 0  # torn or corrupted slots, emptied
+    outdated: int = 0  # slots of an older format (no page checksum), emptied
     orphaned: int = 0  # intact pages dropped because an ancestor was lost
     duplicates: int = 0  # slots emptied because their page was also in a later-written slot
     seconds: float = 0.0
 
     def summary(self, tier: DiskTier) -> str:
+        older = f", and {self.outdated} pages an older kvnode wrote without checksums" if self.outdated else ""
         return (f"recovered {len(self.pages)} pages from {tier.path} in {self.seconds:.2f}s; dropped "
-                f"{self.corrupted} corrupted or torn pages and {self.orphaned} pages whose parent was lost")
+                f"{self.corrupted} corrupted or torn pages and {self.orphaned} pages whose parent was lost{older}")
 
 
 def recover(tier: DiskTier) -> Recovered:
@@ -48,7 +50,10 @@ def recover(tier: DiskTier) -> Recovered:
     for slot in range(tier.capacity_pages):
         header = tier.inspect(slot, head, scratch)
         if header is None:
-            if not DiskTier.is_empty(head):
+            if DiskTier.is_outdated(head):
+                out.outdated += 1
+                tier.free(slot)
+            elif not DiskTier.is_empty(head):
                 out.corrupted += 1
                 tier.free(slot)
             out.free_slots.append(slot)

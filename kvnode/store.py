@@ -47,6 +47,12 @@ Design notes
    once, so no lookup counts it and no fetch pins it again; only its slots wait, in
    `_condemned`, for its last unpin (a sender is still reading them). Until then its key
    cannot be stored again (REFUSED_NO_ROOM), so an unpin by key always finds the right page.
+9. Every page keeps its writer's checksum (kvnode/checksum.py) beside it, on both tiers, and
+   the node sends it with the page: the reader checks the bytes, not the node. The node does
+   not recompute it on a put (one xxh3 pass per page, the writer's, keeps puts fast): a page
+   whose checksum is wrong from the start is refused by its first reader, like one altered
+   later. A put without one (an older client) gets one computed here. A reader that finds a
+   page altered reports it (drop_reported): it goes with its descendants, as in notes 7-8.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from kvnode.checksum import CHECKSUM_BYTES, page_checksum
 from kvnode.disk_tier import DiskTier
 from kvnode.eviction import PREFIX_AWARE, EvictionPolicy, EvictionQueue, get_policy
 from kvnode.leases import Leases
@@ -104,6 +111,7 @@ class PutOutcome(enum.IntEnum):
 class _Page:
     slot: int | None  # its RAM slot; None when on disk only
     parent: bytes  # b"" for a root page
+    checksum: bytes  # its writer's (design note 9)
     tick: int  # last touch
     stored_tick: int
     children: int = 0  # cached pages that name it as parent
@@ -135,6 +143,7 @@ class StoreStats:
     recovered_pages: int = 0  # pages found intact on disk at start
     recovery_seconds: float = 0.0
     disk_errors: int = 0  # reads, writes and syncs of the disk tier that failed (kvnode/tiers.py)
+    reported_dropped: int = 0  # pages a reader found altered, with their descendants (design note 9)
 
 
 def check_key(key: bytes, what: str = "key") -> None:
@@ -196,7 +205,7 @@ class PageStore:
     def _recover(self, disk: DiskTier) -> None:
         found = self.recovered = recover(disk)
         for header in found.pages:
-            self._add(header.key, header.parent, None, disk_slot=header.slot)
+            self._add(header.key, header.parent, header.checksum_of_page, None, disk_slot=header.slot)
         self._tiers.recovered(max((h.seq for h in found.pages), default=0), found.free_slots)
         self.stats.recovered_pages = len(found.pages)
         self.stats.corrupted_dropped = found.corrupted
@@ -314,13 +323,35 @@ class PageStore:
         with self._lock:
             self._unpin(keys)
 
+    def checksums(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The pages' checksums (design note 9), in order; PageNotFound for a key not cached."""
+        with self._lock:
+            try:
+                return [self._index[key].checksum for key in keys]
+            except KeyError as exc:
+                raise PageNotFound(exc.args[0]) from None
+
+    def drop_reported(self, key: bytes) -> int:
+        """A reader found page `key`'s bytes do not match its checksum: drop it and its descendants
+        (design note 9); how many went, 0 when it is not cached."""
+        check_key(key)
+        with self._lock:
+            if key not in self._index:
+                return 0
+            dropped = self._drop_subtree(key)
+            self.stats.reported_dropped += dropped
+            return dropped
+
     def num_pinned(self) -> int:
         with self._lock:
             return sum(1 for page in self._index.values() if page.pins)
 
-    def put(self, key: bytes, parent: bytes, data) -> PutOutcome:
-        """Store one page whose parent is `parent` (b"" for a root page)."""
-        self.validate_put(key, parent, data)
+    def put(self, key: bytes, parent: bytes, data, checksum: bytes | None = None) -> PutOutcome:
+        """Store one page whose parent is `parent` (b"" for a root page). `checksum`: its writer's,
+        kept as sent; None: computed here (design note 9)."""
+        self._validate_shape(key, parent, data)
+        if checksum is None:
+            checksum = page_checksum(key, data)
         with self._lock:
             now = self.clock()
             self._retire_leases(now)
@@ -338,19 +369,26 @@ class PageStore:
                 return PutOutcome.REFUSED_NO_ROOM
             if self._tiers is None:
                 self._pool[slot] = np.frombuffer(data, dtype=np.uint8)
-                self._add(key, parent, slot)
+                self._add(key, parent, checksum, slot)
             else:
-                ram_slot = self._tiers.place(key, parent, slot, data)
+                ram_slot = self._tiers.place(key, parent, checksum, slot, data)
                 if ram_slot is False:  # the disk failed it (logged): as if there were no room
                     self._tiers.free_disk_slots.append(slot)
                     self.stats.refusals += 1
                     return PutOutcome.REFUSED_NO_ROOM
-                self._tiers.landed(key, self._add(key, parent, ram_slot, disk_slot=slot))
+                self._tiers.landed(key, self._add(key, parent, checksum, ram_slot, disk_slot=slot))
             self.stats.stored_pages += 1
             self.stats.bytes_in += self.page_bytes  # pages stored, not pages offered
             return PutOutcome.STORED
 
-    def validate_put(self, key: bytes, parent: bytes, data) -> None:
+    def validate_put(self, key: bytes, parent: bytes, data, checksum: bytes | None = None) -> None:
+        """InvalidRequest when the page cannot be stored as sent (its checksum is not checked
+        against its bytes here: design note 9)."""
+        self._validate_shape(key, parent, data)
+        if checksum is not None and len(checksum) != CHECKSUM_BYTES:
+            raise InvalidRequest(f"page {key.hex()}: a checksum is {CHECKSUM_BYTES} bytes, got {len(checksum)}")
+
+    def _validate_shape(self, key: bytes, parent: bytes, data) -> None:
         check_key(key)
         if parent:
             check_key(parent, "parent key")
@@ -388,7 +426,8 @@ class PageStore:
         if self._tiers is not None:
             self._tiers.ram_queue.offer(key, page)
 
-    def _add(self, key: bytes, parent: bytes, slot: int | None, disk_slot: int | None = None) -> _Page:
+    def _add(self, key: bytes, parent: bytes, checksum: bytes, slot: int | None,
+             disk_slot: int | None = None) -> _Page:
         """Index a new page in `slot`: a cached parent is touched first; a missing one makes it an orphan."""
         parent_page = self._index.get(parent) if parent else None
         if parent_page is not None:
@@ -400,7 +439,7 @@ class PageStore:
         adopted = self._orphans_by_parent.pop(key, 0)  # pages stored while this one was missing
         self._num_orphans -= adopted
         self._tick += 1
-        page = _Page(slot=slot, parent=parent, tick=self._tick, stored_tick=self._tick, children=adopted,
+        page = _Page(slot=slot, parent=parent, checksum=checksum, tick=self._tick, stored_tick=self._tick, children=adopted,
                      disk_slot=disk_slot)
         self._index[key] = page
         self._queue.offer(key, page)

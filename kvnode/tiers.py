@@ -62,13 +62,13 @@ class Tiers:
 
     # ---- puts ----------------------------------------------------------------
 
-    def place(self, key: bytes, parent: bytes, disk_slot: int, data) -> int | None | bool:
+    def place(self, key: bytes, parent: bytes, checksum: bytes, disk_slot: int, data) -> int | None | bool:
         """Where a new page goes before it is indexed: a RAM slot (its bytes copied there), None
         (on disk only: written), or False when it had to be written and the write failed."""
         slot = self.take_ram_slot()
         if slot is not None:
             self._pool[slot] = np.frombuffer(data, dtype=np.uint8)
-        if (slot is None or self.write_through) and not self._write(key, parent, disk_slot, data):
+        if (slot is None or self.write_through) and not self._write(key, parent, checksum, disk_slot, data):
             if slot is not None:
                 self._free_slots.append(slot)
             return False
@@ -107,7 +107,8 @@ class Tiers:
         failing = False
         while (victim := self.ram_queue.pop()) is not None:
             page = self._index[victim]
-            if page.dirty and (failing or not self._write(victim, page.parent, page.disk_slot, self._pool[page.slot])):
+            if page.dirty and (failing or not self._write(victim, page.parent, page.checksum, page.disk_slot,
+                                                          self._pool[page.slot])):
                 failing = True
                 kept.append(victim)
                 continue
@@ -163,7 +164,7 @@ class Tiers:
         written = 0
         try:
             for key, page, seq in batch:
-                self.disk.write(page.disk_slot, key, page.parent, seq, self._pool[page.slot])
+                self.disk.write(page.disk_slot, key, page.parent, seq, self._pool[page.slot], page.checksum)
                 written += 1
             if batch:
                 self.disk.sync()
@@ -189,9 +190,9 @@ class Tiers:
 
     # ---- internals -----------------------------------------------------------
 
-    def _write(self, key: bytes, parent: bytes, disk_slot: int, data) -> bool:
+    def _write(self, key: bytes, parent: bytes, checksum: bytes, disk_slot: int, data) -> bool:
         try:
-            self.disk.write(disk_slot, key, parent, self._next_seq(), data)
+            self.disk.write(disk_slot, key, parent, self._next_seq(), data, checksum)
         except OSError as exc:
             self._stats.disk_errors += 1
             log.warning("writing page %s to %s failed (%s): it is not on disk", key.hex(), self.disk.path, exc)

@@ -28,10 +28,10 @@ class FailingDisk(DiskTier):
     fail_writes: int = 0
     fail_reads: int = 0
 
-    def write(self, slot, key, parent, seq, data):
+    def write(self, slot, key, parent, seq, data, page_checksum):
         if self.fail_writes:
             raise OSError(self.fail_writes, f"{errno.errorcode[self.fail_writes]} writing slot {slot}")
-        super().write(slot, key, parent, seq, data)
+        super().write(slot, key, parent, seq, data, page_checksum)
 
     def read(self, slot, key, out):
         if self.fail_reads:
@@ -135,10 +135,10 @@ class BlockingDisk(DiskTier):
         super().__init__(*args)
         self.writing, self.go = threading.Event(), threading.Event()
 
-    def write(self, slot, key, parent, seq, data):
+    def write(self, slot, key, parent, seq, data, page_checksum):
         self.writing.set()
         assert self.go.wait(10), "the test never let the write go on"
-        super().write(slot, key, parent, seq, data)
+        super().write(slot, key, parent, seq, data, page_checksum)
 
 
 def test_pages_a_flush_is_still_writing_are_not_counted_on_disk(tmp_path):

@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from kvnode.checksum import page_checksum
 from kvnode.disk_tier import BLOCK_BYTES, HEADER_BYTES, SLOTS_FILE, DiskTier
 from kvnode.recovery import recover
 from store_helpers import key, page
@@ -20,6 +21,12 @@ def tier(tmp_path):
     tier = DiskTier(tmp_path, 8, PAGE_BYTES)
     yield tier
     tier.close()
+
+
+def write(tier: DiskTier, slot: int, k: bytes, parent: bytes, seq: int, n: int) -> None:
+    """Page n (store_helpers.page) under key k, with its writer's checksum."""
+    data = page(n, PAGE_BYTES)
+    tier.write(slot, k, parent, seq, data, page_checksum(k, data))
 
 
 def flip_byte(path, offset: int) -> None:
@@ -37,7 +44,7 @@ def test_the_file_is_preallocated_in_block_aligned_slots(tier, tmp_path):
 
 
 def test_a_page_written_is_read_back_whole_and_only_under_its_key(tier):
-    tier.write(3, key(1), key(0), 7, page(1, PAGE_BYTES))
+    write(tier, 3, key(1), key(0), 7, 1)
     out = bytearray(PAGE_BYTES)
     assert tier.read(3, key(1), out) and bytes(out) == page(1, PAGE_BYTES)
     assert not tier.read(3, key(2), out), "another key's page must not be served"
@@ -47,14 +54,14 @@ def test_a_page_written_is_read_back_whole_and_only_under_its_key(tier):
 @pytest.mark.parametrize("where", [0, 20, HEADER_BYTES - 1, HEADER_BYTES, HEADER_BYTES + PAGE_BYTES - 1],
                          ids=["magic", "key", "checksum", "first data byte", "last data byte"])
 def test_any_flipped_byte_is_detected(tier, tmp_path, where):
-    tier.write(2, key(1), b"", 1, page(1, PAGE_BYTES))
+    write(tier, 2, key(1), b"", 1, 1)
     flip_byte(tmp_path / SLOTS_FILE, 2 * tier.slot_bytes + where)
     assert not tier.read(2, key(1), bytearray(PAGE_BYTES))
 
 
 def test_a_torn_write_is_detected(tier, tmp_path):
     """Half of a new page over an old one: header and bytes no longer agree."""
-    tier.write(0, key(1), b"", 1, page(1, PAGE_BYTES))
+    write(tier, 0, key(1), b"", 1, 1)
     with open(tmp_path / SLOTS_FILE, "r+b") as f:
         f.seek(HEADER_BYTES + PAGE_BYTES // 2)
         f.write(page(9, PAGE_BYTES)[PAGE_BYTES // 2 :])
@@ -62,7 +69,7 @@ def test_a_torn_write_is_detected(tier, tmp_path):
 
 
 def test_a_freed_slot_reads_as_empty(tier):
-    tier.write(5, key(1), b"", 1, page(1, PAGE_BYTES))
+    write(tier, 5, key(1), b"", 1, 1)
     tier.free(5)
     head = bytearray(HEADER_BYTES)
     assert tier.inspect(5, head, bytearray(PAGE_BYTES)) is None and DiskTier.is_empty(head)
@@ -70,14 +77,14 @@ def test_a_freed_slot_reads_as_empty(tier):
 
 def chain(tier, first_slot: int, numbers: list[int], parent: bytes = b"") -> None:
     for slot, n in enumerate(numbers, start=first_slot):
-        tier.write(slot, key(n), parent, n, page(n, PAGE_BYTES))
+        write(tier, slot, key(n), parent, n, n)
         parent = key(n)
 
 
 def test_recovery_keeps_what_reaches_a_root_parents_first(tier):
     chain(tier, 0, [1, 2, 3])  # 1 <- 2 <- 3
-    tier.write(5, key(4), key(1), 4, page(4, PAGE_BYTES))  # a second child of 1
-    tier.write(6, key(6), key(99), 6, page(6, PAGE_BYTES))  # parent never written: dropped
+    write(tier, 5, key(4), key(1), 4, 4)  # a second child of 1
+    write(tier, 6, key(6), key(99), 6, 6)  # parent never written: dropped
     found = recover(tier)
     assert [h.key for h in found.pages] == [key(1), key(2), key(3), key(4)]
     assert (found.corrupted, found.orphaned) == (0, 1)
@@ -111,8 +118,23 @@ def test_recovery_after_the_file_was_cut_short(tmp_path):
 
 
 def test_a_page_in_two_slots_is_kept_once(tier):
-    tier.write(0, key(1), b"", 1, page(1, PAGE_BYTES))
-    tier.write(4, key(1), b"", 2, page(1, PAGE_BYTES))
+    write(tier, 0, key(1), b"", 1, 1)
+    write(tier, 4, key(1), b"", 2, 1)
     found = recover(tier)
     assert [(h.key, h.slot) for h in found.pages] == [(key(1), 4)]
     assert found.duplicates == 1 and 0 in found.free_slots
+
+
+def test_the_writers_checksum_is_kept_in_the_header_and_older_slots_are_dropped_apart(tier, tmp_path):
+    write(tier, 1, key(1), b"", 1, 1)
+    head = bytearray(HEADER_BYTES)
+    header = tier.inspect(1, head, bytearray(PAGE_BYTES))
+    assert header.checksum_of_page == page_checksum(key(1), page(1, PAGE_BYTES))
+    write(tier, 2, key(2), b"", 2, 2)
+    with open(tmp_path / SLOTS_FILE, "r+b") as f:  # as a node of the first format left it
+        f.seek(2 * tier.slot_bytes + 4)
+        f.write((1).to_bytes(2, "little"))
+    found = recover(tier)
+    assert [h.key for h in found.pages] == [key(1)]
+    assert (found.outdated, found.corrupted) == (1, 0)
+    assert "1 pages an older kvnode wrote without checksums" in found.summary(tier)
