@@ -4,6 +4,9 @@ Every call has a deadline; failures raise NodeError, which keeps the gRPC status
 get_pages and put_pages go over the node's data plane (kvnode/data_plane.py) when its
 Info advertises one, else over gRPC; a data plane that cannot be reached at all (a
 firewall, say) makes this client use gRPC from then on, with one log line.
+Pages carry checksums (kvnode/checksum.py): put_pages sends them (computed here unless the
+caller did once for several nodes), get_pages checks every page it received against its own
+before returning, and raises PageRejected at the first that does not match.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import grpc
 import numpy as np
 
 from kvnode import wire
+from kvnode.checksum import CHECKSUM_BYTES, first_mismatch, page_checksum
 from kvnode.data_client import DataPlaneClient, DataPlaneError
 from kvnode.store import InvalidRequest, check_key
 from protos import kvcache_pb2 as pb
@@ -39,6 +43,20 @@ class NodeError(Exception):
         self.address = address
         self.code = code
         self.details = details
+
+
+class PageRejected(NodeError):
+    """Page `index` of a get_pages (`key`) does not match its checksum: the node's copy was altered
+    after its put. The pages before it were received intact; it and those after are not to be used."""
+
+    def __init__(self, address: str, index: int, key: bytes):
+        super().__init__(address, grpc.StatusCode.DATA_LOSS,
+                         f"page {key.hex()} (number {index} of the request) does not match its checksum: "
+                         "its bytes changed after its writer computed it (on the node, most likely); "
+                         "compute it instead and have the node drop it")
+        self.index = index
+        self.key = key
+
 
 
 @dataclass(frozen=True)
@@ -143,6 +161,9 @@ class NodeClient:
         self._stats = self._channel.unary_unary(
             _SERVICE + "Stats", pb.StatsRequest.SerializeToString, pb.NodeStats.FromString
         )
+        self._drop_pages = self._channel.unary_unary(
+            _SERVICE + "DropPages", pb.DropPagesRequest.SerializeToString, pb.DropPagesReply.FromString
+        )
         self._node_info: NodeInfo | None = None
 
     # ---- calls ---------------------------------------------------------------
@@ -174,7 +195,8 @@ class NodeClient:
         return self._call(self._lookup, pb.LookupRequest(keys=keys, lease_ms=lease_ms), timeout).hits
 
     def get_pages(self, keys: Sequence[bytes], out: np.ndarray | None = None, timeout: float | None = None) -> np.ndarray:
-        """The pages' bytes as a (len(keys), page_bytes) uint8 array, written into `out` when given."""
+        """The pages' bytes as a (len(keys), page_bytes) uint8 array, written into `out` when given,
+        each checked against its checksum: PageRejected names the first that fails (design above)."""
         page_bytes = self._known_info().page_bytes
         shape = (len(keys), page_bytes)
         if out is None:
@@ -183,31 +205,46 @@ class NodeClient:
             raise ValueError(f"out must be a C-contiguous uint8 array of shape {shape}, got {out.dtype} {out.shape}")
         if not keys:
             return out  # nothing to fetch: (0, page_bytes), no call
+        checksums = bytearray(len(keys) * CHECKSUM_BYTES)
         plane = self._data_plane()
         if plane is not None:
             _check_keys(self.address, keys)
             deadline = time.monotonic() + (timeout or self.timeout)
             try:
-                plane.get_into(keys, memoryview(out).cast("B"), timeout or self.timeout)
-                return out
+                plane.get_into(keys, memoryview(out).cast("B"), memoryview(checksums), timeout or self.timeout)
+                return self._verified(keys, out, checksums)
             except DataPlaneError as exc:
                 self._data_plane_failed(plane, exc)  # returns only to fall back to gRPC
             timeout = self._time_left(deadline)
-        return self._grpc_get_pages(keys, out, timeout)
+        self._grpc_get_pages(keys, out, checksums, timeout)
+        return self._verified(keys, out, checksums)
 
-    def _grpc_get_pages(self, keys: Sequence[bytes], out: np.ndarray, timeout: float | None) -> np.ndarray:
+    def _verified(self, keys: Sequence[bytes], out: np.ndarray, checksums: bytearray) -> np.ndarray:
+        sums = [bytes(checksums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES]) for i in range(len(keys))]
+        index = first_mismatch(keys, out, sums)
+        if index is not None:
+            raise PageRejected(self.address, index, bytes(keys[index]))
+        return out
+
+    def _grpc_get_pages(self, keys: Sequence[bytes], out: np.ndarray, checksums: bytearray,
+                        timeout: float | None) -> None:
         page_bytes = out.shape[1]
         received = 0
+        summed = [False] * len(keys)
         try:
             stream = self._get_pages(pb.GetPagesRequest(keys=keys), timeout=timeout or self.timeout)
             flat = out.reshape(-1)
             for message in stream:
-                index, offset, data = wire.parse_page_chunk(message)
+                index, offset, data, sums = wire.parse_page_chunk(message)
                 start = index * page_bytes + offset
                 if index >= len(keys) or start + data.nbytes > flat.size:
                     raise NodeError(self.address, grpc.StatusCode.DATA_LOSS, f"chunk out of range: page {index}")
                 flat[start : start + data.nbytes] = np.frombuffer(data, dtype=np.uint8)
                 received += data.nbytes
+                starting = -(-data.nbytes // page_bytes) if offset == 0 else 0  # pages that begin in this chunk
+                if sums.nbytes == starting * CHECKSUM_BYTES:
+                    checksums[index * CHECKSUM_BYTES : (index + starting) * CHECKSUM_BYTES] = sums
+                    summed[index : index + starting] = [True] * starting
         except grpc.RpcError as exc:
             raise self._error(exc) from None
         except wire.MalformedMessage as exc:
@@ -216,18 +253,28 @@ class NodeClient:
             raise NodeError(
                 self.address, grpc.StatusCode.DATA_LOSS, f"received {received} of {out.nbytes} bytes of pages"
             )
-        return out
+        if not all(summed):
+            key = bytes(keys[summed.index(False)])
+            raise NodeError(self.address, grpc.StatusCode.DATA_LOSS,
+                            f"the node sent page {key.hex()} without its checksum (a node older than this client?): "
+                            "upgrade the node; its pages cannot be used unchecked")
 
     def put_pages(
-        self, keys: Sequence[bytes], parents: Sequence[bytes], pages, timeout: float | None = None
+        self, keys: Sequence[bytes], parents: Sequence[bytes], pages, timeout: float | None = None,
+        checksums: Sequence[bytes] | None = None,
     ) -> PutResult:
-        """Store pages, parents first; `pages` is (n, page_bytes) bytes-like rows (a root's parent is b"")."""
+        """Store pages, parents first; `pages` is (n, page_bytes) bytes-like rows (a root's parent is b"").
+        `checksums`: the pages' (page_checksum), when the caller computed them once for several nodes."""
         if not len(keys) == len(parents) == len(pages):
             raise ValueError(f"got {len(keys)} keys, {len(parents)} parents and {len(pages)} pages: give one of each per page")
+        if checksums is not None and len(checksums) != len(keys):
+            raise ValueError(f"got {len(checksums)} checksums for {len(keys)} pages: give one per page")
         # Checked here, in the caller's thread: a flaw found while gRPC pulls the stream
         # surfaces only as "UNKNOWN: Exception iterating requests!".
         items = [(bytes(memoryview(k)), bytes(memoryview(p)), _byte_view(page, i))
                  for i, (k, p, page) in enumerate(zip(keys, parents, pages))]
+        if checksums is None:
+            checksums = [page_checksum(key, view) for key, _, view in items]
         info = self._known_info()
         plane = self._data_plane() if items else None
         if plane is not None:
@@ -240,7 +287,7 @@ class NodeClient:
                                     f"{info.page_bytes} bytes")
             deadline = time.monotonic() + (timeout or self.timeout)
             try:
-                outcomes = plane.put(keys, parents, views, info.page_bytes, timeout or self.timeout)
+                outcomes = plane.put(keys, parents, checksums, views, info.page_bytes, timeout or self.timeout)
                 return PutResult(tuple(_OUTCOME_NAMES.get(o, "unknown") for o in outcomes))
             except DataPlaneError as exc:
                 self._data_plane_failed(plane, exc)  # returns only to fall back to gRPC
@@ -248,15 +295,19 @@ class NodeClient:
         chunk = info.max_message_bytes - 64
 
         def messages():
-            for number, (key, parent, view) in enumerate(items, start=1):
+            for number, ((key, parent, view), checksum) in enumerate(zip(items, checksums), start=1):
                 for offset in range(0, max(view.nbytes, 1), chunk):
                     first, last = offset == 0, number == len(keys) and offset + chunk >= view.nbytes
-                    yield wire.put_item(
-                        key if first else b"", parent if first else b"", view[offset : offset + chunk], last
-                    )
+                    yield wire.put_item(key if first else b"", parent if first else b"", view[offset : offset + chunk],
+                                        last, checksum if first else b"")
 
         reply = self._call(self._put_pages, messages(), timeout)
         return PutResult(tuple(_OUTCOME_NAMES.get(o, "unknown") for o in reply.outcomes))
+
+    def drop_pages(self, keys: Sequence[bytes], timeout: float | None = None) -> int:
+        """Tell the node these pages failed their checksums here: it drops each with its descendants;
+        how many pages went."""
+        return self._call(self._drop_pages, pb.DropPagesRequest(keys=keys), timeout).dropped
 
     def stats(self, timeout: float | None = None) -> dict[str, int]:
         reply = self._call(self._stats, pb.StatsRequest(), timeout)

@@ -64,23 +64,26 @@ class DataPlaneClient:
     def address(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
-    def get_into(self, keys: Sequence[bytes], out: memoryview, timeout_s: float) -> None:
-        """The pages of `keys`, back to back, received straight into `out` (len(keys) x page_bytes bytes)."""
+    def get_into(self, keys: Sequence[bytes], out: memoryview, checksums: memoryview, timeout_s: float) -> None:
+        """The pages of `keys`, back to back, received straight into `out` (len(keys) x page_bytes bytes),
+        and their checksums into `checksums` (len(keys) x 16 bytes); the caller checks them."""
         request = dw.get_request(keys)
 
         def exchange(sock: socket.socket, deadline: float, reused: bool) -> None:
             self._send(sock, [request], deadline, reused)
             payload = self._reply_header(sock, deadline, reused)
-            if payload != out.nbytes:
-                raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers {payload} bytes, expected {out.nbytes}")
+            if payload != checksums.nbytes + out.nbytes:
+                raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers {payload} bytes, expected "
+                                     f"{checksums.nbytes + out.nbytes} (checksums and pages)")
+            _receive(sock, checksums, deadline)
             _receive(sock, out, deadline)
 
         self._call(exchange, timeout_s)
 
-    def put(self, keys: Sequence[bytes], parents: Sequence[bytes], pages: Sequence[memoryview],
-            page_bytes: int, timeout_s: float) -> list[int]:
-        """Store pages; one PutOutcome value per page."""
-        head = dw.put_request_head(keys, parents, page_bytes)
+    def put(self, keys: Sequence[bytes], parents: Sequence[bytes], checksums: Sequence[bytes],
+            pages: Sequence[memoryview], page_bytes: int, timeout_s: float) -> list[int]:
+        """Store pages with their checksums; one PutOutcome value per page."""
+        head = dw.put_request_head(keys, parents, checksums, page_bytes)
 
         def exchange(sock: socket.socket, deadline: float, reused: bool) -> list[int]:
             self._send(sock, [head, *pages], deadline, reused)

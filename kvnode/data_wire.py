@@ -10,14 +10,17 @@ Design notes
      header   magic "KVDP", version, op, key_bytes, count (u32), page_bytes (u64; 0 for GET)
      GET      count x key
      PUT      count x (key, parent_len (u8: 0 for a root, else key_bytes), parent (key_bytes,
-              zeros for a root)), then count x page_bytes bytes of pages
+              zeros for a root), checksum (16 bytes)), then count x page_bytes bytes of pages
    Keys go before pages so the server validates them before it receives a byte of data.
 2. Every reply starts with one header: status (a grpc.StatusCode value, 0 = OK), the
-   length of a UTF-8 message and the payload's length. OK to a GET: the pages' bytes,
-   back to back, in request order. OK to a PUT: one outcome byte per page
-   (kvnode.store.PutOutcome values). Not OK: the message, then the server closes the
+   length of a UTF-8 message and the payload's length. OK to a GET: the pages' checksums
+   (16 bytes each), then their bytes, back to back, in request order. OK to a PUT: one
+   outcome byte per page (kvnode.store.PutOutcome values). Not OK: the message, then the server closes the
    connection (the rest of the request is not read as a request).
 3. A connection carries any number of requests, one at a time.
+4. Checksums (kvnode/checksum.py) came with version 2. The server still takes version 1
+   requests, which carry none: a version 1 PUT's pages get theirs computed by the node, a
+   version 1 GET is answered with the pages alone. Clients speak version 2.
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ from typing import Sequence
 
 import grpc
 
+from kvnode.checksum import CHECKSUM_BYTES
+
 MAGIC = b"KVDP"
-VERSION = 1
+VERSION = 2
+VERSIONS = (1, 2)  # spoken by the server (design note 4)
 OP_GET, OP_PUT = 1, 2
 OPS = {OP_GET: "GET", OP_PUT: "PUT"}
 
@@ -57,6 +63,12 @@ class RequestHeader:
     key_bytes: int
     count: int
     page_bytes: int
+    version: int = VERSION
+
+    @property
+    def checksums(self) -> bool:
+        """Whether its pages' checksums travel with it (design note 4)."""
+        return self.version >= 2
 
 
 # ---- requests ---------------------------------------------------------------------
@@ -73,12 +85,13 @@ def get_request(keys: Sequence[bytes]) -> bytes:
     return request_header(OP_GET, len(keys), key_bytes) + b"".join(keys)
 
 
-def put_request_head(keys: Sequence[bytes], parents: Sequence[bytes], page_bytes: int) -> bytes:
-    """A PUT request up to its pages: header, then (key, parent_len, parent) per page."""
+def put_request_head(keys: Sequence[bytes], parents: Sequence[bytes], checksums: Sequence[bytes],
+                     page_bytes: int) -> bytes:
+    """A PUT request up to its pages: header, then (key, parent_len, parent, checksum) per page."""
     key_bytes = len(keys[0]) if keys else 16
     parts = [request_header(OP_PUT, len(keys), key_bytes, page_bytes)]
-    for key, parent in zip(keys, parents):
-        parts += [key, PARENT_LEN.pack(len(parent)), parent or bytes(key_bytes)]
+    for key, parent, checksum in zip(keys, parents, checksums):
+        parts += [key, PARENT_LEN.pack(len(parent)), parent or bytes(key_bytes), checksum]
     return b"".join(parts)
 
 
@@ -88,22 +101,24 @@ def parse_request_header(buf) -> RequestHeader:
     if magic != MAGIC:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT,
                          f"not a kvnode data plane request (magic {bytes(magic)!r}, expected {MAGIC!r})")
-    if version != VERSION:
+    if version not in VERSIONS:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"data plane version {version} is not spoken here (this node speaks {VERSION})")
+                         f"data plane version {version} is not spoken here (this node speaks "
+                         f"{' and '.join(map(str, VERSIONS))})")
     if op not in OPS:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown data plane op {op} (GET is 1, PUT is 2)")
-    return RequestHeader(op, key_bytes, count, page_bytes)
+    return RequestHeader(op, key_bytes, count, page_bytes, version)
 
 
-def put_entry_bytes(key_bytes: int) -> int:
-    return key_bytes + PARENT_LEN.size + key_bytes
+def put_entry_bytes(key_bytes: int, checksums: bool = True) -> int:
+    return key_bytes + PARENT_LEN.size + key_bytes + (CHECKSUM_BYTES if checksums else 0)
 
 
-def parse_put_entries(buf, count: int, key_bytes: int) -> list[tuple[bytes, bytes]]:
-    """(key, parent) per page from a PUT's key block; a root's parent is b""."""
+def parse_put_entries(buf, count: int, key_bytes: int, checksums: bool = True) -> list[tuple[bytes, bytes, bytes | None]]:
+    """(key, parent, checksum) per page from a PUT's key block; a root's parent is b"", the
+    checksum None in a version 1 request."""
     view = memoryview(buf)
-    size = put_entry_bytes(key_bytes)
+    size = put_entry_bytes(key_bytes, checksums)
     entries = []
     for i in range(count):
         entry = view[i * size : (i + 1) * size]
@@ -112,7 +127,8 @@ def parse_put_entries(buf, count: int, key_bytes: int) -> list[tuple[bytes, byte
         if parent_len not in (0, key_bytes):
             raise FrameError(grpc.StatusCode.INVALID_ARGUMENT,
                              f"page {key.hex()}: parent key must be {key_bytes} bytes or empty, got {parent_len}")
-        entries.append((key, bytes(entry[key_bytes + 1 : key_bytes + 1 + parent_len])))
+        checksum = bytes(entry[2 * key_bytes + 1 :]) if checksums else None
+        entries.append((key, bytes(entry[key_bytes + 1 : key_bytes + 1 + parent_len]), checksum))
     return entries
 
 

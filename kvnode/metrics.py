@@ -82,3 +82,5 @@ class _StoreCollector(Collector):
         yield CounterMetricFamily("kvcache_node_evicted_pages", "Pages evicted to make room", value=stats.evictions)
         yield CounterMetricFamily("kvcache_node_read_pages", "Pages read by clients (either wire)",
                                   value=stats.get_pages)
+        yield CounterMetricFamily("kvcache_node_reported_dropped_pages", "Pages dropped because a reader found their "
+                                  "bytes did not match their checksum, with their descendants", value=stats.reported_dropped)

@@ -1,5 +1,6 @@
 """The KVStore gRPC service: unpacks messages, calls the PageStore, turns its errors
-into status codes. Bulk messages (PageChunk, PutItem) are framed by kvnode.wire."""
+into status codes. Bulk messages (PageChunk, PutItem) are framed by kvnode.wire. Pages go
+out with their checksums and come in with them (kvnode/checksum.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import grpc
 
 from kvcache import __version__
 from kvnode import wire
+from kvnode.checksum import CHECKSUM_BYTES
 from kvnode.store import InvalidRequest, LeaseRefused, PageNotFound, PageStore, PutOutcome, check_key
 from protos import kvcache_pb2 as pb
 from protos import security
@@ -20,7 +22,7 @@ from protos.serving import DEFAULT_MAX_MESSAGE_BYTES, Malformed, tolerant
 log = logging.getLogger("kvnode")
 
 SERVICE_NAME = "kvcache.v1.KVStore"
-READERS = ("worker",)  # whose certificates may look pages up, get and put them (protos/security.py note 4)
+READERS = ("worker",)  # whose certificates may look pages up, get, put and drop them (protos/security.py note 4)
 # Trailing metadata of a Lookup whose hits the node's leased-pages bound cut short (store design note 5).
 LEASE_LIMITED_KEY = "kvcache-lease-limited"
 DEFAULT_MAX_KEYS = 256
@@ -114,19 +116,23 @@ class KVStoreService:
         page_bytes, chunk = self.store.page_bytes, self.chunk_bytes
         try:
             self.store.check_cached(keys)
-            if page_bytes <= chunk:
-                per_message = chunk // page_bytes  # few large messages: gRPC's cost is per message
+            if page_bytes + CHECKSUM_BYTES <= chunk:
+                # Few large messages (gRPC's cost is per message), each page with its checksum.
+                per_message = chunk // (page_bytes + CHECKSUM_BYTES)
                 for first in range(0, len(keys), per_message):
                     group = keys[first : first + per_message]
-                    yield self.store.read(group, wire.page_chunk_header(first, 0, len(group) * page_bytes))
+                    checksums = b"".join(self.store.checksums(group))
+                    yield self.store.read(group, wire.page_chunk_header(first, 0, len(group) * page_bytes, checksums))
                     if self.metrics is not None:
                         self.metrics.pages_sent("grpc", len(group) * page_bytes)
                 return
             for index, key in enumerate(keys):
+                checksum = self.store.checksums([key])[0]
                 page = memoryview(self.store.read([key]))  # read once, so every chunk is of one page
                 for offset in range(0, page_bytes, chunk):
                     piece = page[offset : offset + chunk]
-                    yield b"".join((wire.page_chunk_header(index, offset, len(piece)), piece))
+                    header = wire.page_chunk_header(index, offset, len(piece), checksum if offset == 0 else b"")
+                    yield b"".join((header, piece))
                 if self.metrics is not None:
                     self.metrics.pages_sent("grpc", page_bytes)
         except PageNotFound as exc:
@@ -136,14 +142,14 @@ class KVStoreService:
         security.refuse_unless_member(context, READERS, "PutPages", log)
         try:
             items = self._receive_pages(request_iterator)
-            for key, parent, data in items:
-                self.store.validate_put(key, parent, data)
+            for key, parent, data, checksum in items:
+                self.store.validate_put(key, parent, data, checksum)
         except (_Abort, InvalidRequest) as exc:
             code = exc.code if isinstance(exc, _Abort) else grpc.StatusCode.INVALID_ARGUMENT
             self._abort(context, code, str(exc))
         if not context.is_active():
             self._abort(context, grpc.StatusCode.CANCELLED, "PutPages stream ended abnormally; nothing stored")
-        outcomes = [self.store.put(key, parent, data) for key, parent, data in items]
+        outcomes = [self.store.put(key, parent, data, checksum) for key, parent, data, checksum in items]
         if self.metrics is not None:
             self.metrics.pages_put("grpc", len(items) * self.store.page_bytes, outcomes)
         refused = sum(1 for o in outcomes if o in (PutOutcome.REFUSED_NO_PARENT, PutOutcome.REFUSED_NO_ROOM))
@@ -174,19 +180,35 @@ class KVStoreService:
             recovered_pages=s.recovered_pages,
             recovery_ms=round(s.recovery_seconds * 1000),
             disk_errors=s.disk_errors,
+            reported_pages_dropped=s.reported_dropped,
         )
+
+    def drop_pages(self, request, context) -> pb.DropPagesReply:
+        """A reader found these pages altered (their bytes fail their checksums): drop each with its descendants."""
+        self._check_parsed(request, context)
+        security.refuse_unless_member(context, READERS, "DropPages", log)
+        keys = self._checked_keys(request.keys, context)
+        dropped = 0
+        for key in keys:
+            count = self.store.drop_reported(key)
+            if count:
+                log.warning("dropped page %s and %d descendants: a reader (%s) found its bytes do not match its "
+                            "checksum", key.hex(), count - 1, context.peer())
+            dropped += count
+        return pb.DropPagesReply(dropped=dropped)
 
     # ---- helpers -------------------------------------------------------------
 
-    def _receive_pages(self, request_iterator) -> list[tuple[bytes, bytes, bytes]]:
+    def _receive_pages(self, request_iterator) -> list[tuple[bytes, bytes, bytes, bytes | None]]:
         """Whole pages from a PutPages stream; any flaw rejects the whole stream.
 
         A page sent in pieces is copied into one buffer as they arrive, and every item must carry
         data: however a client splits its pages, a stream holds at most one page's bytes per page.
         """
         page_bytes = self.store.page_bytes
-        items: list[tuple[bytes, bytes, bytes]] = []
+        items: list[tuple[bytes, bytes, bytes, bytes | None]] = []
         key = parent = b""
+        checksum: bytes | None = None  # of the page being received; None: the node computes it
         page: bytearray | None = None  # the page being assembled from pieces
         received = 0
         ended = False
@@ -195,18 +217,20 @@ class KVStoreService:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{message.reason}; nothing stored")
             if ended:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "PutPages item after the one marked last; nothing stored")
-            item_key, item_parent, data, ended = message
+            item_key, item_parent, data, ended, item_checksum = message
             if item_key:
                 if key:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, _short_page(key, received, page_bytes))
                 check_key(item_key)
                 key, parent, page, received = item_key, item_parent, None, 0
+                checksum = item_checksum or None
                 if len(items) >= self.max_keys:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, self._too_many(len(items) + 1))
             elif not key:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "PutPages item has no key and follows no page")
-            elif item_parent:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "a continuation item must not carry a parent")
+            elif item_parent or item_checksum:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             "a continuation item must not carry a parent or a checksum (the page's first item does)")
             if not data.nbytes:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                              f"a PutPages item of page {key.hex()} carries no data; every item carries part of a page")
@@ -216,7 +240,7 @@ class KVStoreService:
                     f"page {key.hex()} has more than {page_bytes} bytes; this node stores pages of {page_bytes} bytes",
                 )
             if data.nbytes == page_bytes:
-                items.append((key, parent, data))
+                items.append((key, parent, data, checksum))
                 key, received = b"", 0
                 continue
             if page is None:
@@ -224,7 +248,7 @@ class KVStoreService:
             page[received : received + data.nbytes] = data
             received += data.nbytes
             if received == page_bytes:
-                items.append((key, parent, page))
+                items.append((key, parent, page, checksum))
                 key, page, received = b"", None, 0
         if key:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, _short_page(key, received, page_bytes))
@@ -306,5 +330,7 @@ def handler(service: KVStoreService) -> grpc.GenericRpcHandler:
             counted(service.put_pages), tolerant(wire.parse_put_item, "PutItem"), serialize
         ),
         "Stats": grpc.unary_unary_rpc_method_handler(counted(service.stats), parse(pb.StatsRequest), serialize),
+        "DropPages": grpc.unary_unary_rpc_method_handler(counted(service.drop_pages), parse(pb.DropPagesRequest),
+                                                         serialize),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)

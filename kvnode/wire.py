@@ -29,22 +29,30 @@ def _tag(field: int, wire_type: int) -> bytes:
 
 
 _CHUNK_INDEX, _CHUNK_OFFSET, _CHUNK_DATA = _tag(1, _VARINT), _tag(2, _VARINT), _tag(3, _LEN)
+_CHUNK_CHECKSUMS = _tag(4, _LEN)
 _ITEM_KEY, _ITEM_PARENT, _ITEM_DATA = _tag(1, _LEN), _tag(2, _LEN), _tag(3, _LEN)
 _ITEM_LAST = _tag(4, _VARINT) + _varint(1)
+_ITEM_CHECKSUM = _tag(5, _LEN)
 
 
-def page_chunk_header(index: int, offset: int, length: int) -> bytes:
-    """Everything of a PageChunk before its data: append `length` bytes of data to complete it."""
-    return b"".join((_CHUNK_INDEX, _varint(index), _CHUNK_OFFSET, _varint(offset), _CHUNK_DATA, _varint(length)))
+def page_chunk_header(index: int, offset: int, length: int, checksums: bytes = b"") -> bytes:
+    """Everything of a PageChunk before its data: append `length` bytes of data to complete it.
+    `checksums`: those of the pages that start in it (fields may come in any order)."""
+    parts = [_CHUNK_INDEX, _varint(index), _CHUNK_OFFSET, _varint(offset)]
+    if checksums:
+        parts += [_CHUNK_CHECKSUMS, _varint(len(checksums)), checksums]
+    return b"".join((*parts, _CHUNK_DATA, _varint(length)))
 
 
-def put_item(key: bytes, parent: bytes, data, last: bool = False) -> bytes:
+def put_item(key: bytes, parent: bytes, data, last: bool = False, checksum: bytes = b"") -> bytes:
     """A whole PutItem message (one copy of `data`); `last` marks the stream's final item."""
     parts = []
     if key:
         parts += [_ITEM_KEY, _varint(len(key)), key]
     if parent:
         parts += [_ITEM_PARENT, _varint(len(parent)), parent]
+    if checksum:
+        parts += [_ITEM_CHECKSUM, _varint(len(checksum)), checksum]
     view = memoryview(data).cast("B")
     parts += [_ITEM_DATA, _varint(view.nbytes), view]
     if last:
@@ -110,21 +118,25 @@ def parse_fields(buf: bytes, wanted: frozenset[int] | None = None) -> dict[int, 
     return fields
 
 
-_CHUNK_FIELDS, _ITEM_FIELDS = frozenset((1, 2, 3)), frozenset((1, 2, 3, 4))
+_CHUNK_FIELDS, _ITEM_FIELDS = frozenset((1, 2, 3, 4)), frozenset((1, 2, 3, 4, 5))
 
 
-def parse_page_chunk(buf: bytes) -> tuple[int, int, memoryview]:
+def parse_page_chunk(buf: bytes) -> tuple[int, int, memoryview, memoryview]:
+    """(index, offset, data, checksums) of a PageChunk."""
     fields = parse_fields(buf, _CHUNK_FIELDS)
     index, offset, data = fields.get(1, 0), fields.get(2, 0), fields.get(3, memoryview(b""))
-    if not isinstance(index, int) or not isinstance(offset, int) or not isinstance(data, memoryview):
+    checksums = fields.get(4, memoryview(b""))
+    if not isinstance(index, int) or not isinstance(offset, int) or not isinstance(data, memoryview) \
+            or not isinstance(checksums, memoryview):
         raise MalformedMessage("PageChunk field has the wrong wire type")
-    return index & _UINT32, offset, data  # index is a uint32: protobuf keeps its low 32 bits
+    return index & _UINT32, offset, data, checksums  # index is a uint32: protobuf keeps its low 32 bits
 
 
-def parse_put_item(buf: bytes) -> tuple[bytes, bytes, memoryview, bool]:
+def parse_put_item(buf: bytes) -> tuple[bytes, bytes, memoryview, bool, bytes]:
+    """(key, parent, data, last, checksum) of a PutItem; checksum b"" when it carries none."""
     fields = parse_fields(buf, _ITEM_FIELDS)
-    key, parent, data = (fields.get(n, memoryview(b"")) for n in (1, 2, 3))
+    key, parent, data, checksum = (fields.get(n, memoryview(b"")) for n in (1, 2, 3, 5))
     last = fields.get(4, 0)
-    if not all(isinstance(f, memoryview) for f in (key, parent, data)) or not isinstance(last, int):
+    if not all(isinstance(f, memoryview) for f in (key, parent, data, checksum)) or not isinstance(last, int):
         raise MalformedMessage("PutItem field has the wrong wire type")
-    return bytes(key), bytes(parent), data, bool(last)
+    return bytes(key), bytes(parent), data, bool(last), bytes(checksum)

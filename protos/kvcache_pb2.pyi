@@ -68,26 +68,30 @@ class GetPagesRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PageChunk(_message.Message):
-    __slots__ = ("index", "offset", "data")
+    __slots__ = ("index", "offset", "data", "checksums")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     index: int
     offset: int
     data: bytes
-    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    checksums: bytes
+    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., checksums: _Optional[bytes] = ...) -> None: ...
 
 class PutItem(_message.Message):
-    __slots__ = ("key", "parent", "data", "last")
+    __slots__ = ("key", "parent", "data", "last", "checksum")
     KEY_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     parent: bytes
     data: bytes
     last: bool
-    def __init__(self, key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+    checksum: bytes
+    def __init__(self, key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., checksum: _Optional[bytes] = ...) -> None: ...
 
 class PutReply(_message.Message):
     __slots__ = ("outcomes",)
@@ -112,7 +116,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("lookups", "hit_pages", "miss_pages", "puts", "stored_pages", "evictions", "refusals", "bytes_in", "bytes_out", "get_pages", "disk_reads", "disk_writes", "promotions", "demotions", "corrupted_pages_dropped", "orphaned_pages_dropped", "recovered_pages", "recovery_ms", "disk_errors")
+    __slots__ = ("lookups", "hit_pages", "miss_pages", "puts", "stored_pages", "evictions", "refusals", "bytes_in", "bytes_out", "get_pages", "disk_reads", "disk_writes", "promotions", "demotions", "corrupted_pages_dropped", "orphaned_pages_dropped", "recovered_pages", "recovery_ms", "disk_errors", "reported_pages_dropped")
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
     MISS_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +136,7 @@ class NodeStats(_message.Message):
     RECOVERED_PAGES_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_MS_FIELD_NUMBER: _ClassVar[int]
     DISK_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_PAGES_DROPPED_FIELD_NUMBER: _ClassVar[int]
     lookups: int
     hit_pages: int
     miss_pages: int
@@ -151,7 +156,20 @@ class NodeStats(_message.Message):
     recovered_pages: int
     recovery_ms: int
     disk_errors: int
-    def __init__(self, lookups: _Optional[int] = ..., hit_pages: _Optional[int] = ..., miss_pages: _Optional[int] = ..., puts: _Optional[int] = ..., stored_pages: _Optional[int] = ..., evictions: _Optional[int] = ..., refusals: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., get_pages: _Optional[int] = ..., disk_reads: _Optional[int] = ..., disk_writes: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., corrupted_pages_dropped: _Optional[int] = ..., orphaned_pages_dropped: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., recovery_ms: _Optional[int] = ..., disk_errors: _Optional[int] = ...) -> None: ...
+    reported_pages_dropped: int
+    def __init__(self, lookups: _Optional[int] = ..., hit_pages: _Optional[int] = ..., miss_pages: _Optional[int] = ..., puts: _Optional[int] = ..., stored_pages: _Optional[int] = ..., evictions: _Optional[int] = ..., refusals: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., get_pages: _Optional[int] = ..., disk_reads: _Optional[int] = ..., disk_writes: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., corrupted_pages_dropped: _Optional[int] = ..., orphaned_pages_dropped: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., recovery_ms: _Optional[int] = ..., disk_errors: _Optional[int] = ..., reported_pages_dropped: _Optional[int] = ...) -> None: ...
+
+class DropPagesRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DropPagesReply(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    def __init__(self, dropped: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "placement", "no_cache", "request_id", "session_id", "resume_token_ids", "ignore_eos", "messages", "priority")

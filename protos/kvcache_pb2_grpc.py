@@ -61,6 +61,11 @@ class KVStoreStub:
                 request_serializer=protos_dot_kvcache__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_kvcache__pb2.NodeStats.FromString,
                 _registered_method=True)
+        self.DropPages = channel.unary_unary(
+                '/kvcache.v1.KVStore/DropPages',
+                request_serializer=protos_dot_kvcache__pb2.DropPagesRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcache__pb2.DropPagesReply.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -112,6 +117,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropPages(self, request, context):
+        """A reader found these pages' bytes do not match their checksums: the node drops each
+        with its descendants (so no cached page loses its parent). Keys not cached are skipped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +152,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_kvcache__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_kvcache__pb2.NodeStats.SerializeToString,
+            ),
+            'DropPages': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropPages,
+                    request_deserializer=protos_dot_kvcache__pb2.DropPagesRequest.FromString,
+                    response_serializer=protos_dot_kvcache__pb2.DropPagesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -278,6 +296,33 @@ class KVStore:
             '/kvcache.v1.KVStore/Stats',
             protos_dot_kvcache__pb2.StatsRequest.SerializeToString,
             protos_dot_kvcache__pb2.NodeStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropPages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVStore/DropPages',
+            protos_dot_kvcache__pb2.DropPagesRequest.SerializeToString,
+            protos_dot_kvcache__pb2.DropPagesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,6 +11,8 @@ import grpc
 import numpy as np
 
 from cluster_helpers import NODE_PAGE_BYTES, wait_for
+from kvnode import data_wire as dw
+from kvnode.checksum import page_checksum
 from store_helpers import key
 
 MAX_KEYS = 8
@@ -46,3 +48,10 @@ def assert_unharmed(node, plane, stored: set[bytes]) -> None:
         assert client.put_pages([probe], [b""], pages(1, 9)).stored == 1
         np.testing.assert_array_equal(client.get_pages([probe]), pages(1, 9))
     node.store.check_invariants()
+
+
+def put_head(keys, parents, page_bytes: int = NODE_PAGE_BYTES, data: bytes = b"") -> bytes:
+    """A PUT's head with each page's true checksum (zeros when its bytes are not given)."""
+    rows = [data[i * page_bytes : (i + 1) * page_bytes] for i in range(len(keys))] if data else []
+    sums = [page_checksum(k, row) for k, row in zip(keys, rows)] if rows else [bytes(16)] * len(keys)
+    return dw.put_request_head(keys, parents, sums, page_bytes)

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, wait_for
-from data_plane_helpers import GOOD, GOOD_PARENTS, INVALID, MAX_KEYS, assert_unharmed, pages, raw_connection
+from data_plane_helpers import GOOD, GOOD_PARENTS, INVALID, MAX_KEYS, assert_unharmed, pages, put_head, raw_connection
 from kvnode import data_wire as dw
+from kvnode.checksum import page_checksum
 from kvnode.client import NodeError
 from kvnode.data_plane import DataPlaneServer
 from store_helpers import key
@@ -62,16 +63,41 @@ def expect_refusal(plane, request: bytes, code: grpc.StatusCode, *fragments: str
 
 
 def put_request(keys, parents, data: bytes, page_bytes: int = NODE_PAGE_BYTES) -> bytes:
-    return dw.put_request_head(keys, parents, page_bytes) + data
+    return put_head(keys, parents, page_bytes, data) + data
 
 
-def test_a_raw_get_answers_ok_then_the_pages_back_to_back(seeded, plane):
+def test_a_raw_get_answers_ok_then_the_checksums_then_the_pages_back_to_back(seeded, plane):
+    sums = b"".join(page_checksum(k, row) for k, row in zip(GOOD[1:], pages(3)[1:]))
     with raw_connection(plane) as sock:
         for _ in range(2):  # one connection, several requests
             sock.sendall(dw.get_request(GOOD[1:]))
             code, message, payload = read_reply(sock)
             assert (code, message) == (grpc.StatusCode.OK, "")
-            assert payload == pages(3)[1:].tobytes()
+            assert payload == sums + pages(3)[1:].tobytes()
+
+
+def test_a_version_1_peer_gets_pages_alone_and_its_puts_get_checksums_from_the_node(seeded, plane):
+    with raw_connection(plane) as sock:
+        sock.sendall(dw.request_header(dw.OP_GET, 2, version=1) + b"".join(GOOD[1:]))
+        code, _, payload = read_reply(sock)
+        assert code == grpc.StatusCode.OK and payload == pages(3)[1:].tobytes()
+        data = pages(1, 5).tobytes()
+        entry = key(10) + dw.PARENT_LEN.pack(16) + GOOD[2]
+        sock.sendall(dw.request_header(dw.OP_PUT, 1, page_bytes=NODE_PAGE_BYTES, version=1) + entry + data)
+        code, _, outcomes = read_reply(sock)
+    assert code == grpc.StatusCode.OK and list(outcomes) == [1]
+    assert seeded.store.checksums([key(10)]) == [page_checksum(key(10), data)]
+    assert_unharmed(seeded, plane, {*GOOD, key(10)})
+
+
+def test_a_put_keeps_each_pages_checksum_as_sent(seeded, plane):
+    data = pages(2, 5).tobytes()
+    with raw_connection(plane) as sock:
+        sock.sendall(put_request([key(10), key(11)], [GOOD[2], key(10)], data))
+        code, _, outcomes = read_reply(sock)
+    assert code == grpc.StatusCode.OK and list(outcomes) == [1, 1]
+    assert seeded.store.checksums([key(10), key(11)]) == [
+        page_checksum(key(10), data[:NODE_PAGE_BYTES]), page_checksum(key(11), data[NODE_PAGE_BYTES:])]
 
 
 def test_a_raw_put_answers_one_outcome_per_page(seeded, plane):
@@ -93,7 +119,7 @@ def test_a_raw_put_answers_one_outcome_per_page(seeded, plane):
     "request_bytes, fragment",
     [
         (dw.request_header(dw.OP_GET, 1, magic=b"GET ") + GOOD[0], "magic"),
-        (dw.request_header(dw.OP_GET, 1, version=2) + GOOD[0], "version 2"),
+        (dw.request_header(dw.OP_GET, 1, version=9) + GOOD[0], "version 9"),
         (dw.request_header(9, 1) + GOOD[0], "unknown data plane op 9"),
         (dw.request_header(dw.OP_GET, 1, key_bytes=15) + GOOD[0][:15], "keys must be 16 bytes"),
         (dw.request_header(dw.OP_PUT, 1, key_bytes=32, page_bytes=NODE_PAGE_BYTES), "keys must be 16 bytes"),
@@ -124,7 +150,7 @@ def test_a_put_of_the_wrong_page_size_stores_nothing(seeded, plane, page_bytes):
 
 
 def test_a_put_with_a_bad_parent_stores_none_of_its_pages(seeded, plane):
-    head = bytearray(dw.put_request_head([key(10), key(11)], [b"", key(10)], NODE_PAGE_BYTES))
+    head = bytearray(put_head([key(10), key(11)], [b"", key(10)]))
     head[dw.REQUEST.size + dw.put_entry_bytes(16) + 16] = 7  # second page's parent_len
     expect_refusal(plane, bytes(head) + pages(2).tobytes(), INVALID, "parent key must be 16 bytes")
     assert_unharmed(seeded, plane, set(GOOD))
@@ -251,10 +277,10 @@ def test_puts_beyond_the_bytes_in_flight_are_refused_and_store_nothing(make_node
     node.service.data_port = server.port
     try:
         with raw_connection(server) as stalled:
-            stalled.sendall(dw.put_request_head([key(50)], [b""], NODE_PAGE_BYTES))  # its page never comes
+            stalled.sendall(put_head([key(50)], [b""]))  # its page never comes
             assert wait_for(lambda: server.put_bytes_in_flight() == NODE_PAGE_BYTES, timeout_s=5.0)
             with raw_connection(server) as second:
-                second.sendall(dw.put_request_head(GOOD[:2], GOOD_PARENTS[:2], NODE_PAGE_BYTES))
+                second.sendall(put_head(GOOD[:2], GOOD_PARENTS[:2]))
                 code, message, _ = read_reply(second)
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in message
             assert node.store.keys() == []

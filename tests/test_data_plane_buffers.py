@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, wait_for
-from data_plane_helpers import pages, raw_connection
+from data_plane_helpers import pages, put_head, raw_connection
 from kvnode import data_wire as dw
 from kvnode.data_plane import DataPlaneServer
 from kvnode.recv_buffers import BufferBudget, ReceiveBuffer
@@ -36,7 +36,8 @@ def small_plane(make_node):
 def put(sock, first: int, n: int) -> None:
     """PUT n root pages over a raw connection and check they were stored."""
     keys = [key(first + i) for i in range(n)]
-    sock.sendall(dw.put_request_head(keys, [b""] * n, NODE_PAGE_BYTES) + pages(n, first).tobytes())
+    data = pages(n, first).tobytes()
+    sock.sendall(put_head(keys, [b""] * n, data=data) + data)
     head = b""
     while len(head) < dw.REPLY.size:
         head += sock.recv(dw.REPLY.size - len(head))

@@ -174,7 +174,7 @@ def test_when_every_pooled_connection_went_stale_the_call_still_succeeds(make_no
             plane_client._give_back(sock)
         assert wait_for(lambda: server.num_connections() == 0, timeout_s=5.0)  # the node closed all three
         out = np.empty((3, NODE_PAGE_BYTES), dtype=np.uint8)
-        plane_client.get_into(GOOD, memoryview(out).cast("B"), timeout_s=5.0)
+        plane_client.get_into(GOOD, memoryview(out).cast("B"), memoryview(bytearray(3 * 16)), timeout_s=5.0)
         np.testing.assert_array_equal(out, pages(3))
         plane_client.close()
     finally:

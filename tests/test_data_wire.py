@@ -21,14 +21,21 @@ def test_a_get_request_round_trips():
     assert request[dw.REQUEST.size :] == b"".join(keys)
 
 
-def test_a_put_request_head_round_trips_roots_and_children():
-    keys, parents = [key(1), key(2)], [b"", key(1)]
-    head = dw.put_request_head(keys, parents, page_bytes=4096)
+def test_a_put_request_head_round_trips_roots_children_and_checksums():
+    keys, parents, sums = [key(1), key(2)], [b"", key(1)], [b"a" * 16, b"b" * 16]
+    head = dw.put_request_head(keys, parents, sums, page_bytes=4096)
     header = dw.parse_request_header(head[: dw.REQUEST.size])
-    assert header == dw.RequestHeader(dw.OP_PUT, 16, 2, 4096)
+    assert header == dw.RequestHeader(dw.OP_PUT, 16, 2, 4096) and header.checksums
     entries = head[dw.REQUEST.size :]
     assert len(entries) == 2 * dw.put_entry_bytes(16)
-    assert dw.parse_put_entries(entries, 2, 16) == [(key(1), b""), (key(2), key(1))]
+    assert dw.parse_put_entries(entries, 2, 16) == [(key(1), b"", sums[0]), (key(2), key(1), sums[1])]
+
+
+def test_a_version_1_put_carries_no_checksums_and_is_still_read():
+    header = dw.parse_request_header(dw.request_header(dw.OP_PUT, 1, page_bytes=64, version=1))
+    assert header.version == 1 and not header.checksums
+    entry = key(2) + dw.PARENT_LEN.pack(16) + key(1)
+    assert dw.parse_put_entries(entry, 1, 16, checksums=False) == [(key(2), key(1), None)]
 
 
 @pytest.mark.parametrize("code", [grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
@@ -65,7 +72,7 @@ def test_a_foreign_header_is_invalid_argument(header, fragment):
 
 
 def test_a_parent_of_a_wrong_length_is_invalid_argument():
-    entry = bytearray(dw.put_request_head([key(1)], [key(2)], 64)[dw.REQUEST.size :])
+    entry = bytearray(dw.put_request_head([key(1)], [key(2)], [bytes(16)], 64)[dw.REQUEST.size :])
     entry[16] = 5  # parent_len
     with pytest.raises(dw.FrameError) as raised:
         dw.parse_put_entries(entry, 1, 16)

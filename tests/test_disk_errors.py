@@ -119,9 +119,9 @@ def test_a_disk_that_fails_reads_costs_a_fetch_over_the_data_plane_not_the_node(
         store.disk.fail_reads = errno.EIO
         out = np.empty(PAGE_BYTES, dtype=np.uint8)
         with pytest.raises(DataPlaneError) as refused:
-            client.get_into([key(1)], memoryview(out), timeout_s=5.0)
+            client.get_into([key(1)], memoryview(out), memoryview(bytearray(16)), timeout_s=5.0)
         assert refused.value.code == grpc.StatusCode.NOT_FOUND
-        client.get_into([key(6)], memoryview(out), timeout_s=5.0)
+        client.get_into([key(6)], memoryview(out), memoryview(bytearray(16)), timeout_s=5.0)
         assert out.tobytes() == page(6, PAGE_BYTES)
     finally:
         client.close()

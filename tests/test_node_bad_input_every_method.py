@@ -45,6 +45,12 @@ SEMANTIC = {
         ("a page too long", [wire.put_item(key(500), b"", bytes(NODE_PAGE_BYTES + 1), last=True)], INVALID),
         ("an item without data", [wire.put_item(key(500), b"", b"", last=True)], INVALID),
         ("no items", [], INVALID),
+        ("a checksum of 8 bytes", [wire.put_item(key(500), b"", bytes(NODE_PAGE_BYTES), True, b"c" * 8)], INVALID),
+    ],
+    "DropPages": [
+        ("a key of 15 bytes", [b"\x0a\x0f" + b"k" * 15], INVALID),
+        ("more keys than the bound", [b"".join(b"\x0a\x10" + key(i) for i in range(MAX_KEYS + 1))], INVALID),
+        ("a page not cached", [b"\x0a\x10" + key(999)], grpc.StatusCode.OK),
     ],
 }
 

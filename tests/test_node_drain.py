@@ -60,7 +60,7 @@ def start_get(sock: socket.socket, keys: list[bytes]) -> None:
     """Send a GET of `keys` and read its reply header only: the node is now mid-transfer."""
     sock.sendall(dw.get_request(keys))
     code, message_bytes, payload = dw.parse_reply_header(read_exactly(sock, dw.REPLY.size))
-    assert (code, message_bytes, payload) == (grpc.StatusCode.OK, 0, len(keys) * PAGE_BYTES)
+    assert (code, message_bytes, payload) == (grpc.StatusCode.OK, 0, len(keys) * (16 + PAGE_BYTES))  # checksums, pages
 
 
 def not_taken(port: int, keys: list[bytes]) -> bool:
@@ -104,7 +104,7 @@ def test_running_transfers_finish_after_sigterm_and_the_node_exits_0(tmp_path):
                     channel.unary_unary(f"/{SERVICE_NAME}/Info", pb.InfoRequest.SerializeToString,
                                         pb.NodeInfo.FromString)(pb.InfoRequest(), timeout=5)
 
-                assert read_exactly(sock, PAGES * PAGE_BYTES) == expected  # the running GET completes
+                assert read_exactly(sock, PAGES * (16 + PAGE_BYTES))[PAGES * 16 :] == expected  # the GET completes
                 send_last.append(True)
                 assert list(future.result(timeout=15).outcomes) == [pb.PutReply.STORED]  # so does the put
             daemon.process.wait(timeout=25)  # within the drain timeout, and then some to exit

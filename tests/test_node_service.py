@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from cluster_helpers import NODE_CAPACITY_PAGES, NODE_PAGE_BYTES, raw_channel, serve_node
 from kvcache import __version__
 from kvnode import wire
+from kvnode.checksum import page_checksum
 from kvnode.client import NodeClient, NodeError
 from kvnode.service import SERVICE_NAME
 from kvnode.store import PageStore
@@ -114,7 +115,7 @@ def test_stats_counters_move_as_expected(node, client):
     stats = client.stats()
     disk = {name: stats.pop(name) for name in list(stats) if name.startswith(("disk_", "promotions", "demotions",
                                                                                 "corrupted_", "orphaned_", "recover"))}
-    assert set(disk.values()) == {0} and len(disk) == 8, "a node without a disk tier counts nothing there"
+    assert set(disk.values()) == {0} and len(disk) == 9, "a node without a disk tier counts nothing there"
     assert stats == {
         "lookups": 2,
         "hit_pages": 3,
@@ -126,6 +127,7 @@ def test_stats_counters_move_as_expected(node, client):
         "bytes_in": 3 * NODE_PAGE_BYTES,  # the page already present adds nothing
         "bytes_out": 2 * NODE_PAGE_BYTES,
         "get_pages": 2,
+        "reported_pages_dropped": 0,
     }
 
 
@@ -168,9 +170,10 @@ def test_a_page_larger_than_one_message_is_chunked_both_ways(make_node):
     chunks = [wire.parse_page_chunk(m) for m in messages]
     assert len(chunks) == 3 * 3
     for page_index in range(3):
-        mine = [(offset, bytes(data)) for index, offset, data in chunks if index == page_index]
-        assert [offset for offset, _ in mine] == sorted(offset for offset, _ in mine)  # in order
-        assert b"".join(data for _, data in mine) == pages[page_index].tobytes()  # contiguous, whole
+        mine = [(offset, bytes(data), bytes(sums)) for index, offset, data, sums in chunks if index == page_index]
+        assert [offset for offset, _, _ in mine] == sorted(offset for offset, _, _ in mine)  # in order
+        assert b"".join(data for _, data, _ in mine) == pages[page_index].tobytes()  # contiguous, whole
+        assert [sums for _, _, sums in mine] == [page_checksum(keys[page_index], pages[page_index])] + [b""] * 2
 
 
 def test_small_pages_are_grouped_into_few_messages_within_the_limit(make_node):
@@ -185,6 +188,8 @@ def test_small_pages_are_grouped_into_few_messages_within_the_limit(make_node):
     assert all(len(m) <= max_message for m in messages)
     assert len(messages) == 2
     assert b"".join(bytes(wire.parse_page_chunk(m)[2]) for m in messages) == pages.tobytes()
+    sums = b"".join(bytes(wire.parse_page_chunk(m)[3]) for m in messages)
+    assert sums == b"".join(page_checksum(k, row) for k, row in zip(keys, pages))  # one per page, with it
 
 
 def test_a_page_of_exactly_the_chunk_size_and_one_byte_more(make_node):

@@ -132,6 +132,7 @@ def test_a_client_certificate_reaches_client_calls_only_not_a_members(secure_clu
         (coordinator, "/kvcache.v1.Coordinator/Deregister", pb.DeregisterRequest(member_id="x")),
         (node, "/kvcache.v1.KVStore/Lookup", pb.LookupRequest(keys=[b"k" * 16])),
         (node, "/kvcache.v1.KVStore/GetPages", pb.GetPagesRequest(keys=[b"k" * 16])),
+        (node, "/kvcache.v1.KVStore/DropPages", pb.DropPagesRequest(keys=[b"k" * 16])),
     ]
     for address, method, request in calls:
         refused = refusal(address, method, request, credentials)
@@ -146,7 +147,7 @@ def test_a_client_certificate_reaches_client_calls_only_not_a_members(secure_clu
         assert as_client.info().page_bytes > 0  # Info stays open to any certificate of the cluster
     plane = DataPlaneClient("127.0.0.1", data_port(secure_cluster, certs), client.client_context())
     with pytest.raises(DataPlaneError):
-        plane.get_into([b"k" * 16], memoryview(bytearray(1024)), timeout_s=5)
+        plane.get_into([b"k" * 16], memoryview(bytearray(1024)), memoryview(bytearray(16)), timeout_s=5)
     plane.close()
     assert "the data plane is for worker members" in secure_cluster.role("node")[0].log_path.read_text()
 
@@ -176,7 +177,7 @@ def test_a_plaintext_connection_to_the_data_port_gets_no_page(secure_cluster, ce
     assert not received.startswith(dw.ok_reply(0)[:4]), "a plaintext peer must not get a reply frame"
     plain = DataPlaneClient("127.0.0.1", port)
     with pytest.raises(DataPlaneError):
-        plain.get_into([b"k" * 16], memoryview(bytearray(1024)), timeout_s=5)
+        plain.get_into([b"k" * 16], memoryview(bytearray(1024)), memoryview(bytearray(16)), timeout_s=5)
     plain.close()
 
 
@@ -185,7 +186,7 @@ def test_tls_without_a_client_certificate_cannot_fetch_from_the_data_port(secure
     checks_server_only = security.Credentials(certs / "ca.pem")
     client = DataPlaneClient("127.0.0.1", port, checks_server_only.client_context())
     with pytest.raises(DataPlaneError):
-        client.get_into([b"k" * 16], memoryview(bytearray(1024)), timeout_s=5)
+        client.get_into([b"k" * 16], memoryview(bytearray(1024)), memoryview(bytearray(16)), timeout_s=5)
     client.close()
 
 

@@ -32,8 +32,8 @@ def test_hand_framed_page_chunk_reads_as_protobuf(index, offset, data):
 @given(index=uint32, offset=uint64, data=blobs)
 def test_protobuf_page_chunk_reads_by_hand(index, offset, data):
     buf = pb.PageChunk(index=index, offset=offset, data=data).SerializeToString()
-    got_index, got_offset, got_data = wire.parse_page_chunk(buf)
-    assert (got_index, got_offset, bytes(got_data)) == (index, offset, data)
+    got_index, got_offset, got_data, got_sums = wire.parse_page_chunk(buf)
+    assert (got_index, got_offset, bytes(got_data), bytes(got_sums)) == (index, offset, data, b"")
     assert isinstance(got_data, memoryview)  # no copy of the page
 
 
@@ -51,8 +51,25 @@ def test_hand_framed_put_item_reads_as_protobuf(key, parent, data, last):
 @given(key=keys, parent=keys, data=blobs, last=st.booleans())
 def test_protobuf_put_item_reads_by_hand(key, parent, data, last):
     buf = pb.PutItem(key=key, parent=parent, data=data, last=last).SerializeToString()
-    got_key, got_parent, got_data, got_last = wire.parse_put_item(buf)
-    assert (got_key, got_parent, bytes(got_data), got_last) == (key, parent, data, last)
+    got_key, got_parent, got_data, got_last, got_checksum = wire.parse_put_item(buf)
+    assert (got_key, got_parent, bytes(got_data), got_last, got_checksum) == (key, parent, data, last, b"")
+
+
+@given(index=uint32, offset=uint64, data=blobs, sums=st.binary(max_size=64))
+def test_a_page_chunk_carries_its_checksums_both_ways(index, offset, data, sums):
+    buf = wire.page_chunk_header(index, offset, len(data), sums) + data
+    message = pb.PageChunk.FromString(buf)
+    assert (message.index, message.offset, message.data, message.checksums) == (index, offset, data, sums)
+    by_hand = pb.PageChunk(index=index, offset=offset, data=data, checksums=sums).SerializeToString()
+    assert bytes(wire.parse_page_chunk(by_hand)[3]) == sums
+
+
+@given(key=keys, parent=keys, data=blobs, last=st.booleans(), checksum=st.binary(max_size=16))
+def test_a_put_item_carries_its_checksum_both_ways(key, parent, data, last, checksum):
+    message = pb.PutItem.FromString(wire.put_item(key, parent, data, last, checksum))
+    assert (message.key, message.data, message.last, message.checksum) == (key, data, last, checksum)
+    by_hand = pb.PutItem(key=key, parent=parent, data=data, last=last, checksum=checksum).SerializeToString()
+    assert wire.parse_put_item(by_hand)[4] == checksum
 
 
 @given(key=keys, parent=keys, data=st.binary(min_size=1, max_size=400), last=st.booleans())
@@ -89,7 +106,7 @@ def test_unknown_fields_are_skipped_like_protobuf_does():
     assert wire.parse_put_item(buf)[:2] == (b"k" * 16, b"p" * 16)
     assert pb.PutItem.FromString(buf).data == b"data"
     chunk = framed_chunk(7, 9, b"xyz") + unknown
-    index, offset, data = wire.parse_page_chunk(chunk)
+    index, offset, data, _ = wire.parse_page_chunk(chunk)
     assert (index, offset, bytes(data)) == (7, 9, b"xyz")
 
 
@@ -210,7 +227,7 @@ def test_structured_messages_read_the_same_by_hand_and_by_protobuf(fields):
 )
 def test_odd_varints_read_as_protobuf_reads_them(buf):
     message = pb.PageChunk.FromString(buf)
-    index, offset, _ = wire.parse_page_chunk(buf)
+    index, offset, _, _ = wire.parse_page_chunk(buf)
     assert (index, offset) == (message.index, message.offset)
 
 

@@ -154,12 +154,13 @@ def measure_data_plane(disk_store: PageStore, ram_store: PageStore, batches: lis
     servers = [DataPlaneServer(s, "127.0.0.1", 0).start() for s in (disk_store, ram_store)]
     clients = [DataPlaneClient("127.0.0.1", server.port) for server in servers]
     out = memoryview(bytearray(page_bytes * len(batches[0])))
+    sums = memoryview(bytearray(16 * len(batches[0])))  # received, not checked: the node's cost is measured
     total = sum(len(batch) for batch in batches) * page_bytes
 
     def get_pass(client: DataPlaneClient) -> float:
         started = time.perf_counter()
         for batch in batches:
-            client.get_into(batch, out[: len(batch) * page_bytes], timeout_s=60.0)
+            client.get_into(batch, out[: len(batch) * page_bytes], sums[: len(batch) * 16], timeout_s=60.0)
         return total / (time.perf_counter() - started) / 1e9
 
     try:
