@@ -16,6 +16,15 @@ Design notes
    the cast overlap instead of adding up.
 5. Write-back runs on one background thread with a bounded queue; what cannot be sent is
    counted and dropped. That thread waits for first contacts up to `lookup_timeout_s` a batch.
+   Each page's checksum (kvnode/checksum.py) is computed once there, after the cast to the
+   wire dtype, and sent to every placed node.
+6. A fetched page is used only once its bytes match its checksum (NodeClient checks them as
+   they arrive). At the first that does not, the fill stops: the pages before it are kept,
+   it and every page after it are computed (a page's KV depends on its whole prefix, and its
+   children are keys the node may hold intact, but they would follow a page we do not have).
+   The rejection is counted, logged once, and the node is told to drop the page (DropPages:
+   it goes with its descendants) through the write-back queue, so the drop reaches the node
+   before the write-back of the page computed in its place.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvnode.client import NodeClient, NodeError
+from kvnode.client import NodeClient, NodeError, PageRejected, page_checksum
 from worker.half import float16_to_float32
 from worker.remote_nodes import Node, NodeTable
 
@@ -48,6 +57,24 @@ class Placement:
 
 
 @dataclass
+class _Received:
+    """A batch that arrived: rows to write into the pool (None: received there already), how many
+    of them are intact, and the rejection that cut it short, if any."""
+
+    rows: np.ndarray | None
+    intact: int
+    rejected: PageRejected | None = None
+
+
+@dataclass
+class _Drop:
+    """A write-back queue entry that asks `address` to drop an altered page (design note 6)."""
+
+    address: str
+    key: bytes
+
+
+@dataclass
 class TierStats:
     lookups: int = 0
     pages_fetched: int = 0
@@ -58,6 +85,8 @@ class TierStats:
     pages_written: int = 0
     pages_refused: int = 0
     pages_dropped: int = 0
+    pages_rejected: int = 0  # fetched pages whose bytes did not match their checksums (design note 6)
+    drops_reported: int = 0  # DropPages calls a node answered
 
 
 class RemoteTier:
@@ -186,6 +215,10 @@ class RemoteTier:
                 if error is None:
                     self.nodes.succeeded(node)
                     return filled
+                if isinstance(error, PageRejected):  # design note 6: the rest is computed
+                    self.nodes.succeeded(node)
+                    self._reject(node.address, error)
+                    return filled
                 self._count("fetch_failures", 1)
                 self.nodes.failed(node, error)
         return filled
@@ -200,20 +233,24 @@ class RemoteTier:
             try:
                 for number, (start, end) in enumerate(batches):
                     try:
-                        rows = pending.result()
+                        got = pending.result()
                     except NodeError as exc:
                         return written, exc
                     finally:
                         pending = None
-                    if number + 1 < len(batches):
+                    if number + 1 < len(batches) and got.rejected is None:
                         pending = self._fetcher.submit(
                             self._receive, client, keys, block_ids, *batches[number + 1], (number + 1) % 2
                         )
-                    if rows is not None:
+                    end = start + got.intact
+                    if got.rows is not None and got.intact:
+                        rows = got.rows[: got.intact]
                         self._write_blocks(block_ids[start:end], rows.view(self.wire_dtype).reshape(-1, *self.block_shape))
                     written = end
                     self._count("pages_fetched", end - start)
                     self._count("bytes_fetched", (end - start) * self.page_bytes)
+                    if got.rejected is not None:
+                        return written, got.rejected
                 return written, None
             finally:
                 if pending is not None:  # it writes into a staging buffer: let it finish before anyone reuses that
@@ -244,21 +281,34 @@ class RemoteTier:
             start += size
         return bounds
 
-    def _receive(self, client: NodeClient, keys, block_ids, start: int, end: int, buffer: int) -> np.ndarray | None:
-        """On the fetch thread: pages start..end as (n, page_bytes) uint8 rows to write, or None if already in place.
-
-        float32 pages bound for consecutive blocks are received straight into the pool.
-        """
+    def _receive(self, client: NodeClient, keys, block_ids, start: int, end: int, buffer: int) -> _Received:
+        """On the fetch thread: pages start..end, checked, as (n, page_bytes) uint8 rows to write, or
+        no rows when they landed in place (float32 pages bound for consecutive blocks are received
+        straight into the pool; one that fails its checksum is overwritten by the compute after)."""
         count = end - start
         first = block_ids[start]
         timeout = self._fetch_timeout(count)
         if self.wire_dtype == self.pool.dtype and list(block_ids[start:end]) == list(range(first, first + count)):
-            client.get_pages(keys[start:end], out=self.pool[first : first + count].reshape(count, -1).view(np.uint8),
-                             timeout=timeout)
-            return None
-        if not self._staging:
-            self._staging = [np.empty((self.fetch_batch_pages, self.page_bytes), dtype=np.uint8) for _ in range(2)]
-        return client.get_pages(keys[start:end], out=self._staging[buffer][:count], timeout=timeout)
+            rows, out = None, self.pool[first : first + count].reshape(count, -1).view(np.uint8)
+        else:
+            if not self._staging:
+                self._staging = [np.empty((self.fetch_batch_pages, self.page_bytes), dtype=np.uint8) for _ in range(2)]
+            rows = out = self._staging[buffer][:count]
+        try:
+            client.get_pages(keys[start:end], out=out, timeout=timeout)
+        except PageRejected as exc:
+            return _Received(rows, exc.index, exc)
+        return _Received(rows, count)
+
+    def _reject(self, address: str, rejected: PageRejected) -> None:
+        """A fetched page failed its checksum (design note 6): count it, say so, have the node drop it."""
+        self._count("pages_rejected", 1)
+        log.warning("kvnode %s sent page %s whose bytes do not match its checksum; computing it and the pages "
+                    "after it, and asking the node to drop it", address, rejected.key.hex())
+        try:
+            self._outbox.put_nowait(_Drop(address, rejected.key))
+        except queue.Full:
+            pass  # the next reader that meets the page reports it again
 
     def _write_blocks(self, block_ids: Sequence[int], pages: np.ndarray) -> None:
         """pages[i] -> pool[block_ids[i]], one slice copy (or cast) per run of consecutive blocks.
@@ -312,7 +362,8 @@ class RemoteTier:
                 except queue.Empty:
                     break
             try:
-                self._send(batch)
+                self._send_drops([item for item in batch if isinstance(item, _Drop)])
+                self._send([item for item in batch if not isinstance(item, _Drop)])
             except Exception as exc:  # a bug of ours must not end write-back for the life of the process
                 log.exception("write-back of %d pages failed: %r; dropping them", len(batch), exc)
                 self._count("pages_dropped", len(batch))
@@ -320,12 +371,26 @@ class RemoteTier:
                 for _ in batch:
                     self._outbox.task_done()
 
+    def _send_drops(self, drops: list[_Drop]) -> None:
+        """Before the batch's puts, so a page computed in place of a dropped one is stored after the drop."""
+        for drop in drops:
+            with self.nodes.use([drop.address]) as nodes:
+                if not nodes or not self.nodes.ready(nodes[0], time.monotonic() + self.lookup_timeout_s):
+                    continue
+                try:
+                    nodes[0].client.drop_pages([drop.key], timeout=self.lookup_timeout_s)
+                except NodeError as exc:
+                    log.info("kvnode %s: could not have it drop page %s: %s", drop.address, drop.key.hex(), exc)
+                    continue
+                self._count("drops_reported", 1)
+
     def _send(self, batch: list) -> None:
         by_node: dict[str, list] = {}
         for addresses, key, parent, data in batch:
             wire = data.astype(self.wire_dtype, copy=False)
+            checksum = page_checksum(key, wire)  # once per page, for every placed node (design note 5)
             for address in addresses:
-                by_node.setdefault(address, []).append((key, parent, wire))
+                by_node.setdefault(address, []).append((key, parent, wire, checksum))
         self.nodes.contact(list(by_node))  # first contacts at once, then one wait for all of them
         until = time.monotonic() + self.lookup_timeout_s
         for address, items in by_node.items():
@@ -339,9 +404,10 @@ class RemoteTier:
             node = nodes[0]
             for start in range(0, len(items), node.max_keys):  # parents first: in order, each within the limit
                 part = items[start : start + node.max_keys]
-                keys, parents, pages = zip(*part)
+                keys, parents, pages, checksums = zip(*part)
                 try:
-                    result = node.client.put_pages(keys, parents, pages, timeout=self._fetch_timeout(len(part)))
+                    result = node.client.put_pages(keys, parents, pages, timeout=self._fetch_timeout(len(part)),
+                                                   checksums=checksums)
                 except NodeError as exc:
                     self._count("pages_dropped", len(items) - start)
                     self.nodes.failed(node, exc)
