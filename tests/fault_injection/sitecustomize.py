@@ -1,7 +1,10 @@
-"""Put on PYTHONPATH of a test's worker process: makes its model fail as a bug would.
+"""Put on PYTHONPATH of a test's daemon: makes a worker's model fail as a bug would, or a kvnode's
+memory go bad.
 
 KVCACHE_TEST_POISON_TOKEN=N: a forward whose batch holds token N raises.
 KVCACHE_TEST_STALL_TOKEN=N: a forward whose batch holds token N hangs (the test kills the process).
+KVCACHE_TEST_ALTER_PAGE=HEX: the first time a kvnode stores the page of that key, one bit of it
+flips in the pool right after the put (its checksum, the writer's, stays as it was sent).
 """
 
 import os
@@ -9,6 +12,7 @@ import time
 
 _POISON = os.environ.get("KVCACHE_TEST_POISON_TOKEN")
 _STALL = os.environ.get("KVCACHE_TEST_STALL_TOKEN")
+_ALTER = os.environ.get("KVCACHE_TEST_ALTER_PAGE")
 
 if _POISON or _STALL:
     import worker.model
@@ -24,3 +28,19 @@ if _POISON or _STALL:
         return _forward(self, batch, *args, **kwargs)
 
     worker.model.Model.forward = _faulty_forward
+
+if _ALTER:
+    import kvnode.store
+
+    _put = kvnode.store.PageStore.put
+    _altered = []
+
+    def _altering_put(self, key, parent, data, checksum=None):
+        outcome = _put(self, key, parent, data, checksum)
+        if key.hex() == _ALTER and outcome == kvnode.store.PutOutcome.STORED and not _altered:
+            with self._lock:
+                self._pool[self._index[key].slot, 5] ^= 0x04
+            _altered.append(key)
+        return outcome
+
+    kvnode.store.PageStore.put = _altering_put

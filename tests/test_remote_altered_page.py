@@ -1,0 +1,74 @@
+"""A page whose bytes were altered on a real kvnode (a bit flipped in its pool after the put, by
+tests/fault_injection/sitecustomize.py) is refused by the real worker that fetches it, over the
+data plane and over gRPC: the answer equals a cold run's, the pages before it come from the node,
+it and the rest are computed, the worker counts one rejected page, and the node drops it with
+its descendants, then stores the page computed in its place (good bytes again)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import pytest
+
+from cluster_helpers import collect, read_log, wait_for
+from kvcache.launch import Daemon
+from kvnode.client import NodeClient
+from metrics_helpers import scrape
+from worker.client import WorkerClient
+from worker.pages import page_keys
+
+FAULTS = Path(__file__).parent / "fault_injection"
+PAGE_TOKENS = 16
+PROMPT = "You are a careful assistant. Answer briefly and precisely, citing the page you used. Why?"
+ALTERED = 2  # the third page of the prompt
+
+
+@contextlib.contextmanager
+def started(tmp_path: Path, role: str, name: str, *args: str, env=None):
+    daemon = Daemon(role, ["--port", "0", *args], log_path=tmp_path / f"{name}.log", env=env)
+    try:
+        yield daemon
+    finally:
+        daemon.stop(timeout_s=10.0)
+
+
+def altering_env(key: bytes) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(FAULTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["KVCACHE_TEST_ALTER_PAGE"] = key.hex()
+    return env
+
+
+@pytest.mark.parametrize("wire", ["data plane", "gRPC"])
+def test_a_page_altered_on_the_node_is_refused_and_the_answer_is_still_exact(tmp_path, wire):
+    worker_args = ("--model", "tiny", "--kv-cache", "8MiB", "--grace", "5")
+    with started(tmp_path, "worker", "writer", *worker_args) as writer, \
+            started(tmp_path, "worker", "reader", *worker_args, "--metrics-port", "0") as reader:
+        with WorkerClient(writer.address) as client_a, WorkerClient(reader.address) as client_b:
+            root = bytes.fromhex(client_a.info().fingerprint)
+            keys = page_keys(root, list(PROMPT.encode()), PAGE_TOKENS)  # the tiny model's tokens are bytes
+            assert len(keys) == 5
+            node_args = ["--model", "tiny", "--capacity", "16MiB"] + (["--no-data-plane"] if wire == "gRPC" else [])
+            with started(tmp_path, "node", "node", *node_args, env=altering_env(keys[ALTERED])) as node, \
+                    NodeClient(node.address) as node_client:
+                collect(client_a.generate(PROMPT, max_tokens=4, placement=[node.address]))
+                assert wait_for(lambda: node_client.lookup(keys) == len(keys), timeout_s=10.0)
+
+                cold, _ = collect(client_b.generate(PROMPT, max_tokens=8, no_cache=True))
+                warm, done = collect(client_b.generate(PROMPT, max_tokens=8, placement=[node.address]))
+
+                assert warm == cold and len(warm) == 8
+                assert done.usage.cached_tokens_remote == ALTERED * PAGE_TOKENS
+                assert done.usage.computed_tokens == done.usage.prompt_tokens - ALTERED * PAGE_TOKENS
+                assert scrape(reader.metrics_url).value("kvcache_worker_remote_rejected_pages_total") == 1
+                assert wait_for(lambda: node_client.stats()["reported_pages_dropped"] == len(keys) - ALTERED,
+                                timeout_s=10.0)
+                dropped = f"dropped page {keys[ALTERED].hex()} and {len(keys) - ALTERED - 1} descendants"
+                assert dropped in read_log(tmp_path), read_log(tmp_path)
+                # The reader wrote back what it computed in their place, after the drop: intact again.
+                assert wait_for(lambda: node_client.lookup(keys) == len(keys), timeout_s=10.0)
+                assert node_client.get_pages(keys).shape == (len(keys), node_client.info().page_bytes)  # checked
+    for name in ("writer", "reader", "node"):
+        assert "Traceback" not in (tmp_path / f"{name}.log").read_text()
