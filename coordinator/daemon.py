@@ -66,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
             interceptors=tokens.interceptors(client_tokens, MEMBER_METHODS)
             + observability.server_interceptors(SERVICE_NAME, metrics and metrics.request_duration))
         port = serving.bind(server, args.host, args.port, credentials)
-        if metrics is not None:
-            observability.start_metrics(metrics.registry, args)
+        metrics_server = (observability.start_metrics(metrics.registry, args, credentials)
+                          if metrics is not None else None)
     except (ValueError, OSError) as exc:
         print(f"kvcache coordinator: error: {exc}", file=sys.stderr)
         return 2
@@ -87,5 +87,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("stopping: finishing running requests for up to %.1fs", args.grace)
     serving.stop(server, health, args.grace)
     service.close()
+    if metrics_server is not None:
+        metrics_server.stop()
     log.info("stopped")
     return 0

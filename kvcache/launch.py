@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
-_METRICS = re.compile(r"metrics on (http://\S+/metrics)")  # logged before the listening line (--metrics-port)
+_METRICS = re.compile(r"metrics on (https?://\S+/metrics)")  # logged before the listening line (--metrics-port)
 
 
 class DaemonFailed(RuntimeError):

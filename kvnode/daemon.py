@@ -170,8 +170,8 @@ def run(args: argparse.Namespace) -> int:
             service.data_port = data_plane.port
             service.data_host = addresses.split_host_port(address)[0]
             data_plane.metrics = metrics
-        if metrics is not None:
-            observability.start_metrics(metrics.registry, args)
+        metrics_server = (observability.start_metrics(metrics.registry, args, credentials)
+                          if metrics is not None else None)
     except (ValueError, OSError, MemoryError) as exc:
         print(f"kvcache node: error: {exc}", file=sys.stderr)
         return 2
@@ -202,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
     membership = agent.start_from_args(args, address, registration, lambda: node_load(store), credentials)
     serving.wait_until(stopping)
     drain(args.drain_timeout, membership, health, server, service, data_plane, flusher)
+    if metrics_server is not None:
+        metrics_server.stop()
     if disk is not None:
         disk.close()
         data_dir.close()

@@ -8,9 +8,10 @@ Design notes
 2. Each daemon has its own CollectorRegistry (not the library's global one), so several daemons in
    one process (tests) keep their numbers apart. Numbers the parts already count (store stats,
    remote tier stats, engine queues) are read when scraped, by a collector, not counted twice.
-3. The metrics port listens on the daemon's --host. A peer that connects and sends nothing, or
-   sends garbage, is answered or dropped by the HTTP server's own thread (a timeout per
-   connection); it cannot reach the daemon's other threads.
+3. The metrics port listens on the daemon's --host, on TLS with the daemon's certificate when it
+   has one, for scrapers holding a `kvcache-monitor` certificate; its connections are bounded in
+   number and time, and a peer that connects and sends nothing, or garbage, is dropped by the
+   HTTP server's own threads, never reaching the daemon's others (protos/metrics_server.py).
 4. Tracing is on when an SDK tracer provider is set: by `--otlp-endpoint` (the `otel` extra) or by
    a test. With the API alone every span is a no-op and channels are not wrapped at all.
    Server spans take their parent from the call's `traceparent`; client channels made while
@@ -23,25 +24,21 @@ Design notes
 from __future__ import annotations
 
 import logging
-import socket
-import threading
 import time
 from typing import Callable, Iterator
 
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
-from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer
-from wsgiref.simple_server import WSGIRequestHandler, make_server as make_wsgi_server
+from prometheus_client import CollectorRegistry, Histogram
 
-from protos import addresses
+from protos import security
+from protos.metrics_server import MetricsServer
 
 log = logging.getLogger(__name__)
 
 # Seconds, from a data plane GET of one small page to a long generation.
 DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-HTTP_TIMEOUT_S = 10.0  # a scrape connection idle this long is closed (design note 3)
 TRACER_NAME = "kvcache"
 
 
@@ -62,50 +59,13 @@ def add_arguments(parser) -> None:
 # ---- metrics -------------------------------------------------------------------
 
 
-class _QuietHandler(WSGIRequestHandler):
-    timeout = HTTP_TIMEOUT_S
-
-    def log_message(self, format, *args) -> None:
-        pass
-
-
-class MetricsServer:
-    """prometheus_client's WSGI app on host:port (0 picks a free one), on a thread of its own."""
-
-    def __init__(self, registry: CollectorRegistry, host: str, port: int):
-        if not 0 <= port <= 65535:
-            raise ValueError(f"--metrics-port must be between 0 and 65535, got {port}")
-
-        class Server(ThreadingWSGIServer):
-            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-
-        try:
-            self._httpd = make_wsgi_server(host.strip("[]"), port, make_wsgi_app(registry), Server,
-                                           handler_class=_QuietHandler)
-        except OSError as exc:
-            raise OSError(f"cannot listen on {addresses.host_port(host, port)} for metrics: {exc.strerror or exc}") from None
-        self.host, self.port = host, self._httpd.server_port
-        self.url = f"http://{addresses.host_port(host, self.port)}/metrics"
-        self._thread = None
-
-    def start(self) -> "MetricsServer":
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics-http", daemon=True)
-        self._thread.start()
-        log.info("metrics on %s", self.url)
-        return self
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._httpd.shutdown()
-            self._thread.join(2.0)
-        self._httpd.server_close()
-
-
-def start_metrics(registry: CollectorRegistry, args) -> MetricsServer | None:
-    """The daemon's metrics server when --metrics-port was given (raises OSError/ValueError to report)."""
+def start_metrics(registry: CollectorRegistry, args, credentials: security.Credentials | None = None
+                  ) -> MetricsServer | None:
+    """The daemon's metrics server when --metrics-port was given, on TLS with `credentials` (the
+    daemon's own); raises OSError/ValueError to report. The daemon stops it on its way out."""
     if getattr(args, "metrics_port", None) is None:
         return None
-    return MetricsServer(registry, args.host, args.metrics_port).start()
+    return MetricsServer(registry, args.host, args.metrics_port, credentials).start()
 
 
 def request_histogram(registry: CollectorRegistry, name: str, what: str) -> Histogram:

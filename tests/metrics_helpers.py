@@ -3,6 +3,7 @@ prometheus_client, so a test sees exactly what Prometheus would."""
 
 from __future__ import annotations
 
+import ssl
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -30,12 +31,24 @@ class Scrape:
         return {name for name, _ in self.samples}
 
 
-def scrape(url: str, timeout_s: float = 5.0) -> Scrape:
-    assert url.startswith("http://127.0.0.1:"), url  # loopback only
-    with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+def scrape(url: str, timeout_s: float = 5.0, context: ssl.SSLContext | None = None, token: str | None = None) -> Scrape:
+    """GET `url` (https with `context`, a bearer `token` when given) and parse it; raises what
+    urllib raises for a refusal (URLError, HTTPError)."""
+    assert url.startswith(("http://127.0.0.1:", "https://127.0.0.1:")), url  # loopback only
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s,
+                                context=context) as reply:
         assert reply.status == 200
         assert reply.headers["Content-Type"].startswith("text/plain")
         return Scrape(reply.read().decode())
+
+
+def tls_context(ca_file, cert_file=None, key_file=None) -> ssl.SSLContext:
+    """What a scraper's tls_config makes: the CA checks the server, cert and key are presented."""
+    context = ssl.create_default_context(cafile=str(ca_file))
+    if cert_file is not None:
+        context.load_cert_chain(str(cert_file), str(key_file))
+    return context
 
 
 def delta(after: Scrape, before: Scrape, name: str, **labels: str) -> float:

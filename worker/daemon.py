@@ -140,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
             + observability.server_interceptors(SERVICE_NAME, metrics and metrics.request_duration))
         port = serving.bind(server, args.host, args.port, credentials)
         address = agent.advertised_address(args, port)
-        if metrics is not None:
-            observability.start_metrics(metrics.registry, args)
+        metrics_server = (observability.start_metrics(metrics.registry, args, credentials)
+                          if metrics is not None else None)
     except (ValueError, OSError, MemoryError) as exc:
         print(f"kvcache worker: error: {exc}", file=sys.stderr)
         return 2
@@ -181,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
     if engine.connector is not None:
         engine.connector.close(timeout_s=5.0)  # before the tier: its lookups and loads use the tier's clients
     tier.close()
+    if metrics_server is not None:
+        metrics_server.stop()
     if step_log is not None:
         step_log.close()
     left = own_threads_alive()
