@@ -35,7 +35,10 @@ def bearer(request: Request) -> str | None:
 
 
 def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, on_startup: Callable[[], None] | None = None,
-               metrics=None) -> Starlette:
+               metrics=None, metrics_need_key: bool = False) -> Starlette:
+    """`metrics_need_key`: /metrics wants a key the coordinators know, as every other route of a
+    gateway in front of a secure cluster does (401 without one)."""
+
     async def list_models(request: Request) -> Response:
         models = await upstream.models(token=bearer(request))
         return JSONResponse({"object": "list", "data": [model_body(n, t) for n, t in models.items()]})
@@ -101,8 +104,13 @@ def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, o
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
     ]
+    async def metrics_page(request: Request) -> Response:
+        if metrics_need_key:
+            await upstream.models(token=bearer(request))  # ApiError 401 for a key the coordinators refuse
+        return await metrics.endpoint(request)
+
     if metrics is not None:
-        routes.append(Route("/metrics", metrics.endpoint, methods=["GET"]))
+        routes.append(Route("/metrics", metrics_page, methods=["GET"]))
     middleware = metrics.middleware() if metrics is not None else []
     return Starlette(
         routes=routes,

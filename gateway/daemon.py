@@ -2,8 +2,9 @@
 
 Serves GET /v1/models, POST /v1/completions and /v1/chat/completions (stream: true sends
 server-sent events ending in `data: [DONE]`), GET /health, and with --metrics GET /metrics, on
-uvicorn. Prints `gateway listening on http://HOST:PORT` once it serves; stops on SIGTERM, giving
-running requests --grace seconds."""
+uvicorn. In front of a secure cluster (--tls-*), /metrics wants a key the coordinators know
+(`Authorization: Bearer KEY`), as the OpenAI routes do. Prints `gateway listening on
+http://HOST:PORT` once it serves; stops on SIGTERM, giving running requests --grace seconds."""
 
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     upstream = Upstream(lambda: AsyncClient(coordinators, timeout=args.request_timeout, **tls), args.max_streams)
     if metrics is not None:
         metrics.watch(upstream)
-    app = create_app(upstream, max_body_bytes, args.body_timeout, on_startup=started, metrics=metrics)
+    app = create_app(upstream, max_body_bytes, args.body_timeout, on_startup=started, metrics=metrics,
+                     metrics_need_key=credentials is not None)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=args.grace,
                             # Connections beyond this get 503 from uvicorn before any work is done.

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coordinator.client import Client, ClusterError
+from kvcache import prometheus
 from kvcache.launch import Daemon, DaemonFailed
 from protos import tokens
 from kvcache.units import parse_size
@@ -27,6 +28,7 @@ from worker.model.named import DEFAULT_MODEL
 
 DEFAULT_RUN_DIR = ".kvcache"
 CLUSTER_FILE = "cluster.json"
+MONITOR_TOKEN_FILE = "monitor.token"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,10 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     down = actions.add_parser("down", help="stop the cluster in the run directory")
     down.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help=f"where `up` wrote its cluster file (default ./{DEFAULT_RUN_DIR})")
     down.set_defaults(run=run_down)
-    scrape = actions.add_parser("prometheus-config", help="print Prometheus file_sd targets for the cluster's metrics",
-                                description=prometheus_config.__doc__)
-    scrape.add_argument("--run-dir", default=DEFAULT_RUN_DIR,
-                        help=f"where `up` wrote its cluster file (default ./{DEFAULT_RUN_DIR})")
+    scrape = actions.add_parser("prometheus-config", help="print how Prometheus scrapes the cluster's metrics",
+                                description=prometheus.__doc__)
+    prometheus.add_arguments(scrape, DEFAULT_RUN_DIR)
     scrape.set_defaults(run=run_prometheus_config)
 
 
@@ -94,6 +95,7 @@ def run_up(args: argparse.Namespace) -> int:
 
     tls_dir, tokens_file, token = _secure_files(run_dir) if args.secure else (None, None, None)
     client_options = {**client_tls(tls_dir), "token": token} if args.secure else {}
+    scrape_secrets = _scrape_secrets(run_dir, tls_dir)
 
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -106,7 +108,7 @@ def run_up(args: argparse.Namespace) -> int:
                       data_dir=Path(args.data_dir).resolve() if args.data_dir else None,
                       tls_dir=tls_dir, tokens_file=tokens_file,
                       gateway_port=None if args.no_gateway else args.gateway_port,
-                      on_start=lambda c: _write_cluster_file(cluster_file, args, c.daemons))
+                      on_start=lambda c: _write_cluster_file(cluster_file, args, c.daemons, scrape_secrets))
         coordinators = cluster.coordinator_addresses
         wait_healthy(coordinators, args.nodes, args.workers, args.timeout, stopping, client_options)
     except (DaemonFailed, TimeoutError, InterruptedError, ValueError) as exc:
@@ -124,6 +126,9 @@ def run_up(args: argparse.Namespace) -> int:
         tls = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in client_tls(tls_dir).items())
         print(f"mutual TLS: certificates in {tls_dir}; tokens file {tokens_file}")
         print(f"token: {token}")
+        if not args.no_metrics:
+            print(f"metrics: HTTPS for the kvcache-monitor certificate ({tls_dir}/monitor.pem), the gateway's with "
+                  f"the monitor token; `kvcache cluster prometheus-config --scrape-config` prints a Prometheus config")
         print(f"try: KVCACHE_TOKEN={token} kvcache generate --coordinators {','.join(coordinators)} {tls} \"Hello\"",
               flush=True)
     else:
@@ -146,49 +151,37 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 def _secure_files(run_dir: Path) -> tuple[Path, Path, str]:
-    """Certificates in RUN_DIR/tls and a tokens file of one tenant, `default`, with a new token."""
+    """Certificates in RUN_DIR/tls and a tokens file of two tenants: `default`, with a new token
+    for clients, and `monitor`, whose token (alone in RUN_DIR/monitor.token) a Prometheus sends
+    to the gateway's /metrics (kvcache/prometheus.py)."""
     from kvcache.certs import make_certs
 
     tls_dir = run_dir / "tls"
     make_certs(tls_dir, force=True)
     token = tokens.new_token()
+    monitor_token = tokens.new_token()
     tokens_file = run_dir / "tokens"
-    fd = os.open(tokens_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(f"default {token}\n")
+    _write_private(tokens_file, f"default {token}\nmonitor {monitor_token}\n")
+    _write_private(run_dir / MONITOR_TOKEN_FILE, f"{monitor_token}\n")
     return tls_dir, tokens_file, token
 
 
-def prometheus_config(cluster: dict) -> list[dict]:
-    """Prometheus `file_sd_configs` targets, one group per role, from a cluster file's members:
-    save the output as a file and name it in a scrape job's `file_sd_configs: [{files: [...]}]`
-    (deploy/grafana/README.md)."""
-    groups: dict[str, list[str]] = {}
-    for member in cluster.get("members", []):
-        url = member.get("metrics")
-        if url:
-            groups.setdefault(member["role"], []).append(url[len("http://"):].split("/", 1)[0])
-    return [{"targets": targets, "labels": {"job": "kvcache", "role": role}} for role, targets in groups.items()]
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+
+
+def _scrape_secrets(run_dir: Path, tls_dir: Path | None) -> dict | None:
+    """What a Prometheus needs to scrape a secure cluster, for the cluster file; None for plaintext."""
+    if tls_dir is None:
+        return None
+    return {"ca_file": str(tls_dir / "ca.pem"), "cert_file": str(tls_dir / "monitor.pem"),
+            "key_file": str(tls_dir / "monitor.key"), "token_file": str(run_dir / MONITOR_TOKEN_FILE)}
 
 
 def run_prometheus_config(args: argparse.Namespace) -> int:
-    cluster_file = Path(args.run_dir).resolve() / CLUSTER_FILE
-    try:
-        cluster = json.loads(cluster_file.read_text())
-    except FileNotFoundError:
-        print(f"kvcache cluster prometheus-config: no cluster file at {cluster_file}: start one with "
-              f"`kvcache cluster up`", file=sys.stderr)
-        return 1
-    except json.JSONDecodeError as exc:
-        print(f"kvcache cluster prometheus-config: error: {cluster_file} is not valid JSON ({exc})", file=sys.stderr)
-        return 2
-    targets = prometheus_config(cluster)
-    if not targets:
-        print(f"kvcache cluster prometheus-config: no member in {cluster_file} serves metrics "
-              f"(started with --no-metrics?)", file=sys.stderr)
-        return 1
-    print(json.dumps(targets, indent=2))
-    return 0
+    return prometheus.run(args, Path(args.run_dir).resolve() / CLUSTER_FILE)
 
 
 def run_down(args: argparse.Namespace) -> int:
@@ -375,11 +368,12 @@ def default_blas_threads(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, workers))
 
 
-def _write_cluster_file(path: Path, args, started: list[Daemon]) -> None:
+def _write_cluster_file(path: Path, args, started: list[Daemon], secure: dict | None = None) -> None:
     gateway = next((d.address for d in started if d.role == "gateway"), None)
     cluster = {
         "model": args.model,
         **({"gateway": gateway} if gateway else {}),
+        **({"secure": secure} if secure else {}),
         "replicas": args.replicas,
         "members": [
             {"role": d.role, "address": d.address, "pid": d.pid, "log": str(d.log_path),

@@ -20,7 +20,9 @@ Design notes
    calls check it (`refuse_unless_member`): only kvnodes and workers may Register, Heartbeat and
    Deregister with a coordinator, and only workers may Lookup, get and put pages on a kvnode, over
    gRPC or the data plane. A client's certificate (`kvcache-client`) reaches only client calls,
-   which its token then names. Plaintext calls (a loopback development cluster) are not checked.
+   which its token then names; a scraper's (`kvcache-monitor`) is the only one the metrics port
+   takes (protos/metrics_server.py). Plaintext calls (a loopback development cluster)
+   are not checked.
 """
 
 from __future__ import annotations

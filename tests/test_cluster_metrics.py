@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.client import Client, Finished
-from kvcache.cluster import _is_ours, prometheus_config, start_cluster, wait_healthy
+from kvcache.cluster import _is_ours, start_cluster, wait_healthy
+from kvcache.prometheus import file_sd_targets
 from metrics_helpers import scrape
 from worker.client import WorkerClient
 
@@ -67,7 +68,7 @@ def test_every_member_serves_metrics_and_the_cluster_file_form_lists_them(cluste
     for daemon in cluster.daemons:
         assert daemon.metrics_url and daemon.metrics_url.startswith("http://127.0.0.1:")
     members = [{"role": d.role, "metrics": d.metrics_url} for d in cluster.daemons]
-    groups = {g["labels"]["role"]: g["targets"] for g in prometheus_config({"members": members})}
+    groups = {g["labels"]["role"]: g["targets"] for g in file_sd_targets({"members": members})}
     assert sorted(groups) == ["coordinator", "node", "worker"]
     assert len(groups["node"]) == 2 and len(groups["worker"]) == 2
 
@@ -158,6 +159,12 @@ def test_cluster_up_records_each_members_metrics_and_prints_scrape_targets(tmp_p
                                  text=True, timeout=60)
         assert printed.returncode == 0, printed.stderr
         targets = {g["labels"]["role"]: g["targets"] for g in json.loads(printed.stdout)}
+        whole = subprocess.run([*cli, "prometheus-config", "--run-dir", str(run_dir), "--scrape-config"],
+                               capture_output=True, text=True, timeout=60)
+        assert whole.returncode == 0, whole.stderr
+        jobs = json.loads(whole.stdout)["scrape_configs"]
+        assert all("tls_config" not in job and "authorization" not in job for job in jobs)  # plaintext
+        assert {g["labels"]["role"]: g["targets"] for job in jobs for g in job["static_configs"]} == targets
         for member in members:
             assert member["metrics"].startswith("http://127.0.0.1:")
             assert targets[member["role"]] == [member["metrics"][len("http://"):].split("/")[0]]

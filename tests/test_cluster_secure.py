@@ -1,5 +1,6 @@
 """`kvcache cluster up --secure`: the whole local cluster on mutual TLS with a generated token,
-and the options it prints are the ones that work."""
+and the options it prints are the ones that work; its metrics ports too, scraped the way the
+configuration `prometheus-config --scrape-config` prints tells Prometheus to."""
 
 from __future__ import annotations
 
@@ -13,15 +14,19 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
+
+import pytest
 
 from kvcache.cluster import _is_ours
+from metrics_helpers import scrape, tls_context
 
 
 def test_cluster_up_secure_prints_a_token_and_options_that_work_and_plaintext_does_not(tmp_path):
     run_dir = tmp_path / "run"
     cli = [sys.executable, "-m", "kvcache.cli"]
     up = subprocess.run([*cli, "cluster", "up", "--secure", "--model", "tiny", "--run-dir", str(run_dir), "--nodes",
-                         "1", "--workers", "1", "--coordinators", "1", "--replicas", "1", "--detach", "--no-metrics"],
+                         "1", "--workers", "1", "--coordinators", "1", "--replicas", "1", "--detach"],
                         capture_output=True, text=True, timeout=180)
     members = []
     try:
@@ -43,6 +48,10 @@ def test_cluster_up_secure_prints_a_token_and_options_that_work_and_plaintext_do
         assert completion(gateway, None)[0] == 401 and completion(gateway, "not-" + token)[0] == 401
         status, body = completion(gateway, token)
         assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+        printed = subprocess.run([*cli, "cluster", "prometheus-config", "--scrape-config", "--run-dir", str(run_dir)],
+                                 capture_output=True, text=True, timeout=60)
+        assert printed.returncode == 0, printed.stderr
+        scrape_as_configured(json.loads(printed.stdout), members)
         for member in members:
             assert token not in open(member["log"]).read()
     finally:
@@ -65,3 +74,47 @@ def completion(gateway: str, key: str | None) -> tuple[int, dict]:
             return reply.status, json.loads(reply.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read() or b"{}")
+
+
+def scrape_as_configured(config: dict, members: list[dict]) -> None:
+    """Scrape every member as the printed Prometheus configuration says (its tls_config, its bearer
+    token file), and check that nobody without them gets the metrics."""
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"kvcache", "kvcache-gateway"}
+    tls = jobs["kvcache"]["tls_config"]
+    ca, monitor = tls["ca_file"], tls_context(tls["ca_file"], tls["cert_file"], tls["key_file"])
+    client = tls_context(ca, Path(ca).with_name("client.pem"), Path(ca).with_name("client.key"))
+    scraped = []
+    for group in jobs["kvcache"]["static_configs"]:
+        role = group["labels"]["role"]
+        for target in group["targets"]:
+            url = f"{jobs['kvcache']['scheme']}://{target}/metrics"
+            assert url.startswith("https://")
+            assert any(n.startswith(f"kvcache_{role}_") for n in scrape(url, context=monitor).names()), role
+            refused(f"http://{target}/metrics")                # plaintext
+            refused(url, context=tls_context(ca))              # TLS without a client certificate
+            with pytest.raises(urllib.error.HTTPError) as forbidden:
+                scrape(url, context=client)                    # a certificate of the CA, not a scraper's
+            assert forbidden.value.code == 403 and b"kvcache-monitor" in forbidden.value.read()
+            scraped.append(role)
+    assert sorted(scraped) == sorted(m["role"] for m in members if m["role"] != "gateway")
+    [group] = jobs["kvcache-gateway"]["static_configs"]
+    [target] = group["targets"]
+    monitor_token = Path(jobs["kvcache-gateway"]["authorization"]["credentials_file"]).read_text().strip()
+    url = f"http://{target}/metrics"
+    assert any(n.startswith("kvcache_gateway_") for n in scrape(url, token=monitor_token).names())
+    for key in (None, "not-" + monitor_token):
+        with pytest.raises(urllib.error.HTTPError) as unauthorized:
+            scrape(url, token=key)
+        assert unauthorized.value.code == 401
+
+
+def refused(url: str, **kwargs) -> None:
+    """The connection fails before any HTTP answer (not a 4xx: no answer at all)."""
+    try:
+        scrape(url, **kwargs)
+    except urllib.error.HTTPError as error:
+        raise AssertionError(f"{url} answered HTTP {error.code}; expected no answer") from None
+    except OSError:
+        return
+    raise AssertionError(f"{url} served metrics")
