@@ -269,7 +269,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
                   cluster: LocalCluster | None = None, step_logs: bool = False,
                   max_prefill_tokens: int | None = None, data_dir: Path | None = None,
                   metrics: bool = False, tls_dir: Path | None = None,
-                  tokens_file: Path | None = None, gateway_port: int | None = None) -> LocalCluster:
+                  tokens_file: Path | None = None, gateway_port: int | None = None,
+                  otlp_endpoint: str | None = None) -> LocalCluster:
     """Start coordinators, then kvnodes and workers registered with them (not yet waiting for health).
 
     Each worker gets `blas_threads` BLAS threads (default: cores / workers, at least 1) and
@@ -280,7 +281,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
     member serves and calls over mutual TLS with its role's certificate (tls_args); with
     `tokens_file`, coordinators and workers want a client token from it (protos/tokens.py). With
     `gateway_port` (0: a free one), an HTTP gateway (`kvcache gateway`) serves the OpenAI API in
-    front of the coordinators, with /metrics when `metrics`.
+    front of the coordinators, with /metrics when `metrics`. With `otlp_endpoint`, coordinators,
+    kvnodes and workers export trace spans there (--otlp-endpoint; needs the `otel` extra).
 
     `on_start(cluster)` runs after each start, so a caller can record pids as they appear; on
     failure, or an interrupt (Ctrl-C, a SIGTERM handler's SystemExit), whatever started is
@@ -292,6 +294,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
 
     def launch(role: str, name: str, daemon_args: list[str]) -> Daemon:
         extra = ["--metrics-port", "0"] if metrics else []
+        if otlp_endpoint is not None:
+            extra += ["--otlp-endpoint", otlp_endpoint]
         if tls_dir is not None:
             extra += tls_args(tls_dir, role)
         if tokens_file is not None and role in ("coordinator", "worker"):

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import subprocess
 
 import pytest
@@ -65,7 +66,36 @@ def test_short_run_reports_both_passes_and_ratios(tmp_path):
         assert (tmp_path / "charts" / "load_ttft_c2.png").stat().st_size > 0
 
 
+def test_observability_cost_alternates_off_and_on_clusters_and_reports_each_pairs_ratio_and_the_median(tmp_path):
+    code, out, err = run_bench(SMALL + ["--observability-cost", "--repeat", "2", "--json", "--logs",
+                                        str(tmp_path / "logs")], timeout=420)
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["bench"] == "load-observability-cost" and len(report["pairs"]) == 2
+    # Interleaved: each pair ran off, then on (the progress lines say so in order).
+    arms = [line.split()[2].rstrip(":") for line in err.splitlines() if line.startswith("pair ")]
+    assert arms == ["off", "on", "off", "on"], err
+    [level] = report["summary"]
+    for name in ("no_cache", "cache"):
+        ratios = []
+        for pair in report["pairs"]:
+            off, on = (pair[arm]["levels"][0][name] for arm in ("off", "on"))
+            assert off["requests"] == on["requests"] == 6 and off["failed"] == on["failed"] == 0
+            ratios.append(on["requests_per_s"] / off["requests_per_s"])
+        assert level["ratios_on_off"][name] == ratios
+        assert level["median"][name] == statistics.median(ratios)
+    # Only the "on" cluster served metrics and, with the otel extra, exported spans.
+    on_logs = " ".join(p.read_text() for p in (tmp_path / "logs" / "on").glob("*.log"))
+    off_logs = " ".join(p.read_text() for p in (tmp_path / "logs" / "off").glob("*.log"))
+    assert "metrics on http://" in on_logs and "metrics on" not in off_logs
+    if report["tracing_measured"]:
+        assert report["spans_exported"]["exports"] > 0 and "OTLP" not in off_logs
+    scrapes = [line for line in err.splitlines() if line.startswith("metrics: ")]
+    assert len(scrapes) == 2 and all(line.endswith(" scrapes, 0 failed") for line in scrapes), scrapes  # each on arm
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--observability-cost", "--metrics"], "--observability-cost starts its own two local clusters"),
     (["--concurrency", "0"], "--concurrency needs positive counts"),
     (["--mix", "1,1"], "--mix needs three shares"),
     (["--question-chars", "9,3"], "question_chars must satisfy"),

@@ -43,6 +43,7 @@ import uuid
 from pathlib import Path
 
 from coordinator.client import Client, ClusterError
+from kvcache.bench import observability_cost
 from kvcache.bench import workload as wl
 from kvcache.bench.loadrun import PassRun, paired_ttft, run_pass, warm_up
 from kvcache.bench.loadreport import plot_charts, print_report
@@ -112,6 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--no-progress", action="store_true", help="no progress bar or lines on stderr")
     out.add_argument("--metrics", action="store_true", help="the local cluster's members serve --metrics-port and "
                      "every one is scraped once a second during the run (to measure what metrics cost)")
+    out.add_argument("--observability-cost", action="store_true",
+                     help="two local clusters, metrics and tracing off and on, the passes alternating between them "
+                          "(off, on, ... --repeat pairs): prints each pair's throughput ratio and the median "
+                          "(kvcache/bench/observability_cost.py)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,6 +135,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvcache bench load: error: --plot: {MATPLOTLIB_MISSING}", file=sys.stderr)
             return 2
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so the local cluster is stopped on the way out
+    if args.observability_cost:
+        try:
+            return observability_cost.run(args, config, levels, tokenizer)
+        except (ClusterError, TimeoutError, OSError, RuntimeError, ValueError) as exc:
+            print(f"kvcache bench load: error: {exc}", file=sys.stderr)
+            return 1
     try:
         with _cluster(args) as (coordinators, gateway):
             runs = []
@@ -383,6 +394,9 @@ def _check(args) -> tuple[wl.WorkloadConfig, list[int]]:
         raise ValueError(f"--max-prefill-tokens must be at least 1, got {args.max_prefill_tokens}")
     if args.max_prefill_tokens is not None and args.coordinators:
         raise ValueError("--max-prefill-tokens is for the local cluster; start a running cluster's workers with it")
+    if args.observability_cost and (args.coordinators or args.gateway or args.metrics or args.plot):
+        raise ValueError("--observability-cost starts its own two local clusters: give it without --coordinators, "
+                         "--gateway, --metrics and --plot")
     if args.step_logs and args.coordinators:
         raise ValueError("--step-logs is for the local cluster; start a running cluster's workers with --step-log FILE")
     if args.step_logs and not args.logs:
