@@ -84,6 +84,9 @@ def test_observability_cost_alternates_off_and_on_clusters_and_reports_each_pair
             ratios.append(on["requests_per_s"] / off["requests_per_s"])
         assert level["ratios_on_off"][name] == ratios
         assert level["median"][name] == statistics.median(ratios)
+    cpu = [pair["on"]["cpu_ms_per_request"] / pair["off"]["cpu_ms_per_request"] for pair in report["pairs"]]
+    assert all(pair[arm]["cpu_ms_per_request"] > 0 for pair in report["pairs"] for arm in ("off", "on"))
+    assert report["cpu_per_request_on_off"] == {"ratios": cpu, "median": statistics.median(cpu)}
     # Only the "on" cluster served metrics and, with the otel extra, exported spans.
     on_logs = " ".join(p.read_text() for p in (tmp_path / "logs" / "on").glob("*.log"))
     off_logs = " ".join(p.read_text() for p in (tmp_path / "logs" / "off").glob("*.log"))

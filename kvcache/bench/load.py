@@ -48,6 +48,7 @@ from kvcache.bench import workload as wl
 from kvcache.bench.loadrun import PassRun, paired_ttft, run_pass, warm_up
 from kvcache.bench.loadreport import plot_charts, print_report
 from kvcache.bench.report import MATPLOTLIB_MISSING, dump_json, machine, versions
+from kvcache.bench.watchers import Scraper
 from kvcache.bench.stats import gain, gain_interval, summarize_pass
 from kvcache.cluster import default_blas_threads
 from worker.model import load_model_tokenizer
@@ -113,6 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--no-progress", action="store_true", help="no progress bar or lines on stderr")
     out.add_argument("--metrics", action="store_true", help="the local cluster's members serve --metrics-port and "
                      "every one is scraped once a second during the run (to measure what metrics cost)")
+    out.add_argument("--scrape-interval", type=float, default=1.0,
+                     help="seconds between scrapes of each member with --metrics or --observability-cost "
+                          "(default 1; Prometheus' usual is 15-30)")
     out.add_argument("--observability-cost", action="store_true",
                      help="two local clusters, metrics and tracing off and on, the passes alternating between them "
                           "(off, on, ... --repeat pairs): prints each pair's throughput ratio and the median "
@@ -308,7 +312,7 @@ class _cluster:
             self.local.stop()
             raise
         if a.metrics:
-            self.scraper = Scraper([d.metrics_url for d in self.local.daemons]).start()
+            self.scraper = Scraper([d.metrics_url for d in self.local.daemons], a.scrape_interval).start()
         return self.local.coordinator_addresses, self.local.gateway_url if a.gateway == "local" else a.gateway
 
     def __exit__(self, *exc) -> None:
@@ -316,39 +320,6 @@ class _cluster:
             self.scraper.stop()
         if self.local is not None:
             self.local.stop()
-
-
-class Scraper:
-    """Reads every member's /metrics once a second on a thread of its own, as Prometheus would (more often)."""
-
-    def __init__(self, urls: list[str], interval_s: float = 1.0):
-        import threading
-
-        self.urls, self.interval_s = urls, interval_s
-        self.scrapes = self.failures = 0
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-scraper", daemon=True)
-
-    def start(self) -> "Scraper":
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        import urllib.request
-
-        while not self._stopping.wait(self.interval_s):
-            for url in self.urls:
-                try:
-                    with urllib.request.urlopen(url, timeout=5.0) as reply:
-                        reply.read()
-                    self.scrapes += 1
-                except OSError:
-                    self.failures += 1
-
-    def stop(self) -> None:
-        self._stopping.set()
-        self._thread.join(10.0)
-        print(f"metrics: {self.scrapes} scrapes, {self.failures} failed", file=sys.stderr, flush=True)
 
 
 def _blas_threads(args) -> int:
@@ -397,6 +368,8 @@ def _check(args) -> tuple[wl.WorkloadConfig, list[int]]:
     if args.observability_cost and (args.coordinators or args.gateway or args.metrics or args.plot):
         raise ValueError("--observability-cost starts its own two local clusters: give it without --coordinators, "
                          "--gateway, --metrics and --plot")
+    if args.scrape_interval <= 0:
+        raise ValueError(f"--scrape-interval must be positive, got {args.scrape_interval}")
     if args.step_logs and args.coordinators:
         raise ValueError("--step-logs is for the local cluster; start a running cluster's workers with --step-log FILE")
     if args.step_logs and not args.logs:

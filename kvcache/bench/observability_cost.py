@@ -1,13 +1,16 @@
 """`kvcache bench load --observability-cost`: what metrics and tracing cost, on and off in one run.
 
 Two local clusters of the same shape run side by side: "off" as `cluster up --no-metrics` would
-start it, "on" with every member serving --metrics-port (scraped once a second while it runs, more
-often than Prometheus' usual 15-30 s) and exporting trace spans over OTLP (--otlp-endpoint) to a
-sink in this process that reads each export and answers it, as a collector would. The load bench's
+start it, "on" with every member serving --metrics-port (scraped every --scrape-interval seconds while it
+runs, default 1, more often than Prometheus' usual 15-30 s) and exporting trace spans over OTLP (--otlp-endpoint) to a
+sink that reads each export and answers it, as a collector would; scraper and sink run in
+processes of their own (watchers.py), not on the bench's GIL. The load bench's
 passes (no cache, then cache, on a fresh workload tag each time) alternate between them: off, on,
 off, on, ... --repeat pairs. Each pair gives the ratio of throughput on/off for each pass, and the
 median of the pairs is the figure, with every pair printed so the machine's noise can be seen;
-the load average before each arm is printed beside it. Without the `otel` extra the "on" arm
+the load average before each arm is printed beside it. Beside throughput, the CPU time the
+members' processes used per request (from /proc) in each arm: on a machine shared with other
+work it moves far less than wall-clock throughput, and it is what metrics and tracing add. Without the `otel` extra the "on" arm
 runs metrics alone and says so.
 
 The idle cluster is not scraped and exports nothing while the other runs; its heartbeats (one a
@@ -22,11 +25,10 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from kvcache.bench.report import dump_json, machine, versions
+from kvcache.bench.watchers import Scraper, SpanSink
 
 ARMS = ("off", "on")
 PASSES = ("no_cache", "cache")
@@ -42,44 +44,20 @@ def tracing_available() -> bool:
     return True
 
 
-class SpanSink:
-    """An OTLP/HTTP receiver that reads every export and answers 200 (an empty response message)."""
-
-    def __init__(self):
-        sink = self
-        self.exports = self.bytes = 0
-        self._lock = threading.Lock()
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                with sink._lock:
-                    sink.exports += 1
-                    sink.bytes += len(body)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, format, *args):
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_port}/v1/traces"
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.5,), name="span-sink", daemon=True)
-
-    def __enter__(self) -> "SpanSink":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
+def cpu_seconds(daemons) -> dict[str, float]:
+    """User and system CPU seconds each role's processes have used (Linux /proc), threads included."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total: dict[str, float] = {}
+    for daemon in daemons:
+        try:
+            fields = Path(f"/proc/{daemon.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total[daemon.role] = total.get(daemon.role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
 
 def run(args: argparse.Namespace, config, levels: list[int], tokenizer) -> int:
-    from kvcache.bench.load import Scraper, _bench, _blas_threads
+    from kvcache.bench.load import _bench, _blas_threads
     from kvcache.cluster import start_cluster, wait_healthy
 
     say = (lambda m: None) if args.no_progress else (lambda m: print(m, file=sys.stderr, flush=True))
@@ -105,22 +83,29 @@ def run(args: argparse.Namespace, config, levels: list[int], tokenizer) -> int:
             pair = {}
             for arm in ARMS:
                 load = os.getloadavg()[0]
-                scraper = Scraper([d.metrics_url for d in clusters[arm].daemons]).start() if arm == "on" else None
+                cpu_before = cpu_seconds(clusters[arm].daemons)
+                scraper = (Scraper([d.metrics_url for d in clusters[arm].daemons], args.scrape_interval).start()
+                           if arm == "on" else None)
                 try:
                     result = _bench(quiet, config, levels, clusters[arm].coordinator_addresses, tokenizer,
                                     quiet_json=True)
                 finally:
                     if scraper is not None:
                         scraper.stop()
+                requests = sum(level["passes"][p]["summary"]["requests"] for level in result["levels"] for p in PASSES)
                 pair[arm] = {"load_average": load, "levels": [
-                    {p: level["passes"][p]["summary"] for p in PASSES} for level in result["levels"]]}
+                    {p: level["passes"][p]["summary"] for p in PASSES} for level in result["levels"]],
+                    "cpu_ms_per_request_by_role": {
+                        role: round((seconds - cpu_before.get(role, 0.0)) * 1000 / max(1, requests), 2)
+                        for role, seconds in cpu_seconds(clusters[arm].daemons).items()}}
+                pair[arm]["cpu_ms_per_request"] = sum(pair[arm]["cpu_ms_per_request_by_role"].values())
                 say(f"pair {number + 1}/{args.repeat} {arm}: " + "; ".join(
                     f"{lv} clients " + ", ".join(f"{p.replace('_', '-')} {s[p]['requests_per_s']:.2f} req/s"
                                                  for p in PASSES)
                     for lv, s in zip(levels, pair[arm]["levels"])) + f" (load average {load:.1f})")
             pairs.append(pair)
-        spans = {"exports": sink.exports, "bytes": sink.bytes} if sink is not None else None
-    report = _report(pairs, levels, tracing, spans)
+        spans = {"exports": sink.exports, "bytes": sink.bytes} if sink is not None else None  # before the sink stops
+    report = _report(pairs, levels, tracing, spans, args.scrape_interval)
     if args.json:
         dump_json({"bench": "load-observability-cost", "machine": machine(), "versions": versions(),
                    "options": {k: v for k, v in vars(args).items() if k != "run"}, **report})
@@ -129,7 +114,8 @@ def run(args: argparse.Namespace, config, levels: list[int], tokenizer) -> int:
     return 0
 
 
-def _report(pairs: list[dict], levels: list[int], tracing: bool, spans: dict | None) -> dict:
+def _report(pairs: list[dict], levels: list[int], tracing: bool, spans: dict | None,
+            scrape_interval: float = 1.0) -> dict:
     summary = []
     for index, level in enumerate(levels):
         ratios = {p: [pair["on"]["levels"][index][p]["requests_per_s"] /
@@ -137,10 +123,12 @@ def _report(pairs: list[dict], levels: list[int], tracing: bool, spans: dict | N
         medians = {p: statistics.median(r) for p, r in ratios.items()}
         summary.append({"concurrency": level, "ratios_on_off": ratios, "median": medians,
                         "goal_met": {p: m >= 1 - GOAL for p, m in medians.items()}})
+    cpu = [pair["on"]["cpu_ms_per_request"] / pair["off"]["cpu_ms_per_request"] for pair in pairs]
     return {"arms": {"off": "no --metrics-port, no tracing",
-                     "on": "--metrics-port scraped once a second" + (", spans over OTLP to a sink" if tracing
+                     "on": f"--metrics-port scraped every {scrape_interval:g} s" + (", spans over OTLP to a sink" if tracing
                                                                        else "; tracing not measured (no otel extra)")},
-            "tracing_measured": tracing, "spans_exported": spans, "pairs": pairs, "summary": summary, "goal": GOAL}
+            "tracing_measured": tracing, "spans_exported": spans, "pairs": pairs, "summary": summary,
+            "cpu_per_request_on_off": {"ratios": cpu, "median": statistics.median(cpu)}, "goal": GOAL}
 
 
 def _print(report: dict, levels: list[int]) -> None:
@@ -161,3 +149,14 @@ def _print(report: dict, levels: list[int]) -> None:
         print("  median: " + "  ".join(
             f"{p.replace('_', '-')} {m[p]:.3f} ({(1 - m[p]) * 100:+.1f}% cost, goal under {report['goal'] * 100:.0f}%"
             f"{': met' if level['goal_met'][p] else ': not met'})" for p in PASSES))
+    cpu = report["cpu_per_request_on_off"]
+    print("the members' CPU time per request (every pass and level), on / off (the machine's other work "
+          "moves it less than throughput)")
+    for number, (pair, ratio) in enumerate(zip(report["pairs"], cpu["ratios"]), 1):
+        print(f"  pair {number}: {pair['on']['cpu_ms_per_request']:.1f}/{pair['off']['cpu_ms_per_request']:.1f} ms "
+              f"= {ratio:.3f}")
+    print(f"  median: {cpu['median']:.3f} ({(cpu['median'] - 1) * 100:+.1f}% CPU); by role, ms per request on / off, "
+          f"median of the pairs: " + ", ".join(
+              f"{role} {statistics.median(p['on']['cpu_ms_per_request_by_role'][role] for p in report['pairs']):.1f}/"
+              f"{statistics.median(p['off']['cpu_ms_per_request_by_role'][role] for p in report['pairs']):.1f}"
+              for role in report["pairs"][0]["off"]["cpu_ms_per_request_by_role"]))
