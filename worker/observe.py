@@ -71,7 +71,7 @@ class ObservedRemoteTier(RemoteTier):
         if not self.tracing:
             return super()._write(address, items, *rest)
         with self._traces_lock:
-            parents = [self._page_traces.pop(key, None) for key, _, _ in items]
+            parents = [self._page_traces.pop(item[0], None) for item in items]  # (key, parent, page, ...)
         parent = next((p for p in parents if p is not None), None)
         with tracer().start_as_current_span("worker.write_back", context=parent) as span:
             span.set_attribute("kvcache.pages", len(items))
