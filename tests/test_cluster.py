@@ -170,16 +170,21 @@ def test_killing_the_primary_keeps_the_hit_with_two_replicas(tmp_path, engine):
     assert tokens == engine.generate(prompt + " Thanks!", max_new_tokens=4)[0].token_ids
 
 
+# Long enough that the worker is still generating when the test, having read 10 tokens, looks for
+# it (with 120 a busy machine's worker had sometimes finished by then).
+LONG_STORY = 400
+
+
 def test_worker_killed_mid_stream_is_resumed_without_a_lost_or_repeated_token(tmp_path, engine):
     prompt = SYSTEM + "Tell me a long story about bread."
-    expected = engine.generate(prompt, max_new_tokens=120, ignore_eos=True)[0].token_ids
+    expected = engine.generate(prompt, max_new_tokens=LONG_STORY, ignore_eos=True)[0].token_ids
     with start_cluster(tmp_path, nodes=1, workers=2, coordinators=1, replicas=1, node_capacity="16MiB",
                        worker_kv_cache="16MiB") as cluster:
         wait_healthy(cluster.coordinator_addresses, nodes=1, workers=2)
         with Client(cluster.coordinator_addresses) as client:
             tokens, finished = [], None
             killed = None
-            for event in client.generate(prompt, max_tokens=120, ignore_eos=True):
+            for event in client.generate(prompt, max_tokens=LONG_STORY, ignore_eos=True):
                 if isinstance(event, Piece):
                     tokens.extend(event.token_ids)
                     if killed is None and len(tokens) >= 10:
@@ -189,7 +194,7 @@ def test_worker_killed_mid_stream_is_resumed_without_a_lost_or_repeated_token(tm
                     finished = event
     assert killed is not None
     assert tokens == expected
-    assert finished.usage.completion_tokens == 120
+    assert finished.usage.completion_tokens == LONG_STORY
 
 
 def test_worker_dead_before_its_first_token_is_invisible(tmp_path, engine):
