@@ -18,6 +18,7 @@ import select
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -118,10 +119,11 @@ class Hosts:
         return subprocess.run([*self.prefix(host), sys.executable, "-c", code, *args], capture_output=True,
                               text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
 
-    def start_python(self, host: str, code: str, *args: str) -> subprocess.Popen:
+    def start_python(self, host: str, code: str, *args: str, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE) -> subprocess.Popen:
         """The same, left running: the caller waits for it (bounded) or kills it by its pid."""
-        return subprocess.Popen([*self.prefix(host), sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+        return subprocess.Popen([*self.prefix(host), sys.executable, "-c", code, *args], stdout=stdout,
+                                stderr=stderr, text=True, stdin=stdin)
 
     # ---- faults -----------------------------------------------------------------------
 
@@ -179,6 +181,73 @@ with Client(coordinator.split(","), timeout=60.0) as client:
             except Exception as exc:
                 print(json.dumps({"error": str(exc)}), flush=True)
 """
+
+
+# A load run on a host: `LOAD COORDINATORS REQUESTS_JSON THREADS PAUSE_S MAX_REQUESTS MAX_SECONDS`.
+# REQUESTS_JSON is a list of Client.generate keyword arguments (each with its "prompt"). THREADS
+# threads, each with a Client of its own over every coordinator (A,B: the first one first), send
+# the requests in turn, over and over, pausing PAUSE_S after each answer, until stdin closes,
+# MAX_REQUESTS were sent or MAX_SECONDS passed. One JSON line per answer: its index in REQUESTS,
+# tokens, usage and when it started and ended (time.time()), or its index and {"error": ...}.
+LOAD = """
+import itertools, json, sys, threading, time
+from coordinator.client import Client, Finished, Piece
+coordinators, requests = sys.argv[1].split(","), json.loads(sys.argv[2])
+threads, pause_s, max_requests, max_seconds = int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
+stop, lock, counter = threading.Event(), threading.Lock(), itertools.count()
+deadline = time.monotonic() + max_seconds
+
+def watch_stdin():
+    sys.stdin.read()  # returns when the test closes our stdin
+    stop.set()
+
+def run():
+    with Client(coordinators, timeout=60.0) as client:
+        while not stop.is_set() and time.monotonic() < deadline:
+            number = next(counter)
+            if number >= max_requests:
+                return
+            index = number % len(requests)
+            options = dict(requests[index])
+            tokens, usage, started = [], None, time.time()
+            try:
+                for event in client.generate(options.pop("prompt"), **options):
+                    if isinstance(event, Piece):
+                        tokens.extend(event.token_ids)
+                    elif isinstance(event, Finished):
+                        usage = event.usage.to_dict()
+                line = {"index": index, "tokens": tokens, "usage": usage, "started": started, "ended": time.time()}
+            except Exception as exc:
+                line = {"index": index, "error": str(exc), "started": started, "ended": time.time()}
+            with lock:
+                print(json.dumps(line), flush=True)
+            stop.wait(pause_s)
+
+threading.Thread(target=watch_stdin, daemon=True).start()
+running = [threading.Thread(target=run) for _ in range(threads)]
+for thread in running:
+    thread.start()
+for thread in running:
+    thread.join()
+"""
+
+
+def members(hosts: Hosts, coordinator: str) -> dict[str, bool]:
+    """What `coordinator` says of its members (address -> alive), asked from the host "client";
+    {} when it does not answer."""
+    done = hosts.run_python("client", CLIENT, "status", coordinator, timeout_s=30.0)
+    if done.returncode != 0:
+        return {}
+    return {m["address"]: m["alive"] for m in json.loads(done.stdout)}
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
 
 
 def first_line(process: subprocess.Popen, timeout_s: float) -> str:

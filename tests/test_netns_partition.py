@@ -13,29 +13,14 @@ import time
 
 import pytest
 
-from netns_helpers import CLIENT, Hosts, PROXY, answers, first_line, starter, why_no_namespaces
+from netns_helpers import (CLIENT, Hosts, PROXY, answers, first_line, members, starter, wait_until,
+                           why_no_namespaces)
 
 _NO_NAMESPACES = why_no_namespaces()
 pytestmark = pytest.mark.skipif(_NO_NAMESPACES is not None, reason=f"multi-host tests: {_NO_NAMESPACES}")
 
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 4
 PROMPTS = [SYSTEM + f"Question {i}: what is {i} plus {i}?" for i in range(12)]
-
-
-def members(hosts: Hosts, coordinator: str) -> dict[str, bool]:
-    done = hosts.run_python("client", CLIENT, "status", coordinator, timeout_s=30.0)
-    if done.returncode != 0:
-        return {}
-    return {m["address"]: m["alive"] for m in json.loads(done.stdout)}
-
-
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.5) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
 
 
 def generate(hosts: Hosts, coordinator: str) -> list[dict]:
