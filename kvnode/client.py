@@ -6,16 +6,18 @@ Info advertises one, else over gRPC; a data plane that cannot be reached at all 
 firewall, say) makes this client use gRPC from then on, with one log line.
 Pages carry checksums (kvnode/checksum.py): put_pages sends them (computed here unless the
 caller did once for several nodes), get_pages checks every page it received against its own
-before returning, and raises PageRejected at the first that does not match.
+before returning, and raises PageRejected at the first that does not match; get_pages_in_batches
+checks each batch so before handing it over.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
 import numpy as np
@@ -219,11 +221,62 @@ class NodeClient:
         self._grpc_get_pages(keys, out, checksums, timeout)
         return self._verified(keys, out, checksums)
 
-    def _verified(self, keys: Sequence[bytes], out: np.ndarray, checksums: bytearray) -> np.ndarray:
+    def get_pages_in_batches(self, batches: Sequence[Sequence[bytes]], out_for: Callable[[int], np.ndarray],
+                             landed: Callable[[int], None], timeout: float | None = None) -> None:
+        """get_pages of several batches, in order: batch i into out_for(i), a (len, page_bytes) uint8
+        array asked once its pages are coming (it may wait until that memory is free), checked
+        against their checksums, then landed(i). Over the data plane every request is sent at once
+        and the node answers them in turn, so the batches cost one round trip, not one each; over
+        gRPC they go one by one. A page that fails its checksum raises PageRejected, its index
+        counted from the first page of the first batch: the batches before its own landed, and
+        the pages of its batch before it are intact in that batch's array (landed is not called
+        for it). Any other failure after some batches landed raises NodeError: those stay the
+        caller's."""
+        page_bytes = self._known_info().page_bytes
+        firsts = list(itertools.accumulate((len(keys) for keys in batches), initial=0))  # each batch's first page
+        checksums = [bytearray(len(keys) * CHECKSUM_BYTES) for keys in batches]
+        outs: dict[int, np.ndarray] = {}
+        done = 0
+
+        def checked(number: int) -> np.ndarray:
+            out, shape = out_for(number), (len(batches[number]), page_bytes)
+            if out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
+                raise ValueError(f"out must be a C-contiguous uint8 array of shape {shape}, got {out.dtype} {out.shape}")
+            outs[number] = out
+            return out
+
+        def count(number: int) -> None:
+            nonlocal done
+            self._verified(batches[number], outs.pop(number), checksums[number], first=firsts[number])
+            landed(number)
+            done = number + 1
+
+        if not all(batches):
+            raise ValueError("every batch needs at least one key")
+        plane = self._data_plane() if batches else None
+        deadline = time.monotonic() + (timeout or self.timeout)
+        if plane is not None:
+            for keys in batches:
+                _check_keys(self.address, keys)
+            try:
+                plane.get_batches(batches, lambda i: (memoryview(checked(i)).cast("B"), memoryview(checksums[i])),
+                                  count, timeout or self.timeout)
+                return
+            except DataPlaneError as exc:
+                if done:
+                    raise NodeError(self.address, exc.code, exc.details) from None
+                self._data_plane_failed(plane, exc)  # returns only to fall back to gRPC
+        for number in range(len(batches)):  # nothing landed over the data plane
+            self._grpc_get_pages(batches[number], checked(number), checksums[number], self._time_left(deadline))
+            count(number)
+
+    def _verified(self, keys: Sequence[bytes], out: np.ndarray, checksums: bytearray, first: int = 0) -> np.ndarray:
+        """`out` when every page matches its checksum; else PageRejected for the first that does not,
+        numbered from `first` (where these keys begin in the caller's request)."""
         sums = [bytes(checksums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES]) for i in range(len(keys))]
         index = first_mismatch(keys, out, sums)
         if index is not None:
-            raise PageRejected(self.address, index, bytes(keys[index]))
+            raise PageRejected(self.address, first + index, bytes(keys[index]))
         return out
 
     def _grpc_get_pages(self, keys: Sequence[bytes], out: np.ndarray, checksums: bytearray,

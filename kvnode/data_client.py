@@ -12,6 +12,10 @@ Design notes
    a reused connection before any byte of its reply arrived is sent once more on a new
    connection (GET and PUT are both idempotent), and the other idle connections, closed by
    the node alike, are dropped.
+4. Several GETs can share one connection's round trip (`get_batches`): every request is sent
+   before the first reply is read, and the node, which reads a connection's requests one at a
+   time, answers them in order without waiting for us. Across hosts each request asked after
+   the previous reply would cost a round trip of its own (one per batch of a fetch).
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ import socket
 import ssl
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
 
 from kvnode import data_wire as dw
+from kvnode.checksum import CHECKSUM_BYTES
 
 _MAX_IDLE = 4
 
@@ -67,16 +72,31 @@ class DataPlaneClient:
     def get_into(self, keys: Sequence[bytes], out: memoryview, checksums: memoryview, timeout_s: float) -> None:
         """The pages of `keys`, back to back, received straight into `out` (len(keys) x page_bytes bytes),
         and their checksums into `checksums` (len(keys) x 16 bytes); the caller checks them."""
-        request = dw.get_request(keys)
+        self.get_batches([keys], lambda _: (out, checksums), lambda _: None, timeout_s)
+
+    def get_batches(self, batches: Sequence[Sequence[bytes]],
+                    out_for: Callable[[int], tuple[memoryview, memoryview]],
+                    landed: Callable[[int], None], timeout_s: float) -> None:
+        """GETs of several batches of keys on one connection, all sent at once (design note 4).
+        out_for(i) gives (pages, checksums), where batch i's pages and their checksums (16 bytes
+        each) are received; it is asked once that batch's reply began (it may wait until that
+        memory is free). landed(i) is called once both arrived, in order; the caller checks them."""
+        requests = [dw.get_request(keys) for keys in batches]
 
         def exchange(sock: socket.socket, deadline: float, reused: bool) -> None:
-            self._send(sock, [request], deadline, reused)
-            payload = self._reply_header(sock, deadline, reused)
-            if payload != checksums.nbytes + out.nbytes:
-                raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers {payload} bytes, expected "
-                                     f"{checksums.nbytes + out.nbytes} (checksums and pages)")
-            _receive(sock, checksums, deadline)
-            _receive(sock, out, deadline)
+            self._send(sock, requests, deadline, reused)
+            for number in range(len(batches)):
+                payload = self._reply_header(sock, deadline, reused and number == 0)
+                out, checksums = out_for(number)
+                if checksums.nbytes != len(batches[number]) * CHECKSUM_BYTES:
+                    raise ValueError(f"batch {number}: room for {checksums.nbytes} bytes of checksums, expected "
+                                     f"{len(batches[number]) * CHECKSUM_BYTES} ({CHECKSUM_BYTES} a page)")
+                if payload != checksums.nbytes + out.nbytes:
+                    raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers {payload} bytes to batch {number}, "
+                                         f"expected {checksums.nbytes + out.nbytes} (checksums and pages)")
+                _receive(sock, checksums, deadline)  # a version 2 reply: the checksums, then the pages
+                _receive(sock, out, deadline)
+                landed(number)
 
         self._call(exchange, timeout_s)
 

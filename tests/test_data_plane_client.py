@@ -1,6 +1,7 @@
 """NodeClient over the data plane: pages equal those through gRPC byte for byte, errors keep
-the node's status, pooled connections survive the node closing them, and an unreachable data
-plane falls back to gRPC."""
+the node's status, pooled connections survive the node closing them, an unreachable data
+plane falls back to gRPC, and a fetch's batches share one round trip, each checked against its
+checksums before it lands."""
 
 from __future__ import annotations
 
@@ -17,10 +18,13 @@ import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, wait_for
 from data_plane_helpers import GOOD, GOOD_PARENTS, INVALID, MAX_KEYS, assert_unharmed, pages, raw_connection
-from kvnode.client import NodeError
+from kvnode import data_wire as dw
+from kvnode.checksum import page_checksum
+from kvnode.client import NodeError, PageRejected
 from kvnode.data_client import DataPlaneClient
 from kvnode.data_plane import DataPlaneServer
 from store_helpers import key
+from test_node_checksums import flip_byte_in_pool
 
 pytestmark = pytest.mark.usefixtures("no_kvnode_errors_logged")  # a bad peer gets an info line, never an error
 
@@ -253,3 +257,110 @@ def test_a_new_connection_reset_before_any_reply_falls_back_to_grpc_for_that_cal
     finally:
         resetter.close()
         thread.join(10.0)
+
+
+# ---- several batches in one round trip ------------------------------------------------
+
+
+def batches_into(client, batches, timeout=5.0):
+    """get_pages_in_batches into fresh arrays; (the arrays, the order batches landed in)."""
+    outs = [np.empty((len(keys), NODE_PAGE_BYTES), np.uint8) for keys in batches]
+    landed = []
+    client.get_pages_in_batches(batches, lambda i: outs[i], landed.append, timeout=timeout)
+    return outs, landed
+
+
+@pytest.mark.parametrize("use_data_plane", [True, False])
+def test_batches_land_in_order_with_the_pages_get_pages_gives(seeded, plane, use_data_plane):
+    batches = [GOOD[:2], GOOD[2:], GOOD[1:]]
+    with seeded.client(use_data_plane=use_data_plane) as client:
+        outs, landed = batches_into(client, batches)
+        assert landed == [0, 1, 2]
+        for keys, out in zip(batches, outs):
+            assert out.tobytes() == client.get_pages(keys).tobytes()
+        assert (client.data_plane_address() is not None) == use_data_plane
+
+
+def test_a_missing_page_fails_its_batch_and_the_batches_before_it_stay(seeded, plane):
+    outs = [np.zeros((1, NODE_PAGE_BYTES), np.uint8) for _ in range(3)]
+    landed = []
+    with seeded.client() as client:
+        with pytest.raises(NodeError) as failed:
+            client.get_pages_in_batches([GOOD[:1], [key(99)], GOOD[1:2]], lambda i: outs[i], landed.append,
+                                        timeout=5.0)
+        assert failed.value.code == grpc.StatusCode.NOT_FOUND
+        assert landed == [0] and outs[0].tobytes() == pages(1).tobytes()
+        assert client.get_pages(GOOD).tobytes() == pages(3).tobytes()  # the client goes on
+    assert_unharmed(seeded, plane, set(GOOD))
+
+
+@pytest.mark.parametrize("use_data_plane", [True, False], ids=["data plane", "gRPC"])
+def test_an_altered_page_stops_the_batches_at_it_numbered_from_the_first_batch(seeded, plane, use_data_plane):
+    flip_byte_in_pool(seeded, GOOD[2])
+    batches = [GOOD[:1], GOOD[1:], GOOD[:1]]  # the altered page is the second of batch 1, page 2 of the fetch
+    outs = [np.zeros((len(keys), NODE_PAGE_BYTES), np.uint8) for keys in batches]
+    landed = []
+    with seeded.client(use_data_plane=use_data_plane) as client:
+        with pytest.raises(PageRejected) as rejected:
+            client.get_pages_in_batches(batches, lambda i: outs[i], landed.append, timeout=5.0)
+        assert (rejected.value.index, rejected.value.key) == (2, GOOD[2])
+        assert landed == [0]  # checked before it lands: its batch never does, nor those after it
+        assert outs[0].tobytes() == pages(1).tobytes()
+        assert outs[1][0].tobytes() == pages(3)[1].tobytes()  # the page before it in its batch is intact
+        assert not outs[2].any()  # nothing read after the rejection
+        for _ in range(2):  # the replies left unread went with their connection: none is read as the next's
+            assert client.get_pages(GOOD[:2]).tobytes() == pages(2).tobytes()
+            outs, landed = batches_into(client, [GOOD[:1], GOOD[1:2]])
+            assert landed == [0, 1] and np.vstack(outs).tobytes() == pages(2).tobytes()
+        assert (client.data_plane_address() is not None) == use_data_plane
+    assert wait_for(lambda: seeded.store.num_pinned() == 0, timeout_s=5.0)
+
+
+class RepliesOnceAllAsked:
+    """A data plane that reads GET requests until it has `count` of them, then answers them all
+    (each page's checksum, then the pages, as version 2 does): a client that waited for each reply
+    before asking the next would wait forever."""
+
+    def __init__(self, count: int, page: bytes):
+        self.count, self.page = count, page
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.asked: list[int] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.settimeout(5.0)
+            with conn.makefile("rb") as stream:
+                for _ in range(self.count):
+                    header = dw.parse_request_header(stream.read(dw.REQUEST.size))
+                    assert header.version == dw.VERSION, "clients speak the current version"
+                    block = stream.read(header.count * header.key_bytes)
+                    self.asked.append([block[i : i + header.key_bytes] for i in range(0, len(block), header.key_bytes)])
+            for keys in self.asked:
+                sums = b"".join(page_checksum(k, self.page) for k in keys)
+                conn.sendall(dw.ok_reply(len(sums) + len(keys) * len(self.page)) + sums + self.page * len(keys))
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join(timeout=5.0)
+
+
+def test_every_batch_is_asked_before_the_first_reply_is_read():
+    page = bytes(range(256)) * 4
+    server = RepliesOnceAllAsked(3, page)
+    try:
+        plane = DataPlaneClient("127.0.0.1", server.port)
+        batches = [[key(i) for i in range(n)] for n in (2, 1, 3)]
+        outs = [memoryview(bytearray(len(keys) * len(page))) for keys in batches]
+        sums = [memoryview(bytearray(len(keys) * 16)) for keys in batches]
+        landed = []
+        plane.get_batches(batches, lambda i: (outs[i], sums[i]), landed.append, timeout_s=5.0)
+        assert server.asked == batches and landed == [0, 1, 2]
+        assert [bytes(out) for out in outs] == [page * 2, page, page * 3]
+        assert [bytes(s) for s in sums] == [b"".join(page_checksum(k, page) for k in keys) for keys in batches]
+        plane.close()
+    finally:
+        server.close()

@@ -151,22 +151,29 @@ def test_pipelined_fill_writes_what_the_simple_path_writes(make_node, kv_dtype, 
         tier.close()
 
 
-def fail_on_call(tier, address, call_number):
-    """Make the tier's client for `address` fail its `call_number`-th GetPages, after scribbling on its buffer."""
+def fail_on_batch(tier, address, batch_number):
+    """Make the tier's client for `address` fail its fetch in its `batch_number`-th batch, after
+    scribbling on that batch's buffer; returns the numbers of the batches that landed."""
     client = tier.nodes.get(address).client
-    real = client.get_pages
-    calls = []
+    real = client.get_pages_in_batches
+    landed = []
 
-    def get_pages(keys, out=None, timeout=None):
-        calls.append(len(keys))
-        if len(calls) == call_number:
-            if out is not None:
+    def get_pages_in_batches(batches, out_for, on_landed, timeout=None):
+        def failing_out_for(number):
+            out = out_for(number)
+            if number + 1 == batch_number:
                 out[: len(out) // 2] = 0xAB  # half a batch arrived before the node went away
-            raise NodeError(address, grpc.StatusCode.UNAVAILABLE, "connection reset (test)")
-        return real(keys, out=out, timeout=timeout)
+                raise NodeError(address, grpc.StatusCode.UNAVAILABLE, "connection reset (test)")
+            return out
 
-    client.get_pages = get_pages
-    return calls
+        def counted(number):
+            landed.append(number)
+            on_landed(number)
+
+        real(batches, failing_out_for, counted, timeout=timeout)
+
+    client.get_pages_in_batches = get_pages_in_batches
+    return landed
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
@@ -178,10 +185,10 @@ def test_a_fetch_failing_part_way_counts_only_the_batches_that_arrived(make_node
     try:
         placement = Placement([node.address])
         assert tier.lookup(keys, placement) == PAGES
-        calls = fail_on_call(tier, node.address, call_number=3)
+        landed = fail_on_batch(tier, node.address, batch_number=3)
         block_ids = TARGETS["consecutive"]
         assert tier.fill(keys, block_ids, placement) == 6
-        assert calls == [3, 3, 3]  # nothing asked after the failure
+        assert landed == [0, 1]  # nothing taken after the failure
         for page in range(6):
             np.testing.assert_array_equal(bits(tier.pool[block_ids[page]]), bits(pages[page]))
         assert tier.stats.pages_fetched == 6 and tier.stats.fetch_failures == 1
@@ -200,7 +207,7 @@ def test_a_replica_serves_the_rest_after_the_source_fails_part_way(make_node, kv
     try:
         placement = Placement([source.address, replica.address])
         assert tier.lookup(keys, placement) == PAGES and placement.source == source.address
-        fail_on_call(tier, source.address, call_number=2)
+        fail_on_batch(tier, source.address, batch_number=2)
         replica_stats_before = replica.store.stats.hit_pages
         block_ids = TARGETS["scattered"]
         assert tier.fill(keys, block_ids, placement) == PAGES

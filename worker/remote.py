@@ -13,7 +13,9 @@ Design notes
    the probes in flight (`max_probes`; past it an unknown address is a miss).
 4. Fetched pages come in batches: a fetch thread receives batch i+1 while the engine's thread
    writes batch i into the pool (casting float16 to float32 on the way), so the transfer and
-   the cast overlap instead of adding up.
+   the cast overlap instead of adding up. The batches' requests all go out at once
+   (NodeClient.get_pages_in_batches), so a fetch costs one round trip to the node, not one a
+   batch; two staging buffers take turns, the fetch thread waiting for the one written last.
 5. Write-back runs on one background thread with a bounded queue; what cannot be sent is
    counted and dropped. That thread waits for first contacts up to `lookup_timeout_s` a batch.
    Each page's checksum (kvnode/checksum.py) is computed once there, after the cast to the
@@ -33,13 +35,14 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
+import grpc
 import numpy as np
 
-from kvnode.client import NodeClient, NodeError, PageRejected, page_checksum
+from kvnode.client import NodeError, PageRejected, page_checksum
 from worker.half import float16_to_float32
 from worker.remote_nodes import Node, NodeTable
 
@@ -54,16 +57,6 @@ class Placement:
     source: str | None = None
     source_hits: int = 0
     trace: object = None  # the request's trace context, parent of its tier spans (worker/observe.py)
-
-
-@dataclass
-class _Received:
-    """A batch that arrived: rows to write into the pool (None: received there already), how many
-    of them are intact, and the rejection that cut it short, if any."""
-
-    rows: np.ndarray | None
-    intact: int
-    rejected: PageRejected | None = None
 
 
 @dataclass
@@ -224,53 +217,95 @@ class RemoteTier:
         return filled
 
     def _fetch(self, node: Node, keys: Sequence[bytes], block_ids: Sequence[int]) -> tuple[int, NodeError | None]:
-        """Receive batches on the fetch thread, write each into the pool here; (pages written, error or None)."""
-        client = node.client
+        """Receive batches on the fetch thread, write each into the pool here; (pages written, error or None).
+        Every batch is checked before it is written; with PageRejected the pages before the rejected one
+        were written, those of its own batch too (design note 6)."""
         batches = self._batches(len(keys), node.max_keys)
         with self._fetch_lock:
-            written = 0
-            pending = self._start(len(batches) == 1, client, keys, block_ids, *batches[0], 0)
-            try:
-                for number, (start, end) in enumerate(batches):
-                    try:
-                        got = pending.result()
-                    except NodeError as exc:
-                        return written, exc
-                    finally:
-                        pending = None
-                    if number + 1 < len(batches) and got.rejected is None:
-                        pending = self._fetcher.submit(
-                            self._receive, client, keys, block_ids, *batches[number + 1], (number + 1) % 2
-                        )
-                    end = start + got.intact
-                    if got.rows is not None and got.intact:
-                        rows = got.rows[: got.intact]
-                        self._write_blocks(block_ids[start:end], rows.view(self.wire_dtype).reshape(-1, *self.block_shape))
-                    written = end
-                    self._count("pages_fetched", end - start)
-                    self._count("bytes_fetched", (end - start) * self.page_bytes)
-                    if got.rejected is not None:
-                        return written, got.rejected
-                return written, None
-            finally:
-                if pending is not None:  # it writes into a staging buffer: let it finish before anyone reuses that
-                    pending.exception()
+            if len(batches) == 1:  # nothing to overlap: received here, no thread hop
+                into_pool = self._pool_rows(block_ids, 0, len(keys))
+                rows = into_pool if into_pool is not None else self._staging_rows(0, len(keys))
+                try:
+                    node.client.get_pages(keys, out=rows, timeout=self._fetch_timeout(len(keys)))
+                except PageRejected as exc:  # design note 6: the pages before it are intact
+                    self._land(block_ids[: exc.index], None if into_pool is not None else rows[: exc.index], exc.index)
+                    return exc.index, exc
+                except NodeError as exc:
+                    return 0, exc
+                self._land(block_ids, None if into_pool is not None else rows, len(keys))
+                return len(keys), None
+            landed: queue.SimpleQueue = queue.SimpleQueue()  # batch numbers as they arrive, then None
+            free = [threading.Semaphore(1), threading.Semaphore(1)]  # staging buffer i may be received into
+            abandoned = threading.Event()
 
-    def _start(self, inline: bool, *receive_args) -> Future:
-        """Begin receiving a batch: on the fetch thread, or here when nothing could overlap it (no thread hop)."""
-        if not inline:
-            return self._fetcher.submit(self._receive, *receive_args)
-        done: Future = Future()
-        try:
-            done.set_result(self._receive(*receive_args))
-        except Exception as exc:  # as the fetch thread would hand it over
-            done.set_exception(exc)
-        return done
+            def out_for(number: int) -> np.ndarray:
+                start, end = batches[number]
+                into_pool = self._pool_rows(block_ids, start, end)
+                if into_pool is not None:
+                    return into_pool
+                while not free[number % 2].acquire(timeout=0.1):  # until batch number - 2 is written
+                    if abandoned.is_set():
+                        raise NodeError(node.address, grpc.StatusCode.CANCELLED, "the fetch was given up")
+                return self._staging_rows(number % 2, end - start)
+
+            def receive() -> None:
+                try:
+                    node.client.get_pages_in_batches([keys[start:end] for start, end in batches], out_for,
+                                                     landed.put, timeout=self._fetch_timeout(len(keys)))
+                finally:
+                    landed.put(None)
+
+            pending = self._fetcher.submit(receive)
+            written = 0
+            try:
+                while (number := landed.get()) is not None:
+                    start, end = batches[number]
+                    rows = None if self._pool_rows(block_ids, start, end) is not None else \
+                        self._staging_rows(number % 2, end - start)
+                    self._land(block_ids[start:end], rows, end - start)
+                    if rows is not None:
+                        free[number % 2].release()
+                    written = end
+            finally:
+                abandoned.set()
+                error = pending.exception()  # the fetch thread lets go of the buffers before anyone reuses them
+            if isinstance(error, PageRejected):  # design note 6: the pages of its batch before it are intact
+                number, (start, end) = next((n, (b, e)) for n, (b, e) in enumerate(batches) if b <= error.index < e)
+                if written != start:
+                    raise AssertionError(f"page {error.index} rejected in batch {number} ({start}..{end}), but "
+                                         f"{written} pages were written before it: batches land in order")
+                rows = None if self._pool_rows(block_ids, start, end) is not None else \
+                    self._staging_rows(number % 2, error.index - start)  # the fetch thread is done with it
+                self._land(block_ids[start : error.index], rows, error.index - start)
+                written = error.index
+            if error is None or isinstance(error, NodeError):
+                return written, error
+            raise error
+
+    def _land(self, block_ids: Sequence[int], rows: np.ndarray | None, count: int) -> None:
+        """Write received rows into their blocks (None: they were received in place) and count them."""
+        if rows is not None and count:
+            self._write_blocks(block_ids, rows.view(self.wire_dtype).reshape(-1, *self.block_shape))
+        self._count("pages_fetched", count)
+        self._count("bytes_fetched", count * self.page_bytes)
+
+    def _pool_rows(self, block_ids: Sequence[int], start: int, end: int) -> np.ndarray | None:
+        """float32 pages bound for consecutive blocks are received straight into the pool: there."""
+        count, first = end - start, block_ids[start]
+        if self.wire_dtype == self.pool.dtype and list(block_ids[start:end]) == list(range(first, first + count)):
+            return self.pool[first : first + count].reshape(count, -1).view(np.uint8)
+        return None
+
+    def _staging_rows(self, buffer: int, count: int) -> np.ndarray:
+        if not self._staging:
+            self._staging = [np.empty((self.fetch_batch_pages, self.page_bytes), dtype=np.uint8) for _ in range(2)]
+        return self._staging[buffer][:count]
 
     def _batches(self, count: int, max_keys: int) -> list[tuple[int, int]]:
         """(start, end) of each batch: halving sizes, so the last write, which nothing overlaps, is short.
 
-        Each batch is a request of its own (~1 ms apiece over gRPC here), hence few of them.
+        Each batch is a request of its own: one message more over the data plane, where they share
+        a round trip, but ~1 ms apiece over gRPC here, hence few of them.
         """
         most = min(self.fetch_batch_pages, max_keys)
         bounds, start = [], 0
@@ -280,25 +315,6 @@ class RemoteTier:
             bounds.append((start, start + size))
             start += size
         return bounds
-
-    def _receive(self, client: NodeClient, keys, block_ids, start: int, end: int, buffer: int) -> _Received:
-        """On the fetch thread: pages start..end, checked, as (n, page_bytes) uint8 rows to write, or
-        no rows when they landed in place (float32 pages bound for consecutive blocks are received
-        straight into the pool; one that fails its checksum is overwritten by the compute after)."""
-        count = end - start
-        first = block_ids[start]
-        timeout = self._fetch_timeout(count)
-        if self.wire_dtype == self.pool.dtype and list(block_ids[start:end]) == list(range(first, first + count)):
-            rows, out = None, self.pool[first : first + count].reshape(count, -1).view(np.uint8)
-        else:
-            if not self._staging:
-                self._staging = [np.empty((self.fetch_batch_pages, self.page_bytes), dtype=np.uint8) for _ in range(2)]
-            rows = out = self._staging[buffer][:count]
-        try:
-            client.get_pages(keys[start:end], out=out, timeout=timeout)
-        except PageRejected as exc:
-            return _Received(rows, exc.index, exc)
-        return _Received(rows, count)
 
     def _reject(self, address: str, rejected: PageRejected) -> None:
         """A fetched page failed its checksum (design note 6): count it, say so, have the node drop it."""
