@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from netns_helpers import (CLIENT, Hosts, PROXY, answers, first_line, members, starter, wait_until,
+from netns_bench import bench_remote_across_hosts, summary
+from netns_helpers import (CLIENT, Hosts, answers, first_line, members, starter, wait_until,
                            why_no_namespaces)
 
 _NO_NAMESPACES = why_no_namespaces()
@@ -177,27 +178,11 @@ def test_bench_remote_across_hosts_through_a_delaying_proxy(tmp_path):
     # through it (Info's data host is the proxy's). Shown: the warm prompt comes from the node
     # through the delayed path (the bench refuses a warm run that got nothing from the node) and
     # gives the same first token; the ratios are printed, not asserted (no timing assertions).
-    with Hosts(["node", "proxy", "bench"]) as hosts, contextlib.ExitStack() as running:
-        proxy_address = hosts.addresses["proxy"]
-        node = hosts.daemon("node", "node", ["--port", "50051", "--data-port", "50052", "--model", "tiny",
-                                            "--kv-dtype", "float16", "--capacity", "64MiB",
-                                            "--advertise", f"{proxy_address}:50051"], log_path=tmp_path / "node.log")
-        running.callback(node.stop, 10.0)
-        target = hosts.addresses["node"]
-        proxy = hosts.start_python("proxy", PROXY, "1", proxy_address, f"50051:{target}:50051",
-                                   f"50052:{target}:50052")
-        running.callback(lambda: proxy.poll() is None and proxy.kill())
-        assert first_line(proxy, timeout_s=30.0).strip() == "ready"
-        bench = subprocess.run([*hosts.prefix("bench"), sys.executable, "-m", "kvcache.cli", "bench", "remote",
-                                "--model", "tiny", "--prompt-tokens", "256", "--repeats", "1", "--json",
-                                "--node", f"{proxy_address}:50051"],
-                               capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
-        assert bench.returncode == 0, bench.stderr[-2000:]
-        result = json.loads(bench.stdout)
-        assert result["cached_tokens_remote"] > 0 and result["kv_bytes_fetched"] > 0
-        assert "using gRPC" not in bench.stderr  # the pages came over the data plane, via the proxy's host
-        print(f"\nbench remote across hosts, 1 ms each way: warm-from-kvnode {result['speedup_remote_vs_cold']:.1f}x "
-              f"faster than cold, {result['remote_vs_local']:.2f}x warm-local")
+    # tests/netns_bench.py runs the same at full size for the figures in docs/benchmarks.md.
+    result, stderr = bench_remote_across_hosts(tmp_path, "tiny", prompt_tokens=256, repeats=1, delay_ms=1.0)
+    assert result["cached_tokens_remote"] > 0 and result["kv_bytes_fetched"] > 0
+    assert "using gRPC" not in stderr  # the pages came over the data plane, via the proxy's host
+    print("\nbench remote across hosts, tiny model, 256 tokens: " + summary(result))
 
 
 def test_coordinators_that_saw_a_partition_differently_converge_once_it_heals(tmp_path):
