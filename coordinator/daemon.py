@@ -12,7 +12,7 @@ from coordinator.membership import Membership
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.ring import DEFAULT_PREFIX_CHARS
 from coordinator.service import SERVICE_NAME, CoordinatorService, handler, run_sweeper
-from protos import observability, security, serving, tokens
+from protos import addresses, observability, security, serving, tokens
 
 log = logging.getLogger("coordinator")
 
@@ -21,7 +21,7 @@ MEMBER_METHODS = [f"/{SERVICE_NAME}/{name}" for name in ("Register", "Heartbeat"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    serving.add_listen_arguments(parser, default_port=50050)
+    serving.add_listen_arguments(parser, default_port=50050, reached=True)
     parser.add_argument("--replicas", type=int, default=2, help="kvnodes each sequence's pages go to (default 2)")
     parser.add_argument(
         "--prefix-chars",
@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
             interceptors=tokens.interceptors(client_tokens, MEMBER_METHODS)
             + observability.server_interceptors(SERVICE_NAME, metrics and metrics.request_duration))
         port = serving.bind(server, args.host, args.port, credentials)
+        reached = addresses.reached_at(args.host, port, args.advertise)
         metrics_server = (observability.start_metrics(metrics.registry, args, credentials)
                           if metrics is not None else None)
     except (ValueError, OSError) as exc:
@@ -77,10 +78,11 @@ def run(args: argparse.Namespace) -> int:
     sweeper = threading.Thread(target=run_sweeper, args=(membership, stopping), name="sweeper", daemon=True)
     sweeper.start()
     server.start()
+    reached_at = f"reached at {reached}, " if args.advertise else ""
     print(
         f"coordinator {service.coordinator_id} listening on {serving.host_port(args.host, port)} "
-        f"(replicas {args.replicas}, placement by the first {args.prefix_chars} characters or the session id, "
-        f"up to {args.max_streams} streams)",
+        f"({reached_at}replicas {args.replicas}, placement by the first {args.prefix_chars} characters or the "
+        f"session id, up to {args.max_streams} streams)",
         flush=True,
     )
     serving.wait_until(stopping)

@@ -28,7 +28,7 @@ DEFAULT_SEND_TIMEOUT_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_listen_arguments(parser, default_port=8000)
+    add_listen_arguments(parser, default_port=8000, reached=True)
     parser.add_argument("--coordinators", default=None,
                         help=f"coordinator addresses, tried in turn: A,B (default $KVCACHE_COORDINATORS or "
                              f"{DEFAULT_COORDINATORS})")
@@ -69,11 +69,12 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
         credentials = security.from_args(args, client=True)  # checks the TLS options come together
         sock = _listen(args.host, args.port, args.send_timeout)
+        host, port = sock.getsockname()[:2]
+        reached = addresses.reached_at(host, port, args.advertise)
     except (ValueError, OSError) as exc:
         print(f"kvcache gateway: error: {exc}", file=sys.stderr)
         return 2
-    host, port = sock.getsockname()[:2]
-    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    url = f"http://{addresses.host_port(host, port)}"
     metrics = None
     if args.metrics:
         from gateway.metrics import GatewayMetrics
@@ -83,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     def started() -> None:
         if metrics is not None:
             log.info("metrics on %s/metrics", url)
-        print(f"gateway listening on {url} (OpenAI API at {url}/v1, coordinators {','.join(coordinators)}, "
+        api = f"http://{reached}/v1" if args.advertise else f"{url}/v1"
+        print(f"gateway listening on {url} (OpenAI API at {api}, coordinators {','.join(coordinators)}, "
               f"up to {args.max_streams} requests)", flush=True)
 
     tls = {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key} if credentials else {}

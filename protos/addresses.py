@@ -1,5 +1,6 @@
 """Host and port as every daemon prints, parses and advertises them: `host:port`, an IPv6
-literal in brackets (`[::1]:50051`), and the rule for what a member advertises."""
+literal in brackets (`[::1]:50051`), and the rule for what a member advertises (a coordinator
+or the gateway, which register nowhere, only say where they are reached)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,15 @@ def advertised(bind_host: str, port: int, advertise: str | None) -> str:
         raise ValueError(f"--host {bind_host or repr(bind_host)} listens on every interface: give --advertise HOST[:PORT], "
                          "the address other machines reach this one at")
     return host_port(bind_host.strip("[]"), port)
+
+
+def reached_at(bind_host: str, port: int, advertise: str | None) -> str | None:
+    """Where a daemon that registers nowhere (a coordinator, the gateway) is reached: --advertise,
+    checked as a member's, else the bound address; None for a wildcard bind without one (its
+    clients are given the address; it cannot tell it)."""
+    if advertise or not is_wildcard(bind_host):
+        return advertised(bind_host, port, advertise)
+    return None
 
 
 def _is_ipv6(text: str) -> bool:

@@ -45,11 +45,17 @@ def tolerant(parse: Callable[[bytes], object], name: str) -> Callable[[bytes], o
     return deserialize
 
 
-def add_listen_arguments(parser, default_port: int) -> None:
-    """--host and --port, the same for every daemon."""
+def add_listen_arguments(parser, default_port: int, reached: bool = False) -> None:
+    """--host and --port, the same for every daemon; `reached`: --advertise for a daemon that
+    registers nowhere (members add theirs with coordinator.agent)."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=default_port,
                         help=f"port to listen on; 0 picks a free one (default {default_port})")
+    if reached:
+        parser.add_argument("--advertise", default=None, metavar="HOST[:PORT]",
+                            help="the address clients reach this daemon at (a DNS name, a load balancer), shown "
+                                 "on its listening line; it registers nowhere, so a wildcard --host needs none. "
+                                 "PORT defaults to the bound one; an IPv6 address goes in brackets")
 
 
 def parser_for(message_cls) -> Callable[[bytes], object]:

@@ -10,6 +10,7 @@ import pytest
 from cluster_helpers import NODE_PAGE_BYTES, node_process, run_kvcache, wait_for
 from coordinator.client import Client
 from coordinator_fakes import coordinator_process
+from kvcache.launch import Daemon
 from kvnode.client import NodeClient
 from protos.addresses import advertised, host_port, split_host_port
 from store_helpers import key
@@ -119,3 +120,21 @@ def test_kvcache_health_speaks_mutual_tls(tmp_path):
     with node_process(tmp_path, *NODE_ARGS, *member) as node:
         assert run_kvcache(["health", node.address, *member]).returncode == 0
         assert run_kvcache(["health", node.address, "--timeout", "0.5"]).returncode == 1  # plaintext gets no answer
+
+
+@pytest.mark.parametrize("role, extra", [("coordinator", ()), ("gateway", ("--coordinators", "127.0.0.1:1"))])
+def test_a_coordinator_and_the_gateway_say_where_they_are_reached(tmp_path, role, extra):
+    # They register nowhere: a wildcard bind needs no --advertise, and one given is checked as a
+    # member's and shown on the listening line, with the bound port when it names none.
+    with Daemon(role, ["--host", "0.0.0.0", "--port", "0", "--advertise", "127.0.0.2", *extra],
+                log_path=tmp_path / f"{role}.log") as daemon:
+        port = int(daemon.address.rsplit(":", 1)[1])
+        listening = [line for line in daemon.log_path.read_text().splitlines() if line.startswith(role)]
+        reached = f"reached at 127.0.0.2:{port}," if role == "coordinator" else f"API at http://127.0.0.2:{port}/v1,"
+        assert len(listening) == 1 and f"0.0.0.0:{port} (" in listening[0] and reached in listening[0]
+    with Daemon(role, ["--host", "0.0.0.0", "--port", "0", *extra], log_path=tmp_path / f"{role}-plain.log"):
+        pass  # a wildcard bind alone starts
+    refused = run_kvcache([role, "--host", "0.0.0.0", "--port", "0", "--advertise", "[::]:7", *extra])
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == f"kvcache {role}: error: --advertise [::]:7: advertise an address others " \
+                                     "can dial, not a wildcard"
