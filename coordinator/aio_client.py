@@ -12,13 +12,12 @@ Notes
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import AsyncIterator, Mapping, Sequence
 
 import grpc
 
-from coordinator.client import (TRY_ELSEWHERE, ClusterError, Finished, Piece, none_served, not_resumable,
-                                resumable, resumed)
+from coordinator.client import (TRY_ELSEWHERE, ClusterError, Finished, Piece, client_credentials, none_served,
+                                not_resumable, resumable, resumed)
 from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
 from protos import security
@@ -31,12 +30,7 @@ __all__ = ["AsyncClient", "ClusterError", "Finished", "Piece"]
 class AsyncClient:
     def __init__(self, coordinators: Sequence[str], timeout: float = 600.0, token: str | None = None,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None):
-        if not coordinators:
-            raise ValueError("give at least one coordinator address (host:port)")
-        if (tls_cert or tls_key) and not tls_ca:
-            raise ValueError("a client certificate needs tls_ca, the CA that checks the coordinators")
-        credentials = security.Credentials(Path(tls_ca), tls_cert and Path(tls_cert),
-                                           tls_key and Path(tls_key)) if tls_ca else None
+        credentials = client_credentials(coordinators, tls_ca, tls_cert, tls_key)
         self.timeout = timeout
         self._metadata = authorization(token)
         self._channels = [(address, security.aio_channel(address, credentials, security.KEEPALIVE_OPTIONS))

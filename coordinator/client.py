@@ -59,6 +59,16 @@ def none_served(codes: set, errors: list[str]) -> "ClusterError":
                         "no coordinator could serve the request: " + "; ".join(errors))
 
 
+def client_credentials(coordinators: Sequence[str], tls_ca: str | None, tls_cert: str | None,
+                       tls_key: str | None) -> security.Credentials | None:
+    """A client's options checked (Client's and AsyncClient's): its TLS credentials, None for plaintext."""
+    if not coordinators:
+        raise ValueError("give at least one coordinator address (host:port)")
+    if (tls_cert or tls_key) and not tls_ca:
+        raise ValueError("a client certificate needs tls_ca, the CA that checks the coordinators")
+    return security.Credentials(Path(tls_ca), tls_cert and Path(tls_cert), tls_key and Path(tls_key)) if tls_ca else None
+
+
 class ClusterError(Exception):
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(f"{code.name}: {details}")
@@ -102,12 +112,7 @@ class _Coordinator:
 class Client:
     def __init__(self, coordinators: Sequence[str], timeout: float = 600.0, token: str | None = None,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None):
-        if not coordinators:
-            raise ValueError("give at least one coordinator address (host:port)")
-        if (tls_cert or tls_key) and not tls_ca:
-            raise ValueError("a client certificate needs tls_ca, the CA that checks the coordinators")
-        credentials = security.Credentials(Path(tls_ca), tls_cert and Path(tls_cert),
-                                           tls_key and Path(tls_key)) if tls_ca else None
+        credentials = client_credentials(coordinators, tls_ca, tls_cert, tls_key)
         self.timeout = timeout
         self._metadata = authorization(token)
         self._coordinators = []

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from coordinator.client import Client, ClusterError
 from kvcache import prometheus
+from kvcache.cluster_file import ClusterFileError, read_cluster_file
 from kvcache.launch import Daemon, DaemonFailed
 from protos import tokens
 from kvcache.units import parse_size
@@ -187,13 +188,10 @@ def run_prometheus_config(args: argparse.Namespace) -> int:
 def run_down(args: argparse.Namespace) -> int:
     cluster_file = Path(args.run_dir).resolve() / CLUSTER_FILE
     try:
-        cluster = json.loads(cluster_file.read_text())
-    except FileNotFoundError:
-        print(f"kvcache cluster down: no cluster file at {cluster_file}: nothing to stop", file=sys.stderr)
-        return 1
-    except json.JSONDecodeError as exc:
-        print(f"kvcache cluster down: error: {cluster_file} is not valid JSON ({exc})", file=sys.stderr)
-        return 2
+        cluster = read_cluster_file(cluster_file, "nothing to stop")
+    except ClusterFileError as exc:
+        print(f"kvcache cluster down: {exc}", file=sys.stderr)
+        return exc.exit_code
     members = cluster.get("members", [])
     for member in _stop_order(members):
         _terminate(member["pid"])

@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from kvcache.cluster_file import ClusterFileError, read_cluster_file
+
 SCRAPE_INTERVAL = "5s"
 
 
@@ -67,13 +69,10 @@ def scrape_config(cluster: dict) -> dict:
 def run(args: argparse.Namespace, cluster_file: Path) -> int:
     name = "kvcache cluster prometheus-config"
     try:
-        cluster = json.loads(cluster_file.read_text())
-    except FileNotFoundError:
-        print(f"{name}: no cluster file at {cluster_file}: start one with `kvcache cluster up`", file=sys.stderr)
-        return 1
-    except json.JSONDecodeError as exc:
-        print(f"{name}: error: {cluster_file} is not valid JSON ({exc})", file=sys.stderr)
-        return 2
+        cluster = read_cluster_file(cluster_file, "start one with `kvcache cluster up`")
+    except ClusterFileError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return exc.exit_code
     targets = file_sd_targets(cluster)
     if not targets:
         print(f"{name}: no member in {cluster_file} serves metrics (started with --no-metrics?)", file=sys.stderr)

@@ -62,6 +62,16 @@ def serve_node(
         serving.stop(server, health, STOP_GRACE_S)
 
 
+@contextlib.contextmanager
+def started(tmp_path: Path, role: str, name: str, *args: str, env=None, stop_timeout_s: float = 10.0) -> Iterator[Daemon]:
+    """A daemon of `role` on a free port, logging to tmp_path/NAME.log; stopped when the block ends."""
+    daemon = Daemon(role, ["--port", "0", *args], log_path=tmp_path / f"{name}.log", env=env)
+    try:
+        yield daemon
+    finally:
+        daemon.stop(timeout_s=stop_timeout_s)
+
+
 def kvcache_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvcache.cli", *args]
 

@@ -6,14 +6,12 @@ its descendants, then stores the page computed in its place (good bytes again)."
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
 import pytest
 
-from cluster_helpers import collect, read_log, wait_for
-from kvcache.launch import Daemon
+from cluster_helpers import collect, read_log, started, wait_for
 from kvnode.client import NodeClient
 from metrics_helpers import scrape
 from worker.client import WorkerClient
@@ -23,15 +21,6 @@ FAULTS = Path(__file__).parent / "fault_injection"
 PAGE_TOKENS = 16
 PROMPT = "You are a careful assistant. Answer briefly and precisely, citing the page you used. Why?"
 ALTERED = 2  # the third page of the prompt
-
-
-@contextlib.contextmanager
-def started(tmp_path: Path, role: str, name: str, *args: str, env=None):
-    daemon = Daemon(role, ["--port", "0", *args], log_path=tmp_path / f"{name}.log", env=env)
-    try:
-        yield daemon
-    finally:
-        daemon.stop(timeout_s=10.0)
 
 
 def altering_env(key: bytes) -> dict:

@@ -5,7 +5,6 @@ tests/fault_injection/sitecustomize.py, loaded through PYTHONPATH by the worker 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
@@ -16,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster_helpers import collect, wait_for
+from cluster_helpers import collect, started, wait_for
 from coordinator.client import Client
 from kvcache.launch import Daemon
 from worker.client import Finished, Piece, WorkerClient, WorkerError
@@ -37,15 +36,6 @@ def faulty_env(**faults) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(FAULTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update({f"KVCACHE_TEST_{name.upper()}_TOKEN": str(token) for name, token in faults.items()})
     return env
-
-
-@contextlib.contextmanager
-def started(tmp_path: Path, role: str, name: str, *args: str, env=None):
-    daemon = Daemon(role, ["--port", "0", *args], log_path=tmp_path / f"{name}.log", env=env)
-    try:
-        yield daemon
-    finally:
-        daemon.stop(timeout_s=5.0)
 
 
 def worker_args(*extra: str) -> list[str]:
