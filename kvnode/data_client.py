@@ -16,7 +16,7 @@ Design notes
    before the first reply is read, and the node, which reads a connection's requests one at a
    time, answers them in order without waiting for us. Across hosts each request asked after
    the previous reply would cost a round trip of its own (one per batch of a fetch).
-5. TLS runs over memory BIOs on the plain socket (_TlsStream), not an ssl.SSLSocket: an SSLSocket
+5. TLS runs over memory BIOs on the plain socket (data_wire.TlsStream), not an ssl.SSLSocket: an SSLSocket
    reads one 16 KiB record per call in two syscalls (header, then body), and needs a socket
    timeout (a poll before each call) because over a kernel timeout it would retry a read
    forever. Here one recv takes up to a MiB of records, the socket keeps its kernel timeouts
@@ -167,12 +167,12 @@ class DataPlaneClient:
         self.connected_once = True
         return sock, False
 
-    def _handshake(self, sock: socket.socket, deadline: float) -> "_TlsStream":
+    def _handshake(self, sock: socket.socket, deadline: float) -> dw.TlsStream:
         """TLS on a new connection. A node that closes it unanswered (at its connection limit) or
         whose certificate fails makes a DataPlaneError; never connected before, `connect_failed`."""
         try:
             dw.set_kernel_timeouts(sock, max(0.001, deadline - time.monotonic()))
-            return _TlsStream(sock, self.tls, self.host)
+            return dw.TlsStream(sock, self.tls, server_hostname=self.host)
         except ssl.SSLCertVerificationError as exc:
             sock.close()
             raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"TLS to {self.address}: {exc.verify_message}",
@@ -227,79 +227,6 @@ class DataPlaneClient:
         except DataPlaneError:
             details = "(the node's message was cut off)"
         raise DataPlaneError(code, details)
-
-
-_TLS_READ_CHUNK = 1 << 20  # bytes of TLS records read from the socket at once (design note 5)
-
-
-class _TlsStream:
-    """TLS over a plain blocking socket through memory BIOs (design note 5): the socket keeps its
-    kernel timeouts, one recv brings up to a MiB of records, and each record is decrypted straight
-    into the caller's buffer. Offers what this module and data_wire use of a socket."""
-
-    def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_hostname: str):
-        self.sock = sock
-        self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=server_hostname)
-        self._chunk = bytearray(_TLS_READ_CHUNK)
-        self._chunk_view = memoryview(self._chunk)
-        while True:
-            try:
-                self._tls.do_handshake()  # certificate checks as wrap_socket's (the context's)
-                break
-            except ssl.SSLWantReadError:
-                self._flush()
-                if not self._fill():
-                    raise ConnectionResetError("closed during the TLS handshake")
-        self._flush()
-
-    def _flush(self) -> None:
-        if self._outgoing.pending:
-            self.sock.sendall(self._outgoing.read())
-
-    def _fill(self) -> bool:
-        """More records from the socket; False at its end."""
-        n = self.sock.recv_into(self._chunk)
-        if n == 0:
-            self._incoming.write_eof()
-            return False
-        self._incoming.write(self._chunk_view[:n])
-        return True
-
-    def recv_into(self, view: memoryview) -> int:
-        """Up to view.nbytes bytes (one TLS record at most); 0 once the node closed."""
-        while True:
-            try:
-                n = self._tls.read(view.nbytes, view)
-                self._flush()  # a post-handshake message may want an answer
-                return n
-            except ssl.SSLWantReadError:
-                self._flush()
-                if not self._fill():
-                    return 0
-            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                return 0
-
-    def sendmsg(self, parts) -> int:
-        """Every part encrypted and sent, one part at a time (no copy of all of them at once)."""
-        total = 0
-        for part in parts:
-            self._tls.write(part)
-            self._flush()
-            total += memoryview(part).nbytes
-        return total
-
-    def sendall(self, data) -> None:
-        self.sendmsg([data])
-
-    def setsockopt(self, *args) -> None:
-        self.sock.setsockopt(*args)
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 class _NothingReceived(DataPlaneError):

@@ -35,8 +35,9 @@ Design notes
    certificate of the cluster's CA (mutual TLS), as on the node's gRPC port. The handshake runs
    on the connection's thread within `timeout_s`, with the context current at that moment (a
    SIGHUP may have re-read the files). A connection over the bound is closed without an answer
-   (no handshake is spent on it); the client sends that call over gRPC. Replies are written
-   part by part (an SSL socket has no sendmsg), each page straight from its slot still.
+   (no handshake is spent on it); the client sends that call over gRPC. The session runs over
+   memory BIOs on the blocking socket (data_wire.TlsStream, its design note 5), which keeps its
+   kernel timeouts: each page is encrypted from its slot whole and sent with one sendall.
 """
 
 from __future__ import annotations
@@ -220,13 +221,12 @@ class DataPlaneServer:
             with self._lock:
                 self._connections.pop(conn, None)
 
-    def _handshake(self, conn: socket.socket, peer) -> ssl.SSLSocket:
+    def _handshake(self, conn: socket.socket, peer) -> dw.TlsStream:
         """Mutual TLS on an accepted connection (design note 6); it takes the socket's place."""
         raw = conn
         try:
-            raw.settimeout(self.timeout_s)
-            conn = self.credentials.server_context().wrap_socket(raw, server_side=True)
-            conn.settimeout(None)
+            dw.set_kernel_timeouts(raw, self.timeout_s)
+            conn = dw.TlsStream(raw, self.credentials.server_context(), server_side=True)
         except (ssl.SSLError, OSError) as exc:
             raw.close()
             raise _Dropped(f"TLS handshake failed: {exc}") from None

@@ -21,6 +21,11 @@ Design notes
 4. Checksums (kvnode/checksum.py) came with version 2. The server still takes version 1
    requests, which carry none: a version 1 PUT's pages get theirs computed by the node, a
    version 1 GET is answered with the pages alone. Clients speak version 2.
+5. Under TLS both ends run the session over memory BIOs on the plain socket (TlsStream), not an
+   ssl.SSLSocket, which reads one 16 KiB record per call in two syscalls, writes each record with
+   a syscall of its own, and needs a socket timeout (a poll before each call) because over a
+   kernel timeout it would retry forever. Measured with 9 MiB GETs between two processes: CPU a
+   batch 4.8-5.6 ms -> 3.1-3.4 ms on the client and 4.8-5.3 -> 3.3-4.3 ms on the node.
 """
 
 from __future__ import annotations
@@ -167,6 +172,98 @@ def set_kernel_timeouts(sock: socket.socket, timeout_s: float, receive: bool = T
     if receive:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+
+
+TLS_READ_CHUNK = 1 << 20  # bytes of TLS records read from the socket at once (design note 5)
+
+
+class TlsStream:
+    """TLS over a plain blocking socket through memory BIOs (design note 5), for both ends: the
+    socket keeps its kernel timeouts, one recv brings up to a MiB of records, each decrypted
+    straight into the caller's buffer, and each part sent is encrypted whole and written with one
+    sendall, not one syscall a 16 KiB record as an ssl.SSLSocket does. The handshake checks
+    certificates as the context says, as wrap_socket would. Offers what the data plane uses of a
+    socket."""
+
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_side: bool = False,
+                 server_hostname: str | None = None):
+        self.sock = sock
+        self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_side=server_side,
+                                     server_hostname=server_hostname)
+        self._chunk = bytearray(TLS_READ_CHUNK)
+        self._chunk_view = memoryview(self._chunk)
+        while True:
+            try:
+                self._tls.do_handshake()  # certificate checks as wrap_socket's (the context's)
+                break
+            except ssl.SSLWantReadError:
+                self._flush()
+                if not self._fill():
+                    raise ConnectionResetError("closed during the TLS handshake") from None
+            except ssl.SSLError:
+                try:
+                    self._flush()  # the alert that tells the peer why
+                except OSError:
+                    pass
+                raise
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._outgoing.pending:
+            self.sock.sendall(self._outgoing.read())
+
+    def _fill(self) -> bool:
+        """More records from the socket; False at its end."""
+        n = self.sock.recv_into(self._chunk)
+        if n == 0:
+            self._incoming.write_eof()
+            return False
+        self._incoming.write(self._chunk_view[:n])
+        return True
+
+    def recv_into(self, buffer, nbytes: int = 0) -> int:
+        """Up to nbytes (all of `buffer` when 0) bytes, one TLS record at most; 0 once the peer closed."""
+        view = memoryview(buffer).cast("B")
+        while True:
+            try:
+                n = self._tls.read(nbytes or view.nbytes, view)
+                self._flush()  # a post-handshake message may want an answer
+                return n
+            except ssl.SSLWantReadError:
+                self._flush()
+                if not self._fill():
+                    return 0
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return 0
+
+    def sendmsg(self, parts) -> int:
+        """The first part encrypted whole and sent with one sendall; its size (send_parts then
+        checks its deadline before the next part, as with an SSLSocket's send)."""
+        self.sendall(parts[0])
+        return memoryview(parts[0]).nbytes
+
+    def sendall(self, data) -> None:
+        self._tls.write(data)
+        self._flush()
+
+    def getpeercert(self):
+        return self._tls.getpeercert()
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.sock.settimeout(timeout)
+
+    def shutdown(self, how: int) -> None:
+        self.sock.shutdown(how)
+
+    def setsockopt(self, *args) -> None:
+        self.sock.setsockopt(*args)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 _IOV_BATCH = 512  # buffers per sendmsg, under the kernel's IOV_MAX (1024)

@@ -224,10 +224,11 @@ def peer_role(context: grpc.ServicerContext) -> str | None:
 
 
 def socket_role(conn: socket.socket) -> str | None:
-    """`peer_role` for a data plane connection: None when it is not TLS."""
-    if not isinstance(conn, ssl.SSLSocket):
+    """`peer_role` for a data plane connection: None when it is not TLS (a plain socket)."""
+    getpeercert = getattr(conn, "getpeercert", None)  # an SSLSocket or kvnode.data_wire.TlsStream
+    if getpeercert is None:
         return None
-    subject = dict(item for entry in (conn.getpeercert() or {}).get("subject", ()) for item in entry)
+    subject = dict(item for entry in (getpeercert() or {}).get("subject", ()) for item in entry)
     return _role_of(subject.get("commonName", ""))
 
 

@@ -221,3 +221,22 @@ def test_sighup_re_reads_the_certificate_files_for_new_connections(tmp_path):
             with pytest.raises(NodeError) as refused:
                 client.info()
             assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_worker_certificate_of_another_ca_cannot_fetch_from_the_data_port(secure_cluster, certs, tmp_path):
+    """The data plane's TLS runs over memory BIOs (kvnode/data_wire.py note 5): its handshake still
+    checks the peer's certificate against the cluster's CA, on both ends."""
+    make_certs(tmp_path / "other")
+    port = data_port(secure_cluster, certs)
+    foreign = security.Credentials(tmp_path / "other" / "ca.pem", tmp_path / "other" / "worker.pem",
+                                   tmp_path / "other" / "worker.key")
+    client = DataPlaneClient("127.0.0.1", port, foreign.client_context())
+    with pytest.raises(DataPlaneError, match="certificate verify failed|TLS"):
+        client.get_into([b"k" * 16], memoryview(bytearray(1024)), memoryview(bytearray(16)), timeout_s=5)
+    client.close()
+    ours_to_them = security.Credentials(certs / "ca.pem", tmp_path / "other" / "worker.pem",
+                                        tmp_path / "other" / "worker.key")  # trusts the node, is not trusted by it
+    client = DataPlaneClient("127.0.0.1", port, ours_to_them.client_context())
+    with pytest.raises(DataPlaneError):
+        client.get_into([b"k" * 16], memoryview(bytearray(1024)), memoryview(bytearray(16)), timeout_s=5)
+    client.close()
