@@ -78,12 +78,6 @@ class ArcOrder(SegmentedOrder):
         entry.rank = self._next_tick()
         self._queue(key, entry, page)
 
-    def lost_last_child(self, key: bytes, page: Page) -> None:
-        entry = self._entries[key]
-        entry.children = 0
-        if self.policy.leaves_only:
-            self._queue(key, entry, page)
-
     def pop(self, now: float, protect: bytes) -> bytes | None:
         self.capacity = max(self.capacity, len(self._pages))
         t1 = self._sizes[T1]

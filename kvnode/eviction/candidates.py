@@ -105,15 +105,36 @@ class Order:
         raise NotImplementedError
 
 
-class SegmentedOrder(Order):
+class CountingOrder(Order):
+    """An order that counts uses (ARC, S3-FIFO, LFU): an entry per page, with at least its `rank`
+    and the child count it saw last (note 3), and its own tick for ranks."""
+
+    def __init__(self, policy: EvictionPolicy, pages: Mapping[bytes, Page]):
+        super().__init__(policy, pages)
+        self._entries: dict = {}  # key -> the order's entry
+        self._tick = 0
+
+    def lost_last_child(self, key: bytes, page: Page) -> None:
+        entry = self._entries[key]
+        entry.children = 0
+        if self.policy.leaves_only:
+            self._queue(key, entry, page)
+
+    def _queue(self, key: bytes, entry, page: Page) -> None:
+        raise NotImplementedError
+
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
+
+
+class SegmentedOrder(CountingOrder):
     """An order whose pages sit in one of a few Candidates heaps (`entry.where`) ranked by
     `entry.rank`: ARC's T1 and T2, S3-FIFO's small and main queues."""
 
     def __init__(self, policy: EvictionPolicy, pages: Mapping[bytes, Page], segments: Iterable[int]):
         super().__init__(policy, pages)
-        self._entries: dict = {}  # key -> the order's entry: at least `where` and `rank`
         self._segments = {where: Candidates() for where in segments}
-        self._tick = 0
 
     def _queue(self, key: bytes, entry, page: Page) -> None:
         if self.may_evict(page):
@@ -132,10 +153,6 @@ class SegmentedOrder(Order):
 
     def _live(self, where: int) -> list[tuple[int, bytes]]:
         return [(e.rank, k) for k, e in self._entries.items() if e.where == where and self.may_evict(self._pages[k])]
-
-    def _next_tick(self) -> int:
-        self._tick += 1
-        return self._tick
 
     def _check_segments(self, sizes: dict[int, int]) -> None:
         """The order's entries are the store's pages, each segment counts what it holds, and every

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from kvnode.eviction.candidates import Candidates, Order, Page
+from kvnode.eviction.candidates import Candidates, CountingOrder, Page
 from kvnode.eviction.policy import EvictionPolicy
 
 
@@ -41,13 +41,12 @@ class _Entry:
     children: int  # the page's child count when the order last saw it
 
 
-class LfuOrder(Order):
+class LfuOrder(CountingOrder):
     def __init__(self, policy: EvictionPolicy, pages: Mapping[bytes, Page]):
         super().__init__(policy, pages)
         self._entries: dict[bytes, _Entry] = {}
         self._candidates = Candidates()
         self.age = 0
-        self._tick = 0
 
     def offer(self, key: bytes, page: Page) -> None:
         entry = self._entries.get(key)
@@ -64,12 +63,6 @@ class LfuOrder(Order):
             entry.rank = _rank(_priority(entry.rank), self._next_tick())
         entry.children = page.children
         self._queue(key, entry, page)
-
-    def lost_last_child(self, key: bytes, page: Page) -> None:
-        entry = self._entries[key]
-        entry.children = 0
-        if self.policy.leaves_only:
-            self._queue(key, entry, page)
 
     def pop(self, now: float, protect: bytes) -> bytes | None:
         found = self._candidates.pop(self._current, now, protect)
@@ -93,10 +86,6 @@ class LfuOrder(Order):
 
     def _live(self) -> list[tuple[int, bytes]]:
         return [(e.rank, k) for k, e in self._entries.items() if self.may_evict(self._pages[k])]
-
-    def _next_tick(self) -> int:
-        self._tick += 1
-        return self._tick
 
     def check(self) -> None:
         assert self._entries.keys() == self._pages.keys(), "the order's pages differ from the store's"

@@ -63,12 +63,6 @@ class S3FifoOrder(SegmentedOrder):
             entry.uses = min(entry.uses + 1, MAX_USES)
         entry.children = page.children
 
-    def lost_last_child(self, key: bytes, page: Page) -> None:
-        entry = self._entries[key]
-        entry.children = 0
-        if self.policy.leaves_only:
-            self._queue(key, entry, page)
-
     def pop(self, now: float, protect: bytes) -> bytes | None:
         self.capacity = max(self.capacity, len(self._pages))
         small_full = self._sizes[SMALL] >= max(1, SMALL_SHARE * self.capacity)
