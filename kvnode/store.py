@@ -52,7 +52,9 @@ Design notes
    not recompute it on a put (one xxh3 pass per page, the writer's, keeps puts fast): a page
    whose checksum is wrong from the start is refused by its first reader, like one altered
    later. A put without one (an older client) gets one computed here. A reader that finds a
-   page altered reports it (drop_reported): it goes with its descendants, as in notes 7-8.
+   page altered reports it (drop_reported): the node checks its own copy, and only when that
+   fails too does the page go with its descendants, as in notes 7-8; an intact copy stays (the
+   bytes were altered on the reader's side), so a report cannot delete good pages.
 """
 
 from __future__ import annotations
@@ -144,6 +146,7 @@ class StoreStats:
     recovery_seconds: float = 0.0
     disk_errors: int = 0  # reads, writes and syncs of the disk tier that failed (kvnode/tiers.py)
     reported_dropped: int = 0  # pages a reader found altered, with their descendants (design note 9)
+    reported_kept: int = 0  # pages a reader reported that are intact here (altered on the reader's side)
 
 
 def check_key(key: bytes, what: str = "key") -> None:
@@ -333,10 +336,18 @@ class PageStore:
 
     def drop_reported(self, key: bytes) -> int:
         """A reader found page `key`'s bytes do not match its checksum: drop it and its descendants
-        (design note 9); how many went, 0 when it is not cached."""
+        (design note 9) when the node's own bytes fail it too; how many went, 0 when it is not
+        cached or is intact here (so a reader cannot drop good pages, only report bad ones)."""
         check_key(key)
         with self._lock:
-            if key not in self._index:
+            page = self._index.get(key)
+            if page is None:
+                return 0
+            view = memoryview(self._pool[page.slot]) if self._tiers is None else self._tiers.bytes_of(key, page)
+            if view is not None and self._index.get(key) is page and page_checksum(key, view) == page.checksum:
+                self.stats.reported_kept += 1  # the node's copy is intact: the reader's was altered on the way
+                return 0
+            if self._index.get(key) is not page:  # lost on disk meanwhile, with its descendants
                 return 0
             dropped = self._drop_subtree(key)
             self.stats.reported_dropped += dropped

@@ -52,8 +52,11 @@ def test_a_page_put_with_a_checksum_its_bytes_do_not_match_is_refused_by_its_fir
     assert rejected.value.index == 2
 
 
-def test_drop_pages_takes_the_page_and_its_descendants_only(seeded):
+def test_drop_pages_takes_an_altered_page_and_its_descendants_only(seeded):
     with seeded.client() as client:
+        assert client.drop_pages([GOOD[1]]) == 0  # intact on the node: a report cannot drop it
+        assert client.lookup(GOOD) == 3
+        flip_byte_in_pool(seeded, GOOD[1])
         assert client.drop_pages([GOOD[1]]) == 2
         assert client.lookup(GOOD) == 1
         assert client.drop_pages([GOOD[1]]) == 0

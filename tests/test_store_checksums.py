@@ -14,11 +14,14 @@ from store_helpers import CheckedStore, key, page
 PAGE_BYTES = 64
 
 
-def chain(store, numbers, parent=b""):
+def chain(store, numbers, parent=b"", altered=()):
+    """Pages `numbers`, each the child of the one before; those in `altered` stored with bytes
+    that do not match their writer's checksum (as if changed on the node after the put)."""
     for n in numbers:
         data = page(n, PAGE_BYTES)
-        store.validate_put(key(n), parent, data, page_checksum(key(n), data))
-        assert store.put(key(n), parent, data, page_checksum(key(n), data)) == PutOutcome.STORED
+        checksum = page_checksum(key(n), page(n + 100, PAGE_BYTES) if n in altered else data)
+        store.validate_put(key(n), parent, data, checksum)
+        assert store.put(key(n), parent, data, checksum) == PutOutcome.STORED
         parent = key(n)
 
 
@@ -64,7 +67,7 @@ def test_the_checksum_is_carried_to_disk_and_back_after_a_restart(tmp_path):
 
 def test_a_reported_page_goes_with_its_descendants_and_nothing_else():
     store = CheckedStore(PageStore(8, PAGE_BYTES))
-    chain(store, [1, 2, 3])
+    chain(store, [1, 2, 3], altered={2})
     chain(store, [4], parent=key(1))  # a sibling branch under 1
     assert store.drop_reported(key(2)) == 2
     assert set(store.keys()) == {key(1), key(4)}
@@ -73,9 +76,26 @@ def test_a_reported_page_goes_with_its_descendants_and_nothing_else():
     assert store.drop_reported(key(2)) == 0  # gone already: nothing to do
 
 
-def test_a_reported_page_being_sent_leaves_the_index_at_once_and_its_slot_at_its_last_unpin():
+def test_a_reported_page_whose_bytes_are_intact_on_the_node_stays():
+    """Altered on the reader's side (or a reader that is wrong): the node's copy passes its own check."""
     store = CheckedStore(PageStore(8, PAGE_BYTES))
     chain(store, [1, 2, 3])
+    assert store.drop_reported(key(2)) == 0
+    assert set(store.keys()) == {key(1), key(2), key(3)}
+    assert store.stats.reported_kept == 1 and store.stats.reported_dropped == 0
+
+
+def test_a_reported_page_on_disk_only_is_checked_there(tmp_path):
+    store = PageStore(2, PAGE_BYTES, disk=DiskTier(tmp_path, 8, PAGE_BYTES))
+    chain(store, [1, 2, 3, 4], altered={1})  # 1 and 2 demoted to disk
+    assert store.drop_reported(key(2)) == 0  # intact where it is
+    assert store.drop_reported(key(1)) == 4
+    assert not list(store.keys())
+
+
+def test_a_reported_page_being_sent_leaves_the_index_at_once_and_its_slot_at_its_last_unpin():
+    store = CheckedStore(PageStore(8, PAGE_BYTES))
+    chain(store, [1, 2, 3], altered={2})
     views = store.pin_pages([key(2)])
     assert store.drop_reported(key(2)) == 2
     assert set(store.keys()) == {key(1)} and store.lookup([key(1), key(2)]) == 1
@@ -87,7 +107,7 @@ def test_a_reported_page_being_sent_leaves_the_index_at_once_and_its_slot_at_its
 
 def test_a_reported_page_that_is_leased_goes_and_the_lease_count_follows():
     store = CheckedStore(PageStore(8, PAGE_BYTES))  # invariants (the leased count among them) after each call
-    chain(store, [1, 2, 3])
+    chain(store, [1, 2, 3], altered={2})
     assert store.lookup([key(1), key(2), key(3)], lease_ms=1000) == 3
     assert store.drop_reported(key(2)) == 2
     assert store.num_leased() == 1
