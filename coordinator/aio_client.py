@@ -7,7 +7,9 @@ Notes
    were made on).
 2. Leaving `generate`'s loop early (closing it, or cancelling the task that reads it) cancels the
    call: the coordinator cancels the worker's stream and the worker frees the request's blocks.
-3. No tracing interceptor: the gateway, its only user, does not trace.
+3. While tracing is on, each call carries the caller's trace context (`traceparent`) in its
+   metadata, so the coordinator's span is a child of the gateway's (grpc.aio takes no sync
+   interceptor; the context is read on the caller's task when the call is made).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from coordinator.client import (TRY_ELSEWHERE, ClusterError, Finished, Piece, cl
 from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
 from protos import security
+from protos.observability import trace_metadata
 from protos.tokens import authorization
 from worker.client import generate_request, parse_reply
 
@@ -41,7 +44,7 @@ class AsyncClient:
     async def generate(self, prompt: str | Sequence[int] | Sequence[Mapping[str, str]], session_id: str = "",
                        token: str | None = None, **options) -> AsyncIterator[Piece | Finished]:
         """Pieces as they come, then one Finished; as Client.generate (note 2 for cancelling)."""
-        metadata = self._metadata if token is None else authorization(token)
+        metadata = (self._metadata if token is None else authorization(token)) + trace_metadata()
         request = generate_request(prompt, **options)
         request.session_id = session_id
         sent: list[int] = []
@@ -70,7 +73,7 @@ class AsyncClient:
         raise none_served(codes, errors)
 
     async def status(self, timeout: float = 5.0, token: str | None = None) -> pb.ClusterStatusReply:
-        metadata = self._metadata if token is None else authorization(token)
+        metadata = (self._metadata if token is None else authorization(token)) + trace_metadata()
         errors = []
         for _, (address, stub) in self._in_order():
             try:

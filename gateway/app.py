@@ -12,6 +12,7 @@ from typing import Awaitable, Callable
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -22,7 +23,9 @@ from gateway.bodies import CLIENT_GONE, read_json
 from gateway.errors import ApiError
 from gateway.replies import Reply, combined, model_body
 from gateway.shapes import Call, parse_chat, parse_completion
+from gateway.tracing import TraceRequests
 from gateway.upstream import Upstream
+from protos.observability import tracing_enabled
 
 log = logging.getLogger("gateway")
 
@@ -112,6 +115,8 @@ def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, o
     if metrics is not None:
         routes.append(Route("/metrics", metrics_page, methods=["GET"]))
     middleware = metrics.middleware() if metrics is not None else []
+    if tracing_enabled():
+        middleware = [Middleware(TraceRequests), *middleware]   # outermost: the span covers the metrics too
     return Starlette(
         routes=routes,
         middleware=middleware,

@@ -15,7 +15,7 @@ import socket
 import sys
 
 from kvcache.units import parse_size
-from protos import addresses, security
+from protos import addresses, observability, security
 from protos.serving import add_listen_arguments
 
 log = logging.getLogger("gateway")
@@ -50,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     security.add_arguments(parser, client=True)
     parser.add_argument("--metrics", action="store_true",
                         help="serve Prometheus metrics at /metrics on the gateway's own port (default: off)")
+    observability.add_tracing_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         sock = _listen(args.host, args.port, args.send_timeout)
         host, port = sock.getsockname()[:2]
         reached = addresses.reached_at(host, port, args.advertise)
+        observability.setup_tracing(args, "kvcache-gateway")
     except (ValueError, OSError) as exc:
         print(f"kvcache gateway: error: {exc}", file=sys.stderr)
         return 2

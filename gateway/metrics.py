@@ -12,11 +12,9 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.routes import route_of
 from protos.observability import DURATION_BUCKETS
 from worker.client import Finished
-
-ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
-
 
 class GatewayMetrics:
     def __init__(self):
@@ -57,8 +55,7 @@ class _Observe:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        route = path if path in ROUTES else ("/v1/models" if path.startswith("/v1/models/") else "other")
+        route = route_of(scope.get("path", "")) or "other"
         status = 500   # unless a response starts: an app that raised without answering
         started = time.perf_counter()
 

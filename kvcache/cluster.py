@@ -279,8 +279,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
     member serves and calls over mutual TLS with its role's certificate (tls_args); with
     `tokens_file`, coordinators and workers want a client token from it (protos/tokens.py). With
     `gateway_port` (0: a free one), an HTTP gateway (`kvcache gateway`) serves the OpenAI API in
-    front of the coordinators, with /metrics when `metrics`. With `otlp_endpoint`, coordinators,
-    kvnodes and workers export trace spans there (--otlp-endpoint; needs the `otel` extra).
+    front of the coordinators, with /metrics when `metrics`. With `otlp_endpoint`, every member
+    (and the gateway) exports trace spans there (--otlp-endpoint; needs the `otel` extra).
 
     `on_start(cluster)` runs after each start, so a caller can record pids as they appear; on
     failure, or an interrupt (Ctrl-C, a SIGTERM handler's SystemExit), whatever started is
@@ -321,6 +321,7 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
         if gateway_port is not None:
             gateway = Daemon("gateway", ["--port", str(gateway_port), "--coordinators", joined,
                                          *(["--metrics"] if metrics else []),
+                                         *(["--otlp-endpoint", otlp_endpoint] if otlp_endpoint else []),
                                          *(tls_args(tls_dir, "client") if tls_dir is not None else [])],
                              log_path=logs / "gateway.log")
             cluster.daemons.append(gateway)

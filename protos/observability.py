@@ -49,6 +49,11 @@ def add_arguments(parser) -> None:
         help="serve Prometheus metrics at http://HOST:PORT/metrics on --host; 0 picks a free port "
              "(default: off)",
     )
+    add_tracing_arguments(parser)
+
+
+def add_tracing_arguments(parser) -> None:
+    """--otlp-endpoint alone, for the gateway (its metrics are on its own HTTP port)."""
     parser.add_argument(
         "--otlp-endpoint", default=None, metavar="URL",
         help="export trace spans over OTLP/HTTP to URL (e.g. http://127.0.0.1:4318/v1/traces); needs the "
@@ -109,6 +114,16 @@ def setup_tracing(args, service_name: str) -> bool:
 def current_context():
     """The calling thread's trace context, to parent spans made later on another thread."""
     return otel_context.get_current()
+
+
+def trace_metadata() -> tuple[tuple[str, str], ...]:
+    """The current trace context as gRPC metadata (`traceparent`), for grpc.aio calls, which take no
+    interceptor here; empty while tracing is off or outside a span."""
+    if not tracing_enabled():
+        return ()
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple(carrier.items())
 
 
 def traced_channel(channel: grpc.Channel) -> grpc.Channel:

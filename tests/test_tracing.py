@@ -78,6 +78,17 @@ def test_a_fetch_from_the_node_is_in_the_requests_trace(spans):
     assert first_root["trace"] != root["trace"]
 
 
+def test_a_call_through_the_gateway_continues_the_callers_trace(spans):
+    root, trace = one_trace(spans, "client.third")
+    gateway = named(trace, "POST /v1/completions")[0]
+    assert gateway["parent"] == root["id"]          # the caller's traceparent header
+    coordinator = named(trace, "kvcache.v1.Coordinator/Generate")[0]
+    assert coordinator["parent"] == gateway["id"]   # carried on by the gateway's grpc.aio call
+    worker = named(trace, "kvcache.v1.Worker/Generate")[0]
+    assert worker["parent"] == coordinator["id"]
+    assert gateway["start"] <= coordinator["start"] and coordinator["end"] <= gateway["end"]
+
+
 def test_otlp_endpoint_without_the_otel_extra_is_one_clear_line():
     try:
         import opentelemetry.exporter.otlp.proto.http  # noqa: F401

@@ -1,15 +1,20 @@
 """Run by test_tracing.py in a child process (a tracer provider is set once per process, so the
 test's own process stays without one): an in-process coordinator, two workers and a kvnode, each
 gRPC server with the daemons' interceptors, the SDK's in-memory exporter; prints the spans of
-two client calls as JSON lines."""
+three client calls as JSON lines: one straight to the coordinator, one to a worker, one through the
+HTTP gateway (uvicorn on a thread) with the client's `traceparent` header."""
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
+import socket
 import sys
+import threading
+import time
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -55,6 +60,33 @@ def main() -> int:
         address = serve(stack, worker_service.handler(service), worker_service.SERVICE_NAME)
         return address, engine, tier
 
+    def serve_gateway(stack, coordinator_address) -> int:
+        import uvicorn
+
+        from coordinator.aio_client import AsyncClient
+        from gateway.app import create_app
+        from gateway.upstream import Upstream
+
+        app = create_app(Upstream(lambda: AsyncClient([coordinator_address]), 4), 1 << 20, 10.0)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+
+        def stop():
+            server.should_exit = True
+            thread.join(10.0)
+            sock.close()
+
+        stack.callback(stop)
+        deadline = time.monotonic() + 30.0
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
+            time.sleep(0.02)
+        return sock.getsockname()[1]
+
     tracer = trace.get_tracer("test-client")
     with contextlib.ExitStack() as stack:
         first, engine, first_tier = start_worker(stack)
@@ -64,7 +96,7 @@ def main() -> int:
         node = serve(stack, node_service.handler(node_service.KVStoreService(store, "node-0")), node_service.SERVICE_NAME)
         membership = Membership(dead_after_s=600.0)
         membership.register("node", node, capacity_bytes=256 * page_bytes, page_bytes=page_bytes)
-        membership.register("worker", first, page_bytes=page_bytes)
+        membership.register("worker", first, page_bytes=page_bytes, model="tiny")
         coordinator = coordinator_service.CoordinatorService(membership, replicas=1)
         stack.callback(coordinator.close)
         address = serve(stack, coordinator_service.handler(coordinator), coordinator_service.SERVICE_NAME)
@@ -75,6 +107,17 @@ def main() -> int:
         with tracer.start_as_current_span("client.second"), WorkerClient(second) as client:
             list(client.generate(PROMPT + "Is there rye?", max_tokens=3, placement=[node]))
         assert second_tier.flush(10.0), "write-back did not finish"
+        gateway = serve_gateway(stack, address)
+        with tracer.start_as_current_span("client.third"):
+            headers = {"Content-Type": "application/json"}
+            propagate.inject(headers)
+            body = {"model": "tiny", "prompt": PROMPT + "Do you bake on Sundays?", "max_tokens": 3}
+            connection = http.client.HTTPConnection("127.0.0.1", gateway, timeout=60)
+            connection.request("POST", "/v1/completions", json.dumps(body), headers)
+            reply = connection.getresponse()
+            assert reply.status == 200, reply.read()
+            reply.read()
+            connection.close()
     for span in exporter.get_finished_spans():
         print(json.dumps({"name": span.name, "trace": format(span.context.trace_id, "032x"),
                           "id": format(span.context.span_id, "016x"),
