@@ -84,3 +84,37 @@ class _StoreCollector(Collector):
                                   value=stats.get_pages)
         yield CounterMetricFamily("kvcache_node_reported_dropped_pages", "Pages dropped because a reader found their "
                                   "bytes did not match their checksum, with their descendants", value=stats.reported_dropped)
+        yield CounterMetricFamily("kvcache_node_reported_kept_pages", "Pages a reader reported altered that were "
+                                  "intact here (kept: the bytes changed on the way or at the reader)",
+                                  value=stats.reported_kept)
+        if store.disk is not None:
+            yield from _disk_tier(store, stats)
+
+
+def _disk_tier(store: PageStore, stats):
+    """The disk tier's numbers (kvcache node --data-dir): pages per tier, I/O, what recovery found."""
+    pages = GaugeMetricFamily("kvcache_node_tier_pages", "Pages held, by tier (a page in RAM is also on disk once "
+                              "flushed)", labels=["tier"])
+    pages.add_metric(["ram"], store.num_in_ram())
+    pages.add_metric(["disk"], store.num_on_disk())
+    yield pages
+    capacity = GaugeMetricFamily("kvcache_node_tier_pages_capacity", "Pages each tier can hold", labels=["tier"])
+    capacity.add_metric(["ram"], store.ram_capacity_pages)
+    capacity.add_metric(["disk"], store.capacity_pages)
+    yield capacity
+    yield GaugeMetricFamily("kvcache_node_dirty_pages", "Pages in RAM not yet written to disk", value=store.num_dirty())
+    for name, what, value in (
+            ("disk_read_pages", "Pages read from the disk tier (promotions and pages served from disk)", stats.disk_reads),
+            ("disk_written_pages", "Pages written to the disk tier (flushes, demotions, write-through)", stats.disk_writes),
+            ("promoted_pages", "Pages read from disk into RAM", stats.promotions),
+            ("demoted_pages", "RAM copies dropped to make room (the page stays on disk)", stats.demotions),
+            ("corrupted_dropped_pages", "Pages whose bytes on disk failed their checksum, at start or on a read",
+             stats.corrupted_dropped),
+            ("orphan_dropped_pages", "Intact pages dropped because an ancestor was corrupted or lost",
+             stats.orphans_dropped),
+            ("disk_errors", "Reads, writes and syncs of the disk tier that failed", stats.disk_errors)):
+        yield CounterMetricFamily(f"kvcache_node_{name}", what, value=value)
+    yield GaugeMetricFamily("kvcache_node_recovered_pages", "Pages found intact on disk at start",
+                            value=stats.recovered_pages)
+    yield GaugeMetricFamily("kvcache_node_recovery_seconds", "Seconds the start took to recover the disk tier's pages",
+                            value=stats.recovery_seconds)

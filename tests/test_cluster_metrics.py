@@ -30,8 +30,9 @@ PAGE_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with start_cluster(tmp_path_factory.mktemp("cluster"), nodes=2, workers=2, coordinators=1, replicas=2,
-                       node_capacity="16MiB", worker_kv_cache="16MiB", metrics=True) as cluster:
+    folder = tmp_path_factory.mktemp("cluster")   # kvnodes with a disk tier: the dashboard shows theirs too
+    with start_cluster(folder, nodes=2, workers=2, coordinators=1, replicas=2, node_capacity="16MiB",
+                       worker_kv_cache="16MiB", metrics=True, data_dir=folder / "data") as cluster:
         wait_healthy(cluster.coordinator_addresses, nodes=2, workers=2)
         yield cluster
 

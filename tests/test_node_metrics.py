@@ -9,7 +9,7 @@ import socket
 
 import numpy as np
 
-from cluster_helpers import NODE_PAGE_BYTES, node_process, read_log
+from cluster_helpers import NODE_PAGE_BYTES, node_process, read_log, wait_for
 from kvnode.client import NodeClient
 from metrics_helpers import delta, scrape
 from store_helpers import key
@@ -100,3 +100,41 @@ def test_bad_http_input_leaves_the_node_serving(tmp_path):
         assert scrape(daemon.metrics_url).value("kvcache_node_pages_capacity") == 8
         with NodeClient(daemon.address) as client:
             assert client.info().capacity_pages == 8
+
+
+def test_the_disk_tier_is_counted_per_tier_and_at_restart(tmp_path):
+    data = tmp_path / "data"
+    args = ("--capacity", "8KiB", "--page-bytes", str(NODE_PAGE_BYTES), "--data-dir", str(data),
+            "--disk-capacity", "64KiB", "--flush-interval", "0.1", "--metrics-port", "0")
+    chain = [key(i) for i in range(1, 21)]   # 20 pages: 8 fit in RAM, every one on disk
+    with node_process(tmp_path, *args) as daemon, NodeClient(daemon.address) as client:
+        before = scrape(daemon.metrics_url)
+        assert client.put_pages(chain, [b"", *chain[:-1]], pages(20)).stored == 20
+        assert wait_for(lambda: client.info().dirty_pages == 0, timeout_s=20), "not flushed in time"
+        disk_capacity = client.info().disk_capacity_pages
+        flushed = scrape(daemon.metrics_url)
+        client.get_pages(chain[:4])          # on disk only now: read from there and promoted
+        after = scrape(daemon.metrics_url)
+    assert flushed.value("kvcache_node_tier_pages", tier="ram") == 8
+    assert flushed.value("kvcache_node_tier_pages", tier="disk") == 20
+    assert flushed.value("kvcache_node_tier_pages_capacity", tier="ram") == 8
+    assert flushed.value("kvcache_node_tier_pages_capacity", tier="disk") == disk_capacity > 20
+    assert flushed.value("kvcache_node_dirty_pages") == 0
+    assert delta(flushed, before, "kvcache_node_disk_written_pages_total") == 20
+    assert delta(flushed, before, "kvcache_node_demoted_pages_total") == 12
+    assert delta(after, flushed, "kvcache_node_disk_read_pages_total") == 4
+    assert delta(after, flushed, "kvcache_node_promoted_pages_total") == 4
+    assert after.value("kvcache_node_disk_errors_total") == 0
+    with node_process(tmp_path, *args) as daemon:
+        restarted = scrape(daemon.metrics_url)
+    assert restarted.value("kvcache_node_recovered_pages") == 20
+    assert restarted.value("kvcache_node_recovery_seconds") > 0
+    assert restarted.value("kvcache_node_corrupted_dropped_pages_total") == 0
+    assert restarted.value("kvcache_node_orphan_dropped_pages_total") == 0
+
+
+def test_a_node_without_a_disk_tier_has_no_disk_metrics(tmp_path):
+    with node_process(tmp_path, *ARGS) as daemon:
+        names = scrape(daemon.metrics_url).names()
+    assert "kvcache_node_pages_used" in names and "kvcache_node_reported_kept_pages_total" in names
+    assert not [n for n in names if "disk" in n or "tier" in n]
