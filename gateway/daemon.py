@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 
@@ -100,6 +101,11 @@ def run(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=args.grace,
                             # Connections beyond this get 503 from uvicorn before any work is done.
                             limit_concurrency=args.max_streams * 2 + 16)
+    # uvicorn raises the signal that stopped it again once it has shut down; with the default
+    # action that killed the gateway (exit 143, no last line). These handlers swallow it, so a
+    # stop ends like every daemon's: one "stopped" line, exit 0.
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, lambda *_: None)
     uvicorn.Server(config).run(sockets=[sock])
     log.info("stopped")
     return 0

@@ -300,6 +300,19 @@ def test_a_coordinator_that_is_down_is_skipped(api, cluster, model, tmp_path):
         assert other.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0).choices[0].text == expected
 
 
+def test_sigterm_stops_the_gateway_with_one_line_and_exit_0(cluster, tmp_path):
+    args = ["--host", "127.0.0.1", "--port", "0", "--coordinators", ",".join(cluster.coordinator_addresses)]
+    gateway = Daemon("gateway", args, log_path=tmp_path / "stops.log")
+    try:
+        assert http(gateway.address, "GET", "/health")[0] == 200
+    finally:
+        code = gateway.stop(timeout_s=15.0)
+    assert code == 0
+    log = (tmp_path / "stops.log").read_text()
+    assert [line for line in log.splitlines() if line.endswith(" stopped")] != [], log
+    assert log.count(" stopped\n") == 1 and "Traceback" not in log, log
+
+
 def test_a_saturated_gateway_answers_429_and_one_without_a_cluster_503(cluster, model, tmp_path):
     args = ["--host", "127.0.0.1", "--port", "0"]
     with Daemon("gateway", [*args, "--coordinators", ",".join(cluster.coordinator_addresses), "--max-streams", "1"],
