@@ -15,9 +15,9 @@ import signal
 import socket
 import sys
 
-from kvcache.units import parse_size
 from protos import addresses, observability, security
 from protos.serving import add_listen_arguments
+from protos.units import parse_size
 
 log = logging.getLogger("gateway")
 

@@ -1,7 +1,9 @@
 """kvcache: a distributed KV-cache service for LLM inference.
 
-This package holds what every part shares (version, units) and the `kvcache`
-command line; the parts live in kvnode/, worker/, coordinator/ and protos/.
+This package is the `kvcache` command line; the parts live in kvnode/, worker/, coordinator/,
+gateway/ and protos/ (what they all share: the wire, units, the version).
 """
 
-__version__ = "0.1.0"
+from protos.version import __version__
+
+__all__ = ["__version__"]

@@ -22,9 +22,9 @@ from coordinator.client import Client, ClusterError
 from kvcache import prometheus
 from kvcache.cluster_file import ClusterFileError, read_cluster_file
 from kvcache.launch import Daemon, DaemonFailed
-from protos import tokens
-from kvcache.units import parse_size
 from kvcache.model_pages import model_page_bytes
+from protos import tokens
+from protos.units import parse_size
 from worker.model.named import DEFAULT_MODEL
 
 DEFAULT_RUN_DIR = ".kvcache"

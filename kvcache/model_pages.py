@@ -6,9 +6,8 @@ import functools
 
 import numpy as np
 
+from protos.pages import DEFAULT_PAGE_TOKENS
 from worker.model import read_model_config
-
-DEFAULT_PAGE_TOKENS = 16
 
 
 def model_page_bytes(model: str, kv_dtype: str = "float32", page_tokens: int = DEFAULT_PAGE_TOKENS) -> int:

@@ -12,7 +12,7 @@ from coordinator.client import Client, ClusterError
 from kvcache.bench.report import print_table
 from kvcache.generate import add_token_argument, coordinator_addresses, tls_options
 from protos import security, tokens
-from kvcache.units import format_size
+from protos.units import format_size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,6 @@ import sys
 import time
 
 from coordinator import agent
-from kvcache.units import format_size, parse_size
 from kvnode.data_dir import DataDir
 from kvnode.eviction import ALIASES, NODE_POLICIES, POLICIES, PREFIX_LRU
 from kvnode.data_plane import DEFAULT_MAX_CONNECTIONS, DataPlaneServer
@@ -23,6 +22,7 @@ from kvnode.service import DEFAULT_MAX_KEYS, SERVICE_NAME, KVStoreService, handl
 from kvnode.store import PageStore
 from protos import kvcache_pb2 as pb
 from protos import addresses, observability, security, serving
+from protos.units import format_size, parse_size
 
 log = logging.getLogger("kvnode")
 

@@ -31,16 +31,17 @@ from pathlib import Path
 
 import xxhash
 
+from protos.pages import KEY_BYTES
+
 SLOTS_FILE = "pages.slots"
 MAGIC = b"KVPG"
 VERSION = 2
 # magic, version, flags, page bytes, reserved, seq, key, parent, page checksum, slot checksum
-HEADER = struct.Struct("<4sHHIIQ16s16s16sQ")
+HEADER = struct.Struct(f"<4sHHIIQ{KEY_BYTES}s{KEY_BYTES}s16sQ")
 HEADER_BYTES = HEADER.size  # 80
 _CHECKED = HEADER_BYTES - 8  # the checksum covers the header up to itself, then the page
 _HAS_PARENT = 1
 BLOCK_BYTES = 4096
-KEY_BYTES = 16
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import uuid
 
 import grpc
 
-from kvcache import __version__
+from protos.version import __version__
 from kvnode import wire
 from kvnode.checksum import CHECKSUM_BYTES
 from kvnode.store import InvalidRequest, LeaseRefused, PageNotFound, PageStore, PutOutcome, check_key

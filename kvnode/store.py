@@ -74,10 +74,10 @@ from kvnode.eviction import PREFIX_AWARE, EvictionPolicy, EvictionQueue, get_pol
 from kvnode.leases import Leases
 from kvnode.recovery import Recovered, recover
 from kvnode.tiers import Tiers
+from protos.pages import KEY_BYTES
 
 log = logging.getLogger("kvnode")
 
-KEY_BYTES = 16
 MAX_LEASE_MS = 60_000
 
 

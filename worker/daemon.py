@@ -15,9 +15,10 @@ import threading
 import time
 
 from coordinator import agent
-from kvcache.units import format_size, parse_size
 from protos import kvcache_pb2 as pb
 from protos import observability, security, serving, tokens
+from protos.pages import DEFAULT_PAGE_TOKENS
+from protos.units import format_size, parse_size
 from worker.engine import Engine
 from worker.metrics import WorkerMetrics
 from worker.model import blas
@@ -39,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-dtype", choices=["float32", "float16"], default="float32", help="KV dtype on the wire (default float32)"
     )
     parser.add_argument("--kv-cache", default="256MiB", help="memory for the local paged KV pool (default 256MiB)")
-    parser.add_argument("--page-tokens", type=int, default=16, help="tokens per page (default 16)")
+    parser.add_argument("--page-tokens", type=int, default=DEFAULT_PAGE_TOKENS,
+                        help=f"tokens per page (default {DEFAULT_PAGE_TOKENS})")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="most requests decoding at once (default 32)")
     parser.add_argument(
         "--max-batched-tokens", type=int, default=1024,

@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from protos.pages import DEFAULT_PAGE_TOKENS
 from worker.block_pool import BlockPool
 from worker.connector import KVConnector
 from worker.model import ForwardBatch, load_model
@@ -74,7 +75,7 @@ class _Live:
 
 
 class Engine:
-    def __init__(self, model, kv_dtype: str = "float32", num_blocks: int | None = None, page_tokens: int = 16,
+    def __init__(self, model, kv_dtype: str = "float32", num_blocks: int | None = None, page_tokens: int = DEFAULT_PAGE_TOKENS,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 1024, remote_tier: RemoteTier | None = None,
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, seed: int | None = None,
                  max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP):

@@ -14,7 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
-KEY_BYTES = 16
+from protos.pages import KEY_BYTES
+
 TOKEN_DTYPE = np.dtype("<u4")  # vocabularies stay far below 2**32
 
 

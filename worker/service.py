@@ -29,7 +29,7 @@ from typing import Callable
 
 import grpc
 
-from kvcache import __version__
+from protos.version import __version__
 from protos import kvcache_pb2 as pb
 from protos import serving
 from worker.client import usage_to_proto

@@ -25,6 +25,7 @@ import numpy as np
 
 from kvcache.bench.chat_prompt import BenchChat
 from kvcache.bench.report import dump_json, machine, print_table
+from protos.pages import DEFAULT_PAGE_TOKENS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-context", type=int, default=128, help="prompt length before decoding (default 128)")
     parser.add_argument("--decode-tokens", type=int, default=32, help="decode steps measured (default 32)")
     parser.add_argument("--batch", type=int, default=8, help="the larger decode batch (default 8)")
-    parser.add_argument("--page-tokens", type=int, default=16, help="tokens per page (default 16)")
+    parser.add_argument("--page-tokens", type=int, default=DEFAULT_PAGE_TOKENS,
+                        help=f"tokens per page (default {DEFAULT_PAGE_TOKENS})")
     parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16"])
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is shown (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

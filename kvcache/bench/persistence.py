@@ -27,12 +27,12 @@ import numpy as np
 
 from kvcache.bench.report import dump_json, machine, print_table
 from kvcache.launch import Daemon
-from kvcache.units import parse_size
 from kvnode.client import NodeClient
 from kvnode.data_client import DataPlaneClient
 from kvnode.data_plane import DataPlaneServer
 from kvnode.disk_tier import HEADER_BYTES, DiskTier
 from kvnode.store import PageStore
+from protos.units import parse_size
 
 TINY_FP32_PAGE = 4 * 2 * 4 * 16 * 64 * 4  # 131,072 bytes: the default node page
 
