@@ -1,5 +1,6 @@
 """GGUF files for tests, written with gguf.GGUFWriter as llama.cpp's converter writes them (Q/K rows
-permuted, norms in F32), and the same weights as a Hugging Face folder (safetensors) to compare."""
+permuted, norms in F32), and the same weights as a Hugging Face folder (safetensors) to compare;
+SentencePiece vocabularies trained in-process, the ground truth of a "llama" tokenizer."""
 
 from __future__ import annotations
 
@@ -15,6 +16,14 @@ T = gguf.GGMLQuantizationType
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Llama 2's chat template (bos_token and [INST] markers), shortened to what the tests send.
+LLAMA2_CHAT = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+               "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}{{ ' ' + message['content'] + ' ' + "
+               "eos_token }}{% endif %}{% endfor %}")
+SPM_TEXT = ["The quick brown fox jumps over the lazy dog.", "Hello, world! How are you today?",
+            "In 1984, 42 people paid $3.50 each.", "the cat sat on the mat; the hat of the cat",
+            "What is the capital of France? Paris is the capital.", "  indented   with    spaces  ",
+            "naïve café déjà vu", "def main():    return x + y * 2", "tokenizers split pieces into merges"]
 
 
 def train_tokenizer(vocab_size=300):
@@ -28,6 +37,40 @@ def train_tokenizer(vocab_size=300):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["the cat sat on the mat", "the hat of the cat", "What is the capital?"] * 50, trainer)
     return tok
+
+
+def train_sentencepiece(vocab_size=400, user_defined=(), **options):
+    """A small SentencePiece BPE with byte fallback, trained as Llama's tokenizer.model was (no
+    normalization, spaces kept as they are, digits split, pieces of spaces only): <unk>, <s>, </s>
+    at ids 0..2, then the 256 byte pieces. -> sentencepiece.SentencePieceProcessor"""
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(SPM_TEXT * 20), model_writer=model, model_type="bpe", vocab_size=vocab_size,
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
+        allow_whitespace_only_pieces=True, character_coverage=1.0, hard_vocab_limit=False,
+        user_defined_symbols=list(user_defined), minloglevel=2, **options)
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def sentencepiece_metadata(sp, user_defined=()) -> tuple[list[str], list[float], list[int]]:
+    """(pieces, scores, GGUF token types) as llama.cpp's converter stores a tokenizer.model."""
+    def kind(i):
+        if sp.is_unknown(i):
+            return 2
+        if sp.is_control(i):
+            return 3
+        if sp.is_unused(i):
+            return 5
+        if sp.is_byte(i):
+            return 6
+        return 4 if sp.id_to_piece(i) in user_defined else 1
+
+    n = sp.get_piece_size()
+    return [sp.id_to_piece(i) for i in range(n)], [sp.get_score(i) for i in range(n)], [kind(i) for i in range(n)]
 
 
 def tokenizer_metadata(tok) -> tuple[list[str], list[str], list[int]]:
@@ -59,10 +102,12 @@ def hf_to_gguf_tensors(tensors: dict[str, np.ndarray], n_heads: int, n_kv_heads:
 
 
 def write_gguf(path, config, tensors, qtype=T.F32, arch="llama", tok=None, chat_template=CHATML, raw=None,
-               sliding_window=None, tokenizer_model="gpt2"):
+               sliding_window=None, tokenizer_model="gpt2", spm=None, spm_keys=None):
     """A GGUF of a Llama config and HF-named float32 tensors; 2-D weights in `qtype` (norms F32).
-    raw: {gguf name: (uint8 bytes array, type)} written as given instead. -> {gguf name: stored array}."""
-    tok = tok or train_tokenizer(config.vocab_size)
+    raw: {gguf name: (uint8 bytes array, type)} written as given instead. spm: a SentencePiece
+    vocabulary (pieces, scores, types) written instead of `tok`'s, with BOS added unless spm_keys
+    ({key: bool} of tokenizer.ggml.add_bos_token, ...) says otherwise. -> {gguf name: stored array}."""
+    tok = None if spm else tok or train_tokenizer(config.vocab_size)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config.n_layers)
     w.add_context_length(config.max_positions)
@@ -76,12 +121,23 @@ def write_gguf(path, config, tensors, qtype=T.F32, arch="llama", tok=None, chat_
     w.add_vocab_size(config.vocab_size)
     if sliding_window:
         w.add_sliding_window(sliding_window)
-    tokens, merges, types = tokenizer_metadata(tok)
-    w.add_tokenizer_model(tokenizer_model)
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types(types)
+    if spm:
+        tokens, scores, types = spm
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        if scores is not None:
+            w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
+        for key, value in {"tokenizer.ggml.add_bos_token": True, **(spm_keys or {})}.items():
+            w.add_bool(key, value)
+    else:
+        tokens, merges, types = tokenizer_metadata(tok)
+        w.add_tokenizer_model(tokenizer_model)
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_merges(merges)
+        w.add_token_types(types)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     if chat_template:

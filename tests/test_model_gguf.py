@@ -141,13 +141,14 @@ def test_an_unsupported_tensor_type_names_the_tensor_and_type(tmp_path, tok):
         load_model(str(tmp_path / "m.gguf"))
 
 
-def test_a_missing_tensor_and_a_sentencepiece_vocabulary_are_named(tmp_path, tok):
+def test_a_missing_tensor_and_an_unknown_kind_of_vocabulary_are_named(tmp_path, tok):
     config = _config()
     tensors = random_tensors_for(config, seed=28)
     del tensors["layers.1.mlp.up_proj.weight"]
     write_gguf(tmp_path / "m.gguf", config, tensors, tok=tok)
     with pytest.raises(CheckpointError, match=r"missing tensor 'blk.1.ffn_up.weight'"):
         load_model(str(tmp_path / "m.gguf"))
-    write_gguf(tmp_path / "spm.gguf", config, random_tensors_for(config, seed=28), tok=tok, tokenizer_model="llama")
-    with pytest.raises(CheckpointError, match=r"tokenizer.ggml.model='llama' is not supported"):
-        load_model(str(tmp_path / "spm.gguf"))
+    write_gguf(tmp_path / "t5.gguf", config, random_tensors_for(config, seed=28), tok=tok, tokenizer_model="t5")
+    with pytest.raises(CheckpointError, match=r"tokenizer.ggml.model='t5' is not supported \(supported: 'gpt2' "
+                                              r"\(byte-level BPE\), 'llama' \(SentencePiece BPE\)\)"):
+        load_model(str(tmp_path / "t5.gguf"))

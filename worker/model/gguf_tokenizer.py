@@ -1,7 +1,19 @@
-"""A `tokenizers.Tokenizer` from a GGUF file's `tokenizer.ggml.*` metadata: the vocabulary, merges,
-token types (control tokens become special, user-defined ones added tokens), BOS/EOS and the
-pre-tokenizer llama.cpp names in `tokenizer.ggml.pre`. Byte-level BPE ("gpt2") only: a
-SentencePiece vocabulary ("llama") is refused by name.
+"""A `tokenizers.Tokenizer` from a GGUF file's `tokenizer.ggml.*` metadata, as llama.cpp tokenizes
+with the same file. Two kinds of vocabulary (`tokenizer.ggml.model`):
+
+- "gpt2", byte-level BPE (SmolLM, Llama 3, Qwen2): the vocabulary, merges, token types (control
+  tokens become special, user-defined ones added tokens), BOS and the pre-tokenizer llama.cpp
+  names in `tokenizer.ggml.pre`.
+- "llama", SentencePiece BPE with byte fallback (Llama 1/2, Mistral 7B, TinyLlama): pieces with
+  "▁" for spaces, a score per piece and no merges. SentencePiece merges, at each step, the
+  adjacent pair whose joined piece scores highest; a BPE whose merges are every split of every
+  normal piece into two known pieces, ranked by the joined piece's score, merges the same pairs
+  in the same order (what llama.cpp's llm_tokenizer_spm and Hugging Face's GGUF converter do; a
+  Unigram model over the same scores tokenizes differently). Characters outside the vocabulary
+  become their UTF-8 bytes (`<0x0A>` pieces). A "▁" is prepended to each run of text between
+  special tokens (`tokenizer.ggml.add_space_prefix`, on by default) and stripped again when decoding.
+
+Any other kind ("bert", "t5", "rwkv", ...) is refused by name.
 """
 
 from __future__ import annotations
@@ -9,7 +21,9 @@ from __future__ import annotations
 from .config import CheckpointError
 
 # GGUF token types (llama.cpp's llama_token_type).
-CONTROL, USER_DEFINED = 3, 4
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+SPACE = "\u2581"   # SentencePiece's visible space
+SUPPORTED_MODELS = "'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)"
 
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -31,9 +45,11 @@ def build_tokenizer(get, source: str):
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
     model = get("tokenizer.ggml.model", str)
+    if model == "llama":
+        return _sentencepiece_bpe(get, source)
     if model != "gpt2":
         raise CheckpointError(f"{source}: tokenizer.ggml.model={model!r} is not supported "
-                              f"(supported: 'gpt2', byte-level BPE)")
+                              f"(supported: {SUPPORTED_MODELS})")
     pre = get("tokenizer.ggml.pre", str, required=False, default="default")
     if pre not in PRE_TOKENIZERS:
         raise CheckpointError(f"{source}: tokenizer.ggml.pre={pre!r} is not supported "
@@ -80,3 +96,74 @@ def _pre_tokenizer(kind: str):
     pattern = LLAMA3_SPLIT if kind == "llama3" else QWEN2_SPLIT
     return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _sentencepiece_bpe(get, source: str):
+    """tokenizer.ggml.model = "llama" (module docstring); merges in the file, if any, are ignored
+    as llama.cpp ignores them: the scores rank the merges."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    tokens = get("tokenizer.ggml.tokens", list)
+    scores = get("tokenizer.ggml.scores", list, required=False)
+    if scores is None:
+        raise CheckpointError(f"{source}: missing metadata key 'tokenizer.ggml.scores' (a SentencePiece "
+                              f"vocabulary needs the score of each piece to know which pieces to merge first)")
+    types = get("tokenizer.ggml.token_type", list, required=False, default=[NORMAL] * len(tokens))
+    for key, values in (("tokenizer.ggml.scores", scores), ("tokenizer.ggml.token_type", types)):
+        if len(values) != len(tokens):
+            raise CheckpointError(f"{source}: {len(tokens)} tokens but {len(values)} entries in {key}")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise CheckpointError(f"{source}: tokenizer.ggml.tokens holds {len(tokens) - len(vocab)} duplicate token(s)")
+    unk_id = get("tokenizer.ggml.unknown_token_id", required=False, default=0)   # llama.cpp's default
+    unk = tokens[unk_id] if unk_id < len(tokens) else None   # for bytes without a <0x..> piece
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges_by_score(tokens, scores, types), unk_token=unk,
+                               fuse_unk=True, byte_fallback=True))
+    space_prefix = get("tokenizer.ggml.add_space_prefix", bool, required=False, default=True)
+    tok.normalizer = normalizers.Sequence(([normalizers.Prepend(SPACE)] if space_prefix else [])
+                                          + [normalizers.Replace(" ", SPACE)])
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
+    # llama.cpp splits the text at control, unknown and user-defined tokens before tokenizing.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind in zip(tokens, types) if kind in (CONTROL, UNKNOWN)])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, kind in zip(tokens, types) if kind == USER_DEFINED])
+    # SentencePiece vocabularies add BOS unless the file says otherwise (llama.cpp's default).
+    _add_bos_eos(tok, get, source, tokens, get("tokenizer.ggml.add_bos_token", bool, required=False, default=True),
+                 get("tokenizer.ggml.add_eos_token", bool, required=False, default=False))
+    return tok
+
+
+def _merges_by_score(tokens: list[str], scores: list, types: list[int]) -> list[tuple[str, str]]:
+    """Every split of a normal piece into two pieces of the vocabulary, the best-scored piece's
+    first (ties: the lower id, as SentencePiece's own pieces are scored in id order)."""
+    parts = {t for t, kind in zip(tokens, types) if kind in (NORMAL, USER_DEFINED)}
+    ranked = []
+    for i, (piece, kind) in enumerate(zip(tokens, types)):
+        if kind != NORMAL:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in parts and right in parts:
+                ranked.append((-float(scores[i]), i, left, right))
+    ranked.sort(key=lambda m: (m[0], m[1]))
+    return [(left, right) for _, _, left, right in ranked]
+
+
+def _add_bos_eos(tok, get, source: str, tokens: list[str], add_bos: bool, add_eos: bool) -> None:
+    from tokenizers import processors
+
+    ends = {}
+    for name, wanted in (("bos", add_bos), ("eos", add_eos)):
+        if wanted:
+            token_id = get(f"tokenizer.ggml.{name}_token_id")
+            if token_id >= len(tokens):
+                raise CheckpointError(f"{source}: tokenizer.ggml.{name}_token_id={token_id} is outside the vocabulary")
+            ends[name] = (tokens[token_id], token_id)
+    if not ends:
+        return
+    bos = f"{ends['bos'][0]} " if "bos" in ends else ""
+    eos = f" {ends['eos'][0]}" if "eos" in ends else ""
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos}$A{eos}", pair=f"{bos}$A{eos} {bos}$B{eos}",
+                                                       special_tokens=sorted(set(ends.values())))
