@@ -11,6 +11,7 @@ from gguf_helpers import LLAMA2_CHAT, sentencepiece_metadata, train_sentencepiec
 from worker.engine import Engine
 from worker.model import CheckpointError, load_model, load_model_tokenizer
 from worker.model.testing import llama_config, random_tensors_for
+from worker.sampling import SamplingParams, StopChecker
 
 SEP = "<sep>"
 TEXTS = ["", " ", "   ", "Hello world", " leading space", "trailing space ", "multiple   spaces    here",
@@ -95,7 +96,8 @@ def test_a_tiny_llama_with_a_sentencepiece_vocabulary_generates(tmp_path, sp):
     out = engine.generate(["The capital of France is"], max_new_tokens=8)[0]
     assert out.prompt_token_ids == [1] + sp.encode("The capital of France is")
     assert len(out.token_ids) >= 1 and not any(sp.is_byte(i) for i in out.token_ids)
-    assert out.text == model.tokenizer.decode(out.token_ids) and out.text.strip()
+    prompt_text = model.tokenizer.decode(out.prompt_token_ids)       # the text continues the prompt's
+    assert out.text.strip() and model.tokenizer.decode(out.prompt_token_ids + out.token_ids) == prompt_text + out.text
     # The chat template writes BOS itself; it stays one special token, [INST] is text.
     chat = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello"},
             {"role": "user", "content": "What is the capital?"}]
@@ -104,6 +106,17 @@ def test_a_tiny_llama_with_a_sentencepiece_vocabulary_generates(tmp_path, sp):
                    + sp.encode("[INST] What is the capital? [/INST]"))
     reply = engine.generate([ids], max_new_tokens=4)[0]
     assert reply.prompt_token_ids == ids and len(reply.token_ids) >= 1
+
+
+def test_streamed_text_keeps_the_space_before_the_first_word(tok, sp):
+    """Decoding alone strips the space prefix of its first piece; a completion's first word is
+    decoded after the prompt's last tokens, so it keeps the space that separates it."""
+    prompt = tok.encode("The capital of France is")
+    checker = StopChecker(tok, SamplingParams(max_new_tokens=50), prompt, [2], 100)
+    answer = sp.encode("Paris, naïve 🙂")                                # "▁Paris" first, bytes last
+    for n, token_id in enumerate(answer, 1):
+        checker.append(token_id, n, len(prompt) + n)
+    assert checker.text == " Paris, naïve 🙂" and tok.decode(answer) == "Paris, naïve 🙂"
 
 
 def test_a_sentencepiece_vocabulary_without_scores_is_refused(tmp_path, sp):
