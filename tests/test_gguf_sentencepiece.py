@@ -119,6 +119,17 @@ def test_streamed_text_keeps_the_space_before_the_first_word(tok, sp):
     assert checker.text == " Paris, naïve 🙂" and tok.decode(answer) == "Paris, naïve 🙂"
 
 
+def test_equal_scores_merge_in_id_order(tmp_path, sp):
+    """gguf's converter scores every piece -1000 when the model came with a tokenizer.json only."""
+    tokens, scores, types = sentencepiece_metadata(sp, [SEP])
+    config = llama_config(vocab_size=len(tokens), eos_token_id=2)
+    write_gguf(tmp_path / "flat.gguf", config, random_tensors_for(config, seed=44),
+               spm=(tokens, [-1000.0] * len(tokens), types))
+    flat = load_model_tokenizer(str(tmp_path / "flat.gguf"))
+    for text in TEXTS:
+        assert flat.encode(text) == [1] + sp.encode(text), text
+
+
 def test_a_sentencepiece_vocabulary_without_scores_is_refused(tmp_path, sp):
     tokens, _, types = sentencepiece_metadata(sp)
     config = llama_config(vocab_size=len(tokens), eos_token_id=2)

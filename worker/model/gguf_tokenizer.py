@@ -137,7 +137,9 @@ def _sentencepiece_bpe(get, source: str):
 
 def _merges_by_score(tokens: list[str], scores: list, types: list[int]) -> list[tuple[str, str]]:
     """Every split of a normal piece into two pieces of the vocabulary, the best-scored piece's
-    first (ties: the lower id, as SentencePiece's own pieces are scored in id order)."""
+    first. Ties go to the lower id: SentencePiece numbers its BPE pieces in merge order, so even a
+    file whose scores are all equal (gguf's converter writes -1000 for every piece when it had only
+    a tokenizer.json) merges in SentencePiece's order."""
     parts = {t for t, kind in zip(tokens, types) if kind in (NORMAL, USER_DEFINED)}
     ranked = []
     for i, (piece, kind) in enumerate(zip(tokens, types)):
