@@ -1,5 +1,6 @@
 """GGUF files for tests, written with gguf.GGUFWriter as llama.cpp's converter writes them (Q/K rows
-permuted, norms in F32), and the same weights as a Hugging Face folder (safetensors) to compare;
+of "llama" permuted, "qwen2" as HF has them, norms and biases in F32), and the same weights as a
+Hugging Face folder (safetensors) to compare;
 SentencePiece vocabularies trained in-process, the ground truth of a "llama" tokenizer."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import gguf
 import numpy as np
 from safetensors.numpy import save_file
 
-from worker.model.gguf_file import LAYER_NAMES, TOP_NAMES, permute_rows
+from worker.model.gguf_file import LAYER_NAMES, PERMUTED_QK_ARCHS, TOP_NAMES, permute_rows
 
 T = gguf.GGMLQuantizationType
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -83,8 +84,10 @@ def tokenizer_metadata(tok) -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, types
 
 
-def hf_to_gguf_tensors(tensors: dict[str, np.ndarray], n_heads: int, n_kv_heads: int) -> dict[str, np.ndarray]:
-    """HF (canonical) names and layout -> GGUF names, Q/K rows permuted as convert_hf_to_gguf does."""
+def hf_to_gguf_tensors(tensors: dict[str, np.ndarray], n_heads: int, n_kv_heads: int,
+                       permute: bool = True) -> dict[str, np.ndarray]:
+    """HF (canonical) names and layout -> GGUF names; with `permute`, Q/K rows (weights and biases)
+    permuted as convert_hf_to_gguf does for "llama"."""
     top = {c: g for g, c in TOP_NAMES.items()}
     layer = {c: g for g, c in LAYER_NAMES.items()}
     out = {}
@@ -93,17 +96,18 @@ def hf_to_gguf_tensors(tensors: dict[str, np.ndarray], n_heads: int, n_kv_heads:
             out[top[name]] = t
             continue
         _, i, rest = name.split(".", 2)
-        if rest == "self_attn.q_proj.weight":
+        if permute and rest.startswith("self_attn.q_proj."):
             t = permute_rows(t, n_heads)
-        elif rest == "self_attn.k_proj.weight":
+        elif permute and rest.startswith("self_attn.k_proj."):
             t = permute_rows(t, n_kv_heads)
         out[f"blk.{i}.{layer[rest]}"] = t
     return out
 
 
 def write_gguf(path, config, tensors, qtype=T.F32, arch="llama", tok=None, chat_template=CHATML, raw=None,
-               sliding_window=None, tokenizer_model="gpt2", spm=None, spm_keys=None):
+               sliding_window=None, tokenizer_model="gpt2", spm=None, spm_keys=None, pre="default"):
     """A GGUF of a Llama config and HF-named float32 tensors; 2-D weights in `qtype` (norms F32).
+    arch "qwen2": the Q/K rows as they are, q/k/v biases among the tensors (if the config has them).
     raw: {gguf name: (uint8 bytes array, type)} written as given instead. spm: a SentencePiece
     vocabulary (pieces, scores, types) written instead of `tok`'s, with BOS added unless spm_keys
     ({key: bool} of tokenizer.ggml.add_bos_token, ...) says otherwise. -> {gguf name: stored array}."""
@@ -134,7 +138,7 @@ def write_gguf(path, config, tensors, qtype=T.F32, arch="llama", tok=None, chat_
     else:
         tokens, merges, types = tokenizer_metadata(tok)
         w.add_tokenizer_model(tokenizer_model)
-        w.add_tokenizer_pre("default")
+        w.add_tokenizer_pre(pre)
         w.add_token_list(tokens)
         w.add_token_merges(merges)
         w.add_token_types(types)
@@ -144,7 +148,7 @@ def write_gguf(path, config, tensors, qtype=T.F32, arch="llama", tok=None, chat_
         w.add_chat_template(chat_template)
     stored = {}
     raw = raw or {}
-    for name, t in hf_to_gguf_tensors(tensors, config.n_heads, config.n_kv_heads).items():
+    for name, t in hf_to_gguf_tensors(tensors, config.n_heads, config.n_kv_heads, arch in PERMUTED_QK_ARCHS).items():
         if name in raw:
             data, kind = raw[name]
         else:
@@ -167,7 +171,8 @@ def as_stored(tensors: dict[str, np.ndarray], qtype) -> dict[str, np.ndarray]:
 
 
 def write_hf_folder(folder, config, tensors, tok=None, sliding_window=None):
-    """The same weights as a Llama HF folder: config.json + model.safetensors (float32) + tokenizer.json."""
+    """The same weights as a Llama HF folder: config.json + model.safetensors (float32) + tokenizer.json;
+    a Qwen2 one (as Qwen2.5 writes its config) when the config has q/k/v biases."""
     folder.mkdir(parents=True, exist_ok=True)
     (tok or train_tokenizer(config.vocab_size)).save(str(folder / "tokenizer.json"))
     cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": config.n_layers,
@@ -178,6 +183,9 @@ def write_hf_folder(folder, config, tensors, tok=None, sliding_window=None):
            "hidden_act": "silu", "vocab_size": config.vocab_size, "eos_token_id": config.eos_token_id}
     if sliding_window:
         cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=sliding_window)
+    if config.qkv_bias:
+        cfg.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=False,
+                   sliding_window=4096, max_window_layers=config.n_layers, attention_dropout=0.0)
     (folder / "config.json").write_text(json.dumps(cfg))
     save_file({("lm_head.weight" if n == "lm_head.weight" else "model." + n): np.ascontiguousarray(t)
                for n, t in tensors.items()}, str(folder / "model.safetensors"))

@@ -9,7 +9,7 @@ from safetensors.numpy import save_file
 
 from worker.model import CheckpointError, ForwardBatch, load_model
 from worker.model.dense import reference_logits
-from worker.model.testing import gpt2_config, llama_config, random_tensors_for
+from worker.model.testing import gpt2_config, llama_config, qwen2_config, random_tensors_for
 
 GPT2_JSON = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2, "n_embd": 64, "n_head": 4,
              "n_positions": 128, "n_ctx": 128, "layer_norm_epsilon": 1e-5, "vocab_size": 257,
@@ -98,9 +98,11 @@ def textbook_llama(t, n_head, n_kv, theta, ids, eps=1e-5):
     for i in range(n_layer):
         p = f"layers.{i}."
         h = rms(x, t[p + "input_layernorm.weight"])
-        q = (h @ t[p + "self_attn.q_proj.weight"].T).reshape(T, n_head, hd).transpose(1, 0, 2)
-        k = (h @ t[p + "self_attn.k_proj.weight"].T).reshape(T, n_kv, hd).transpose(1, 0, 2)
-        v = (h @ t[p + "self_attn.v_proj.weight"].T).reshape(T, n_kv, hd).transpose(1, 0, 2)
+        q, k, v = (h @ t[p + f"self_attn.{n}_proj.weight"].T + t.get(p + f"self_attn.{n}_proj.bias", 0.0)
+                   for n in "qkv")                                              # biases: Qwen2
+        q = q.reshape(T, n_head, hd).transpose(1, 0, 2)
+        k = k.reshape(T, n_kv, hd).transpose(1, 0, 2)
+        v = v.reshape(T, n_kv, hd).transpose(1, 0, 2)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         k, v = np.repeat(k, n_head // n_kv, axis=0), np.repeat(v, n_head // n_kv, axis=0)   # HF repeat_kv
         a = _causal_attention(q, k, v).transpose(1, 0, 2).reshape(T, -1)
@@ -150,6 +152,22 @@ def test_llama_gqa_untied_sharded_loads_and_matches_textbook_forward(tmp_path):
     want = textbook_llama(tensors, 4, 2, 10000.0, IDS)
     np.testing.assert_allclose(reference_logits(model, IDS), want, atol=1e-4, rtol=0)
     np.testing.assert_allclose(_paged_logits(model, IDS), want, atol=1e-4, rtol=0)
+
+
+def test_qwen2_folder_with_qkv_biases_matches_textbook_forward(tmp_path):
+    """Qwen2.5's config.json (no attention_bias key: Qwen2 always has q/k/v biases, never o_proj's)."""
+    tensors = random_tensors_for(qwen2_config(tie_word_embeddings=True), seed=18)
+    cfg = {**LLAMA_JSON, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1000000.0,
+           "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": 32768,
+           "max_window_layers": 21, "attention_dropout": 0.0, "rope_scaling": None}
+    model = load_model(str(write_folder(tmp_path / "qwen2", cfg, tensors, prefix="model.")))
+    c = model.config
+    assert (c.qkv_bias, c.tie_word_embeddings, c.rope_theta, c.sliding_window) == (True, True, 1e6, None)
+    want = textbook_llama(tensors, 4, 2, 1e6, IDS)
+    np.testing.assert_allclose(reference_logits(model, IDS), want, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(_paged_logits(model, IDS), want, atol=1e-4, rtol=0)
+    no_bias = {n: t for n, t in tensors.items() if not n.endswith(".bias")}
+    assert np.abs(textbook_llama(no_bias, 4, 2, 1e6, IDS) - want).max() > 0.05   # the biases matter
 
 
 def test_llama_tied_bf16_newer_config_layout(tmp_path):

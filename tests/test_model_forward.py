@@ -1,13 +1,13 @@
 """The paged forward equals a full recompute without any cache (logits within 1e-4, same greedy
-tokens), for GPT-2 and Llama (GQA, tied and untied heads), prefill whole or in chunks, several
-sequences batched together, float32 and float16 KV."""
+tokens), for GPT-2, Llama (GQA, tied and untied heads) and Qwen2 (q/k/v biases), prefill whole or
+in chunks, several sequences batched together, float32 and float16 KV."""
 
 import numpy as np
 import pytest
 
 from worker.model import ForwardBatch, load_model
 from worker.model.dense import DenseRunner, reference_logits
-from worker.model.testing import gpt2_config, llama_config, random_model
+from worker.model.testing import gpt2_config, llama_config, qwen2_config, random_model
 
 ATOL = 1e-4
 # float16 KV rounding is a step function: the last-bit float32 differences between a batched and a
@@ -20,6 +20,7 @@ CONFIGS = {
     "llama-gqa-untied": llama_config(),
     "llama-gqa1-tied": llama_config(n_kv_heads=1, tie_word_embeddings=True),
     "llama-mha-headdim": llama_config(n_kv_heads=4, head_dim=24, rope_theta=500000.0),
+    "qwen2-qkv-bias-tied": qwen2_config(tie_word_embeddings=True),
 }
 
 

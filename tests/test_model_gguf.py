@@ -128,7 +128,7 @@ def test_a_truncated_gguf_is_refused(tmp_path, tok, keep):
 def test_an_unknown_architecture_is_refused(tmp_path, tok):
     config = _config()
     write_gguf(tmp_path / "m.gguf", config, random_tensors_for(config, seed=26), arch="gptneox", tok=tok)
-    with pytest.raises(CheckpointError, match=r"unsupported architecture 'gptneox' \(supported: llama\)"):
+    with pytest.raises(CheckpointError, match=r"unsupported architecture 'gptneox' \(supported: llama, qwen2\)"):
         load_model(str(tmp_path / "m.gguf"))
 
 

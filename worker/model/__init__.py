@@ -55,7 +55,8 @@ class Model:
 
     def __repr__(self) -> str:
         c = self.config
-        return f"Model({self.name!r}, {c.arch}, layers={c.n_layers}, d={c.d_model}, heads={c.n_heads}/{c.n_kv_heads})"
+        return (f"Model({self.name!r}, {c.describe()}, layers={c.n_layers}, d={c.d_model}, "
+                f"heads={c.n_heads}/{c.n_kv_heads})")
 
     def fingerprint(self, kv_dtype: str, page_tokens: int) -> bytes:
         """16 bytes that stand in for the parent key of a sequence's first page (docs/architecture.md):

@@ -41,11 +41,11 @@ def load_checkpoint(folder: str | Path) -> tuple[ModelConfig, dict[str, np.ndarr
         name = missing[0]
         where = "" if name == "lm_head.weight" else f" (looked for it with and without the {arch.PREFIX!r} prefix)"
         more = f"; {len(missing) - 1} more missing" if len(missing) > 1 else ""
-        raise CheckpointError(f"{folder}: missing tensor {name!r} for {config.arch}{where}{more}")
+        raise CheckpointError(f"{folder}: missing tensor {name!r} for {config.describe()}{where}{more}")
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
-        raise CheckpointError(f"{folder}: unexpected tensor {unexpected[0]!r} (not part of a {config.arch} model "
-                              f"with this config; {len(unexpected)} such tensor(s))")
+        raise CheckpointError(f"{folder}: unexpected tensor {unexpected[0]!r} (not part of a {config.describe()} "
+                              f"model with this config; {len(unexpected)} such tensor(s))")
     for name, shape in expected.items():
         if tensors[name].shape != shape:
             raise CheckpointError(f"{folder}: tensor {name!r} has shape {list(tensors[name].shape)}, "

@@ -24,7 +24,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                   # "gpt2" or "llama": which forward function runs
+    arch: str                   # "gpt2" or "llama" (also Mistral, Qwen2): which forward function runs
     vocab_size: int             # rows of the token embedding and of the LM head
     d_model: int                # residual stream width (n_embd / hidden_size)
     n_layers: int               # transformer blocks
@@ -47,6 +47,12 @@ class ModelConfig:
     # Llama family only: a query at position p attends to keys at p - sliding_window < j <= p
     # (Mistral's sliding_window); None = the whole context.
     sliding_window: int | None = None
+    # Llama family only: the q, k and v projections add a bias (Qwen2; o_proj has none).
+    qkv_bias: bool = False
+
+    def describe(self) -> str:
+        """The family as error messages name it: which tensors a checkpoint of it holds."""
+        return self.arch + (" with q/k/v biases (Qwen2)" if self.qkv_bias else "")
 
     def layer_windows(self) -> list[int | None]:
         """The window each layer attends within (None: the whole context); one for all layers today."""
@@ -86,6 +92,7 @@ PRESET_SEEDS = {"tiny": 1234, "gpt2-small-shape": 5678}
 GPT2_ARCHITECTURES = {"GPT2LMHeadModel", "GPT2Model"}
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM", "LlamaModel"}
 MISTRAL_ARCHITECTURES = {"MistralForCausalLM", "MistralModel"}   # Llama's tensors, plus a sliding window
+QWEN2_ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen2Model"}          # Llama's, plus q/k/v biases
 GPT2_ACTIVATIONS = {"gelu_new", "gelu_pytorch_tanh", "gelu_fast"}  # all tanh-approximated GELU
 
 
@@ -114,10 +121,12 @@ def config_from_dict(raw: dict, source: str, generation_config: dict | None = No
         known = LLAMA_ARCHITECTURES
     elif model_type == "mistral":
         known = MISTRAL_ARCHITECTURES
+    elif model_type == "qwen2":
+        known = QWEN2_ARCHITECTURES
     else:
         raise CheckpointError(
             f"{source}: unsupported architecture model_type={model_type!r} "
-            f"(architectures={architectures}); supported: gpt2, llama, mistral")
+            f"(architectures={architectures}); supported: gpt2, llama, mistral, qwen2")
     unknown = [a for a in architectures if a not in known]
     if unknown:
         raise CheckpointError(
@@ -130,7 +139,42 @@ def config_from_dict(raw: dict, source: str, generation_config: dict | None = No
     config = _llama_config(reader, eos, extra_eos)
     if model_type == "mistral" and reader.has("sliding_window"):   # null in later Mistrals: no window
         config = replace(config, sliding_window=reader.get("sliding_window"))
+    if model_type == "qwen2":   # Qwen2Attention: q/k/v with bias, o_proj without, whatever the config says
+        config = replace(config, qkv_bias=True, sliding_window=_qwen2_window(reader, config.n_layers))
     return config
+
+
+def _qwen2_window(r: _Reader, n_layers: int) -> int | None:
+    """Qwen2's sliding window, as Qwen2Config derives it: only with use_sliding_window, on the
+    layers `layer_types` marks "sliding_attention" (absent: those at index >= max_window_layers).
+    A window on every layer or on none runs exactly; on some layers only, it is refused."""
+    use = r.raw.get("use_sliding_window", False)
+    if not isinstance(use, bool):
+        raise CheckpointError(f"{r.source}: key 'use_sliding_window' should be true/false, got {use!r}")
+    if not use:
+        return None
+    layer_types = r.raw.get("layer_types")
+    if layer_types is not None:
+        if (not isinstance(layer_types, list) or len(layer_types) != n_layers
+                or any(t not in ("full_attention", "sliding_attention") for t in layer_types)):
+            raise CheckpointError(f"{r.source}: key 'layer_types' should list 'full_attention' or "
+                                  f"'sliding_attention' for each of the {n_layers} layers, got {layer_types!r}")
+        windowed, rule = [t == "sliding_attention" for t in layer_types], "layer_types"
+    else:
+        first = r.raw.get("max_window_layers")
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise CheckpointError(f"{r.source}: use_sliding_window=true needs key 'max_window_layers' "
+                                  f"(a count of layers >= 0), got {first!r}")
+        windowed, rule = [i >= first for i in range(n_layers)], f"max_window_layers={first}"
+    if not any(windowed):
+        return None
+    if all(windowed):
+        return r.get("sliding_window")
+    raise CheckpointError(
+        f"{r.source}: use_sliding_window=true with {rule} puts a sliding window on {sum(windowed)} of the "
+        f"{n_layers} layers only; a window on some layers and not others is not supported (every layer or "
+        f"none is): set use_sliding_window to false to run every layer on the whole context, as the "
+        f"published Qwen2 and Qwen2.5 configs do")
 
 
 class _Reader:

@@ -9,7 +9,12 @@ Layout notes:
    in NumPy order, [out, in] as Hugging Face stores linear weights.
 2. llama.cpp's converter permutes the rows of attn_q / attn_k of "llama" models so its rope
    rotates adjacent pairs (dims 2i, 2i+1); HF rotates i with i + head_dim/2. We undo the
-   permutation at load, so one forward serves both formats.
+   permutation at load, so one forward serves both formats. "qwen2" models are written in HF's
+   layout as they are (llama.cpp ropes them NEOX-style, HF's rotate_half pairs): nothing to undo.
+   (A q/k bias would be permuted as its rows, and unpermuted here alike; a "llama" file with
+   biases is refused as having unexpected tensors, so only "qwen2" biases reach the forward.)
+3. "qwen2" is the Llama forward plus blk.N.attn_q/attn_k/attn_v.bias (required; no attn_output
+   bias), its metadata under "qwen2.*".
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ from .config import CheckpointError, ModelConfig
 from .gguf_tokenizer import build_tokenizer
 from .llama import tensor_shapes
 
-# Architectures whose tensors and rope match llama.py (the Q/K rows are permuted by the converter).
-SUPPORTED_ARCHS = ("llama",)
+# Architectures whose tensors and rope match llama.py, and those of them whose Q/K rows the
+# converter permuted (note 2); which of them add q/k/v biases (note 3).
+SUPPORTED_ARCHS = ("llama", "qwen2")
+PERMUTED_QK_ARCHS = ("llama",)
+QKV_BIAS_ARCHS = ("qwen2",)
 
 # GGUF tensor name -> canonical (llama.py) name; "{i}" is the layer.
 LAYER_NAMES = {
@@ -33,6 +41,9 @@ LAYER_NAMES = {
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -69,7 +80,8 @@ def read_gguf(path: str | Path, with_tensors: bool = True) -> GGUFModel:
     config = gguf_config(meta)
     # No output.weight: the head is the token embedding (tied).
     config = dataclasses.replace(config, tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors))
-    tensors = _read_tensors(reader, config, str(path)) if with_tensors else {}
+    permuted = meta.get("general.architecture", str) in PERMUTED_QK_ARCHS
+    tensors = _read_tensors(reader, config, str(path), permuted) if with_tensors else {}
     tokenizer = build_tokenizer(meta.get, str(path))
     template = meta.get("tokenizer.chat_template", str, required=False)
     return GGUFModel(config, tensors, tokenizer, template, meta.get("tokenizer.ggml.bos_token_id", required=False))
@@ -164,11 +176,12 @@ def gguf_config(meta: _Meta) -> ModelConfig:
         rope_theta=meta.get(a + "rope.freq_base", float, required=False, default=10000.0),
         rope_scaling=rope_scaling,
         sliding_window=meta.get(a + "attention.sliding_window", required=False) or None,
+        qkv_bias=arch in QKV_BIAS_ARCHS,
     )
 
 
-def _read_tensors(reader, config: ModelConfig, source: str) -> dict[str, np.ndarray]:
-    """-> {canonical name: float32} in llama.py's order."""
+def _read_tensors(reader, config: ModelConfig, source: str, permuted: bool) -> dict[str, np.ndarray]:
+    """-> {canonical name: float32} in llama.py's order; Q/K rows unpermuted if `permuted` (note 2)."""
     import gguf
 
     allowed = supported_types()
@@ -188,30 +201,34 @@ def _read_tensors(reader, config: ModelConfig, source: str) -> dict[str, np.ndar
     expected = tensor_shapes(config)
     for name, shape in expected.items():
         if name not in tensors:
-            raise CheckpointError(f"{source}: missing tensor {gguf_name(name)!r} for {config.n_layers} layers")
+            raise CheckpointError(f"{source}: missing tensor {gguf_name(name)!r} of a {config.n_layers}-layer "
+                                  f"{config.describe()} model")
         if tensors[name].shape != shape:
             raise CheckpointError(f"{source}: tensor {gguf_name(name)!r} has shape {list(tensors[name].shape)}, "
                                   f"expected {list(shape)} from the metadata")
     extra = sorted(set(tensors) - set(expected))
     if extra:
-        raise CheckpointError(f"{source}: unexpected tensor {gguf_name(extra[0])!r} for a {config.n_layers}-layer model")
-    for i in range(config.n_layers):                                  # note 2
-        q, k = f"layers.{i}.self_attn.q_proj.weight", f"layers.{i}.self_attn.k_proj.weight"
-        tensors[q] = unpermute_rows(tensors[q], config.n_heads)
-        tensors[k] = unpermute_rows(tensors[k], config.n_kv_heads)
+        raise CheckpointError(f"{source}: unexpected tensor {gguf_name(extra[0])!r} for a {config.n_layers}-layer "
+                              f"{config.describe()} model")
+    if permuted:                                                      # note 2
+        for name in expected:
+            if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
+                heads = config.n_heads if ".q_proj." in name else config.n_kv_heads
+                tensors[name] = unpermute_rows(tensors[name], heads)
     return {name: tensors[name] for name in expected}
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Inverse of llama.cpp convert's permute(w, n_heads): rows [heads, hd/2, 2] -> [heads, 2, hd/2]."""
-    rows, cols = w.shape
-    return np.ascontiguousarray(w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols))
+    """Inverse of llama.cpp convert's permute(w, n_heads): rows [heads, hd/2, 2] -> [heads, 2, hd/2]
+    (a weight [rows, cols] or a bias [rows])."""
+    rows = w.shape[0]
+    return np.ascontiguousarray(w.reshape(n_heads, rows // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape))
 
 
 def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp convert's permute: what a GGUF writer does to HF's q_proj / k_proj rows."""
-    rows, cols = w.shape
-    return np.ascontiguousarray(w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols))
+    """llama.cpp convert's permute: what a GGUF writer does to HF's q_proj / k_proj rows (and biases)."""
+    rows = w.shape[0]
+    return np.ascontiguousarray(w.reshape(n_heads, 2, rows // n_heads // 2, -1).swapaxes(1, 2).reshape(w.shape))
 
 
 def canonical_name(name: str, source: str) -> str:
@@ -220,7 +237,7 @@ def canonical_name(name: str, source: str) -> str:
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
         return f"layers.{int(parts[1])}.{LAYER_NAMES[parts[2]]}"
-    raise CheckpointError(f"{source}: unexpected tensor {name!r} (not part of a Llama model we can run)")
+    raise CheckpointError(f"{source}: unexpected tensor {name!r} (not part of a Llama-family model we can run)")
 
 
 def gguf_name(canonical: str) -> str:

@@ -19,6 +19,9 @@ from .config import ModelConfig
 
 # Linear maps whose output is added to the residual stream.
 RESIDUAL_PROJECTIONS = ("c_proj.weight", "o_proj.weight", "down_proj.weight")
+# Qwen2's q/k/v biases: std 0.5, so that a test model's logits move visibly with them (trained
+# Qwen2 checkpoints carry large biases too); GPT-2's biases keep std 0.02 (the presets' weights).
+QKV_BIASES = ("q_proj.bias", "k_proj.bias", "v_proj.bias")
 
 
 def random_tensors(shapes: dict[str, tuple[int, ...]], c: ModelConfig, seed: int) -> dict[str, np.ndarray]:
@@ -26,7 +29,9 @@ def random_tensors(shapes: dict[str, tuple[int, ...]], c: ModelConfig, seed: int
     tensors = {}
     for name, shape in shapes.items():          # insertion order is part of the stream: keep it fixed
         if len(shape) == 1:
-            if name.endswith(".bias"):
+            if name.endswith(QKV_BIASES):
+                t = 0.5 * rng.standard_normal(shape, dtype=np.float32)
+            elif name.endswith(".bias"):
                 t = 0.02 * rng.standard_normal(shape, dtype=np.float32)
             else:                               # norm gains around 1
                 t = 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)

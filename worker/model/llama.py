@@ -1,6 +1,7 @@
 """Llama forward in NumPy: RoPE (HF's rotate_half layout), RMSNorm, SwiGLU, grouped-query attention,
-tied or untied head. HF stores linear weights [out, in]; we keep them transposed [in, out] and fuse
-q|k|v and gate|up so each block runs three large matmuls plus the output projections.
+tied or untied head, and q/k/v biases when the config has them (Qwen2). HF stores linear weights
+[out, in]; we keep them transposed [in, out] and fuse q|k|v (and their biases) and gate|up so each
+block runs three large matmuls plus the output projections.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ def tensor_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             pre + "self_attn.q_proj.weight": (c.n_heads * hd, d),
             pre + "self_attn.k_proj.weight": (c.n_kv_heads * hd, d),
             pre + "self_attn.v_proj.weight": (c.n_kv_heads * hd, d),
+            **({pre + "self_attn.q_proj.bias": (c.n_heads * hd,),
+                pre + "self_attn.k_proj.bias": (c.n_kv_heads * hd,),
+                pre + "self_attn.v_proj.bias": (c.n_kv_heads * hd,)} if c.qkv_bias else {}),
             pre + "self_attn.o_proj.weight": (d, c.n_heads * hd),
             pre + "post_attention_layernorm.weight": (d,),
             pre + "mlp.gate_proj.weight": (ff, d),
@@ -49,6 +53,7 @@ class Block:
     mlp_norm: np.ndarray     # [d]
     w_gate_up: np.ndarray    # [d, 2 ff]
     w_down: np.ndarray       # [ff, d]
+    b_qkv: np.ndarray | None = None   # [(H + 2 KV) hd]; None: no bias to add (Llama)
 
 
 @dataclass
@@ -73,6 +78,8 @@ def build_params(t: dict[str, np.ndarray], c: ModelConfig) -> Params:
             mlp_norm=t[pre + "post_attention_layernorm.weight"],
             w_gate_up=np.concatenate([t[mlp_ + "gate_proj.weight"].T, t[mlp_ + "up_proj.weight"].T], axis=1),
             w_down=np.ascontiguousarray(t[mlp_ + "down_proj.weight"].T),
+            b_qkv=np.concatenate([t[attn + "q_proj.bias"], t[attn + "k_proj.bias"],
+                                  t[attn + "v_proj.bias"]]) if c.qkv_bias else None,
         ))
     head = t["embed_tokens.weight"] if c.tie_word_embeddings else t["lm_head.weight"]
     return Params(t["embed_tokens.weight"], blocks, t["norm.weight"], head, rope_inv_freq(c))
@@ -118,6 +125,8 @@ def attention_block(x, b: Block, c: ModelConfig, layer: int, attend: Attend, cos
     # [T, d] -> [T, d]
     T, H, KV, hd = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
     qkv = x @ b.w_qkv                                        # [T, (H + 2KV) hd]
+    if b.b_qkv is not None:
+        qkv += b.b_qkv
     q = apply_rope(qkv[:, : H * hd].reshape(T, H, hd), cos, sin)
     k = apply_rope(qkv[:, H * hd:(H + KV) * hd].reshape(T, KV, hd), cos, sin)
     v = qkv[:, (H + KV) * hd:].reshape(T, KV, hd)

@@ -26,6 +26,11 @@ def llama_config(**overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def qwen2_config(**overrides) -> ModelConfig:
+    """A Llama config with q/k/v biases and Qwen2's RoPE base; GQA and untied unless overridden."""
+    return llama_config(**{"qkv_bias": True, "rope_theta": 1000000.0, **overrides})
+
+
 def random_tensors_for(config: ModelConfig, seed: int = 0):
     """Checkpoint-named float32 weights for a config (the presets' init)."""
     return random_tensors(ARCH_MODULES[config.arch].tensor_shapes(config), config, seed)
