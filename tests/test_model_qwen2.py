@@ -1,8 +1,8 @@
 """Qwen2 (the Llama forward plus q/k/v biases): the same random weights as a Hugging Face folder and
 as a GGUF written with llama.cpp's conventions for "qwen2" (Q/K rows as HF has them, biases in F32)
 give the same logits; with zero biases they are exactly a Llama's (so the two GGUF rope conventions
-agree); nonzero biases matter and the paged forward equals a full recompute; what we cannot run is
-refused by name."""
+agree); nonzero biases matter, and the paged forward and the engine equal a full recompute; what we
+cannot run is refused by name."""
 
 import dataclasses
 
@@ -108,6 +108,26 @@ def test_biases_change_the_logits_and_the_paged_forward_equals_a_full_recompute(
         want = reference_logits(model, prompt + tokens[:step])[-1]
         np.testing.assert_allclose(logits[step], want, atol=1e-4, rtol=0)
         assert tokens[step] == int(want.argmax())
+
+
+def test_the_engine_generates_what_a_full_recompute_does(tmp_path, tok):
+    """The engine on a Qwen2 GGUF with its ChatML template: a chat prefilled in chunks over 4-token
+    pages, then greedy tokens; the same again from the prefix cache."""
+    from worker.engine import Engine
+
+    config = _config(tie_word_embeddings=True)
+    write_gguf(tmp_path / "q.gguf", config, random_tensors_for(config, seed=37), T.Q8_0, arch="qwen2", tok=tok,
+               pre="qwen2")
+    model = load_model(str(tmp_path / "q.gguf"))
+    prompt = model.chat_token_ids([{"role": "user", "content": "What is the capital of the cat?"}])
+    engine = Engine(model, num_blocks=32, page_tokens=4, max_num_batched_tokens=8, max_num_seqs=2, seed=0)
+    cold = engine.generate([prompt], max_new_tokens=6, ignore_eos=True)[0]
+    ids = list(prompt)
+    for _ in range(6):
+        ids.append(int(reference_logits(model, ids)[-1].argmax()))
+    assert cold.token_ids == ids[len(prompt):]
+    warm = engine.generate([prompt], max_new_tokens=6, ignore_eos=True)[0]
+    assert warm.usage.cached_tokens_local > 0 and warm.token_ids == cold.token_ids
 
 
 # ------------------------------------------------------------------ refusals
