@@ -201,3 +201,12 @@ def test_a_sliding_window_on_every_layer_or_none_is_read(changes, window):
 def test_what_qwen2_cannot_run_is_refused_by_name(changes, message):
     with pytest.raises(CheckpointError, match=r"config.json: .*" + message):
         config_from_dict({**QWEN2_JSON, **changes}, "config.json")
+
+
+def test_the_bias_flag_leaves_earlier_models_fingerprints_as_they_were():
+    # A model without biases is described as before the flag existed, so the pages kvnodes hold
+    # for it (keyed by the fingerprint) stay valid across an upgrade; a model with them differs.
+    plain = qwen2_config(qkv_bias=False)
+    assert "qkv_bias" not in plain.to_json()
+    assert '"qkv_bias":true' in qwen2_config().to_json()
+    assert dataclasses.replace(plain, qkv_bias=True).to_json() != plain.to_json()

@@ -59,8 +59,13 @@ class ModelConfig:
         return [self.sliding_window] * self.n_layers
 
     def to_json(self) -> str:
-        """Canonical text of every field: part of the model fingerprint."""
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        """Canonical text of every field: part of the model fingerprint. A field added later is left
+        out while it has the value every earlier model implied (no q/k/v biases), so an upgrade keeps
+        earlier models' fingerprints, and the pages kvnodes hold for them, valid."""
+        fields = asdict(self)
+        if not fields["qkv_bias"]:
+            del fields["qkv_bias"]
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
 
 # ----------------------------------------------------------------------------- presets
