@@ -162,9 +162,10 @@ def test_killing_the_primary_keeps_the_hit_with_two_replicas(tmp_path, engine):
             nodes[primary].kill()
             # A fresh worker has no local copy: the pages can only come from the replica.
             cluster.role("worker")[0].kill()
-            add_worker(cluster, tmp_path, "worker-fresh", kv_cache="16MiB")
-            assert wait_for(lambda: len(alive(client, "worker")) == 1 and primary not in alive(client, "node"),
-                            timeout_s=10.0)
+            fresh = add_worker(cluster, tmp_path, "worker-fresh", kv_cache="16MiB")
+            # The fresh worker alone: the killed one counts as alive until its heartbeats are missed.
+            assert wait_for(lambda: alive(client, "worker") == [fresh.address] and primary not in alive(client, "node"),
+                            timeout_s=30.0)
             tokens, done = ask(client, prompt + " Thanks!", max_tokens=4)
     assert done.usage.cached_tokens_remote == pages * PAGE_TOKENS
     assert tokens == engine.generate(prompt + " Thanks!", max_new_tokens=4)[0].token_ids
@@ -220,7 +221,8 @@ def test_sampled_request_without_seed_gets_unavailable_when_its_worker_dies(tmp_
         with Client(cluster.coordinator_addresses) as client:
             with pytest.raises(ClusterError) as error:
                 received, killed = 0, False
-                for event in client.generate(SYSTEM, max_tokens=200, temperature=1.0, ignore_eos=True):
+                # Long enough to still run when the client has read 10 tokens on a loaded machine.
+                for event in client.generate(SYSTEM, max_tokens=800, temperature=1.0, ignore_eos=True):
                     received += len(getattr(event, "token_ids", []))
                     if received >= 10 and not killed:
                         _busy_worker(cluster).kill()
@@ -289,9 +291,10 @@ def test_a_kvnode_killed_and_restarted_on_its_data_dir_and_port_serves_its_pages
             cluster.role("worker")[0].kill()  # a fresh worker has no local copy
             again = cluster.restart(node)
             assert again.address == node.address
-            add_worker(cluster, tmp_path / "logs", "worker-fresh", kv_cache="16MiB")
-            assert wait_for(lambda: len(alive(client, "worker")) == 1 and alive(client, "node") == [node.address],
-                            timeout_s=15.0)
+            fresh = add_worker(cluster, tmp_path / "logs", "worker-fresh", kv_cache="16MiB")
+            # The fresh worker alone: the killed one counts as alive until its heartbeats are missed.
+            assert wait_for(lambda: alive(client, "worker") == [fresh.address] and alive(client, "node") == [node.address],
+                            timeout_s=30.0)
             _, done = ask(client, prompt + " Thanks!", max_tokens=2)
     assert done.usage.cached_tokens_remote == pages * PAGE_TOKENS
     assert (tmp_path / "data" / "node-0" / "pages.slots").exists()

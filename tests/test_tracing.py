@@ -86,7 +86,9 @@ def test_a_call_through_the_gateway_continues_the_callers_trace(spans):
     assert coordinator["parent"] == gateway["id"]   # carried on by the gateway's grpc.aio call
     worker = named(trace, "kvcache.v1.Worker/Generate")[0]
     assert worker["parent"] == coordinator["id"]
-    assert gateway["start"] <= coordinator["start"] and coordinator["end"] <= gateway["end"]
+    # Inside the gateway's time; the coordinator's streaming span may end just after it (as above:
+    # the gateway's ends with the response, the coordinator's when its stream is closed).
+    assert gateway["start"] <= coordinator["start"] <= gateway["end"]
 
 
 def test_otlp_endpoint_without_the_otel_extra_is_one_clear_line():
