@@ -20,6 +20,13 @@ def test_bench_remote_short_run_reports_cold_remote_and_local():
     assert report["cached_tokens_remote"] == 96  # six full pages of 16; the last is computed for its logits
     assert report["kv_bytes_fetched"] == 6 * report["page_bytes"]
     assert 0 < report["fill_ms"] <= report["ttft_ms"]["warm_remote"]  # the fill is part of that TTFT
+    # The breakdown: only the remote run has a fill, and every phase lies inside the TTFT it is part of.
+    remote, local = report["phases_ms"]["warm_remote"], report["phases_ms"]["warm_local"]
+    assert set(remote) == {"lookup", "to_fill", "fill", "to_forward", "forward", "to_token", "ttft"}
+    assert set(local) == {"lookup", "to_forward", "forward", "to_token", "ttft"}
+    for phases in (remote, local):
+        assert all(phases[key] <= phases["ttft"] for key in phases)
+        assert phases["forward"] > 0
 
 
 @pytest.mark.parametrize("tokens, message", [("5000", "exceeds the model's"), ("16", "leaves no full page to fetch"),

@@ -10,6 +10,12 @@ from one prompt to the next: on a loaded machine the run right after A's long co
 slower (the same forward 1.1-1.5x), which always going first put on warm-remote alone.
 Every repeat uses a fresh random prompt. Goal: warm-remote >= 10x faster than cold and
 within 2x of warm-local.
+
+Each warm run is also broken down (`phases_ms`, medians): from the request's arrival until
+the kvnode answered its lookup, until its fill began and ended (warm-remote), until the forward
+of its last tokens began, that forward, and what follows it up to the first token. The times
+come from the engine's step records and a wrapper around each tier that notes when its lookup
+and fill ran, so the gap between the two warm runs can be read as the phases it lies in.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import contextlib
 import statistics
 import sys
+import time
 from types import SimpleNamespace
 from typing import Iterator
 
@@ -69,14 +76,17 @@ def run(args: argparse.Namespace) -> int:
     pages_needed = (args.prompt_tokens // engines[0].page_tokens + 1) * (2 * args.repeats + 2)
     capacity = str(page_bytes * pages_needed)
     with _node(args.node, page_bytes, capacity) as node:
-        tiers = [RemoteTier(engine.kv_pool, args.kv_dtype) for engine in engines]
+        tiers = [_TimedTier(RemoteTier(engine.kv_pool, args.kv_dtype)) for engine in engines]
+        steps: list[dict] = []
         for engine, tier in zip(engines, tiers):
             engine.attach_remote_tier(tier)
+            engine.on_step = steps.append
         placement = Placement([node.address])
         writer, reader = engines
         vocab = writer.model.config.vocab_size
         rng = np.random.default_rng(0)
         samples = {"cold": [], "warm_remote": [], "warm_local": []}
+        phases: dict[str, list[dict[str, float]]] = {"warm_remote": [], "warm_local": []}
         fills = []  # ms the reader's tier spent in fill() during each warm-remote run
         fetched = []
         try:
@@ -89,8 +99,11 @@ def run(args: argparse.Namespace) -> int:
                 bytes_before, fill_before = tiers[1].stats.bytes_fetched, tiers[1].stats.fill_ms
                 warm = {}
                 for name in ("warm_remote", "warm_local")[::1 if len(fills) % 2 == 0 else -1]:
-                    engine = reader if name == "warm_remote" else writer
+                    engine, tier = (reader, tiers[1]) if name == "warm_remote" else (writer, tiers[0])
+                    steps.clear()
+                    tier.calls.clear()
                     warm[name] = engine.generate(prompt, max_new_tokens=1, tier_context=placement)[0]
+                    phases[name].append(_phases(warm[name], steps, tier.calls))
                 remote, local = warm["warm_remote"], warm["warm_local"]
                 fetch_bytes = tiers[1].stats.bytes_fetched - bytes_before
                 fills.append(tiers[1].stats.fill_ms - fill_before)
@@ -128,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
         "fill_ms": statistics.median(fills),
         "fill_samples_ms": fills,
         "fill_gb_per_s": fetch_bytes / (statistics.median(fills) / 1000) / 1e9,
+        # Where each warm run's time went (medians, ms from the request's arrival; see the docstring).
+        "phases_ms": {name: _median_phases(runs) for name, runs in phases.items()},
+        "phases_samples_ms": phases,
     }
     if args.json:
         dump_json(result)
@@ -145,7 +161,72 @@ def run(args: argparse.Namespace) -> int:
           f">= {result['fetch_gb_per_s_lower_bound']:.2f} GB/s (whole warm TTFT counted as transfer)")
     print(f"of the warm-from-kvnode TTFT, fetching the pages and writing them into the pool took "
           f"{result['fill_ms']:.1f} ms ({result['fill_gb_per_s']:.2f} GB/s); the rest computes the last page")
+    print("\nwhere the warm runs' time went, ms (medians of each phase; they need not add up to the median TTFT):")
+    remote_phases, local_phases = result["phases_ms"]["warm_remote"], result["phases_ms"]["warm_local"]
+    print_table(["phase", "warm from kvnode", "warm local"],
+                [[label, remote_phases.get(key, "-"), local_phases.get(key, "-")] for key, label in _PHASES])
     return 0
+
+
+_PHASES = [  # (key, label) in the order they happen
+    ("lookup", "arrival -> the kvnode answered the lookup"),
+    ("to_fill", "-> the fill began (the request parked)"),
+    ("fill", "the fill (transfer, check, into the pool)"),
+    ("to_forward", "-> the forward began"),
+    ("forward", "the forward of the last tokens"),
+    ("to_token", "-> the first token"),
+    ("ttft", "time to first token"),
+]
+
+
+class _TimedTier:
+    """A remote tier that notes when each of its lookups and fills ran (Unix seconds, as the
+    engine's step records), for the breakdown; everything else goes to the tier it wraps."""
+
+    def __init__(self, tier):
+        self.tier = tier
+        self.calls: list[tuple[str, float, float]] = []  # (what, started, ended)
+        self._unix_offset = time.time() - time.monotonic()  # as the engine converts its monotonic times
+
+    def __getattr__(self, name):
+        return getattr(self.tier, name)
+
+    def lookup(self, keys, context) -> int:
+        return self._timed("lookup", self.tier.lookup, keys, context)
+
+    def fill(self, keys, block_ids, context) -> int:
+        return self._timed("fill", self.tier.fill, keys, block_ids, context)
+
+    def _timed(self, what: str, call, *args):
+        started = time.monotonic()
+        try:
+            return call(*args)
+        finally:
+            self.calls.append((what, self._unix_offset + started, self._unix_offset + time.monotonic()))
+
+
+def _phases(completion, steps: list[dict], calls: list[tuple[str, float, float]]) -> dict[str, float]:
+    """One warm run's phases (_PHASES), in ms, from its step records and its tier's calls."""
+    record = next(r for r in steps if any(q["id"] == completion.request_id and q["computed"] + q["new"] == q["prompt"]
+                                          for q in r["requests"]))
+    arrived = next(q["arrived"] for q in record["requests"] if q["id"] == completion.request_id)
+    forward_start = record["time"] + record["schedule_ms"] / 1000.0
+    forward_end = forward_start + record["forward_ms"] / 1000.0
+    marks = {"lookup": max((end for what, _, end in calls if what == "lookup"), default=arrived)}
+    fills = [(start, end) for what, start, end in calls if what == "fill"]
+    phases = {"lookup": (marks["lookup"] - arrived) * 1000.0}
+    before_forward = marks["lookup"]
+    if fills:
+        fill_start, fill_end = fills[-1]
+        phases.update(to_fill=(fill_start - marks["lookup"]) * 1000.0, fill=(fill_end - fill_start) * 1000.0)
+        before_forward = fill_end
+    phases.update(to_forward=(forward_start - before_forward) * 1000.0, forward=record["forward_ms"],
+                  to_token=completion.usage.ttft_ms - (forward_end - arrived) * 1000.0, ttft=completion.usage.ttft_ms)
+    return phases
+
+
+def _median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(run[key] for run in runs) for key, _ in _PHASES if all(key in run for run in runs)}
 
 
 @contextlib.contextmanager
