@@ -233,6 +233,21 @@ def test_pages_filled_by_the_tier_give_the_tokens_of_a_cold_run():
         assert again.token_ids == cold.token_ids and again.usage.cached_tokens_local == 32
 
 
+def test_a_prompt_whose_every_page_the_tier_holds_computes_its_last_token_alone():
+    source, tier = engine_with_tier()
+    prompt = "p" * (4 * P)  # four full pages, all of them reused
+    cold = source.generate([prompt], max_new_tokens=5)[0]
+    engine, fresh = engine_with_tier()
+    fresh.pages, fresh.parents = dict(tier.pages), dict(tier.parents)
+    out = engine.generate([prompt], max_new_tokens=5, tier_context=["node-a"])[0]
+    assert out.token_ids == cold.token_ids
+    assert (out.usage.cached_tokens_remote, out.usage.cached_tokens_local, out.usage.computed_tokens) == (4 * P - 1, 0, 1)
+    assert ("lookup", 4, ["node-a"]) in fresh.calls and ("fill", 4, ["node-a"]) in fresh.calls
+    assert engine.model.forward_calls[0].token_ids.tolist() == [ord("p")]   # the last token alone
+    assert list(engine.model.forward_calls[0].cached_lens) == [4 * P]
+    engine.pool.check_invariants()
+
+
 def test_the_tier_sees_the_whole_chain_and_a_failing_tier_costs_nothing():
     engine, tier = engine_with_tier()
     engine.generate(["u" * 20], max_new_tokens=1)  # pages 0-1 reach the tier

@@ -56,6 +56,30 @@ def test_tiny_engine_prefix_cache_hit_gives_the_cold_tokens(tiny, kv_dtype):
     assert warm.token_ids == cold.token_ids and warm.text == cold.text
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_a_prompt_whose_every_page_is_cached_computes_its_last_token_alone(tiny, kv_dtype):
+    """64 bytes: four full pages. Asked again, every page is reused and only the last token is
+    computed (its K/V read from the cached page, which is left as it was), for the cold tokens."""
+    prompt = "A page-aligned prompt: sixty-four bytes, four pages of sixteen. "
+    assert len(prompt.encode()) == 64
+    engine = tiny_engine(tiny, kv_dtype=kv_dtype)
+    first = engine.generate([prompt], max_new_tokens=6)[0]
+    from worker.pages import page_keys
+
+    blocks = engine.pool.lookup(page_keys(engine.fingerprint, list(first.prompt_token_ids), 16))
+    assert len(blocks) == 4
+    cached = engine.kv_pool[blocks].copy()
+    forwards = []
+    engine.on_step = forwards.append
+    warm = engine.generate([prompt], max_new_tokens=6)[0]
+    assert warm.token_ids == first.token_ids == tiny_engine(tiny, kv_dtype=kv_dtype).generate(
+        [prompt], max_new_tokens=6)[0].token_ids
+    assert (warm.usage.cached_tokens_local, warm.usage.computed_tokens) == (63, 1)
+    assert forwards[0]["requests"][0]["new"] == 1       # the first step computed one token, not a page
+    np.testing.assert_array_equal(engine.kv_pool[blocks], cached)   # the cached pages were not written
+    engine.pool.check_invariants()
+
+
 def test_max_prefill_tokens_chunks_a_prompt_even_alone(tiny):
     """A 40-token prompt with 16-token chunks takes three steps; its tokens are those of one step."""
     prompt = list(range(1, 41))

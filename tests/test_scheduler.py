@@ -101,10 +101,11 @@ def test_a_finished_prompt_is_reused_from_the_prefix_cache_in_whole_pages():
     sched.add(again)
     batch = run_step(sched, pool)
     assert again.cached_tokens_local == 8 and batch.num_new_tokens == [5]
-    exact = request("c", 8, max_new=1)  # a prompt of exactly two cached pages still computes its last page
+    exact = request("c", 8, max_new=1)  # exactly two cached pages: both reused, the last token computed
     sched.add(exact)
     batch = run_step(sched, pool)
-    assert exact.cached_tokens_local == 4 and batch.num_new_tokens == [4]
+    assert exact.cached_tokens_local == 7 and batch.num_new_tokens == [1]
+    assert pool.get_num_cached_blocks() == 3   # nothing new: the last page was cached already
 
 
 def test_bypass_cache_neither_reuses_nor_leaves_pages():

@@ -111,13 +111,18 @@ class AttentionMetadata:
     max_gather_rows: int        # largest gather of any group or sequence
     scratch: np.ndarray | None = None   # the gather buffer (note 2)
     window: int | None = None   # sliding window: a query at p sees keys at p - window < j <= p
+    written: np.ndarray | None = None   # rows whose K/V is stored; None: every row (cached_lens)
 
     @classmethod
     def build(cls, positions: np.ndarray, query_starts: np.ndarray, context_lens: np.ndarray,
               block_tables: list[np.ndarray], pool_shape: tuple[int, ...],
-              window: int | None = None) -> "AttentionMetadata":
+              window: int | None = None, cached_lens: np.ndarray | None = None) -> "AttentionMetadata":
         P = pool_shape[4]
         counts = np.diff(query_starts)
+        written = None
+        if cached_lens is not None:   # positions a cached page holds already are not written
+            keep = positions >= np.repeat(np.asarray(cached_lens, dtype=np.int64), counts)
+            written = None if keep.all() else np.flatnonzero(keep)
         slot_blocks = np.empty(len(positions), dtype=np.int64)
         for s in range(len(context_lens)):
             rows = slice(int(query_starts[s]), int(query_starts[s + 1]))
@@ -152,13 +157,19 @@ class AttentionMetadata:
             plan = _plan([np.asarray(block_tables[s])], [first[s]], [n_blocks[s]], pool_shape)
             prefills.append(PrefillSeq(start, end, int(context_lens[s]), positions[start:end], plan, first[s] * P))
         sizes = [g.plan.rows.size for g in groups] + [p.plan.rows.size for p in prefills]
-        return cls(slot_blocks, positions % P, groups, prefills, max(sizes), window=window)
+        return cls(slot_blocks, positions % P, groups, prefills, max(sizes), window=window, written=written)
 
 
 def write_kv(kv_pool: np.ndarray, layer: int, meta: AttentionMetadata, k: np.ndarray, v: np.ndarray) -> None:
-    """Store new tokens' keys and values ([T, kv_heads, head_dim] each) in their pool slots."""
-    kv_pool[meta.slot_blocks, layer, 0, :, meta.slot_offsets, :] = k
-    kv_pool[meta.slot_blocks, layer, 1, :, meta.slot_offsets, :] = v
+    """Store new tokens' keys and values ([T, kv_heads, head_dim] each) in their pool slots (only
+    the `written` rows when a cached page already holds the others')."""
+    if meta.written is None:
+        kv_pool[meta.slot_blocks, layer, 0, :, meta.slot_offsets, :] = k
+        kv_pool[meta.slot_blocks, layer, 1, :, meta.slot_offsets, :] = v
+        return
+    rows = meta.written
+    kv_pool[meta.slot_blocks[rows], layer, 0, :, meta.slot_offsets[rows], :] = k[rows]
+    kv_pool[meta.slot_blocks[rows], layer, 1, :, meta.slot_offsets[rows], :] = v[rows]
 
 
 def paged_attention(q: np.ndarray, kv_pool: np.ndarray, layer: int, meta: AttentionMetadata,

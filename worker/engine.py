@@ -168,7 +168,7 @@ class Engine:
         live.num_sent_tokens = len(resumed)
         checker.take_text_delta()  # what the first worker already handed out
         connector = self.scheduler.connector
-        keys = None if connector is None or bypass_cache else request.page_keys((request.num_tokens - 1) // self.page_tokens)
+        keys = None if connector is None else request.page_keys(request.num_reusable_pages())
         with self._ids_lock:
             if request_id in self._ids_in_use:
                 raise RequestIdInUse(f"request id {request_id!r} is already in use by a request not yet finished: "
@@ -298,6 +298,7 @@ class Engine:
             context_lens=np.asarray([r.num_computed_tokens + n for r, n in zip(batch.requests, batch.num_new_tokens)],
                                     dtype=np.int64),
             block_tables=[np.asarray(r.block_table, dtype=np.int32) for r in batch.requests],
+            cached_lens=self._cached_lens(batch),
         )
         logits = self.model.forward(forward_batch, self.pool.kv, self.kv_dtype, between_layers=between_layers)
         forwarded = time.monotonic()
@@ -317,6 +318,15 @@ class Engine:
             except Exception as exc:  # a log that cannot be written must not fail requests
                 log.warning("on_step failed: %r", exc)
         return deltas
+
+    def _cached_lens(self, batch: ScheduledBatch) -> np.ndarray | None:
+        """Per request, the tokens whose K/V its cached pages hold, when a step computes some of
+        them again (a prompt whose every page was cached computes its last token; scheduler note
+        5); None when no request does, the usual case."""
+        cached = [r.num_cached_pages * self.page_tokens for r in batch.requests]
+        if all(c <= r.num_computed_tokens for c, r in zip(cached, batch.requests)):
+            return None
+        return np.asarray(cached, dtype=np.int64)
 
     # ---- single-threaded helpers ----------------------------------------------
 

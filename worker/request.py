@@ -55,6 +55,11 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    def num_reusable_pages(self) -> int:
+        """Full pages of its tokens that a cache may supply: every one, the last too (the scheduler's
+        design note 5), none when it bypasses the cache."""
+        return 0 if self.bypass_cache else self.num_tokens // self._page_tokens
+
     def page_keys(self, num_pages: int) -> list[bytes]:
         """Keys of the first `num_pages` full pages (computed once, extended as the sequence grows)."""
         if num_pages > len(self._page_keys):

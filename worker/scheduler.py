@@ -36,8 +36,11 @@ Design notes
    request gets blocks for them and is parked (WAITING_FOR_REMOTE_KVS) while the connector
    fetches them off the engine's thread: not scheduled, not preempted, holding a seat. In the
    first step after its load ended it joins as a running request, what landed counted as
-   computed; whatever the tier did not fill is computed. At least one prompt token is always
-   computed (its logits give the next token), so only pages before the last token are reused.
+   computed; whatever the tier did not fill is computed. Every full page of the prompt may be
+   reused, the last one too; at least one prompt token is always computed (its logits give the
+   next token), so a prompt whose every page is cached computes its last token alone, reading
+   its K/V from the cached page and writing nothing there (ForwardBatch.cached_lens), instead of
+   recomputing its whole last page.
    A tier that fails counts as a miss; a load the connector reports overdue is given up (its
    blocks released once the loader lets go of them) and the request computes its prompt.
    No network call is made here: the connector only submits and reports.
@@ -318,8 +321,7 @@ class Scheduler:
         if request is None or (self.connector is not None and self.connector.is_looking_up(request)):
             return  # it could not be admitted now anyway
         P = self.page_tokens
-        reusable = 0 if request.bypass_cache else (request.num_tokens - 1) // P
-        num_local = len(self.pool.lookup(request.page_keys(reusable)))
+        num_local = len(self.pool.lookup(request.page_keys(request.num_reusable_pages())))
         first_chunk_end = min(request.num_tokens, self._num_cached(request) + self.max_prefill_tokens)
         needed = _cdiv(first_chunk_end, P) - num_local
         while (self.num_seats_taken() >= self.max_num_seqs or needed > self.pool.get_num_free_blocks()):
@@ -377,17 +379,16 @@ class Scheduler:
         the remote tier if its lookup answered with more (design note 3)."""
         if request.bypass_cache:
             return 0
-        reusable = (request.num_tokens - 1) // self.page_tokens  # design note 5
-        pages = len(self.pool.lookup(request.page_keys(reusable)))
+        pages = len(self.pool.lookup(request.page_keys(request.num_reusable_pages())))
         if self.connector is not None and id(request) not in self._remote_given_up:
             pages = max(pages, self.connector.peek_matched_pages(request) or 0)
-        return pages * self.page_tokens
+        return min(pages * self.page_tokens, request.num_tokens - 1)   # the last token is computed
 
     def _admit(self, request: Request, budget: int) -> int:
         """Give a waiting request its cached prefix and first chunk: its new tokens; 0 if the pool
         cannot take it now; _LOOKUP_PENDING or _PARKED (design note 5)."""
         P = self.page_tokens
-        reusable = 0 if request.bypass_cache else (request.num_tokens - 1) // P  # design note 5
+        reusable = request.num_reusable_pages()
         keys = request.page_keys(reusable)
         hits = self.pool.lookup(keys)
         num_hits = len(hits)
@@ -410,7 +411,7 @@ class Scheduler:
         self.pool.ref(hits)
         request.block_table = list(hits)
         request.num_cached_pages = num_hits
-        request.num_computed_tokens = num_hits * P
+        request.num_computed_tokens = min(num_hits * P, request.num_tokens - 1)   # design note 5
         if num_remote:
             blocks = self.pool.allocate(num_remote)
             request.block_table += blocks
@@ -420,7 +421,7 @@ class Scheduler:
             self.parked.append(request)
             return _PARKED
         if request.cached_tokens_local is None:
-            request.cached_tokens_local = num_hits * P
+            request.cached_tokens_local = request.num_computed_tokens
             request.cached_tokens_remote = 0
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
         assert self._can_grow(request, num_new), "admission checked the blocks it needs"
@@ -458,10 +459,10 @@ class Scheduler:
             parent = keys[page - 1] if page else None
             request.block_table[page] = self.pool.cache_full_block(request.block_table[page], keys[page], parent)
         request.num_cached_pages = num_hits + filled
-        request.num_computed_tokens = (num_hits + filled) * P
+        request.num_computed_tokens = min((num_hits + filled) * P, request.num_tokens - 1)   # design note 5
         if request.cached_tokens_local is None:
-            request.cached_tokens_local = num_hits * P
-            request.cached_tokens_remote = filled * P
+            request.cached_tokens_local = min(num_hits * P, request.num_computed_tokens)
+            request.cached_tokens_remote = request.num_computed_tokens - request.cached_tokens_local
         self.parked.remove(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(0)
     vocab = writer.model.config.vocab_size
     prompt_a, prompt_b = (rng.integers(0, vocab - 1, size=args.prompt_tokens).tolist() for _ in range(2))
-    num_pages = (args.prompt_tokens - 1) // P
+    num_pages = args.prompt_tokens // P   # a warm run fetches every full page (its last token is computed)
     keys = page_keys(tenant_root(writer.fingerprint, ""), prompt_a[: num_pages * P], P)
     # The fill's own pool, written once now as the engine's is (first writes into fresh memory page-fault).
     pool = np.empty((num_pages, *writer.kv_pool.shape[1:]), dtype=np.float32)

@@ -39,6 +39,9 @@ class ForwardBatch:
     # the first block its queries see are not read (worker/window.py: RELEASED there)
     block_tables: list[np.ndarray] = field(default_factory=list)
     all_logits: bool = False    # False: [S, vocab] at each sequence's last new token; True: [T, vocab]
+    # int64 [S] or None: sequence s's positions below cached_lens[s] hold their K/V in a cached page
+    # (shared, indexed): computed again for their queries, never written (scheduler design note 5)
+    cached_lens: np.ndarray | None = None
 
 
 class Model:
@@ -95,7 +98,7 @@ class Model:
         _check_kv_dtype(kv_dtype)
         token_ids, positions, query_starts, context_lens = _validate(self.config, batch, kv_pool)
         meta = AttentionMetadata.build(positions, query_starts, context_lens, batch.block_tables, kv_pool.shape,
-                                       window=self.config.sliding_window)
+                                       window=self.config.sliding_window, cached_lens=batch.cached_lens)
         scale = self.attn_scale
 
         def attend(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
