@@ -93,6 +93,10 @@ def test_observability_cost_alternates_off_and_on_clusters_and_reports_each_pair
     assert "metrics on http://" in on_logs and "metrics on" not in off_logs
     if report["tracing_measured"]:
         assert report["spans_exported"]["exports"] > 0 and "OTLP" not in off_logs
+        # Spans per request by role: each request's Generate on coordinator and worker, no heartbeat.
+        per_request = report["spans_exported"]["per_request"]
+        assert per_request["coordinator"]["kvcache.v1.Coordinator/Generate"] >= 1
+        assert per_request["worker"]["kvcache.v1.Worker/Generate"] >= 1
     scrapes = [line for line in err.splitlines() if line.startswith("metrics: ")]
     assert len(scrapes) == 2 and all(line.endswith(" scrapes, 0 failed") for line in scrapes), scrapes  # each on arm
 

@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from kvcache.bench.report import dump_json, machine, versions
@@ -33,6 +34,8 @@ from kvcache.bench.watchers import Scraper, SpanSink
 ARMS = ("off", "on")
 PASSES = ("no_cache", "cache")
 GOAL = 0.02  # at most this share of throughput lost with metrics and tracing on
+EXPORT_DELAY_S = 6.0  # the SDK's batch processor exports every 5 s (OTEL_BSP_SCHEDULE_DELAY)
+SERVICE_ROLES = {"kvcache-coordinator": "coordinator", "kvcache-node": "node", "kvcache-worker": "worker"}
 
 
 def tracing_available() -> bool:
@@ -93,7 +96,7 @@ def run(args: argparse.Namespace, config, levels: list[int], tokenizer) -> int:
                     if scraper is not None:
                         scraper.stop()
                 requests = sum(level["passes"][p]["summary"]["requests"] for level in result["levels"] for p in PASSES)
-                pair[arm] = {"load_average": load, "levels": [
+                pair[arm] = {"load_average": load, "requests": requests, "levels": [
                     {p: level["passes"][p]["summary"] for p in PASSES} for level in result["levels"]],
                     "cpu_ms_per_request_by_role": {
                         role: round((seconds - cpu_before.get(role, 0.0)) * 1000 / max(1, requests), 2)
@@ -104,7 +107,12 @@ def run(args: argparse.Namespace, config, levels: list[int], tokenizer) -> int:
                                                  for p in PASSES)
                     for lv, s in zip(levels, pair[arm]["levels"])) + f" (load average {load:.1f})")
             pairs.append(pair)
-        spans = {"exports": sink.exports, "bytes": sink.bytes} if sink is not None else None  # before the sink stops
+        spans = None
+        if sink is not None:  # before the sink stops, once the last batch had time to be exported
+            time.sleep(EXPORT_DELAY_S)
+            on_requests = sum(pair["on"]["requests"] for pair in pairs)
+            spans = {"exports": sink.exports, "bytes": sink.bytes,
+                     "per_request": _per_request(sink.spans(), on_requests)}
     report = _report(pairs, levels, tracing, spans, args.scrape_interval)
     if args.json:
         dump_json({"bench": "load-observability-cost", "machine": machine(), "versions": versions(),
@@ -112,6 +120,16 @@ def run(args: argparse.Namespace, config, levels: list[int], tokenizer) -> int:
     else:
         _print(report, levels)
     return 0
+
+
+def _per_request(spans: dict[str, dict[str, int]] | None, requests: int) -> dict[str, dict[str, float]] | None:
+    """Spans the "on" cluster exported per request of its arms, by role and span name (the idle
+    arm's heartbeats included, as they are part of what tracing costs)."""
+    if spans is None:
+        return None
+    return {SERVICE_ROLES.get(service, service): {name: round(count / max(1, requests), 2)
+                                                   for name, count in sorted(names.items())}
+            for service, names in sorted(spans.items())}
 
 
 def _report(pairs: list[dict], levels: list[int], tracing: bool, spans: dict | None,
@@ -136,6 +154,9 @@ def _print(report: dict, levels: list[int]) -> None:
     if report["spans_exported"]:
         s = report["spans_exported"]
         print(f"spans: {s['exports']} OTLP exports, {s['bytes'] / 1e6:.1f} MB")
+        for role, names in (s.get("per_request") or {}).items():
+            print(f"  {role}: {sum(names.values()):.1f} spans a request (" +
+                  ", ".join(f"{name} {count:g}" for name, count in names.items()) + ")")
     for index, level in enumerate(report["summary"]):
         print(f"{level['concurrency']} clients: throughput on / off (requests/s), pairs run off then on")
         for number, pair in enumerate(report["pairs"]):

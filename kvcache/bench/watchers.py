@@ -3,7 +3,8 @@ a real trace collector would be: their work must not share the bench's GIL with 
 times (in the bench's process, a scraper reading eleven members once a second cut a tiny model's
 measured throughput by a quarter while the members' CPU time per request rose 6%).
 
-Only the standard library here: a spawned process imports this module and nothing heavier.
+Only the standard library here: a spawned process imports this module and nothing heavier (the
+sink reads the spans in each export with opentelemetry-proto when the `otel` extra put it there).
 """
 
 from __future__ import annotations
@@ -59,13 +60,16 @@ def _scrape(urls: list[str], interval_s: float, stopping, counts) -> None:
 
 
 class SpanSink:
-    """An OTLP/HTTP receiver that reads every export and answers 200 (an empty response message)."""
+    """An OTLP/HTTP receiver that reads every export and answers 200 (an empty response message);
+    with opentelemetry-proto it also counts the spans by service and name (`spans()`), so a bench
+    can say how many spans a request made on each role."""
 
     def __init__(self):
         self._stopping = _SPAWN.Event()
         self._counts = _SPAWN.Array("q", 3)  # port, exports, bytes
         self._ready = _SPAWN.Event()
-        self._process = _SPAWN.Process(target=_sink, args=(self._stopping, self._ready, self._counts),
+        self._asking, answering = _SPAWN.Pipe()
+        self._process = _SPAWN.Process(target=_sink, args=(self._stopping, self._ready, self._counts, answering),
                                        name="bench-span-sink", daemon=True)
         self.url = ""
 
@@ -85,6 +89,14 @@ class SpanSink:
     def bytes(self) -> int:
         return self._counts[2]
 
+    def spans(self) -> dict[str, dict[str, int]] | None:
+        """Spans received so far, {service: {span name: count}}; None when the sink could not read
+        them (no opentelemetry-proto)."""
+        self._asking.send("spans")
+        if not self._asking.poll(10.0):
+            return None
+        return self._asking.recv()
+
     def __exit__(self, *exc) -> None:
         self._stopping.set()
         self._process.join(10.0)
@@ -93,8 +105,24 @@ class SpanSink:
             self._process.join(5.0)
 
 
-def _sink(stopping, ready, counts) -> None:
+def _span_names(body: bytes, into: dict[str, dict[str, int]]) -> None:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    for resource_spans in ExportTraceServiceRequest.FromString(body).resource_spans:
+        service = next((a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name"), "")
+        names = into.setdefault(service, {})
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                names[span.name] = names.get(span.name, 0) + 1
+
+
+def _sink(stopping, ready, counts, answering) -> None:
     lock = threading.Lock()
+    try:
+        import opentelemetry.proto.collector.trace.v1.trace_service_pb2  # noqa: F401
+        spans: dict[str, dict[str, int]] | None = {}
+    except ImportError:
+        spans = None
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
@@ -102,6 +130,8 @@ def _sink(stopping, ready, counts) -> None:
             with lock:
                 counts[1] += 1
                 counts[2] += len(body)
+                if spans is not None and self.headers.get("Content-Encoding", "") in ("", "identity"):
+                    _span_names(body, spans)
             self.send_response(200)
             self.send_header("Content-Type", "application/x-protobuf")
             self.send_header("Content-Length", "0")
@@ -115,6 +145,10 @@ def _sink(stopping, ready, counts) -> None:
     counts[0] = server.server_port
     threading.Thread(target=server.serve_forever, args=(0.5,), daemon=True).start()
     ready.set()
-    stopping.wait()
+    while not stopping.wait(0.1):
+        if answering.poll():
+            answering.recv()
+            with lock:
+                answering.send(None if spans is None else {k: dict(v) for k, v in spans.items()})
     server.shutdown()
     server.server_close()
