@@ -11,7 +11,7 @@ from coordinator.capacity import DEFAULT_MAX_STREAMS, server_threads
 from coordinator.membership import Membership
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.ring import DEFAULT_PREFIX_CHARS
-from coordinator.service import SERVICE_NAME, CoordinatorService, handler, run_sweeper
+from coordinator.service import SERVICE_NAME, TRACE_ROOTS, CoordinatorService, handler, run_sweeper
 from protos import addresses, observability, security, serving, tokens
 
 log = logging.getLogger("coordinator")
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         server, health = serving.make_server(
             [handler(service)], [SERVICE_NAME], max_workers=server_threads(args.max_streams),
             interceptors=tokens.interceptors(client_tokens, MEMBER_METHODS)
-            + observability.server_interceptors(SERVICE_NAME, metrics and metrics.request_duration))
+            + observability.server_interceptors(SERVICE_NAME, metrics and metrics.request_duration, TRACE_ROOTS))
         port = serving.bind(server, args.host, args.port, credentials)
         reached = addresses.reached_at(args.host, port, args.advertise)
         metrics_server = (observability.start_metrics(metrics.registry, args, credentials)

@@ -24,6 +24,7 @@ from protos.tokens import forwarded
 log = logging.getLogger("coordinator")
 
 SERVICE_NAME = "kvcache.v1.Coordinator"
+TRACE_ROOTS = ("Generate",)  # where a request's trace starts when its caller sent none (protos/observability.py)
 MEMBERS = ("node", "worker")  # whose certificates may join a secure cluster (protos/security.py note 4)
 
 

@@ -15,9 +15,19 @@ Design notes
 4. Tracing is on when an SDK tracer provider is set: by `--otlp-endpoint` (the `otel` extra) or by
    a test. With the API alone every span is a no-op and channels are not wrapped at all.
    Server spans take their parent from the call's `traceparent`; client channels made while
-   tracing is on add it. A streaming handler's span is made current around each step of its
-   generator, never across a `yield` (the caller may resume it in another context).
-5. The data plane's framing has no room for a trace context: a page transfer shows as the
+   tracing is on add it, and only inside a trace. A streaming handler's span is made current
+   around each step of its generator, never across a `yield` (the caller may resume it in
+   another context).
+5. Spans only for requests. A trace starts at a service's entry methods (`trace_roots`: Generate
+   on coordinators and workers) when the call brings none; any other call gets a server span only
+   when it carries a caller's sampled trace context. So heartbeats, registrations, Info and Stats
+   polled by tools, health checks make no span, and a kvnode's spans all sit inside a request's
+   trace. (Each heartbeat was a trace of its own: ~2 a request on the coordinators.)
+6. Sampling is decided once, where the trace starts (`--trace-sample-ratio`, else the SDK's
+   OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG), and followed downstream: a call whose caller
+   did not sample runs under the caller's context without making a span, so its own calls carry
+   the context on, still unsampled; nothing is recorded or exported for it anywhere.
+7. The data plane's framing has no room for a trace context: a page transfer shows as the
    worker's fetch or write-back span, not as a span on the node.
 """
 
@@ -25,11 +35,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterator
+from typing import Callable, Collection, Iterator, NamedTuple
 
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+from opentelemetry.trace import Status, StatusCode
 from prometheus_client import CollectorRegistry, Histogram
 
 from protos import security
@@ -59,6 +70,13 @@ def add_tracing_arguments(parser) -> None:
         help="export trace spans over OTLP/HTTP to URL (e.g. http://127.0.0.1:4318/v1/traces); needs the "
              "`otel` extra: pip install 'kvcache[otel]' (default: off)",
     )
+    parser.add_argument(
+        "--trace-sample-ratio", type=float, default=None, metavar="R",
+        help="with --otlp-endpoint: the share of requests traced, 0 to 1, decided where a request's trace "
+             "starts and followed by every daemon it reaches; a request not sampled makes no span anywhere "
+             "(default 1.0, every request, unless the OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG "
+             "environment variables choose another sampler)",
+    )
 
 
 # ---- metrics -------------------------------------------------------------------
@@ -81,8 +99,25 @@ def request_histogram(registry: CollectorRegistry, name: str, what: str) -> Hist
 # ---- tracing -------------------------------------------------------------------
 
 
+_tracer: tuple[object, trace.Tracer | None] = (None, None)  # (provider, its tracer)
+
+
 def tracer() -> trace.Tracer:
-    return trace.get_tracer(TRACER_NAME)
+    """The daemon's tracer, kept while the provider stays the same (get_tracer costs about as much
+    as making a span)."""
+    global _tracer
+    provider = trace.get_tracer_provider()
+    known, kept = _tracer
+    if known is not provider or kept is None:
+        kept = trace.get_tracer(TRACER_NAME, tracer_provider=provider)
+        _tracer = (provider, kept)
+    return kept
+
+
+def sampled(context) -> bool:
+    """Whether `context` (a captured trace context, or None) holds a span of a sampled trace: what
+    decides if work done later for the same request makes spans (design note 6)."""
+    return context is not None and trace.get_current_span(context).get_span_context().trace_flags.sampled
 
 
 def tracing_enabled() -> bool:
@@ -94,20 +129,29 @@ def setup_tracing(args, service_name: str) -> bool:
     """Export spans over OTLP when --otlp-endpoint was given; raises ValueError when the `otel`
     extra is not installed. Returns whether tracing is on."""
     endpoint = getattr(args, "otlp_endpoint", None)
+    ratio = getattr(args, "trace_sample_ratio", None)
+    if ratio is not None and not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"--trace-sample-ratio must be between 0 and 1 (the share of requests traced), got {ratio}")
     if not endpoint:
+        if ratio is not None:
+            raise ValueError("--trace-sample-ratio chooses which requests --otlp-endpoint exports: give both, "
+                             "or neither")
         return tracing_enabled()
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
     except ImportError:
         raise ValueError("--otlp-endpoint needs the OpenTelemetry SDK and OTLP exporter, which are not installed: "
                          "pip install 'kvcache[otel]'") from None
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    # Without the option the SDK picks the sampler from OTEL_TRACES_SAMPLER (default: every trace).
+    sampler = ParentBased(TraceIdRatioBased(ratio)) if ratio is not None else None
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}), sampler=sampler)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     trace.set_tracer_provider(provider)
-    log.info("exporting trace spans over OTLP to %s", endpoint)
+    log.info("exporting trace spans over OTLP to %s (sampler: %s)", endpoint, provider.sampler.get_description())
     return True
 
 
@@ -137,6 +181,8 @@ class _InjectContext(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
                      grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
     @staticmethod
     def _details(details):
+        if not trace.get_current_span().get_span_context().is_valid:  # outside a trace: nothing to carry
+            return details
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
         if not carrier:
@@ -166,12 +212,15 @@ class _CallDetails(grpc.ClientCallDetails):
 
 class ServerObserver(grpc.ServerInterceptor):
     """Times each call of `service_name` into `histogram` (by method) and, while tracing is on,
-    runs it in a server span whose parent is the caller's `traceparent`."""
+    runs it in a server span whose parent is the caller's `traceparent`, or a new trace for the
+    methods in `trace_roots` (design notes 5 and 6)."""
 
-    def __init__(self, service_name: str, histogram: Histogram | None, trace_calls: bool):
+    def __init__(self, service_name: str, histogram: Histogram | None, trace_calls: bool,
+                 trace_roots: Collection[str] = ()):
         self.prefix = f"/{service_name}/"
         self.histogram = histogram
         self.trace_calls = trace_calls
+        self.trace_roots = frozenset(trace_roots)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -179,37 +228,74 @@ class ServerObserver(grpc.ServerInterceptor):
         if handler is None or not method.startswith(self.prefix):
             return handler
         name = method[len(self.prefix):]
-        metadata = handler_call_details.invocation_metadata or ()
         timer = self.histogram.labels(name) if self.histogram is not None else None
-        span_name = method[1:] if self.trace_calls else None
+        traced = None
+        if self.trace_calls:
+            traced = _call_trace(handler_call_details.invocation_metadata or (), name in self.trace_roots, method[1:])
+        if timer is None and traced is None:
+            return handler
         if handler.unary_unary is not None:
-            return handler._replace(unary_unary=_unary(handler.unary_unary, timer, span_name, metadata))
+            return handler._replace(unary_unary=_unary(handler.unary_unary, timer, traced))
         if handler.stream_unary is not None:
-            return handler._replace(stream_unary=_unary(handler.stream_unary, timer, span_name, metadata))
+            return handler._replace(stream_unary=_unary(handler.stream_unary, timer, traced))
         if handler.unary_stream is not None:
-            return handler._replace(unary_stream=_streaming(handler.unary_stream, timer, span_name, metadata))
-        return handler._replace(stream_stream=_streaming(handler.stream_stream, timer, span_name, metadata))
+            return handler._replace(unary_stream=_streaming(handler.unary_stream, timer, traced))
+        return handler._replace(stream_stream=_streaming(handler.stream_stream, timer, traced))
 
 
-def server_interceptors(service_name: str, histogram: Histogram | None) -> list[grpc.ServerInterceptor]:
-    """What make_server needs for this daemon: nothing when neither metrics nor tracing is on."""
+def server_interceptors(service_name: str, histogram: Histogram | None,
+                        trace_roots: Collection[str] = ()) -> list[grpc.ServerInterceptor]:
+    """What make_server needs for this daemon: nothing when neither metrics nor tracing is on.
+    `trace_roots`: the methods that start a trace when the caller sends none (note 5)."""
     trace_calls = tracing_enabled()
     if histogram is None and not trace_calls:
         return []
-    return [ServerObserver(service_name, histogram, trace_calls)]
+    return [ServerObserver(service_name, histogram, trace_calls, trace_roots)]
 
 
-def _parent(metadata):
-    return propagate.extract({key: value for key, value in metadata if isinstance(value, str)})
+class _Traced(NamedTuple):
+    """How one call is traced: a server span named `span_name` under `context` (None: a new
+    trace), or, without `span_name`, the caller's unsampled `context` made current (note 6)."""
+    span_name: str | None
+    context: object
 
 
-def _unary(behavior: Callable, timer, span_name: str | None, metadata):
+def _call_trace(metadata, may_start: bool, span_name: str) -> _Traced | None:
+    fields = _propagated_fields()
+    carried = {key: value for key, value in metadata if key in fields and isinstance(value, str)}
+    if carried:
+        parent = propagate.extract(carried)
+        span_context = trace.get_current_span(parent).get_span_context()
+        if span_context.is_valid:
+            return _Traced(span_name if span_context.trace_flags.sampled else None, parent)
+    return _Traced(span_name, None) if may_start else None
+
+
+_fields: tuple[object, frozenset[str]] = (None, frozenset())
+
+
+def _propagated_fields() -> frozenset[str]:
+    """The metadata keys the configured propagators read (traceparent, tracestate, baggage)."""
+    global _fields
+    propagator = propagate.get_global_textmap()
+    if _fields[0] is not propagator:
+        _fields = (propagator, frozenset(propagator.fields))
+    return _fields[1]
+
+
+def _unary(behavior: Callable, timer, traced: _Traced | None):
     def call(request, context):
         started = time.perf_counter()
         try:
-            if span_name is None:
+            if traced is None:
                 return behavior(request, context)
-            with tracer().start_as_current_span(span_name, context=_parent(metadata), kind=trace.SpanKind.SERVER):
+            if traced.span_name is None:
+                token = otel_context.attach(traced.context)
+                try:
+                    return behavior(request, context)
+                finally:
+                    otel_context.detach(token)
+            with tracer().start_as_current_span(traced.span_name, context=traced.context, kind=trace.SpanKind.SERVER):
                 return behavior(request, context)
         finally:
             if timer is not None:
@@ -218,25 +304,25 @@ def _unary(behavior: Callable, timer, span_name: str | None, metadata):
     return call
 
 
-def _streaming(behavior: Callable, timer, span_name: str | None, metadata):
+def _streaming(behavior: Callable, timer, traced: _Traced | None):
     def call(request, context) -> Iterator:
         started = time.perf_counter()
         span = None
-        if span_name is not None:
-            span = tracer().start_span(span_name, context=_parent(metadata), kind=trace.SpanKind.SERVER)
         try:
-            if span is None:
+            if traced is None:
                 yield from behavior(request, context)
                 return
-            with trace.use_span(span, end_on_exit=False):  # the handler's first step (design note 4)
-                replies = iter(behavior(request, context))
+            current = traced.context
+            if traced.span_name is not None:
+                span = tracer().start_span(traced.span_name, context=current, kind=trace.SpanKind.SERVER)
+                current = trace.set_span_in_context(span, current)
+            replies = _step(current, span, lambda: iter(behavior(request, context)))  # the handler's first step
             while True:
-                with trace.use_span(span, end_on_exit=False):
-                    try:
-                        reply = next(replies)
-                    except StopIteration:
-                        return
-                yield reply
+                try:
+                    reply = _step(current, span, lambda: next(replies))
+                except StopIteration:
+                    return
+                yield reply  # never inside the context (note 4)
         finally:
             if span is not None:
                 span.end()
@@ -245,3 +331,19 @@ def _streaming(behavior: Callable, timer, span_name: str | None, metadata):
 
     return call
 
+
+def _step(current, span, step: Callable):
+    """step() with `current` as the thread's context; an error on the way out is recorded on
+    `span`, as start_as_current_span does for unary calls."""
+    token = otel_context.attach(current)
+    try:
+        return step()
+    except StopIteration:
+        raise
+    except Exception as exc:
+        if span is not None and span.is_recording():
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        otel_context.detach(token)

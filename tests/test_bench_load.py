@@ -97,6 +97,7 @@ def test_observability_cost_alternates_off_and_on_clusters_and_reports_each_pair
         per_request = report["spans_exported"]["per_request"]
         assert per_request["coordinator"]["kvcache.v1.Coordinator/Generate"] >= 1
         assert per_request["worker"]["kvcache.v1.Worker/Generate"] >= 1
+        assert "kvcache.v1.Coordinator/Heartbeat" not in per_request["coordinator"]
     scrapes = [line for line in err.splitlines() if line.startswith("metrics: ")]
     assert len(scrapes) == 2 and all(line.endswith(" scrapes, 0 failed") for line in scrapes), scrapes  # each on arm
 

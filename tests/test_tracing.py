@@ -2,7 +2,10 @@
 a client's call through an in-process coordinator, worker and kvnode is one trace, every span
 parented on the hop that caused it: coordinator -> worker -> its queue wait, prefill, decode,
 prefix lookup (-> the node's Lookup), write-back (-> the node's PutPages); a second worker's
-fetch of those pages -> the node's GetPages. Without --otlp-endpoint's packages a daemon says so."""
+fetch of those pages -> the node's GetPages. A call outside any trace starts one at the
+coordinator; a call in an unsampled trace makes no span anywhere and its context goes on
+unsampled; housekeeping calls (Register, Heartbeat, Info, Stats) make none. Without
+--otlp-endpoint's packages a daemon says so; a sample ratio out of range is one clear line."""
 
 from __future__ import annotations
 
@@ -19,11 +22,22 @@ HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
-def spans():
+def scenario():
     done = subprocess.run([sys.executable, str(HERE / "trace_scenario.py")], capture_output=True, text=True,
                           timeout=180, cwd=HERE)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def spans(scenario):
+    return [record for record in scenario if "name" in record]
+
+
+@pytest.fixture(scope="module")
+def received(scenario):
+    """(method, traceparent or None) of every call the scenario's servers took, in order."""
+    return [(record["received"], record["traceparent"]) for record in scenario if "received" in record]
 
 
 def one_trace(spans, root_name):
@@ -91,6 +105,37 @@ def test_a_call_through_the_gateway_continues_the_callers_trace(spans):
     assert gateway["start"] <= coordinator["start"] <= gateway["end"]
 
 
+def test_a_call_outside_any_trace_starts_one_at_the_coordinator(spans):
+    roots = [s for s in spans if s["name"] == "kvcache.v1.Coordinator/Generate" and s["parent"] is None]
+    assert len(roots) == 1
+    trace = [s for s in spans if s["trace"] == roots[0]["trace"]]
+    worker = named(trace, "kvcache.v1.Worker/Generate")[0]
+    assert worker["parent"] == roots[0]["id"]
+    for name in ("worker.queue_wait", "worker.decode", "worker.prefix_lookup"):
+        assert named(trace, name)[0]["parent"] == worker["id"]
+
+
+def test_an_unsampled_trace_makes_no_span_and_its_context_goes_on_unsampled(spans, received):
+    unsampled = format(0x5EED, "032x")
+    assert [s["name"] for s in spans if s["trace"] == unsampled] == []
+    carried = [(method, parent) for method, parent in received if parent and parent.split("-")[1] == unsampled]
+    # The client's context reached the coordinator and, through it, the worker, unsampled (flags 00).
+    assert [method for method, _ in carried][:2] == ["/kvcache.v1.Coordinator/Generate", "/kvcache.v1.Worker/Generate"]
+    assert {parent.split("-")[3] for _, parent in carried} == {"00"}
+
+
+def test_housekeeping_calls_outside_a_trace_make_no_span_and_carry_no_context(spans, received):
+    housekeeping = {"/kvcache.v1.Coordinator/Register", "/kvcache.v1.Coordinator/Heartbeat",
+                    "/kvcache.v1.KVStore/Info", "/kvcache.v1.KVStore/Stats"}
+    assert housekeeping <= {method for method, _ in received}
+    assert [parent for method, parent in received if method in housekeeping] == \
+        [None] * sum(method in housekeeping for method, _ in received)
+    assert {s["name"] for s in spans} & {method[1:] for method in housekeeping} == set()
+    # Every span the node made sits inside a request's trace started by a client or a coordinator.
+    starts = {s["trace"] for s in spans if s["parent"] is None}
+    assert all(s["trace"] in starts for s in spans if s["name"].startswith("kvcache.v1.KVStore/"))
+
+
 def test_otlp_endpoint_without_the_otel_extra_is_one_clear_line():
     try:
         import opentelemetry.exporter.otlp.proto.http  # noqa: F401
@@ -101,3 +146,15 @@ def test_otlp_endpoint_without_the_otel_extra_is_one_clear_line():
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "pip install 'kvcache[otel]'" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--otlp-endpoint", "http://127.0.0.1:9/v1/traces", "--trace-sample-ratio", "1.5"],
+     "--trace-sample-ratio must be between 0 and 1"),
+    (["--trace-sample-ratio", "0.1"], "--trace-sample-ratio chooses which requests --otlp-endpoint exports"),
+])
+def test_a_sample_ratio_the_daemon_cannot_use_is_one_clear_line(options, message):
+    done = subprocess.run(kvcache_command("node", "--port", "0", "--capacity", "1MiB", *options),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert message in done.stderr and "Traceback" not in done.stderr

@@ -1,8 +1,10 @@
 """Run by test_tracing.py in a child process (a tracer provider is set once per process, so the
 test's own process stays without one): an in-process coordinator, two workers and a kvnode, each
 gRPC server with the daemons' interceptors, the SDK's in-memory exporter; prints the spans of
-three client calls as JSON lines: one straight to the coordinator, one to a worker, one through the
-HTTP gateway (uvicorn on a thread) with the client's `traceparent` header."""
+the calls below as JSON lines, and the trace context each server received with each call:
+two client calls in a trace, one through the HTTP gateway (uvicorn on a thread) with the client's
+`traceparent` header, one outside any, one in an unsampled trace, then housekeeping calls
+(Register, Heartbeat, the node's Info and Stats) outside any trace."""
 
 from __future__ import annotations
 
@@ -14,10 +16,12 @@ import sys
 import threading
 import time
 
+import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 PROMPT = "You are the support assistant of a small bakery. Be kind, be brief, and never invent prices. " * 2
 
@@ -33,6 +37,8 @@ def main() -> int:
     from coordinator.client import Client
     from coordinator.membership import Membership
     from kvnode import service as node_service
+    from kvnode.client import NodeClient
+    from protos import kvcache_pb2 as pb
     from kvnode.store import PageStore
     from protos import observability, serving
     from worker import service as worker_service
@@ -40,9 +46,18 @@ def main() -> int:
     from worker.engine import Engine
     from worker.observe import ObservedRemoteTier, attach
 
-    def serve(stack, handler, name):
-        server, health = serving.make_server([handler], [name], max_workers=8,
-                                             interceptors=observability.server_interceptors(name, None))
+    received = []  # (method, traceparent or None) as each server saw them
+
+    class Received(grpc.ServerInterceptor):
+        def intercept_service(self, continuation, details):
+            carried = dict(details.invocation_metadata or ()).get("traceparent")
+            received.append({"received": details.method, "traceparent": carried})
+            return continuation(details)
+
+    def serve(stack, handler, name, roots=()):
+        server, health = serving.make_server(
+            [handler], [name], max_workers=8,
+            interceptors=[Received()] + observability.server_interceptors(name, None, roots))
         port = serving.bind(server, "127.0.0.1", 0)
         server.start()
         stack.callback(serving.stop, server, health, 0.5)
@@ -57,7 +72,7 @@ def main() -> int:
         service.start()
         stack.callback(tier.close)
         stack.callback(service.stop)
-        address = serve(stack, worker_service.handler(service), worker_service.SERVICE_NAME)
+        address = serve(stack, worker_service.handler(service), worker_service.SERVICE_NAME, worker_service.TRACE_ROOTS)
         return address, engine, tier
 
     def serve_gateway(stack, coordinator_address) -> int:
@@ -99,7 +114,8 @@ def main() -> int:
         membership.register("worker", first, page_bytes=page_bytes, model="tiny")
         coordinator = coordinator_service.CoordinatorService(membership, replicas=1)
         stack.callback(coordinator.close)
-        address = serve(stack, coordinator_service.handler(coordinator), coordinator_service.SERVICE_NAME)
+        address = serve(stack, coordinator_service.handler(coordinator), coordinator_service.SERVICE_NAME,
+                        coordinator_service.TRACE_ROOTS)
 
         with tracer.start_as_current_span("client.first"), Client([address]) as client:
             list(client.generate(PROMPT + "When do you open?", max_tokens=3))
@@ -118,6 +134,28 @@ def main() -> int:
             assert reply.status == 200, reply.read()
             reply.read()
             connection.close()
+
+        with Client([address]) as client:  # outside any trace: the coordinator starts one
+            list(client.generate(PROMPT + "Do you bake on Sundays?", max_tokens=3))
+        assert first_tier.flush(10.0), "write-back did not finish"
+        unsampled = SpanContext(trace_id=0x5EED, span_id=0x1, is_remote=False, trace_flags=TraceFlags(0))
+        with trace.use_span(NonRecordingSpan(unsampled)), Client([address]) as client:
+            list(client.generate(PROMPT + "Any gluten-free bread?", max_tokens=3))
+        assert first_tier.flush(10.0), "write-back did not finish"
+
+        channel = stack.enter_context(observability.traced_channel(grpc.insecure_channel(address)))
+        register = channel.unary_unary("/kvcache.v1.Coordinator/Register", pb.RegisterRequest.SerializeToString,
+                                        pb.RegisterReply.FromString)
+        heartbeat = channel.unary_unary("/kvcache.v1.Coordinator/Heartbeat", pb.HeartbeatRequest.SerializeToString,
+                                        pb.HeartbeatReply.FromString)
+        member = register(pb.RegisterRequest(role="node", address="127.0.0.1:9", capacity_bytes=page_bytes,
+                                             page_bytes=page_bytes), timeout=10).member_id
+        heartbeat(pb.HeartbeatRequest(member_id=member), timeout=10)
+        with NodeClient(node) as node_client:
+            node_client.info(timeout=10)
+            node_client.stats(timeout=10)
+    for record in received:
+        print(json.dumps(record))
     for span in exporter.get_finished_spans():
         print(json.dumps({"name": span.name, "trace": format(span.context.trace_id, "032x"),
                           "id": format(span.context.span_id, "016x"),

@@ -25,7 +25,8 @@ from worker.model import blas
 from worker.observe import ObservedRemoteTier, attach
 from worker.remote import RemoteTier
 from worker.scheduler import PREFILL_TOKENS_PER_STEP
-from worker.service import DEFAULT_MAX_STREAMS, DEFAULT_STEP_TIMEOUT_S, SERVICE_NAME, WorkerService, handler
+from worker.service import (DEFAULT_MAX_STREAMS, DEFAULT_STEP_TIMEOUT_S, SERVICE_NAME, TRACE_ROOTS, WorkerService,
+                            handler)
 from worker.step_log import StepLog
 
 log = logging.getLogger("worker")
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         server, health = serving.make_server(
             [handler(service)], [SERVICE_NAME], max_workers=args.max_streams + CONTROL_THREADS,
             interceptors=tokens.interceptors(client_tokens)
-            + observability.server_interceptors(SERVICE_NAME, metrics and metrics.request_duration))
+            + observability.server_interceptors(SERVICE_NAME, metrics and metrics.request_duration, TRACE_ROOTS))
         port = serving.bind(server, args.host, args.port, credentials)
         address = agent.advertised_address(args, port)
         metrics_server = (observability.start_metrics(metrics.registry, args, credentials)

@@ -11,6 +11,9 @@ Design notes
 3. Queue wait, prefill chunks and decode are read from the engine's step records (`on_step`) and
    the completion (`on_finish`), and written as spans with their measured start and end times:
    nothing is timed twice, and the engine's steps carry no tracing code. Only with tracing on.
+4. Only a sampled request's work makes spans (protos/observability.py note 6): a request whose
+   trace was not sampled is not tracked at all, and a write-back batch with no sampled request's
+   page in it makes none (it used to start a trace of its own).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 from collections import OrderedDict
 from typing import Callable, Sequence
 
-from protos.observability import current_context, tracer
+from protos.observability import current_context, sampled, tracer
 from worker.remote import Placement, RemoteTier
 
 MAX_TRACKED = 4096  # requests or pages whose trace context is kept at once (bounded if a hook is missed)
@@ -37,7 +40,7 @@ class ObservedRemoteTier(RemoteTier):
         super().__init__(*args, **kwargs)
 
     def lookup(self, keys: Sequence[bytes], placement: Placement) -> int:
-        if not self.tracing:
+        if not self.tracing or placement.trace is None:
             return super().lookup(keys, placement)
         with tracer().start_as_current_span("worker.prefix_lookup", context=placement.trace) as span:
             hits = super().lookup(keys, placement)
@@ -48,7 +51,7 @@ class ObservedRemoteTier(RemoteTier):
     def fill(self, keys: Sequence[bytes], block_ids: Sequence[int], placement: Placement) -> int:
         started = time.perf_counter()
         try:
-            if not self.tracing:
+            if not self.tracing or placement.trace is None:
                 return super().fill(keys, block_ids, placement)
             with tracer().start_as_current_span("worker.remote_fetch", context=placement.trace) as span:
                 fetched = super().fill(keys, block_ids, placement)
@@ -73,6 +76,8 @@ class ObservedRemoteTier(RemoteTier):
         with self._traces_lock:
             parents = [self._page_traces.pop(item[0], None) for item in items]  # (key, parent, page, ...)
         parent = next((p for p in parents if p is not None), None)
+        if parent is None:  # no sampled request's page in this batch (note 4)
+            return super()._write(address, items, *rest)
         with tracer().start_as_current_span("worker.write_back", context=parent) as span:
             span.set_attribute("kvcache.pages", len(items))
             return super()._write(address, items, *rest)
@@ -86,8 +91,11 @@ class RequestSpans:
         self._lock = threading.Lock()  # begin() runs on gRPC threads, the rest on the engine's
 
     def begin(self, request_id: str, placement: Placement) -> None:
-        """On the Generate call's thread, before the request is queued: capture its context."""
+        """On the Generate call's thread, before the request is queued: capture its context, when
+        its trace is sampled (note 4)."""
         context = current_context()
+        if not sampled(context):
+            return
         placement.trace = context
         with self._lock:
             if request_id in self._requests:  # a duplicate id, refused: the running request keeps its context

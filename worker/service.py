@@ -42,6 +42,7 @@ from worker.sampling import FINISH_ERROR, SamplingParams
 log = logging.getLogger("worker")
 
 SERVICE_NAME = "kvcache.v1.Worker"
+TRACE_ROOTS = ("Generate",)  # where a request's trace starts when its caller sent none (protos/observability.py)
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
 MAX_PLACEMENT = 8  # kvnodes a request may name (replicas); more is refused
 MAX_REQUEST_ID_CHARS = 128
