@@ -268,7 +268,7 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
                   max_prefill_tokens: int | None = None, data_dir: Path | None = None,
                   metrics: bool = False, tls_dir: Path | None = None,
                   tokens_file: Path | None = None, gateway_port: int | None = None,
-                  otlp_endpoint: str | None = None) -> LocalCluster:
+                  otlp_endpoint: str | None = None, trace_sample_ratio: float | None = None) -> LocalCluster:
     """Start coordinators, then kvnodes and workers registered with them (not yet waiting for health).
 
     Each worker gets `blas_threads` BLAS threads (default: cores / workers, at least 1) and
@@ -280,7 +280,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
     `tokens_file`, coordinators and workers want a client token from it (protos/tokens.py). With
     `gateway_port` (0: a free one), an HTTP gateway (`kvcache gateway`) serves the OpenAI API in
     front of the coordinators, with /metrics when `metrics`. With `otlp_endpoint`, every member
-    (and the gateway) exports trace spans there (--otlp-endpoint; needs the `otel` extra).
+    (and the gateway) exports trace spans there (--otlp-endpoint; needs the `otel` extra), of
+    `trace_sample_ratio` of the requests when given (--trace-sample-ratio).
 
     `on_start(cluster)` runs after each start, so a caller can record pids as they appear; on
     failure, or an interrupt (Ctrl-C, a SIGTERM handler's SystemExit), whatever started is
@@ -294,6 +295,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
         extra = ["--metrics-port", "0"] if metrics else []
         if otlp_endpoint is not None:
             extra += ["--otlp-endpoint", otlp_endpoint]
+            if trace_sample_ratio is not None:
+                extra += ["--trace-sample-ratio", repr(trace_sample_ratio)]
         if tls_dir is not None:
             extra += tls_args(tls_dir, role)
         if tokens_file is not None and role in ("coordinator", "worker"):

@@ -102,8 +102,22 @@ def test_observability_cost_alternates_off_and_on_clusters_and_reports_each_pair
     assert len(scrapes) == 2 and all(line.endswith(" scrapes, 0 failed") for line in scrapes), scrapes  # each on arm
 
 
+def test_observability_cost_with_a_sample_ratio_of_zero_exports_no_request_span(tmp_path):
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs the otel extra")
+    code, out, err = run_bench(SMALL + ["--observability-cost", "--repeat", "1", "--trace-sample-ratio", "0",
+                                        "--json", "--logs", str(tmp_path / "logs")], timeout=420)
+    assert code == 0, err
+    report = json.loads(out)
+    assert "spans of 0 of the requests" in report["arms"]["on"]
+    assert report["spans_exported"]["per_request"] == {}  # no request sampled, and nothing else makes spans
+    on_logs = " ".join(p.read_text() for p in (tmp_path / "logs" / "on").glob("*.log"))
+    assert "TraceIdRatioBased{0.0}" in on_logs  # each daemon logs its sampler
+
+
 @pytest.mark.parametrize("args, message", [
     (["--observability-cost", "--metrics"], "--observability-cost starts its own two local clusters"),
+    (["--trace-sample-ratio", "0.5"], "--trace-sample-ratio is for --observability-cost"),
+    (["--observability-cost", "--trace-sample-ratio", "2"], "--trace-sample-ratio must be between 0 and 1"),
     (["--concurrency", "0"], "--concurrency needs positive counts"),
     (["--mix", "1,1"], "--mix needs three shares"),
     (["--question-chars", "9,3"], "question_chars must satisfy"),

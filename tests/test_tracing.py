@@ -1,7 +1,7 @@
 """Traces across hops: with the SDK's in-memory exporter (in a child process, tests/trace_scenario.py),
 a client's call through an in-process coordinator, worker and kvnode is one trace, every span
 parented on the hop that caused it: coordinator -> worker -> its queue wait, prefill, decode,
-prefix lookup (-> the node's Lookup), write-back (-> the node's PutPages); a second worker's
+prefix lookup (-> the node's Lookup), write-back (-> both replicas' PutPages); a second worker's
 fetch of those pages -> the node's GetPages. A call outside any trace starts one at the
 coordinator; a call in an unsampled trace makes no span anywhere and its context goes on
 unsampled; housekeeping calls (Register, Heartbeat, Info, Stats) make none. Without
@@ -70,6 +70,9 @@ def test_one_trace_from_the_client_through_coordinator_worker_and_node(spans):
         assert parent_of(trace, lookup)["name"] == "worker.prefix_lookup"
     for put in named(trace, "kvcache.v1.KVStore/PutPages"):
         assert parent_of(trace, put)["name"] == "worker.write_back"
+    # One span a write-back batch, over its writes to both replicas; none starts a trace of its own.
+    assert max(sum(s["parent"] == back["id"] for s in trace) for back in named(trace, "worker.write_back")) == 2
+    assert [s for s in spans if s["name"] == "worker.write_back" and s["parent"] is None] == []
     # Children lie within their parents' time (the engine's spans are rebuilt from its records). A
     # streaming server span may end just after its caller's: the caller stops at the final message,
     # the server when its stream is closed after sending it.

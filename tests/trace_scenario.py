@@ -1,5 +1,5 @@
 """Run by test_tracing.py in a child process (a tracer provider is set once per process, so the
-test's own process stays without one): an in-process coordinator, two workers and a kvnode, each
+test's own process stays without one): an in-process coordinator, two workers and two kvnodes, each
 gRPC server with the daemons' interceptors, the SDK's in-memory exporter; prints the spans of
 the calls below as JSON lines, and the trace context each server received with each call:
 two client calls in a trace, one through the HTTP gateway (uvicorn on a thread) with the client's
@@ -107,12 +107,13 @@ def main() -> int:
         first, engine, first_tier = start_worker(stack)
         second, _, second_tier = start_worker(stack)
         page_bytes = engine.model.page_bytes("float32", engine.page_tokens)
-        store = PageStore(256, page_bytes)
-        node = serve(stack, node_service.handler(node_service.KVStoreService(store, "node-0")), node_service.SERVICE_NAME)
+        node, replica = (serve(stack, node_service.handler(node_service.KVStoreService(PageStore(256, page_bytes), name)),
+                               node_service.SERVICE_NAME) for name in ("node-0", "node-1"))
         membership = Membership(dead_after_s=600.0)
-        membership.register("node", node, capacity_bytes=256 * page_bytes, page_bytes=page_bytes)
+        for address in (node, replica):
+            membership.register("node", address, capacity_bytes=256 * page_bytes, page_bytes=page_bytes)
         membership.register("worker", first, page_bytes=page_bytes, model="tiny")
-        coordinator = coordinator_service.CoordinatorService(membership, replicas=1)
+        coordinator = coordinator_service.CoordinatorService(membership, replicas=2)  # pages written to both
         stack.callback(coordinator.close)
         address = serve(stack, coordinator_service.handler(coordinator), coordinator_service.SERVICE_NAME,
                         coordinator_service.TRACE_ROOTS)

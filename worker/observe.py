@@ -6,8 +6,9 @@ Design notes
    the engine's thread or the write-back thread, is parented on it.
 2. Remote tier spans wrap its hooks: `prefix_lookup` (the node's Lookup span is its child, the
    trace context going in the call's metadata), `remote_fetch` (pages over the data plane, or the
-   node's GetPages), `write_back` (the node's PutPages). A write-back batch mixes requests: its
-   span is parented on the first page's request.
+   node's GetPages), `write_back` (one a batch, its writes to every placed node: the nodes'
+   PutPages). A write-back batch mixes requests: its span is parented on the first page's request.
+   (A span a node had left the second replica's write without a parent, a trace of its own.)
 3. Queue wait, prefill chunks and decode are read from the engine's step records (`on_step`) and
    the completion (`on_finish`), and written as spans with their measured start and end times:
    nothing is timed twice, and the engine's steps carry no tracing code. Only with tracing on.
@@ -70,17 +71,17 @@ class ObservedRemoteTier(RemoteTier):
                     self._page_traces.popitem(last=False)
         super().on_page_full(key, parent, block_id, placement)
 
-    def _write(self, address: str, items: list, *rest) -> None:
-        if not self.tracing:
-            return super()._write(address, items, *rest)
+    def _send(self, batch: list) -> None:
+        if not self.tracing or not batch:
+            return super()._send(batch)
         with self._traces_lock:
-            parents = [self._page_traces.pop(item[0], None) for item in items]  # (key, parent, page, ...)
+            parents = [self._page_traces.pop(item[1], None) for item in batch]  # (addresses, key, parent, page)
         parent = next((p for p in parents if p is not None), None)
         if parent is None:  # no sampled request's page in this batch (note 4)
-            return super()._write(address, items, *rest)
+            return super()._send(batch)
         with tracer().start_as_current_span("worker.write_back", context=parent) as span:
-            span.set_attribute("kvcache.pages", len(items))
-            return super()._write(address, items, *rest)
+            span.set_attribute("kvcache.pages", len(batch))
+            return super()._send(batch)
 
 
 class RequestSpans:

@@ -121,6 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="two local clusters, metrics and tracing off and on, the passes alternating between them "
                           "(off, on, ... --repeat pairs): prints each pair's throughput ratio and the median "
                           "(kvcache/bench/observability_cost.py)")
+    out.add_argument("--trace-sample-ratio", type=float, default=None, metavar="R",
+                     help="with --observability-cost: the on cluster's daemons trace this share of requests "
+                          "(their --trace-sample-ratio; default: every request)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -368,6 +371,10 @@ def _check(args) -> tuple[wl.WorkloadConfig, list[int]]:
     if args.observability_cost and (args.coordinators or args.gateway or args.metrics or args.plot):
         raise ValueError("--observability-cost starts its own two local clusters: give it without --coordinators, "
                          "--gateway, --metrics and --plot")
+    if args.trace_sample_ratio is not None and not args.observability_cost:
+        raise ValueError("--trace-sample-ratio is for --observability-cost's on cluster")
+    if args.trace_sample_ratio is not None and not 0.0 <= args.trace_sample_ratio <= 1.0:
+        raise ValueError(f"--trace-sample-ratio must be between 0 and 1, got {args.trace_sample_ratio}")
     if args.scrape_interval <= 0:
         raise ValueError(f"--scrape-interval must be positive, got {args.scrape_interval}")
     if args.step_logs and args.coordinators:

@@ -78,7 +78,8 @@ def run(args: argparse.Namespace, config, levels: list[int], tokenizer) -> int:
                 model=args.model, kv_dtype=args.kv_dtype, node_capacity=args.node_capacity,
                 worker_kv_cache=args.worker_kv_cache, blas_threads=_blas_threads(args),
                 max_prefill_tokens=args.max_prefill_tokens, metrics=arm == "on",
-                otlp_endpoint=sink.url if arm == "on" and sink is not None else None))
+                otlp_endpoint=sink.url if arm == "on" and sink is not None else None,
+                trace_sample_ratio=args.trace_sample_ratio))
         for cluster in clusters.values():
             wait_healthy(cluster.coordinator_addresses, args.nodes, args.workers, timeout_s=180.0)
         pairs = []
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace, config, levels: list[int], tokenizer) -> int:
             on_requests = sum(pair["on"]["requests"] for pair in pairs)
             spans = {"exports": sink.exports, "bytes": sink.bytes,
                      "per_request": _per_request(sink.spans(), on_requests)}
-    report = _report(pairs, levels, tracing, spans, args.scrape_interval)
+    report = _report(pairs, levels, tracing, spans, args.scrape_interval, args.trace_sample_ratio)
     if args.json:
         dump_json({"bench": "load-observability-cost", "machine": machine(), "versions": versions(),
                    "options": {k: v for k, v in vars(args).items() if k != "run"}, **report})
@@ -133,7 +134,7 @@ def _per_request(spans: dict[str, dict[str, int]] | None, requests: int) -> dict
 
 
 def _report(pairs: list[dict], levels: list[int], tracing: bool, spans: dict | None,
-            scrape_interval: float = 1.0) -> dict:
+            scrape_interval: float = 1.0, sample_ratio: float | None = None) -> dict:
     summary = []
     for index, level in enumerate(levels):
         ratios = {p: [pair["on"]["levels"][index][p]["requests_per_s"] /
@@ -143,8 +144,9 @@ def _report(pairs: list[dict], levels: list[int], tracing: bool, spans: dict | N
                         "goal_met": {p: m >= 1 - GOAL for p, m in medians.items()}})
     cpu = [pair["on"]["cpu_ms_per_request"] / pair["off"]["cpu_ms_per_request"] for pair in pairs]
     return {"arms": {"off": "no --metrics-port, no tracing",
-                     "on": f"--metrics-port scraped every {scrape_interval:g} s" + (", spans over OTLP to a sink" if tracing
-                                                                       else "; tracing not measured (no otel extra)")},
+                     "on": f"--metrics-port scraped every {scrape_interval:g} s" + (
+                         f", spans of {1.0 if sample_ratio is None else sample_ratio:g} of the requests over OTLP to a sink"
+                         if tracing else "; tracing not measured (no otel extra)")},
             "tracing_measured": tracing, "spans_exported": spans, "pairs": pairs, "summary": summary,
             "cpu_per_request_on_off": {"ratios": cpu, "median": statistics.median(cpu)}, "goal": GOAL}
 
