@@ -125,6 +125,8 @@ def _sink(stopping, ready, counts, answering) -> None:
         spans = None
 
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keeps the exporter's connection, as a collector does
+
         def do_POST(self):
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             with lock:
