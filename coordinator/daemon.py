@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     sweeper = threading.Thread(target=run_sweeper, args=(membership, stopping), name="sweeper", daemon=True)
     sweeper.start()
     server.start()
+    serving.freeze_startup_objects()
     reached_at = f"reached at {reached}, " if args.advertise else ""
     print(
         f"coordinator {service.coordinator_id} listening on {serving.host_port(args.host, port)} "

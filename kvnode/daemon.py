@@ -183,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     server.start()
     if data_plane is not None:
         data_plane.start()
+    serving.freeze_startup_objects()
     print(
         f"kvnode {service.node_id} listening on {serving.host_port(args.host, port)} "
         f"({capacity_pages} pages of {args.page_bytes} bytes, {format_size(capacity_pages * args.page_bytes)}, "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import gc
 import logging
 import signal
 import socket
@@ -85,6 +86,16 @@ def stop_on_signals() -> threading.Event:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
     return stopping
+
+
+def freeze_startup_objects() -> None:
+    """Once a daemon has built its parts: move the objects made so far (modules, model, gRPC's;
+    ~45k in a worker) out of the garbage collector's sight, for they live as long as the
+    process. A full collection scanned them every time (~7-14 ms a collection here), and full
+    collections come often when objects live a few seconds, as trace spans do in the exporter's
+    queue: with tracing on, collections took 10% of a busy worker's samples (2.5% without)."""
+    gc.collect()
+    gc.freeze()
 
 
 def wait_until(stopping: threading.Event) -> None:

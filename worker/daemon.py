@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     security.warn_if_exposed(args.host, credentials, log)
     service.start()
     server.start()
+    serving.freeze_startup_objects()
     page_bytes = engine.model.page_bytes(args.kv_dtype, args.page_tokens)
     print(
         f"worker {service.worker_id} listening on {serving.host_port(args.host, port)} (model {engine.model.name}, "

@@ -11,10 +11,12 @@ median of the pairs is the figure, with every pair printed so the machine's nois
 the load average before each arm is printed beside it. Beside throughput, the CPU time the
 members' processes used per request (from /proc) in each arm: on a machine shared with other
 work it moves far less than wall-clock throughput, and it is what metrics and tracing add. Without the `otel` extra the "on" arm
-runs metrics alone and says so.
+runs metrics alone and says so. With it, the sink counts the spans it received by service and
+name, printed per request of the on arm: where tracing's cost goes (--trace-sample-ratio R
+traces that share of the requests).
 
-The idle cluster is not scraped and exports nothing while the other runs; its heartbeats (one a
-second per member) are all it costs the other.
+The idle cluster is not scraped and exports nothing while the other runs (heartbeats make no
+span); its heartbeats (one a second per member) are all it costs the other.
 """
 
 from __future__ import annotations
@@ -124,8 +126,8 @@ def run(args: argparse.Namespace, config, levels: list[int], tokenizer) -> int:
 
 
 def _per_request(spans: dict[str, dict[str, int]] | None, requests: int) -> dict[str, dict[str, float]] | None:
-    """Spans the "on" cluster exported per request of its arms, by role and span name (the idle
-    arm's heartbeats included, as they are part of what tracing costs)."""
+    """Spans the "on" cluster exported per request of its arms, by role and span name; spans made
+    while it sat idle count too, as part of what tracing costs."""
     if spans is None:
         return None
     return {SERVICE_ROLES.get(service, service): {name: round(count / max(1, requests), 2)
