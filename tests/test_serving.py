@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import socket
 
 import pytest
@@ -48,3 +49,13 @@ def test_bind_to_an_address_of_no_local_interface_is_refused():
     finally:
         serving.stop(server, health, 0.1)
 
+
+
+def test_startup_objects_are_frozen_out_of_full_collections():
+    """What a daemon calls once built: the objects made so far are no longer scanned by the
+    collector (a full collection then costs a fraction of a millisecond, not ~10 ms)."""
+    try:
+        serving.freeze_startup_objects()
+        assert gc.get_freeze_count() > 1000
+    finally:
+        gc.unfreeze()

@@ -107,8 +107,8 @@ def main() -> int:
         first, engine, first_tier = start_worker(stack)
         second, _, second_tier = start_worker(stack)
         page_bytes = engine.model.page_bytes("float32", engine.page_tokens)
-        node, replica = (serve(stack, node_service.handler(node_service.KVStoreService(PageStore(256, page_bytes), name)),
-                               node_service.SERVICE_NAME) for name in ("node-0", "node-1"))
+        node, replica = (serve(stack, node_service.handler(node_service.KVStoreService(PageStore(256, page_bytes), n)),
+                               node_service.SERVICE_NAME) for n in ("node-0", "node-1"))
         membership = Membership(dead_after_s=600.0)
         for address in (node, replica):
             membership.register("node", address, capacity_bytes=256 * page_bytes, page_bytes=page_bytes)

@@ -147,8 +147,8 @@ def _report(pairs: list[dict], levels: list[int], tracing: bool, spans: dict | N
     cpu = [pair["on"]["cpu_ms_per_request"] / pair["off"]["cpu_ms_per_request"] for pair in pairs]
     return {"arms": {"off": "no --metrics-port, no tracing",
                      "on": f"--metrics-port scraped every {scrape_interval:g} s" + (
-                         f", spans of {1.0 if sample_ratio is None else sample_ratio:g} of the requests over OTLP to a sink"
-                         if tracing else "; tracing not measured (no otel extra)")},
+                         f", spans of {1.0 if sample_ratio is None else sample_ratio:g} of the requests over OTLP "
+                         "to a sink" if tracing else "; tracing not measured (no otel extra)")},
             "tracing_measured": tracing, "spans_exported": spans, "pairs": pairs, "summary": summary,
             "cpu_per_request_on_off": {"ratios": cpu, "median": statistics.median(cpu)}, "goal": GOAL}
 

@@ -109,7 +109,8 @@ def _span_names(body: bytes, into: dict[str, dict[str, int]]) -> None:
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
     for resource_spans in ExportTraceServiceRequest.FromString(body).resource_spans:
-        service = next((a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name"), "")
+        attributes = resource_spans.resource.attributes
+        service = next((a.value.string_value for a in attributes if a.key == "service.name"), "")
         names = into.setdefault(service, {})
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
