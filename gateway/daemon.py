@@ -15,8 +15,7 @@ import signal
 import socket
 import sys
 
-from protos import addresses, observability, security
-from protos.serving import add_listen_arguments
+from protos import addresses, observability, security, serving
 from protos.units import parse_size
 
 log = logging.getLogger("gateway")
@@ -29,7 +28,7 @@ DEFAULT_SEND_TIMEOUT_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_listen_arguments(parser, default_port=8000, reached=True)
+    serving.add_listen_arguments(parser, default_port=8000, reached=True)
     parser.add_argument("--coordinators", default=None,
                         help=f"coordinator addresses, tried in turn: A,B (default $KVCACHE_COORDINATORS or "
                              f"{DEFAULT_COORDINATORS})")
@@ -106,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     # stop ends like every daemon's: one "stopped" line, exit 0.
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop_signal, lambda *_: None)
+    serving.freeze_startup_objects()
     uvicorn.Server(config).run(sockets=[sock])
     log.info("stopped")
     return 0

@@ -325,6 +325,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
             gateway = Daemon("gateway", ["--port", str(gateway_port), "--coordinators", joined,
                                          *(["--metrics"] if metrics else []),
                                          *(["--otlp-endpoint", otlp_endpoint] if otlp_endpoint else []),
+                                         *(["--trace-sample-ratio", repr(trace_sample_ratio)]
+                                           if otlp_endpoint and trace_sample_ratio is not None else []),
                                          *(tls_args(tls_dir, "client") if tls_dir is not None else [])],
                              log_path=logs / "gateway.log")
             cluster.daemons.append(gateway)

@@ -64,7 +64,8 @@ def add_arguments(parser) -> None:
 
 
 def add_tracing_arguments(parser) -> None:
-    """--otlp-endpoint alone, for the gateway (its metrics are on its own HTTP port)."""
+    """--otlp-endpoint and --trace-sample-ratio (the gateway takes these alone: its metrics are on
+    its own HTTP port)."""
     parser.add_argument(
         "--otlp-endpoint", default=None, metavar="URL",
         help="export trace spans over OTLP/HTTP to URL (e.g. http://127.0.0.1:4318/v1/traces); needs the "
