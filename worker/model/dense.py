@@ -89,8 +89,7 @@ class DenseRunner:
                 lo = 0 if window is None else max(0, n - window)   # sliding window: the last `window` keys
                 s.k[layer, :, s.length] = k[i]
                 s.v[layer, :, s.length] = v[i]
-                scores = q[i].reshape(-1, G, hd) @ s.k[layer, :, lo:n].transpose(0, 2, 1)   # [KV, G, n - lo]
-                scores *= scale
+                scores = (q[i].reshape(-1, G, hd) * scale) @ s.k[layer, :, lo:n].transpose(0, 2, 1)   # [KV, G, n - lo]
                 scores -= scores.max(axis=-1, keepdims=True)
                 np.exp(scores, out=scores)
                 o = scores @ s.v[layer, :, lo:n]                                          # [KV, G, hd]

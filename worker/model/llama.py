@@ -113,11 +113,18 @@ def rope_tables(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     # [T, heads, hd] -> [T, heads, hd]; HF layout: dimension i pairs with i + hd/2 (rotate_half).
+    # The products go straight into the output halves (one temporary instead of four); each
+    # element is still x1 cos - x2 sin and x2 cos + x1 sin, rounded as before.
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     out = np.empty(x.shape, dtype=x.dtype)
-    np.subtract(x1 * cos, x2 * sin, out=out[..., :half])
-    np.add(x2 * cos, x1 * sin, out=out[..., half:])
+    lo, hi = out[..., :half], out[..., half:]
+    np.multiply(x1, cos, out=lo)
+    tmp = np.multiply(x2, sin)
+    lo -= tmp
+    np.multiply(x2, cos, out=hi)
+    np.multiply(x1, sin, out=tmp)
+    hi += tmp
     return out
 
 
@@ -127,8 +134,8 @@ def attention_block(x, b: Block, c: ModelConfig, layer: int, attend: Attend, cos
     qkv = x @ b.w_qkv                                        # [T, (H + 2KV) hd]
     if b.b_qkv is not None:
         qkv += b.b_qkv
-    q = apply_rope(qkv[:, : H * hd].reshape(T, H, hd), cos, sin)
-    k = apply_rope(qkv[:, H * hd:(H + KV) * hd].reshape(T, KV, hd), cos, sin)
+    qk = apply_rope(qkv[:, :(H + KV) * hd].reshape(T, H + KV, hd), cos, sin)   # q and k in one pass
+    q, k = qk[:, :H], qk[:, H:]
     v = qkv[:, (H + KV) * hd:].reshape(T, KV, hd)
     out = attend(layer, q, k, v)                             # [T, H, hd]
     return out.reshape(T, H * hd) @ b.w_o
