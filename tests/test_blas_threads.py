@@ -63,3 +63,15 @@ def test_zero_threads_is_refused_with_one_line(tmp_path, command):
     assert "--blas-threads must be at least 1, got 0" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "run" / "cluster.json").exists()
+
+
+def test_forced_threads_hold_for_small_forwards_too(restore_blas_threads):
+    if not _blas_threads():
+        pytest.skip("NumPy here links no BLAS that threadpoolctl can control")
+    blas.cap_threads(1)
+    with blas.forced_threads(2):
+        with blas.threads_for_rows(1), blas.attention_threads(1000):
+            assert _blas_threads() == {2}  # neither a small forward nor attention drops to one
+    assert _blas_threads() == {1}
+    with blas.threads_for_rows(1):
+        assert _blas_threads() == {1}

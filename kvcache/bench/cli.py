@@ -10,6 +10,7 @@ BENCHES = [
     ("engine", "paged engine prefill/decode/TTFT against a dense runner"),
     ("remote", "TTFT cold vs warm from a kvnode vs warm local"),
     ("overlap", "a fill from a kvnode beside another request's forward, at once and one after the other"),
+    ("forward", "CPU time of one forward of the last few tokens of a long context (a warm run's step)"),
     ("persistence", "the disk tier: fetch from disk vs RAM vs a plain file read; restart time with 1 GiB on disk"),
     ("eviction", "hit rate and orphans of the eviction policies against Belady's bound, on a trace (--trace) or generated"),
     ("ring", "the ring at 10-1,000 simulated kvnodes with churn: hit rate, keys moved, balance, placement cost"),

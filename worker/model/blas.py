@@ -12,16 +12,18 @@ on one thread.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Iterator
 
 SINGLE_THREAD_MAX_ROWS = 48
 
 _controller = None   # threadpoolctl inspects the loaded libraries once (a few ms); reused after
+_forced = False      # inside forced_threads(): forwards leave the thread count alone
 
 
 def threads_for_rows(rows: int) -> AbstractContextManager:
     """Context in which BLAS runs with the thread count suited to a forward of `rows` tokens."""
-    if rows > SINGLE_THREAD_MAX_ROWS:
+    if rows > SINGLE_THREAD_MAX_ROWS or _forced:
         return nullcontext()
     return single_thread()
 
@@ -29,9 +31,24 @@ def threads_for_rows(rows: int) -> AbstractContextManager:
 def attention_threads(rows: int) -> AbstractContextManager:
     """Context for the attention of a forward of `rows` tokens: one BLAS thread. A small forward
     already runs on one, and setting it again each layer costs ~15 us per call."""
-    if rows > SINGLE_THREAD_MAX_ROWS:
+    if rows > SINGLE_THREAD_MAX_ROWS and not _forced:
         return single_thread()
     return nullcontext()
+
+
+@contextmanager
+def forced_threads(count: int) -> Iterator[None]:
+    """Every forward inside runs on `count` BLAS threads, whatever its rows: for a bench that
+    compares thread counts (`kvcache bench forward --threads`), not for serving."""
+    global _forced
+    if count < 1:
+        raise ValueError(f"BLAS threads must be at least 1, got {count}")
+    with _blas_controller().limit(limits=count, user_api="blas"):
+        _forced = True
+        try:
+            yield
+        finally:
+            _forced = False
 
 
 def single_thread() -> AbstractContextManager:
