@@ -20,9 +20,15 @@ CHECKSUM_BYTES = 16
 
 def page_checksum(key: bytes, data) -> bytes:
     """The 16-byte checksum of page `key` holding `data` (any C-contiguous buffer)."""
-    digest = xxhash.xxh3_128(key)
+    digest = page_digest(key)
     digest.update(memoryview(data).cast("B"))
     return digest.digest()
+
+
+def page_digest(key: bytes):
+    """The running state of page_checksum(key, ...): update() it with the page's bytes in order,
+    in any pieces (a reader hashing bands as they land); digest() is then the checksum."""
+    return xxhash.xxh3_128(bytes(key))
 
 
 def first_mismatch(keys, pages, checksums) -> int | None:

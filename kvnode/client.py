@@ -7,7 +7,9 @@ firewall, say) makes this client use gRPC from then on, with one log line.
 Pages carry checksums (kvnode/checksum.py): put_pages sends them (computed here unless the
 caller did once for several nodes), get_pages checks every page it received against its own
 before returning, and raises PageRejected at the first that does not match; get_pages_in_batches
-checks each batch so before handing it over.
+checks each batch so before handing it over; get_pages_in_bands hands each band over as it
+lands and checks the pages once their last band did (so a caller that used a band must be able
+to throw that work away on PageRejected).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from typing import Callable, Sequence
 import grpc
 import numpy as np
 
+from kvnode import data_wire as dw
 from kvnode import wire
-from kvnode.checksum import CHECKSUM_BYTES, first_mismatch, page_checksum
+from kvnode.checksum import CHECKSUM_BYTES, first_mismatch, page_checksum, page_digest
 from kvnode.data_client import DataPlaneClient, DataPlaneError
 from kvnode.store import InvalidRequest, check_key
 from protos import kvcache_pb2 as pb
@@ -142,6 +145,7 @@ class NodeClient:
         self.use_data_plane = use_data_plane
         self._data: DataPlaneClient | None = None
         self._told_busy = False
+        self._bands_refused = False  # the node's data plane predates GET_BANDS: plain GETs instead
         self._data_lock = threading.Lock()
         self._channel = traced_channel(security.channel(
             address, credentials,
@@ -269,6 +273,65 @@ class NodeClient:
         for number in range(len(batches)):  # nothing landed over the data plane
             self._grpc_get_pages(batches[number], checked(number), checksums[number], self._time_left(deadline))
             count(number)
+
+    def get_pages_in_bands(self, keys: Sequence[bytes], outs: Sequence[np.ndarray], band_bytes: int,
+                           landed: Callable[[int], None], timeout: float | None = None) -> None:
+        """The pages of `keys` into outs[i] (a C-contiguous uint8 array of page_bytes each), sent
+        band-major in bands of band_bytes (kvnode/data_wire.py note 6); landed(b) once band b of
+        every page arrived, in band order. Each page is hashed band by band as it lands and checked
+        once its last band did: PageRejected names the first that fails, after every landed call
+        (the bands handed over must then be thrown away). Over gRPC, or from a node whose data
+        plane predates the op, the pages come whole and every band lands at the end."""
+        page_bytes = self._known_info().page_bytes
+        if len(outs) != len(keys):
+            raise ValueError(f"{len(outs)} page buffers for {len(keys)} keys: give one per key")
+        for out in outs:
+            if out.shape != (page_bytes,) or out.dtype != np.uint8 or not out.flags.c_contiguous:
+                raise ValueError(f"each page buffer must be a C-contiguous uint8 array of shape ({page_bytes},), "
+                                 f"got {out.dtype} {out.shape}")
+        try:
+            bands = dw.band_bounds(page_bytes, band_bytes)
+        except dw.FrameError as exc:
+            raise ValueError(str(exc)) from None
+        if not keys:
+            return
+        deadline = time.monotonic() + (timeout or self.timeout)
+        plane = self._data_plane() if not self._bands_refused else None
+        if plane is not None:
+            _check_keys(self.address, keys)
+            checksums = bytearray(len(keys) * CHECKSUM_BYTES)
+            digests = [page_digest(k) for k in keys]  # fed band by band
+            done = 0
+
+            def hashed(band: int) -> None:
+                nonlocal done
+                start, end = bands[band]
+                for digest, out in zip(digests, outs):
+                    digest.update(out[start:end])
+                done = band + 1
+                landed(band)
+
+            try:
+                plane.get_bands(keys, [memoryview(out) for out in outs], memoryview(checksums), band_bytes, hashed,
+                                timeout or self.timeout)
+            except DataPlaneError as exc:
+                if done:
+                    raise NodeError(self.address, exc.code, exc.details) from None
+                if dw.is_unknown_op(exc.code, exc.details):
+                    log.info("kvnode %s: its data plane predates banded GETs; fetching whole pages", self.address)
+                    self._bands_refused = True
+                else:
+                    self._data_plane_failed(plane, exc)  # returns only to fall back to a plain GET
+            else:
+                for index, (key, digest) in enumerate(zip(keys, digests)):
+                    if digest.digest() != bytes(checksums[index * CHECKSUM_BYTES : (index + 1) * CHECKSUM_BYTES]):
+                        raise PageRejected(self.address, index, bytes(key))
+                return
+        whole = self.get_pages(keys, timeout=self._time_left(deadline))
+        for out, page in zip(outs, whole):
+            np.copyto(out, page)
+        for band in range(len(bands)):
+            landed(band)
 
     def _verified(self, keys: Sequence[bytes], out: np.ndarray, checksums: bytearray, first: int = 0) -> np.ndarray:
         """`out` when every page matches its checksum; else PageRejected for the first that does not,

@@ -20,6 +20,9 @@ Design notes
    an ssl.SSLSocket: one recv takes up to a MiB of records, each decrypted into the caller's
    buffer, and the socket keeps its kernel timeouts (note 2). The context, and so the
    certificate checks and the certificate we present, are the same as wrap_socket's.
+6. `get_bands` receives a GET_BANDS reply (data_wire design note 6) into one buffer per page,
+   band by band, and calls back after each band: the caller may use band b of every page while
+   the later bands are on the way.
 """
 
 from __future__ import annotations
@@ -101,6 +104,42 @@ class DataPlaneClient:
                 _receive(sock, checksums, deadline)  # a version 2 reply: the checksums, then the pages
                 _receive(sock, out, deadline)
                 landed(number)
+
+        self._call(exchange, timeout_s)
+
+    def get_bands(self, keys: Sequence[bytes], outs: Sequence[memoryview], checksums: memoryview, band_bytes: int,
+                  landed: Callable[[int], None], timeout_s: float) -> None:
+        """The pages of `keys` in bands of band_bytes (design note 6): page i into outs[i] (each
+        page_bytes long), the checksums into `checksums` (16 bytes a page) before any band, then
+        landed(b) once band b of every page arrived; the caller checks the checksums. A band size
+        the node refuses raises DataPlaneError(INVALID_ARGUMENT); so does a node that predates the op
+        (data_wire.is_unknown_op tells that one)."""
+        if len(outs) != len(keys) or not keys:
+            raise ValueError(f"{len(outs)} page buffers for {len(keys)} keys: give one per key, at least one")
+        page_bytes = outs[0].nbytes
+        if any(out.nbytes != page_bytes for out in outs):
+            raise ValueError(f"page buffers of {sorted({out.nbytes for out in outs})} bytes: all must be one page long")
+        if checksums.nbytes != len(keys) * CHECKSUM_BYTES:
+            raise ValueError(f"room for {checksums.nbytes} bytes of checksums, expected "
+                             f"{len(keys) * CHECKSUM_BYTES} ({CHECKSUM_BYTES} a page)")
+        try:
+            bands = dw.band_bounds(page_bytes, band_bytes)
+        except dw.FrameError as exc:
+            raise ValueError(str(exc)) from None
+        request = dw.get_bands_request(keys, band_bytes)
+        outs = [memoryview(out).cast("B") for out in outs]
+
+        def exchange(sock: socket.socket, deadline: float, reused: bool) -> None:
+            self._send(sock, [request], deadline, reused)
+            payload = self._reply_header(sock, deadline, reused)
+            if payload != checksums.nbytes + len(keys) * page_bytes:
+                raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers {payload} bytes, expected "
+                                     f"{checksums.nbytes + len(keys) * page_bytes} (checksums and pages)")
+            _receive(sock, checksums, deadline)
+            for band, (start, end) in enumerate(bands):
+                for out in outs:
+                    _receive(sock, out[start:end], deadline)
+                landed(band)
 
         self._call(exchange, timeout_s)
 

@@ -38,6 +38,9 @@ Design notes
    (no handshake is spent on it); the client sends that call over gRPC. The session runs over
    memory BIOs on the blocking socket (data_wire.TlsStream, its design note 5), which keeps its
    kernel timeouts: each page is encrypted from its slot whole and sent with one sendall.
+7. GET_BANDS (data_wire design note 6) is a GET whose pages are sent band-major: the same pins
+   and deadline, one sendmsg list of (band, page) slices of the pinned slots, cut by send_parts
+   into calls of at most IOV_MAX buffers; no copy.
 """
 
 from __future__ import annotations
@@ -268,7 +271,7 @@ class DataPlaneServer:
             raise dw.FrameError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{header.count} keys in one request; this node takes at most {self.max_keys}: "
                                 "split the request")
-        if header.op == dw.OP_GET:
+        if header.op in (dw.OP_GET, dw.OP_GET_BANDS):
             self._get(connection, header)
         else:
             self._put(connection, header)
@@ -277,7 +280,7 @@ class DataPlaneServer:
 
     def _request_bytes(self, header: dw.RequestHeader) -> int:
         """What the peer will still send after this header (for draining after a refusal)."""
-        if header.op == dw.OP_GET:
+        if header.op in (dw.OP_GET, dw.OP_GET_BANDS):
             return header.count * header.key_bytes
         return header.count * (dw.put_entry_bytes(header.key_bytes, header.checksums) + header.page_bytes)
 
@@ -286,6 +289,12 @@ class DataPlaneServer:
         raw_keys = connection.receive(header.count * KEY_BYTES)
         keys = [bytes(raw_keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]) for i in range(header.count)]
         connection.pending = 0
+        bands = None
+        if header.op == dw.OP_GET_BANDS:  # design note 7
+            if not header.checksums:
+                raise dw.FrameError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "GET_BANDS needs a version 2 request (pages with checksums)")
+            bands = dw.band_bounds(self.store.page_bytes, header.page_bytes)
         try:
             pages = self.store.pin_pages(keys)
         except PageNotFound as exc:
@@ -293,6 +302,8 @@ class DataPlaneServer:
         try:
             checksums = self.store.checksums(keys) if header.checksums else []  # pinned: still cached
             payload = header.count * self.store.page_bytes + len(checksums) * CHECKSUM_BYTES
+            if bands is not None:
+                pages = [memoryview(page).cast("B")[start:end] for start, end in bands for page in pages]
             # The whole reply within timeout_s: a reader that trickles must not hold pins for long.
             connection.send_parts([dw.ok_reply(payload) + b"".join(checksums), *pages],
                                   deadline=time.monotonic() + self.timeout_s)

@@ -7,8 +7,10 @@ rate (0.93-0.99x of one in `kvcache bench node`).
 
 Design notes
 1. A request is one fixed header, then its keys, then (PUT) the pages back to back:
-     header   magic "KVDP", version, op, key_bytes, count (u32), page_bytes (u64; 0 for GET)
+     header   magic "KVDP", version, op, key_bytes, count (u32), page_bytes (u64; 0 for GET,
+              the band size for GET_BANDS)
      GET      count x key
+     GET_BANDS count x key (note 6)
      PUT      count x (key, parent_len (u8: 0 for a root, else key_bytes), parent (key_bytes,
               zeros for a root), checksum (16 bytes)), then count x page_bytes bytes of pages
    Keys go before pages so the server validates them before it receives a byte of data.
@@ -28,6 +30,13 @@ Design notes
    batch 4.8-5.6 ms -> 3.1-3.4 ms on the client and 4.8-5.3 -> 3.3-4.3 ms on the node. Each
    TlsStream keeps a 1 MiB buffer for the records it receives (64 MiB on a node at its default
    64 connections, all TLS).
+6. GET_BANDS (op 3, version 2) asks for the pages in bands of `band_bytes` (the header's
+   page_bytes field): the reply is the GET's (checksums, then count x page_bytes bytes), but
+   band-major: band 0 of every page in request order, then band 1, ..., the last band of each
+   page shorter when band_bytes does not divide it. A page laid out layer-major with one band
+   per layer lets the reader use layer l while later layers are on the way (issue 19). The
+   bands a page may be cut into are bounded (MAX_BANDS). A node older than the op answers
+   INVALID_ARGUMENT "unknown data plane op 3" and closes the connection (is_unknown_op).
 """
 
 from __future__ import annotations
@@ -46,8 +55,9 @@ from kvnode.checksum import CHECKSUM_BYTES
 MAGIC = b"KVDP"
 VERSION = 2
 VERSIONS = (1, 2)  # spoken by the server (design note 4)
-OP_GET, OP_PUT = 1, 2
-OPS = {OP_GET: "GET", OP_PUT: "PUT"}
+OP_GET, OP_PUT, OP_GET_BANDS = 1, 2, 3
+OPS = {OP_GET: "GET", OP_PUT: "PUT", OP_GET_BANDS: "GET_BANDS"}
+MAX_BANDS = 1024  # bands a page may be cut into by one GET_BANDS (design note 6)
 
 REQUEST = struct.Struct("!4sBBBxIQ")  # magic, version, op, key_bytes, count, page_bytes
 REPLY = struct.Struct("!BxxxIQ")  # status, message bytes, payload bytes
@@ -92,6 +102,32 @@ def get_request(keys: Sequence[bytes]) -> bytes:
     return request_header(OP_GET, len(keys), key_bytes) + b"".join(keys)
 
 
+def get_bands_request(keys: Sequence[bytes], band_bytes: int) -> bytes:
+    """A whole GET_BANDS request (design note 6): header carrying the band size, then the keys."""
+    key_bytes = len(keys[0]) if keys else 16
+    return request_header(OP_GET_BANDS, len(keys), key_bytes, band_bytes) + b"".join(keys)
+
+
+def band_bounds(page_bytes: int, band_bytes: int) -> list[tuple[int, int]]:
+    """(start, end) of each band of a page, the last one shorter when band_bytes does not divide
+    the page; FrameError(INVALID_ARGUMENT) for a band size that is not positive, exceeds the page
+    or cuts it into more than MAX_BANDS bands."""
+    if not 0 < band_bytes <= page_bytes:
+        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"bands of {band_bytes} bytes: a band must hold 1 to {page_bytes} bytes (the page's size)")
+    bands = -(-page_bytes // band_bytes)
+    if bands > MAX_BANDS:
+        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"bands of {band_bytes} bytes cut a page of {page_bytes} bytes into {bands} bands; at most "
+                         f"{MAX_BANDS} are sent: ask for bands of at least {-(-page_bytes // MAX_BANDS)} bytes")
+    return [(start, min(start + band_bytes, page_bytes)) for start in range(0, page_bytes, band_bytes)]
+
+
+def is_unknown_op(code: grpc.StatusCode, details: str) -> bool:
+    """Whether a refusal is a node's that predates an op (design note 6)."""
+    return code == grpc.StatusCode.INVALID_ARGUMENT and "unknown data plane op" in details
+
+
 def put_request_head(keys: Sequence[bytes], parents: Sequence[bytes], checksums: Sequence[bytes],
                      page_bytes: int) -> bytes:
     """A PUT request up to its pages: header, then (key, parent_len, parent, checksum) per page."""
@@ -113,7 +149,8 @@ def parse_request_header(buf) -> RequestHeader:
                          f"data plane version {version} is not spoken here (this node speaks "
                          f"{' and '.join(map(str, VERSIONS))})")
     if op not in OPS:
-        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown data plane op {op} (GET is 1, PUT is 2)")
+        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"unknown data plane op {op} (GET is 1, PUT is 2, GET_BANDS is 3)")
     return RequestHeader(op, key_bytes, count, page_bytes, version)
 
 
@@ -274,15 +311,16 @@ def send_parts(sock: socket.socket, parts: list, deadline: float | None = None) 
     could stretch the send without end. It leaves the socket's send timeout changed.
     """
     parts = [memoryview(p).cast("B") for p in parts]
-    while parts:
+    first = 0  # parts before it are sent (an index, not pop(0): a banded GET has many parts)
+    while first < len(parts):
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise socket.timeout("the send's deadline passed")
             set_kernel_timeouts(sock, left, receive=False)
-        sent = sock.sendmsg(parts[:_IOV_BATCH])  # a TlsStream's sends the first part whole
-        while parts and sent >= parts[0].nbytes:
-            sent -= parts[0].nbytes
-            parts.pop(0)
+        sent = sock.sendmsg(parts[first : first + _IOV_BATCH])  # a TlsStream's sends the first part whole
+        while first < len(parts) and sent >= parts[first].nbytes:
+            sent -= parts[first].nbytes
+            first += 1
         if sent:
-            parts[0] = parts[0][sent:]
+            parts[first] = parts[first][sent:]
