@@ -327,7 +327,13 @@ class NodeClient:
                     if digest.digest() != bytes(checksums[index * CHECKSUM_BYTES : (index + 1) * CHECKSUM_BYTES]):
                         raise PageRejected(self.address, index, bytes(key))
                 return
-        whole = self.get_pages(keys, timeout=self._time_left(deadline))
+        whole = np.empty((len(keys), page_bytes), dtype=np.uint8)
+        try:
+            self.get_pages(keys, out=whole, timeout=self._time_left(deadline))
+        except PageRejected as exc:  # the pages before it are intact: theirs as a banded GET would leave them
+            for out, page in zip(outs[: exc.index], whole):
+                np.copyto(out, page)
+            raise
         for out, page in zip(outs, whole):
             np.copyto(out, page)
         for band in range(len(bands)):

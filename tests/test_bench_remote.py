@@ -27,6 +27,8 @@ def test_bench_remote_short_run_reports_cold_remote_and_local():
     for phases in (remote, local):
         assert all(phases[key] <= phases["ttft"] for key in phases)
         assert phases["forward"] > 0
+    assert report["options"]["layerwise_fill"] is True  # the default (issue 19)
+    assert set(report["layerwise"]) == {"early_joins", "unjoined", "layer_waits", "discarded"}
 
 
 @pytest.mark.parametrize("tokens, message", [("5000", "exceeds the model's"), ("16", "leaves no full page to fetch"),

@@ -151,7 +151,13 @@ def test_a_node_that_predates_the_op_is_served_plain_gets(seeded, plane, monkeyp
 def test_over_grpc_every_band_lands_at_the_end(seeded, plane):
     with seeded.client(use_data_plane=False) as client:
         got, landed, intact = fetch_in_bands(client, GOOD, 512)
-    assert got.tobytes() == pages(3).tobytes() and landed == [0, 1] and all(intact)
+        assert got.tobytes() == pages(3).tobytes() and landed == [0, 1] and all(intact)
+        flip_byte_in_pool(seeded, GOOD[2])
+        outs, landed = [np.zeros(NODE_PAGE_BYTES, np.uint8) for _ in GOOD], []
+        with pytest.raises(PageRejected) as raised:
+            client.get_pages_in_bands(GOOD, outs, 512, landed.append)
+    assert raised.value.index == 2 and landed == []
+    assert np.stack(outs[:2]).tobytes() == pages(3)[:2].tobytes(), "the pages before it are intact, as over the data plane"
 
 
 def test_banded_pages_over_tls(seeded, certs):

@@ -26,6 +26,16 @@ Design notes
 6. `close(timeout_s)` is bounded: queued work is dropped, running calls get `timeout_s` to end
    (the tier's own deadlines end them sooner), and what is asked of a closed connector is
    answered at once as a miss, so a step that races the close never waits for it.
+7. Layer-wise loads (issue 19): with a tier that offers `fill_layerwise` and has `layerwise_fill`
+   on, a load reports each layer of its pages as it lands in the pool. Once its first layer
+   landed (the node answered and is sending; it wakes the engine), the scheduler may let the
+   request join a step of its own before the load ends (`join_early`, once a load); the engine
+   waits before computing layer l until layer l landed (`wait_layer`). That wait holds up the
+   whole engine, so it is short (`layer_wait_s`, 0.1 s): a layer later than that, or a load that
+   ended without it, sends the request back to wait for its load as any parked one (`unjoin`).
+   After the forward `settle_layerwise` says whether every page arrived intact (the tier checks
+   them only at the end, waited for at most `settle_timeout_s`); on any failure the scheduler
+   throws the step's work away.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, TimeoutError, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -41,6 +51,31 @@ log = logging.getLogger("worker.connector")
 
 DEFAULT_TIMEOUT_S = 30.0  # a backstop: RemoteTier bounds its own calls far sooner (deadlines per call)
 DEFAULT_CLOSE_TIMEOUT_S = 5.0
+DEFAULT_LAYER_WAIT_S = 0.1  # the engine's wait for one layer of a layer-wise load (design note 7)
+DEFAULT_SETTLE_TIMEOUT_S = 1.0  # ... and for its outcome once its last layer landed
+
+
+class _Layers:
+    """How many layers of a layer-wise load landed, and whether it ended (design note 7)."""
+
+    def __init__(self, wake: Callable[[], None]):
+        self.cond = threading.Condition()
+        self.landed = 0
+        self.done = False
+        self._wake = wake
+
+    def land(self, layer: int) -> None:
+        with self.cond:
+            first = self.landed == 0
+            self.landed = max(self.landed, layer + 1)
+            self.cond.notify_all()
+        if first:
+            self._wake()  # the request may join a step now
+
+    def end(self) -> None:
+        with self.cond:
+            self.done = True
+            self.cond.notify_all()
 
 
 @dataclass
@@ -56,6 +91,9 @@ class _Load:
     future: Future
     started: float
     blocks: list[int] = field(default_factory=list)  # once given up: to release when the loader is done
+    layers: _Layers | None = None  # a layer-wise load (design note 7)
+    joined: bool = False  # its request joined a step before the load ended (design note 7)
+    tried_early: bool = False  # it did once: never again
 
 
 @dataclass
@@ -70,9 +108,13 @@ class FinishedLoads:
 
 class KVConnector:
     def __init__(self, tier, lookup_threads: int = 4, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 wake: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic):
+                 wake: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic,
+                 layer_wait_s: float = DEFAULT_LAYER_WAIT_S, settle_timeout_s: float = DEFAULT_SETTLE_TIMEOUT_S):
         self.tier = tier
         self.timeout_s = timeout_s
+        self.layer_wait_s = layer_wait_s
+        self.settle_timeout_s = settle_timeout_s
+        self.layerwise = bool(getattr(tier, "layerwise_fill", False)) and hasattr(tier, "fill_layerwise")
         self.wake = wake
         self.clock = clock
         lease_ms = getattr(tier, "lease_ms", None)
@@ -88,6 +130,9 @@ class KVConnector:
         self._pools_lock = threading.Lock()  # guards the two above; taken after _lock, never before
         self.num_lookups_given_up = 0
         self.num_loads_given_up = 0
+        self.num_early_joins = 0  # requests that joined a step before their layer-wise load ended
+        self.num_unjoined = 0  # ... and went back to wait for it, a layer late (design note 7)
+        self.num_layer_waits = 0  # times the engine found a layer not landed yet and waited for it
 
     # ---- any thread -------------------------------------------------------------
 
@@ -161,14 +206,73 @@ class KVConnector:
 
     def start_load(self, request, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Fetch `keys` into `block_ids` (allocated by the scheduler, not scheduled until the load ends)."""
-        future = self._submit(self._loader, 0, self._fill, list(keys), list(block_ids), request.tier_context)
-        self._loads[id(request)] = _Load(request, future, self.clock())
+        if self.layerwise:  # design note 7
+            layers = _Layers(self.wake)
+            future = self._submit(self._loader, 0, self._fill_layerwise, list(keys), list(block_ids),
+                                  request.tier_context, layers)
+            future.add_done_callback(lambda _: layers.end())  # also when closed or cancelled
+        else:
+            layers = None
+            future = self._submit(self._loader, 0, self._fill, list(keys), list(block_ids), request.tier_context)
+        self._loads[id(request)] = _Load(request, future, self.clock(), layers=layers)
+
+    def can_join_early(self, request) -> bool:
+        """Whether a parked request's load is layer-wise, under way (its first layer landed) and not
+        over, not overdue, and never joined early before (design note 7)."""
+        load = self._loads.get(id(request))
+        return (load is not None and load.layers is not None and not load.tried_early and load.layers.landed > 0
+                and not load.future.done() and self.clock() - load.started < self.timeout_s)
+
+    def join_early(self, request) -> None:
+        """The request runs before its load ended; it is no longer reported by take_finished_loads."""
+        load = self._loads[id(request)]
+        load.joined = load.tried_early = True
+        self.num_early_joins += 1
+
+    def unjoin(self, request) -> None:
+        """The request waits for its load again, reported by take_finished_loads as any (design note 7)."""
+        self._loads[id(request)].joined = False
+        self.num_unjoined += 1
+
+    def wait_layer(self, request, layer: int) -> bool:
+        """Wait until layer `layer` of the request's early-joined load is in the pool: True; False
+        after layer_wait_s, or at once when the load ended without it (design note 7)."""
+        load = self._loads.get(id(request))
+        if load is None or load.layers is None:
+            return False
+        layers, deadline = load.layers, time.monotonic() + self.layer_wait_s
+        with layers.cond:
+            if layers.landed <= layer and not layers.done:
+                self.num_layer_waits += 1
+            while layers.landed <= layer and not layers.done:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                layers.cond.wait(left)
+            return layers.landed > layer
+
+    def settle_layerwise(self, request, blocks: Sequence[int], wait_s: float | None = None) -> int | None:
+        """An early-joined load's outcome: the pages that arrived intact (the tier's count), waiting for
+        it at most wait_s (settle_timeout_s when None); None when it still runs: it is given up and
+        `blocks` come back in `released` once the loader let go of them."""
+        load = self._loads[id(request)]
+        try:
+            filled = load.future.result(timeout=self.settle_timeout_s if wait_s is None else wait_s)
+        except TimeoutError:
+            self.give_up_load(request, blocks)
+            return None
+        except CancelledError:
+            filled = 0
+        del self._loads[id(request)]
+        return filled
 
     def take_finished_loads(self) -> FinishedLoads:
         """Loads that ended since the last call, those that let go of blocks given up before,
         and requests whose load has run past `timeout_s` (design note 4)."""
         finished, now = FinishedLoads(), self.clock()
         for key, load in list(self._loads.items()):
+            if load.joined:
+                continue  # settled by the step it joined (design note 7)
             if load.future.done():
                 del self._loads[key]
                 finished.landed.append((load.request, 0 if load.future.cancelled() else load.future.result()))
@@ -246,6 +350,14 @@ class KVConnector:
             log.exception("remote tier lookup failed; computing instead")
             found = 0
         return max(0, min(found, len(keys))), self.clock()
+
+    def _fill_layerwise(self, keys: list[bytes], block_ids: list[int], context: Any, layers: _Layers) -> int:
+        try:
+            filled = int(self.tier.fill_layerwise(keys, block_ids, context, layers.land))
+        except Exception:
+            log.exception("remote tier layer-wise fill failed; computing instead")
+            filled = 0
+        return max(0, min(filled, len(keys)))
 
     def _fill(self, keys: list[bytes], block_ids: list[int], context: Any) -> int:
         try:

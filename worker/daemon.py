@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
     parser.add_argument("--lease-ms", type=int, default=2000, help="how long kvnodes hold looked-up pages for the fetch")
+    parser.add_argument("--layerwise-fill", action=argparse.BooleanOptionalAction, default=True,
+                        help="fetch a request's remote pages layer by layer and compute each layer of its suffix "
+                             "as soon as that layer landed (issue 19); --no-layerwise-fill waits for the whole fill")
     parser.add_argument("--worker-id", default=None, help="name shown in Info and logs (default: random)")
     parser.add_argument(
         "--blas-threads", type=int, default=None,
@@ -119,9 +122,10 @@ def run(args: argparse.Namespace) -> int:
         tracing = observability.setup_tracing(args, "kvcache-worker")
         if tracing or args.metrics_port is not None:
             tier = ObservedRemoteTier(engine.kv_pool, args.kv_dtype, lease_ms=args.lease_ms, tracing=tracing,
-                                      credentials=credentials)
+                                      credentials=credentials, layerwise_fill=args.layerwise_fill)
         else:
-            tier = RemoteTier(engine.kv_pool, args.kv_dtype, lease_ms=args.lease_ms, credentials=credentials)
+            tier = RemoteTier(engine.kv_pool, args.kv_dtype, lease_ms=args.lease_ms, credentials=credentials,
+                              layerwise_fill=args.layerwise_fill)
         engine.attach_remote_tier(tier)
         step_log = None
         if args.step_log:

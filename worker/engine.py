@@ -32,6 +32,13 @@ Design notes
    had generated them itself: `resumed_token_ids` are replayed through its stop checker, count
    in `max_new_tokens`, and their text is not handed out again. If they already end it (a stop
    token, its length, a stop string) it finishes at once, as the first worker would have.
+8. A step of one request whose remote pages are still landing layer by layer (scheduler design
+   note 10) waits, before computing each layer, for that layer's pages (the connector's
+   `wait_layer`, 0.1 s at most); the wait is under the engine's lock, as the forward is, and the
+   network I/O itself runs on the connector's loader thread. A layer that does not come in time
+   ends the forward at once and the request waits for its load as any parked one; pages that
+   turn out not all intact after the forward throw the step's work away (no token), and the
+   request computes its prompt without them.
 """
 
 from __future__ import annotations
@@ -243,6 +250,8 @@ class Engine:
         return []
 
     def _step_batch(self, batch: ScheduledBatch, started: float) -> list[StreamDelta]:
+        if batch.layerwise:
+            return self._step_layerwise(batch, started)
         newcomer_deltas: list[StreamDelta] = []
         scheduler_failures: list[Exception] = []
 
@@ -264,6 +273,31 @@ class Engine:
             raise scheduler_failures[0]
         return newcomer_deltas + deltas
 
+    def _step_layerwise(self, batch: ScheduledBatch, started: float) -> list[StreamDelta]:
+        """A request whose remote pages are still landing, each layer computed once its pages are in (design note 8)."""
+        request, connector = batch.requests[0], self.scheduler.connector
+        layer = 0
+
+        def next_layer() -> None:  # after layer `layer`, before the next one
+            nonlocal layer
+            layer += 1
+            if not connector.wait_layer(request, layer):
+                raise _LayerMissing(layer)
+
+        try:
+            if not connector.wait_layer(request, 0):
+                raise _LayerMissing(0)
+            return self._run(batch, started, time.monotonic(), next_layer,
+                             settle=lambda: self.scheduler.settle_layerwise(request))
+        except _LayerMissing as missing:
+            log.info("layer %d of request %s's remote pages did not land in time; it waits for its load",
+                     missing.layer, request.request_id)
+            self.scheduler.repark(request)
+            return []
+        except Exception as exc:  # the model failed on it: it fails alone (design note 5)
+            live = self._live.get(request.request_id)
+            return [self._fail(live, f"the model failed on it: {exc!r}")] if live else []
+
     def _run_isolated(self, batch: ScheduledBatch, started: float,
                       between_layers: Callable[[], None] | None = None) -> list[StreamDelta]:
         """`_run`, and if its forward raises, each request alone; those that fail alone fail (design note 5)."""
@@ -279,9 +313,10 @@ class Engine:
             return deltas
 
     def _run(self, batch: ScheduledBatch, started: float, scheduled: float,
-             between_layers: Callable[[], None] | None) -> list[StreamDelta]:
+             between_layers: Callable[[], None] | None, settle: Callable[[], bool] | None = None) -> list[StreamDelta]:
         """Forward a scheduled batch, then account for its tokens; its deltas. A batch run
-        between the layers of another gets no `between_layers` of its own (no nesting deeper)."""
+        between the layers of another gets no `between_layers` of its own (no nesting deeper).
+        `settle()` False after the forward throws its work away (design note 8)."""
         # For on_step only: what each request had computed, and when it arrived (a finished one leaves _live).
         before = None if self.on_step is None else [
             (r.num_computed_tokens, self._live[r.request_id].arrival) for r in batch.requests]
@@ -302,6 +337,8 @@ class Engine:
         )
         logits = self.model.forward(forward_batch, self.pool.kv, self.kv_dtype, between_layers=between_layers)
         forwarded = time.monotonic()
+        if settle is not None and not settle():
+            return []
         deltas = []
         for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             live = self._live[request.request_id]
@@ -479,6 +516,14 @@ class Engine:
             except Exception as exc:  # metrics that fail must not fail the request
                 log.warning("on_finish failed: %r", exc)
         return self._send(live, completion)
+
+
+class _LayerMissing(Exception):
+    """A layer of an early-joined request's remote pages did not land (design note 8)."""
+
+    def __init__(self, layer: int):
+        super().__init__(f"layer {layer} did not land")
+        self.layer = layer
 
 
 def _drained(items: queue.SimpleQueue) -> Iterator:

@@ -50,12 +50,22 @@ class ObservedRemoteTier(RemoteTier):
             return hits
 
     def fill(self, keys: Sequence[bytes], block_ids: Sequence[int], placement: Placement) -> int:
+        return self._observed(super().fill, keys, block_ids, placement)
+
+    def fill_layerwise(self, keys: Sequence[bytes], block_ids: Sequence[int], placement: Placement,
+                       landed: Callable[[int], None]) -> int:
+        return self._observed(lambda *args: super(ObservedRemoteTier, self).fill_layerwise(*args, landed),
+                              keys, block_ids, placement)
+
+    def _observed(self, fill: Callable[..., int], keys: Sequence[bytes], block_ids: Sequence[int],
+                  placement: Placement) -> int:
+        """A fill (either kind) in a span, its time to `on_fetch`."""
         started = time.perf_counter()
         try:
             if not self.tracing or placement.trace is None:
-                return super().fill(keys, block_ids, placement)
+                return fill(keys, block_ids, placement)
             with tracer().start_as_current_span("worker.remote_fetch", context=placement.trace) as span:
-                fetched = super().fill(keys, block_ids, placement)
+                fetched = fill(keys, block_ids, placement)
                 span.set_attribute("kvcache.pages", len(keys))
                 span.set_attribute("kvcache.fetched_pages", fetched)
                 return fetched

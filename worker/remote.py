@@ -27,6 +27,17 @@ Design notes
    The rejection is counted, logged once, and the node is told to drop the page (DropPages:
    it goes with its descendants) through the write-back queue, so the drop reaches the node
    before the write-back of the page computed in its place.
+7. Layer-wise fill (issue 19, `fill_layerwise`): the pages come from the node that answered the
+   lookup in one banded GET, a band per layer (a page is laid out layer-major, so layer l of
+   every page is one contiguous range on the wire), and `landed(l)` is called once layer l of
+   every page is in the pool, so the engine may compute layer l of the request's suffix while
+   the later layers are on the way. float32 pages are received straight into their blocks;
+   float16 ones into staging rows, each band cast into the pool as it lands. Pages are checked
+   once their last band landed, after the engine may have used them: the count returned says
+   how many leading pages are whole and intact (those before an altered page; none after a node
+   error, every page being part-way), and when it is short the caller throws away what it
+   computed with them. No replica is tried. More pages than the node takes in one request are
+   fetched whole (`fill`), every layer landing at the end.
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
 import numpy as np
@@ -104,6 +115,7 @@ class RemoteTier:
         fetch_batch_bytes: int = 16 * 2**20,
         min_batch_bytes: int = 2 * 2**20,
         credentials=None,
+        layerwise_fill: bool = True,
     ):
         self.pool = pool
         self.wire_dtype = np.dtype(kv_dtype)
@@ -114,6 +126,8 @@ class RemoteTier:
         self.first_contact_wait_s = first_contact_wait_s
         self.fetch_batch_pages = max(1, fetch_batch_bytes // self.page_bytes)
         self.min_batch_pages = max(1, min(min_batch_bytes // self.page_bytes, self.fetch_batch_pages))
+        self.layerwise_fill = layerwise_fill  # the connector uses fill_layerwise when True (design note 7)
+        self.num_layers = self.block_shape[0]
         self.stats = TierStats()
         self._stats_lock = threading.Lock()  # counted from the engine thread and the sender thread
         self.nodes = NodeTable(self.page_bytes, lookup_timeout_s, retry_after_s, max_retry_after_s, max_nodes,
@@ -183,6 +197,62 @@ class RemoteTier:
             return self._fill(keys, block_ids, placement)
         finally:
             self._count("fill_ms", (time.perf_counter() - started) * 1000.0)
+
+    def fill_layerwise(self, keys: Sequence[bytes], block_ids: Sequence[int], placement: Placement,
+                       landed: Callable[[int], None]) -> int:
+        """Fetch `keys` into `block_ids` layer by layer from the lookup's node, calling landed(l) once
+        layer l of every page is in the pool (design note 7); how many leading pages are whole and
+        intact (all of them, or what was computed with the others must be thrown away)."""
+        if not keys:
+            return 0
+        started = time.perf_counter()
+        try:
+            with self.nodes.use([placement.source] if placement.source else []) as nodes:
+                if not nodes or not self.nodes.ready(nodes[0], 0.0):
+                    return 0
+                node = nodes[0]
+                if len(keys) > node.max_keys:  # more than one request: whole pages, every layer at the end
+                    filled = self._fill(keys, block_ids, placement)
+                    for layer in range(self.num_layers):
+                        landed(layer)
+                    return filled
+                try:
+                    self._fetch_in_bands(node, keys, block_ids, landed)
+                except PageRejected as exc:  # the pages before it are whole and intact
+                    self.nodes.succeeded(node)
+                    self._reject(node.address, exc)
+                    self._count("pages_fetched", exc.index)
+                    return exc.index
+                except NodeError as exc:
+                    self._count("fetch_failures", 1)
+                    self.nodes.failed(node, exc)
+                    return 0
+                self.nodes.succeeded(node)
+                self._count("pages_fetched", len(keys))
+                self._count("bytes_fetched", len(keys) * self.page_bytes)
+                return len(keys)
+        finally:
+            self._count("fill_ms", (time.perf_counter() - started) * 1000.0)
+
+    def _fetch_in_bands(self, node: Node, keys: Sequence[bytes], block_ids: Sequence[int],
+                        landed: Callable[[int], None]) -> None:
+        band_bytes = self.page_bytes // self.num_layers
+        with self._fetch_lock:
+            if self.wire_dtype == self.pool.dtype:  # straight into the blocks
+                outs = [self.pool[block].reshape(-1).view(np.uint8) for block in block_ids]
+                node.client.get_pages_in_bands(keys, outs, band_bytes, landed, timeout=self._fetch_timeout(len(keys)))
+                return
+            rows = self._staging_rows(0, len(keys)) if len(keys) <= self.fetch_batch_pages else \
+                np.empty((len(keys), self.page_bytes), dtype=np.uint8)
+            layer_shape = self.block_shape[1:]
+
+            def cast(layer: int) -> None:
+                for row, block in zip(rows, block_ids):
+                    band = row[layer * band_bytes : (layer + 1) * band_bytes].view(self.wire_dtype)
+                    float16_to_float32(band.reshape(layer_shape), self.pool[block, layer])
+                landed(layer)
+
+            node.client.get_pages_in_bands(keys, list(rows), band_bytes, cast, timeout=self._fetch_timeout(len(keys)))
 
     def _fill(self, keys: Sequence[bytes], block_ids: Sequence[int], placement: Placement) -> int:
         candidates = [placement.source] if placement.source else []

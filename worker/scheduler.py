@@ -66,6 +66,18 @@ Design notes
 9. Sliding windows (worker/window.py): after each step a running request releases the blocks
    no later query of its window reads, once its full pages are cached and copied for the
    tier, so it holds at most about W / page_tokens + 1 blocks however long it grows.
+10. Layer-wise overlap (issue 19, connector design note 7): a parked request whose layer-wise
+   load is under way may join before the load ends, in a step of its own
+   (`ScheduledBatch.layerwise`), so other requests never share a step with a wait on the
+   network; the engine's forward waits (briefly) for each layer of its pages. Its remote pages
+   count as computed from that step on, and they are indexed only in `settle_layerwise`, after
+   the forward, once every page arrived intact; otherwise the step's work is thrown away: its
+   blocks are released (those the loader may still write once it let go of them; the leading
+   pages that arrived whole and intact, before an altered one, are cached first), and it waits
+   to compute its prompt reusing only those, its usage then saying so.
+   A layer that is late cuts the forward short and sends the request back to the parked ones
+   (`repark`), to join when its load ended as any. A step that finds no blocks for its first
+   chunk leaves it parked.
 """
 
 from __future__ import annotations
@@ -107,6 +119,7 @@ class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]
     admission_held: bool = False  # scheduling it preempted or found the pool short: admit nobody more
+    layerwise: bool = False  # one request whose remote pages are still landing, layer by layer (note 10)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -154,6 +167,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order, oldest first
         self.parked: list[Request] = []  # waiting for remote KV (design note 5): blocks held, not scheduled
         self._remote_given_up: set[int] = set()  # ids of requests whose load was given up: they compute
+        self._early: dict[int, tuple[int, int, bool]] = {}  # id -> (local hits, remote pages, usage set here): note 10
+        self.num_layerwise_discarded = 0  # early-joined steps thrown away (note 10)
         self.num_preemptions = 0
         self.num_steps = 0
 
@@ -174,6 +189,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         self.num_steps += 1
         self._take_finished_loads()
+        early = self._join_early()
+        if early is not None:
+            return early
         self._preempt_for_priority()
         batch = ScheduledBatch([], [])
         preempted = False
@@ -257,8 +275,62 @@ class Scheduler:
                 self.connector.on_page_full(keys[page], parent or b"", block_id, request.tier_context)
         request.num_cached_pages = num_full
 
+    def settle_layerwise(self, request: Request) -> bool:
+        """After an early-joined request's step (design note 10): True, its remote pages indexed,
+        when every one arrived intact; else False, the step's work thrown away and the request
+        waiting to compute its prompt without them."""
+        num_hits, num_remote, set_usage = self._early.pop(id(request))
+        remote = request.block_table[num_hits : num_hits + num_remote]
+        filled = self.connector.settle_layerwise(request, remote)
+        if filled == num_remote:
+            keys = request.page_keys(num_hits + num_remote)
+            for page in range(num_hits, num_hits + num_remote):
+                parent = keys[page - 1] if page else None
+                request.block_table[page] = self.pool.cache_full_block(request.block_table[page], keys[page], parent)
+            request.num_cached_pages = num_hits + num_remote
+            return True
+        self.num_layerwise_discarded += 1
+        log.info("remote pages of request %s did not all arrive intact (%s of %d); computing its prompt without "
+                 "the others", request.request_id, "a load given up" if filled is None else filled, num_remote)
+        if filled is None:  # the loader may still write them: released once it is done
+            del request.block_table[num_hits : num_hits + num_remote]
+        elif filled:  # whole and intact: cached, so the recompute reuses them
+            keys = request.page_keys(num_hits + filled)
+            for page in range(num_hits, num_hits + filled):
+                parent = keys[page - 1] if page else None
+                request.block_table[page] = self.pool.cache_full_block(request.block_table[page], keys[page], parent)
+        self.running.remove(request)
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        self._remote_given_up.add(id(request))
+        if set_usage:  # what it will reuse: the local hits and the remote pages that were intact
+            request.cached_tokens_local, request.cached_tokens_remote = (
+                (num_hits * self.page_tokens, filled * self.page_tokens) if filled else (None, None))
+        self.waiting.appendleft(request)
+        return False
+
+    def repark(self, request: Request) -> None:
+        """An early-joined request whose step was cut short by a late layer waits for its load again
+        (design note 10): the blocks of its suffix go back, its remote ones stay the loader's."""
+        num_hits, num_remote, set_usage = self._early.pop(id(request))
+        self.pool.release(request.block_table[num_hits + num_remote :])
+        del request.block_table[num_hits + num_remote :]
+        request.num_computed_tokens = num_hits * self.page_tokens
+        if set_usage:
+            request.cached_tokens_local = request.cached_tokens_remote = None
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.parked.append(request)
+        self.connector.unjoin(request)
+
     def finish(self, request: Request) -> None:
         """Remove a request (done or aborted) wherever it is and release its blocks at once."""
+        early = self._early.pop(id(request), None)
+        if early is not None:  # ended in its early-joined step (note 10): the loader may still write
+            num_hits, num_remote, _ = early
+            if self.connector.settle_layerwise(request, request.block_table[num_hits : num_hits + num_remote],
+                                               wait_s=0.0) is None:
+                del request.block_table[num_hits : num_hits + num_remote]
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -427,6 +499,34 @@ class Scheduler:
         assert self._can_grow(request, num_new), "admission checked the blocks it needs"
         self._grow(request, num_new)
         return num_new
+
+    def _join_early(self) -> ScheduledBatch | None:
+        """A parked request whose layer-wise load is under way, in a step of its own (design note 10)."""
+        if self.connector is None:
+            return None
+        P = self.page_tokens
+        for request in self.parked:
+            if not self.connector.can_join_early(request):
+                continue
+            num_hits = request.num_cached_pages
+            num_remote = len(request.block_table) - num_hits
+            computed = (num_hits + num_remote) * P
+            num_new = min(request.num_tokens - computed, self.max_prefill_tokens)
+            if _cdiv(computed + num_new, P) - len(request.block_table) > self.pool.get_num_free_blocks():
+                continue  # it joins once its load landed, as any parked request
+            self.connector.join_early(request)
+            set_usage = request.cached_tokens_local is None
+            if set_usage:
+                request.cached_tokens_local = num_hits * P
+                request.cached_tokens_remote = num_remote * P
+            request.num_computed_tokens = computed
+            self._early[id(request)] = (num_hits, num_remote, set_usage)
+            self.parked.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._grow(request, num_new)
+            return ScheduledBatch([request], [num_new], layerwise=True)
+        return None
 
     def _take_finished_loads(self) -> None:
         """Parked requests whose pages landed join the running ones (design note 5)."""

@@ -15,7 +15,9 @@ Each warm run is also broken down (`phases_ms`, medians): from the request's arr
 the kvnode answered its lookup, until its fill began and ended (warm-remote), until the forward
 of its last tokens began, that forward, and what follows it up to the first token. The times
 come from the engine's step records and a wrapper around each tier that notes when its lookup
-and fill ran, so the gap between the two warm runs can be read as the phases it lies in.
+and fill ran, so the gap between the two warm runs can be read as the phases it lies in. With
+the layer-wise fill (issue 19, on unless --no-layerwise-fill) the forward begins before the fill
+ends, so "-> the forward began" is then negative: by how much the two overlapped.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV dtype on the wire (default float16, half the bytes)")
     parser.add_argument("--repeats", type=int, default=3, help="prompts measured; medians are shown (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--layerwise-fill", action=argparse.BooleanOptionalAction, default=True,
+                        help="the reader computes each layer of the suffix once that layer of its pages landed "
+                             "(issue 19); --no-layerwise-fill waits for the whole fill, as before")
     parser.add_argument("--node", default=None, metavar="HOST:PORT",
                         help="measure against this running kvnode (on another machine, say; its pages must be "
                              "the model's in --kv-dtype, and it needs room for the prompts) instead of starting one")
@@ -76,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     pages_needed = (args.prompt_tokens // engines[0].page_tokens + 1) * (2 * args.repeats + 2)
     capacity = str(page_bytes * pages_needed)
     with _node(args.node, page_bytes, capacity) as node:
-        tiers = [_TimedTier(RemoteTier(engine.kv_pool, args.kv_dtype)) for engine in engines]
+        tiers = [_TimedTier(RemoteTier(engine.kv_pool, args.kv_dtype, layerwise_fill=args.layerwise_fill))
+                 for engine in engines]
         steps: list[dict] = []
         for engine, tier in zip(engines, tiers):
             engine.attach_remote_tier(tier)
@@ -144,6 +150,11 @@ def run(args: argparse.Namespace) -> int:
         # Where each warm run's time went (medians, ms from the request's arrival; see the docstring).
         "phases_ms": {name: _median_phases(runs) for name, runs in phases.items()},
         "phases_samples_ms": phases,
+        # Layer-wise fills (issue 19): warm-remote runs that began their forward before the fill ended,
+        # those sent back to wait for it (a layer late), and the layers the forward had to wait for.
+        "layerwise": {"early_joins": reader.connector.num_early_joins, "unjoined": reader.connector.num_unjoined,
+                      "layer_waits": reader.connector.num_layer_waits,
+                      "discarded": reader.scheduler.num_layerwise_discarded},
     }
     if args.json:
         dump_json(result)
@@ -161,6 +172,10 @@ def run(args: argparse.Namespace) -> int:
           f">= {result['fetch_gb_per_s_lower_bound']:.2f} GB/s (whole warm TTFT counted as transfer)")
     print(f"of the warm-from-kvnode TTFT, fetching the pages and writing them into the pool took "
           f"{result['fill_ms']:.1f} ms ({result['fill_gb_per_s']:.2f} GB/s); the rest computes the last page")
+    layerwise = result["layerwise"]
+    print(f"layer-wise fill {'on' if args.layerwise_fill else 'off'}: {layerwise['early_joins']} of {args.repeats} "
+          f"warm-remote forwards began before their fill ended ({layerwise['unjoined']} sent back to wait, "
+          f"{layerwise['layer_waits']} layer waits, {layerwise['discarded']} thrown away)")
     print("\nwhere the warm runs' time went, ms (medians of each phase; they need not add up to the median TTFT):")
     remote_phases, local_phases = result["phases_ms"]["warm_remote"], result["phases_ms"]["warm_local"]
     print_table(["phase", "warm from kvnode", "warm local"],
@@ -196,6 +211,9 @@ class _TimedTier:
 
     def fill(self, keys, block_ids, context) -> int:
         return self._timed("fill", self.tier.fill, keys, block_ids, context)
+
+    def fill_layerwise(self, keys, block_ids, context, landed) -> int:
+        return self._timed("fill", self.tier.fill_layerwise, keys, block_ids, context, landed)
 
     def _timed(self, what: str, call, *args):
         started = time.monotonic()

@@ -1,0 +1,212 @@
+"""Layer-wise overlap of a remote fill with the suffix's forward (issue 19): a request whose prefix
+comes from a kvnode joins a step of its own once its first layer landed, each layer computed once
+that layer of its pages is in the pool. Its tokens equal the cold run's and the warm-local run's
+(float32 and float16 KV, GPT-2 and Llama shapes); a fill that fails part way, a page that fails
+its checksum (the pages before it are still reused), and a layer that comes late all still give
+the exact tokens, with usage saying what was reused; a request decoding meanwhile gets its own exact tokens."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from kvnode.client import NodeError
+from kvnode.data_plane import DataPlaneServer
+from kvnode.store import PageStore
+from cluster_helpers import serve_node
+from worker.engine import Engine
+from worker.model import load_model
+from worker.model.testing import gpt2_config, llama_config, random_model
+from worker.pages import page_keys, tenant_root
+from worker.remote import Placement, RemoteTier
+
+PAGE_TOKENS = 16
+SHARED = "You are a helpful assistant. Answer briefly, and cite what you read. " * 2  # 8 full pages and more
+PROMPT = SHARED + "What does a kvnode store?"
+PARAMS = dict(max_new_tokens=12, ignore_eos=True)
+
+MODELS = {
+    "tiny": lambda: load_model("tiny"),
+    # gpt2-small-shape's 12 layers and heads, small widths: a band per layer of a GPT-2 page
+    "gpt2-12-layers": lambda: random_model(gpt2_config(n_layers=12, n_heads=12, n_kv_heads=12, d_model=192,
+                                                      head_dim=16, d_ff=384, max_positions=512), seed=3),
+    "llama-gqa": lambda: random_model(llama_config(n_layers=3, max_positions=512), seed=4),
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: make() for name, make in MODELS.items()}
+
+
+def engine(model, kv_dtype):
+    return Engine(model, kv_dtype=kv_dtype, num_blocks=96, page_tokens=PAGE_TOKENS, max_num_batched_tokens=256,
+                  seed=0)
+
+
+class SlowLayers:
+    """Wraps a tier's fill_layerwise: each layer after the first is passed on `delay_s` late (the
+    forward must wait for it); `fail_after` ends the fill with a failure once that many layers landed."""
+
+    def __init__(self, tier, delay_s=0.01, late_layer=None, late_s=0.0, fail_after=None):
+        self.tier, self.delay_s, self.late_layer, self.late_s, self.fail_after = tier, delay_s, late_layer, late_s, fail_after
+        self.calls = 0
+        tier_fill = tier.fill_layerwise
+
+        def fill_layerwise(keys, block_ids, placement, landed):
+            self.calls += 1
+
+            def slow(layer):
+                if self.fail_after is not None and layer >= self.fail_after:
+                    raise NodeError(placement.source, grpc.StatusCode.UNAVAILABLE, "the test's node fails here")
+                if layer:
+                    time.sleep(self.late_s if layer == self.late_layer else self.delay_s)
+                landed(layer)
+
+            return tier_fill(keys, block_ids, placement, slow)
+
+        tier.fill_layerwise = fill_layerwise
+
+
+@pytest.fixture
+def node():
+    """A kvnode with a data plane (pages come in bands) serving any page size."""
+    stores = {}
+
+    def make(page_bytes):
+        store = PageStore(64, page_bytes)
+        stack = serve_node(store, max_keys=64)
+        node = stack.__enter__()
+        plane = DataPlaneServer(store, "127.0.0.1", 0, max_keys=64).start()
+        node.service.data_port = plane.port
+        stores[node.address] = (stack, plane)
+        return node
+
+    yield make
+    for stack, plane in stores.values():
+        plane.stop()
+        stack.__exit__(None, None, None)
+
+
+def written(model, kv_dtype, node_factory):
+    """A node holding the shared prefix's pages, written back by another worker."""
+    writer = engine(model, kv_dtype)
+    node = node_factory(writer.kv_pool[0].nbytes // (2 if kv_dtype == "float16" else 1))
+    tier = RemoteTier(writer.kv_pool, kv_dtype)
+    writer.attach_remote_tier(tier)
+    try:
+        writer.generate([SHARED + "First question?"], max_new_tokens=2, tier_context=Placement([node.address]))
+        assert tier.flush(timeout_s=10.0) and tier.stats.pages_written >= 8
+    finally:
+        tier.close()
+    return node
+
+
+def warm_engine(model, kv_dtype, **slow):
+    reader = engine(model, kv_dtype)
+    tier = RemoteTier(reader.kv_pool, kv_dtype)
+    SlowLayers(tier, **slow)
+    reader.attach_remote_tier(tier)
+    return reader, tier
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_layerwise_warm_run_gives_the_cold_and_the_warm_local_tokens(models, node, name, kv_dtype):
+    model = models[name]
+    cold = engine(model, kv_dtype).generate([PROMPT], **PARAMS)[0]
+    local = engine(model, kv_dtype)
+    local.generate([SHARED + "First question?"], max_new_tokens=2)
+    warm_local = local.generate([PROMPT], **PARAMS)[0]
+    assert warm_local.usage.cached_tokens_local >= 8 * PAGE_TOKENS
+    placement = Placement([written(model, kv_dtype, node).address])
+    reader, tier = warm_engine(model, kv_dtype)
+    try:
+        warm = reader.generate([PROMPT], tier_context=placement, **PARAMS)[0]
+    finally:
+        tier.close()
+    assert warm.token_ids == cold.token_ids == warm_local.token_ids
+    assert warm.usage.cached_tokens_remote == warm_local.usage.cached_tokens_local
+    assert reader.connector.num_early_joins == 1 and reader.connector.num_unjoined == 0
+    assert reader.connector.num_layer_waits > 0, "the forward never waited for a layer: nothing overlapped"
+    assert reader.scheduler.num_layerwise_discarded == 0 and tier.stats.pages_rejected == 0
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_a_fill_failing_part_way_gives_the_exact_tokens_computed(models, node, kv_dtype):
+    model = models["tiny"]
+    cold = engine(model, kv_dtype).generate([PROMPT], **PARAMS)[0]
+    placement = Placement([written(model, kv_dtype, node).address])
+    reader, tier = warm_engine(model, kv_dtype, fail_after=2)
+    try:
+        warm = reader.generate([PROMPT], tier_context=placement, **PARAMS)[0]
+    finally:
+        tier.close()
+    assert warm.token_ids == cold.token_ids
+    assert warm.usage.cached_tokens_remote == 0 and warm.usage.computed_tokens == warm.usage.prompt_tokens
+    assert reader.connector.num_early_joins == 1 and reader.connector.num_unjoined == 1
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_a_page_failing_its_checksum_throws_the_step_away_keeps_the_pages_before_it_and_gives_the_exact_tokens(models, node, kv_dtype):
+    model = models["gpt2-12-layers"]
+    cold = engine(model, kv_dtype).generate([PROMPT], **PARAMS)[0]
+    kvnode = written(model, kv_dtype, node)
+    tokens = model.tokenizer.encode(PROMPT)
+    keys = page_keys(tenant_root(engine(model, kv_dtype).fingerprint, ""), tokens[: 3 * PAGE_TOKENS], PAGE_TOKENS)
+    store = kvnode.store
+    store._pool[store._index[keys[2]].slot, store.page_bytes - 3] ^= 0x10  # in the last layer's band
+    reader, tier = warm_engine(model, kv_dtype)
+    try:
+        warm = reader.generate([PROMPT], tier_context=Placement([kvnode.address]), **PARAMS)[0]
+    finally:
+        tier.close()
+    assert warm.token_ids == cold.token_ids  # the pages before the altered one reused, the rest computed
+    assert warm.usage.cached_tokens_remote == 2 * PAGE_TOKENS
+    assert warm.usage.computed_tokens == warm.usage.prompt_tokens - 2 * PAGE_TOKENS
+    assert tier.stats.pages_rejected == 1 and reader.scheduler.num_layerwise_discarded == 1
+    assert reader.connector.num_early_joins == 1
+
+
+def test_a_late_layer_sends_the_request_back_to_wait_for_its_load(models, node):
+    model = models["tiny"]
+    cold = engine(model, "float32").generate([PROMPT], **PARAMS)[0]
+    placement = Placement([written(model, "float32", node).address])
+    reader, tier = warm_engine(model, "float32", late_layer=2, late_s=0.4)  # past the engine's 0.1 s
+    try:
+        warm = reader.generate([PROMPT], tier_context=placement, **PARAMS)[0]
+    finally:
+        tier.close()
+    assert warm.token_ids == cold.token_ids
+    assert warm.usage.cached_tokens_remote == 8 * PAGE_TOKENS  # the load landed whole: used as any
+    assert reader.connector.num_early_joins == 1 and reader.connector.num_unjoined == 1
+    assert reader.scheduler.num_layerwise_discarded == 0
+
+
+def test_a_request_decoding_meanwhile_gets_its_own_tokens(models, node):
+    model = models["tiny"]
+    other = "A request of its own, decoding while the other one's pages land."
+    expected = {p: engine(model, "float32").generate([p], **PARAMS)[0].token_ids for p in (PROMPT, other)}
+    placement = Placement([written(model, "float32", node).address])
+    reader, tier = warm_engine(model, "float32")
+    try:
+        decoding = reader.add_request(other, max_new_tokens=40, ignore_eos=True, tier_context=Placement([]))
+        for _ in range(4):  # its prompt, then a few tokens
+            reader.step()
+        assert len(reader.scheduler.running) == 1 and decoding.completion is None
+        warm = reader.add_request(PROMPT, tier_context=placement, **PARAMS)
+        decoded = []  # the other's tokens so far, at each step until the warm request ends
+        while warm.completion is None:
+            reader.step()
+            decoded.append(len(reader._live[decoding.request_id].request.output_token_ids))
+        while decoding.completion is None:
+            reader.step()
+    finally:
+        tier.close()
+    assert warm.completion.token_ids == expected[PROMPT]
+    assert decoding.completion.token_ids[: len(expected[other])] == expected[other]
+    assert warm.completion.usage.cached_tokens_remote == 8 * PAGE_TOKENS
+    assert reader.connector.num_early_joins == 1
+    assert decoded[-1] - decoded[0] >= PARAMS["max_new_tokens"] - 1, f"the other stopped decoding: {decoded}"
