@@ -116,7 +116,7 @@ def test_a_reply_cut_after_a_band_fails_after_that_band_landed():
         with pytest.raises(DataPlaneError) as raised:
             client.get_bands(GOOD, [memoryview(np.zeros(NODE_PAGE_BYTES, np.uint8)) for _ in GOOD],
                              memoryview(bytearray(48)), 512, landed.append, 5)
-        assert raised.value.code == grpc.StatusCode.UNAVAILABLE and "closed after 0 of 512 bytes" in str(raised.value)
+        assert raised.value.code == grpc.StatusCode.UNAVAILABLE and "closed after 0 of 1536 bytes" in str(raised.value)
         assert landed == [0]
     finally:
         client.close()
