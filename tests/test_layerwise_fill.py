@@ -210,3 +210,31 @@ def test_a_request_decoding_meanwhile_gets_its_own_tokens(models, node):
     assert warm.completion.usage.cached_tokens_remote == 8 * PAGE_TOKENS
     assert reader.connector.num_early_joins == 1
     assert decoded[-1] - decoded[0] >= PARAMS["max_new_tokens"] - 1, f"the other stopped decoding: {decoded}"
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("targets", ["consecutive", "scattered"])
+def test_fill_layerwise_writes_what_the_simple_path_writes(make_node, kv_dtype, targets):
+    import numpy as np
+
+    import test_remote_fill as fill
+
+    keys = fill.chain_keys(fill.PAGES, b"layerwise" + kv_dtype.encode())
+    node, _ = fill.stored_node(make_node, kv_dtype, keys)
+    plane = DataPlaneServer(node.store, "127.0.0.1", 0, max_keys=64).start()
+    node.service.data_port = plane.port
+    block_ids = fill.TARGETS[targets]
+    expected = np.zeros((fill.BLOCKS, *fill.BLOCK_SHAPE), dtype=np.float32)
+    fill.simple_fill(node.address, keys, block_ids, expected, kv_dtype, 256)
+    tier = fill.make_tier(kv_dtype)
+    tier.pool[fill.PAGES:] = 0.0
+    try:
+        placement = Placement([node.address])
+        assert tier.lookup(keys, placement) == fill.PAGES
+        landed = []
+        assert tier.fill_layerwise(keys, block_ids, placement, landed.append) == fill.PAGES
+        assert landed == list(range(fill.BLOCK_SHAPE[0]))
+        np.testing.assert_array_equal(fill.bits(tier.pool[fill.PAGES:]), fill.bits(expected[fill.PAGES:]))
+    finally:
+        tier.close()
+        plane.stop()
