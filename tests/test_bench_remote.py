@@ -10,7 +10,7 @@ import pytest
 def test_bench_remote_short_run_reports_cold_remote_and_local():
     result = subprocess.run(
         [sys.executable, "-m", "kvcache.cli", "bench", "remote", "--model", "tiny", "--prompt-tokens", "100",
-         "--repeats", "1", "--json"],
+         "--repeats", "1", "--layerwise-fill", "--json"],
         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
     )
     assert result.returncode == 0, result.stderr[-2000:]
@@ -27,7 +27,7 @@ def test_bench_remote_short_run_reports_cold_remote_and_local():
     for phases in (remote, local):
         assert all(phases[key] <= phases["ttft"] for key in phases)
         assert phases["forward"] > 0
-    assert report["options"]["layerwise_fill"] is True  # the default (issue 19)
+    assert report["options"]["layerwise_fill"] is True  # asked for: the overlapped path runs end to end
     assert set(report["layerwise"]) == {"early_joins", "unjoined", "layer_waits", "discarded"}
 
 

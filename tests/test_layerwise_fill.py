@@ -106,7 +106,7 @@ def written(model, kv_dtype, node_factory):
 
 def warm_engine(model, kv_dtype, **slow):
     reader = engine(model, kv_dtype)
-    tier = RemoteTier(reader.kv_pool, kv_dtype)
+    tier = RemoteTier(reader.kv_pool, kv_dtype, layerwise_fill=True)
     SlowLayers(tier, **slow)
     reader.attach_remote_tier(tier)
     return reader, tier

@@ -55,9 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
     parser.add_argument("--lease-ms", type=int, default=2000, help="how long kvnodes hold looked-up pages for the fetch")
-    parser.add_argument("--layerwise-fill", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--layerwise-fill", action=argparse.BooleanOptionalAction, default=False,
                         help="fetch a request's remote pages layer by layer and compute each layer of its suffix "
-                             "as soon as that layer landed (issue 19); --no-layerwise-fill waits for the whole fill")
+                             "as soon as that layer landed (issue 19; off by default: it pays only with a core "
+                             "to spare, see docs/benchmarks.md)")
     parser.add_argument("--worker-id", default=None, help="name shown in Info and logs (default: random)")
     parser.add_argument(
         "--blas-threads", type=int, default=None,

@@ -32,7 +32,10 @@ Design notes
    every page is one contiguous range on the wire), and `landed(l)` is called once layer l of
    every page is in the pool, so the engine may compute layer l of the request's suffix while
    the later layers are on the way. float32 pages are received straight into their blocks;
-   float16 ones into staging rows, each band cast into the pool as it lands. Pages are checked
+   float16 ones into a staging buffer kept between fills, and as each layer lands it is cast for
+   every page at once (gathered, half.py, then copied per run of consecutive blocks: one cast a
+   page, beside the forward, took the GIL so often that the fill ran 3-6x longer). Off by
+   default (`layerwise_fill`): on the shared 2-core machine it did not pay (docs/benchmarks.md). Pages are checked
    once their last band landed, after the engine may have used them: the count returned says
    how many leading pages are whole and intact (those before an altered page; none after a node
    error, every page being part-way), and when it is short the caller throws away what it
@@ -125,7 +128,7 @@ class RemoteTier:
         fetch_batch_bytes: int = 16 * 2**20,
         min_batch_bytes: int = 2 * 2**20,
         credentials=None,
-        layerwise_fill: bool = True,
+        layerwise_fill: bool = False,
     ):
         self.pool = pool
         self.wire_dtype = np.dtype(kv_dtype)

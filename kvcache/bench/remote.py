@@ -16,7 +16,7 @@ the kvnode answered its lookup, until its fill began and ended (warm-remote), un
 of its last tokens began, that forward, and what follows it up to the first token. The times
 come from the engine's step records and a wrapper around each tier that notes when its lookup
 and fill ran, so the gap between the two warm runs can be read as the phases it lies in. With
-the layer-wise fill (issue 19, on unless --no-layerwise-fill) the forward begins before the fill
+the layer-wise fill (issue 19, --layerwise-fill) the forward begins before the fill
 ends, so "-> the forward began" is then negative: by how much the two overlapped.
 """
 
@@ -45,9 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV dtype on the wire (default float16, half the bytes)")
     parser.add_argument("--repeats", type=int, default=3, help="prompts measured; medians are shown (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--layerwise-fill", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--layerwise-fill", action=argparse.BooleanOptionalAction, default=False,
                         help="the reader computes each layer of the suffix once that layer of its pages landed "
-                             "(issue 19); --no-layerwise-fill waits for the whole fill, as before")
+                             "(issue 19; off by default, as in the worker)")
     parser.add_argument("--node", default=None, metavar="HOST:PORT",
                         help="measure against this running kvnode (on another machine, say; its pages must be "
                              "the model's in --kv-dtype, and it needs room for the prompts) instead of starting one")
