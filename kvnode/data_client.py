@@ -264,9 +264,6 @@ class DataPlaneClient:
         raise DataPlaneError(code, details)
 
 
-_IOV_BATCH = 512  # buffers per recvmsg_into, under the kernel's IOV_MAX (1024)
-
-
 def _receive_scattered(sock, views: list[memoryview], deadline: float) -> None:
     """Fill `views` in order from `sock`: a plain socket scatters each recv over many of them
     (recvmsg_into), so a band of many pages costs a few calls, not one a page (design note 6)."""
@@ -278,7 +275,7 @@ def _receive_scattered(sock, views: list[memoryview], deadline: float) -> None:
     views, got = list(views), 0
     while first < len(views):
         try:
-            n = sock.recvmsg_into(views[first : first + _IOV_BATCH])[0]
+            n = sock.recvmsg_into(views[first : first + dw.IOV_BATCH])[0]
         except (BlockingIOError, socket.timeout):
             raise DataPlaneError(grpc.StatusCode.DEADLINE_EXCEEDED, f"timed out after {got} of {total} bytes") from None
         except OSError as exc:

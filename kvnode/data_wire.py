@@ -300,7 +300,7 @@ class TlsStream:
         self.sock.close()
 
 
-_IOV_BATCH = 512  # buffers per sendmsg, under the kernel's IOV_MAX (1024)
+IOV_BATCH = 512  # buffers per sendmsg or recvmsg_into, under the kernel's IOV_MAX (1024)
 
 
 def send_parts(sock: socket.socket, parts: list, deadline: float | None = None) -> None:
@@ -318,7 +318,7 @@ def send_parts(sock: socket.socket, parts: list, deadline: float | None = None) 
             if left <= 0:
                 raise socket.timeout("the send's deadline passed")
             set_kernel_timeouts(sock, left, receive=False)
-        sent = sock.sendmsg(parts[first : first + _IOV_BATCH])  # a TlsStream's sends the first part whole
+        sent = sock.sendmsg(parts[first : first + IOV_BATCH])  # a TlsStream's sends the first part whole
         while first < len(parts) and sent >= parts[first].nbytes:
             sent -= parts[first].nbytes
             first += 1
