@@ -238,3 +238,34 @@ def test_fill_layerwise_writes_what_the_simple_path_writes(make_node, kv_dtype, 
     finally:
         tier.close()
         plane.stop()
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_a_page_aligned_prompt_the_node_holds_whole_computes_its_last_token_alone(models, node, kv_dtype):
+    """Every page of the prompt comes from the node: the last token is computed over them, and the
+    fetched pages are left as the node sent them (nothing written into a page still landing)."""
+    import numpy as np
+
+    from kvnode.client import NodeClient
+
+    model = models["tiny"]
+    aligned = SHARED[: 8 * PAGE_TOKENS]   # the tiny model's byte tokens: exactly 8 pages
+    cold = engine(model, kv_dtype).generate([aligned], **PARAMS)[0]
+    address = written(model, kv_dtype, node).address
+    reader, tier = warm_engine(model, kv_dtype)
+    try:
+        warm = reader.generate([aligned], tier_context=Placement([address]), **PARAMS)[0]
+    finally:
+        tier.close()
+    assert warm.token_ids == cold.token_ids
+    assert (warm.usage.cached_tokens_remote, warm.usage.computed_tokens) == (8 * PAGE_TOKENS - 1, 1)
+    assert reader.connector.num_early_joins == 1 and reader.scheduler.num_layerwise_discarded == 0
+    keys = page_keys(tenant_root(reader.fingerprint, ""), list(warm.prompt_token_ids), PAGE_TOKENS)
+    blocks = reader.pool.lookup(keys)
+    assert len(blocks) == 8
+    with NodeClient(address) as client:
+        sent = client.get_pages(keys)
+    held = reader.kv_pool[blocks]
+    if kv_dtype == "float16":
+        held = held.astype(np.float16)
+    np.testing.assert_array_equal(held.reshape(8, -1).view(np.uint8), sent)

@@ -357,10 +357,11 @@ class Engine:
         return deltas
 
     def _cached_lens(self, batch: ScheduledBatch) -> np.ndarray | None:
-        """Per request, the tokens whose K/V its cached pages hold, when a step computes some of
-        them again (a prompt whose every page was cached computes its last token; scheduler note
-        5); None when no request does, the usual case."""
-        cached = [r.num_cached_pages * self.page_tokens for r in batch.requests]
+        """Per request, the tokens whose K/V came from a cache (its cached pages, and remote pages
+        still landing under a layer-wise fill), when a step computes some of them again (a prompt
+        whose every page was cached computes its last token; scheduler note 5); None when no
+        request does, the usual case."""
+        cached = [self.scheduler.num_reused_tokens(r) for r in batch.requests]
         if all(c <= r.num_computed_tokens for c, r in zip(cached, batch.requests)):
             return None
         return np.asarray(cached, dtype=np.int64)

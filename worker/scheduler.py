@@ -309,13 +309,20 @@ class Scheduler:
         self.waiting.appendleft(request)
         return False
 
+    def num_reused_tokens(self, request: Request) -> int:
+        """Tokens whose K/V came from a cache into its blocks, never to be written again: its cached
+        pages', and while it runs early (note 10) those of its remote pages still landing."""
+        early = self._early.get(id(request))
+        pages = early[0] + early[1] if early is not None else request.num_cached_pages
+        return pages * self.page_tokens
+
     def repark(self, request: Request) -> None:
         """An early-joined request whose step was cut short by a late layer waits for its load again
         (design note 10): the blocks of its suffix go back, its remote ones stay the loader's."""
         num_hits, num_remote, set_usage = self._early.pop(id(request))
         self.pool.release(request.block_table[num_hits + num_remote :])
         del request.block_table[num_hits + num_remote :]
-        request.num_computed_tokens = num_hits * self.page_tokens
+        request.num_computed_tokens = min(num_hits * self.page_tokens, request.num_tokens - 1)
         if set_usage:
             request.cached_tokens_local = request.cached_tokens_remote = None
         self.running.remove(request)
@@ -510,15 +517,15 @@ class Scheduler:
                 continue
             num_hits = request.num_cached_pages
             num_remote = len(request.block_table) - num_hits
-            computed = (num_hits + num_remote) * P
+            computed = min((num_hits + num_remote) * P, request.num_tokens - 1)   # the last token is computed
             num_new = min(request.num_tokens - computed, self.max_prefill_tokens)
             if _cdiv(computed + num_new, P) - len(request.block_table) > self.pool.get_num_free_blocks():
                 continue  # it joins once its load landed, as any parked request
             self.connector.join_early(request)
             set_usage = request.cached_tokens_local is None
             if set_usage:
-                request.cached_tokens_local = num_hits * P
-                request.cached_tokens_remote = num_remote * P
+                request.cached_tokens_local = min(num_hits * P, computed)
+                request.cached_tokens_remote = computed - request.cached_tokens_local
             request.num_computed_tokens = computed
             self._early[id(request)] = (num_hits, num_remote, set_usage)
             self.parked.remove(request)
