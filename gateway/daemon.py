@@ -101,12 +101,19 @@ def run(args: argparse.Namespace) -> int:
                             # Connections beyond this get 503 from uvicorn before any work is done.
                             limit_concurrency=args.max_streams * 2 + 16)
     # uvicorn raises the signal that stopped it again once it has shut down; with the default
-    # action that killed the gateway (exit 143, no last line). These handlers swallow it, so a
-    # stop ends like every daemon's: one "stopped" line, exit 0.
+    # action that killed the gateway (exit 143, no last line). This handler turns it, or a stop
+    # that comes before uvicorn has installed its own, into SystemExit, so a stop ends like every
+    # daemon's: one "stopped" line, exit 0.
+    def stop(signum, frame):
+        raise SystemExit(0)
+
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(stop_signal, lambda *_: None)
-    serving.freeze_startup_objects()
-    uvicorn.Server(config).run(sockets=[sock])
+        signal.signal(stop_signal, stop)
+    try:
+        serving.freeze_startup_objects()
+        uvicorn.Server(config).run(sockets=[sock])
+    except SystemExit:
+        pass
     log.info("stopped")
     return 0
 

@@ -7,7 +7,8 @@ made for the request (coordinator/aio_client.py) carry it on. Installed only whe
 without it the app runs as before.
 
 Span names are bounded: the method and the route for the gateway's own routes, the method
-alone for any other path (a client picks paths; they must not pick span names)."""
+alone for any other path (a client picks paths; they must not pick span names). Probes and
+scrapes (/health, /metrics) make no span, as housekeeping calls make none on the gRPC side."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from gateway.routes import route_of
 from protos.observability import tracer
 
 
+UNTRACED = ("/health", "/metrics")
+
+
 class TraceRequests:
     """ASGI middleware: one SERVER span per HTTP request."""
 
@@ -24,7 +28,7 @@ class TraceRequests:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path") in UNTRACED:
             return await self.app(scope, receive, send)
         headers = {key.decode("latin-1"): value.decode("latin-1") for key, value in scope.get("headers", ())
                    if key in (b"traceparent", b"tracestate")}

@@ -295,6 +295,11 @@ class DataPlaneServer:
                 raise dw.FrameError(grpc.StatusCode.INVALID_ARGUMENT,
                                     "GET_BANDS needs a version 2 request (pages with checksums)")
             bands = dw.band_bounds(self.store.page_bytes, header.page_bytes)
+            if len(bands) * header.count > dw.MAX_BAND_SLICES:
+                raise dw.FrameError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{header.count} pages in {len(bands)} bands are {len(bands) * header.count} "
+                                    f"slices; at most {dw.MAX_BAND_SLICES} a request: ask for fewer pages or "
+                                    f"larger bands")
         try:
             pages = self.store.pin_pages(keys)
         except PageNotFound as exc:

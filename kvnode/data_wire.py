@@ -58,6 +58,7 @@ VERSIONS = (1, 2)  # spoken by the server (design note 4)
 OP_GET, OP_PUT, OP_GET_BANDS = 1, 2, 3
 OPS = {OP_GET: "GET", OP_PUT: "PUT", OP_GET_BANDS: "GET_BANDS"}
 MAX_BANDS = 1024  # bands a page may be cut into by one GET_BANDS (design note 6)
+MAX_BAND_SLICES = 16_384  # pages x bands of one GET_BANDS: each slice is a buffer to send (a TLS record)
 
 REQUEST = struct.Struct("!4sBBBxIQ")  # magic, version, op, key_bytes, count, page_bytes
 REPLY = struct.Struct("!BxxxIQ")  # status, message bytes, payload bytes

@@ -82,6 +82,16 @@ def test_a_bad_band_size_is_refused_by_name(seeded, plane, band_bytes, fragment)
     assert_unharmed(seeded, plane, set(GOOD))
 
 
+def test_slices_are_bounded_per_request(seeded, plane, monkeypatch):
+    monkeypatch.setattr(dw, "MAX_BAND_SLICES", 2000)   # 3 pages in 1,024 one-byte bands: 3,072 slices
+    with raw_connection(plane) as sock:
+        sock.sendall(dw.get_bands_request(GOOD, 1))
+        code, message_bytes, _ = dw.parse_reply_header(sock.recv(dw.REPLY.size, socket.MSG_WAITALL))
+        message = sock.recv(message_bytes, socket.MSG_WAITALL).decode()
+    assert code == INVALID and "3072 slices; at most 2000 a request: ask for fewer pages or larger bands" in message
+    assert_unharmed(seeded, plane, set(GOOD))
+
+
 def test_bands_are_bounded_per_page():
     with pytest.raises(dw.FrameError, match=f"at most {dw.MAX_BANDS} are sent: ask for bands of at least 4 bytes"):
         dw.band_bounds(4096, 3)

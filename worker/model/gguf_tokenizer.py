@@ -116,7 +116,7 @@ def _sentencepiece_bpe(get, source: str):
     if len(vocab) != len(tokens):
         raise CheckpointError(f"{source}: tokenizer.ggml.tokens holds {len(tokens) - len(vocab)} duplicate token(s)")
     unk_id = get("tokenizer.ggml.unknown_token_id", required=False, default=0)   # llama.cpp's default
-    unk = tokens[unk_id] if unk_id < len(tokens) else None   # for bytes without a <0x..> piece
+    unk = tokens[unk_id] if 0 <= unk_id < len(tokens) else None   # for bytes without a <0x..> piece (some files say -1)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges_by_score(tokens, scores, types), unk_token=unk,
                                fuse_unk=True, byte_fallback=True))
     space_prefix = get("tokenizer.ggml.add_space_prefix", bool, required=False, default=True)
