@@ -289,10 +289,7 @@ class NodeClient:
             if out.shape != (page_bytes,) or out.dtype != np.uint8 or not out.flags.c_contiguous:
                 raise ValueError(f"each page buffer must be a C-contiguous uint8 array of shape ({page_bytes},), "
                                  f"got {out.dtype} {out.shape}")
-        try:
-            bands = dw.band_bounds(page_bytes, band_bytes)
-        except dw.FrameError as exc:
-            raise ValueError(str(exc)) from None
+        bands = dw.caller_band_bounds(page_bytes, band_bytes)
         if not keys:
             return
         deadline = time.monotonic() + (timeout or self.timeout)

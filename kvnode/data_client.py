@@ -122,10 +122,7 @@ class DataPlaneClient:
         if checksums.nbytes != len(keys) * CHECKSUM_BYTES:
             raise ValueError(f"room for {checksums.nbytes} bytes of checksums, expected "
                              f"{len(keys) * CHECKSUM_BYTES} ({CHECKSUM_BYTES} a page)")
-        try:
-            bands = dw.band_bounds(page_bytes, band_bytes)
-        except dw.FrameError as exc:
-            raise ValueError(str(exc)) from None
+        bands = dw.caller_band_bounds(page_bytes, band_bytes)
         request = dw.get_bands_request(keys, band_bytes)
         outs = [memoryview(out).cast("B") for out in outs]
 

@@ -124,6 +124,14 @@ def band_bounds(page_bytes: int, band_bytes: int) -> list[tuple[int, int]]:
     return [(start, min(start + band_bytes, page_bytes)) for start in range(0, page_bytes, band_bytes)]
 
 
+def caller_band_bounds(page_bytes: int, band_bytes: int) -> list[tuple[int, int]]:
+    """band_bounds for a caller's own arguments: ValueError, not the wire's FrameError."""
+    try:
+        return band_bounds(page_bytes, band_bytes)
+    except FrameError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def is_unknown_op(code: grpc.StatusCode, details: str) -> bool:
     """Whether a refusal is a node's that predates an op (design note 6)."""
     return code == grpc.StatusCode.INVALID_ARGUMENT and "unknown data plane op" in details

@@ -186,23 +186,3 @@ def test_banded_pages_over_tls(seeded, certs):
                 assert landed == list(range(-(-NODE_PAGE_BYTES // band)))
         finally:
             client.close()
-
-
-def test_send_parts_cuts_long_lists_into_iov_max_calls():
-    a, b = socket.socketpair()
-    try:
-        parts = [bytes([i % 251]) * 7 for i in range(3000)]  # > 2 x the 512 buffers a sendmsg takes
-        expected = b"".join(parts)
-        received = bytearray()
-        sender = threading.Thread(target=dw.send_parts, args=(a, parts))
-        sender.start()
-        b.settimeout(5)
-        while len(received) < len(expected):
-            chunk = b.recv(1 << 16)
-            assert chunk
-            received += chunk
-        sender.join(5)
-        assert bytes(received) == expected
-    finally:
-        a.close()
-        b.close()

@@ -79,23 +79,32 @@ def test_a_parent_of_a_wrong_length_is_invalid_argument():
     assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT and "got 5" in str(raised.value)
 
 
-def test_send_parts_sends_every_buffer_back_to_back_in_order():
+def sent_through_a_socketpair(parts) -> bytes:
+    """What the other end of a socket pair receives while send_parts sends `parts` on a thread."""
     a, b = socket.socketpair()
     try:
-        parts = [b"head", memoryview(bytes(range(256)) * 3000), b"", bytearray(b"tail")]
-        expected = b"".join(bytes(p) for p in parts)
         a.settimeout(5)
         b.settimeout(5)
+        expected = sum(memoryview(p).nbytes for p in parts)
         received = bytearray()
-
         sender = threading.Thread(target=dw.send_parts, args=(a, parts))
         sender.start()
-        while len(received) < len(expected):
+        while len(received) < expected:
             chunk = b.recv(1 << 16)
             assert chunk
             received += chunk
         sender.join(5)
-        assert bytes(received) == expected
+        return bytes(received)
     finally:
         a.close()
         b.close()
+
+
+def test_send_parts_sends_every_buffer_back_to_back_in_order():
+    parts = [b"head", memoryview(bytes(range(256)) * 3000), b"", bytearray(b"tail")]
+    assert sent_through_a_socketpair(parts) == b"".join(bytes(p) for p in parts)
+
+
+def test_send_parts_cuts_long_lists_into_iov_max_calls():
+    parts = [bytes([i % 251]) * 7 for i in range(3000)]  # > 2 x the 512 buffers a sendmsg takes
+    assert sent_through_a_socketpair(parts) == b"".join(parts)
