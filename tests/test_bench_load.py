@@ -102,6 +102,36 @@ def test_observability_cost_alternates_off_and_on_clusters_and_reports_each_pair
     assert len(scrapes) == 2 and all(line.endswith(" scrapes, 0 failed") for line in scrapes), scrapes  # each on arm
 
 
+def test_observability_cost_side_by_side_runs_both_arms_at_once_and_counts_the_common_window(tmp_path):
+    code, out, err = run_bench(SMALL + ["--observability-cost", "--side-by-side", "--repeat", "1", "--json",
+                                        "--requests", "400", "--duration", "4"], timeout=420)
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["order"].startswith("side by side") and len(report["pairs"]) == 1
+    [pair] = report["pairs"]
+    [level] = report["summary"]
+    for name in ("no_cache", "cache"):
+        off, on = (pair[arm]["levels"][0][name] for arm in ("off", "on"))
+        # Duration-bound: both arms ran out of time, not of prompts, and share one window.
+        assert 0 < off["window_s"] == on["window_s"] <= 4.0
+        assert off["requests"] < 400 and on["requests"] < 400 and off["failed"] == on["failed"] == 0
+        assert level["ratios_on_off"][name] == [on["requests_per_s"] / off["requests_per_s"]]
+    lines = [line for line in err.splitlines() if line.startswith("pair ")]
+    assert [line.split()[2] for line in lines] == ["off:", "on:"] and all("side by side" in line for line in lines)
+
+
+def test_requests_in_window_counts_a_running_request_by_its_share_and_no_failed_one():
+    from kvcache.bench.observability_cost import requests_in_window
+    from kvcache.bench.stats import RequestResult
+
+    def result(start, end, error=""):
+        return RequestResult("one-off", "f", True, start, start + 0.1, end, error=error)
+
+    results = [result(0.0, 1.0), result(1.0, 3.0), result(2.0, 6.0), result(4.5, 5.0), result(0.5, 1.5, "boom")]
+    # Whole, whole (it ends at the edge), half of the third (2 of its 4 s), nothing started after it.
+    assert requests_in_window(results, 4.0) == 2.5
+
+
 def test_observability_cost_with_a_sample_ratio_of_zero_exports_no_request_span(tmp_path):
     pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs the otel extra")
     code, out, err = run_bench(SMALL + ["--observability-cost", "--repeat", "1", "--trace-sample-ratio", "0",
@@ -117,6 +147,7 @@ def test_observability_cost_with_a_sample_ratio_of_zero_exports_no_request_span(
 @pytest.mark.parametrize("args, message", [
     (["--observability-cost", "--metrics"], "--observability-cost starts its own two local clusters"),
     (["--trace-sample-ratio", "0.5"], "--trace-sample-ratio is for --observability-cost"),
+    (["--side-by-side"], "--side-by-side is for --observability-cost"),
     (["--observability-cost", "--trace-sample-ratio", "2"], "--trace-sample-ratio must be between 0 and 1"),
     (["--concurrency", "0"], "--concurrency needs positive counts"),
     (["--mix", "1,1"], "--mix needs three shares"),

@@ -121,6 +121,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="two local clusters, metrics and tracing off and on, the passes alternating between them "
                           "(off, on, ... --repeat pairs): prints each pair's throughput ratio and the median "
                           "(kvcache/bench/observability_cost.py)")
+    out.add_argument("--side-by-side", action="store_true",
+                     help="with --observability-cost: each pair's arms run at the same time, each pass on both "
+                          "clusters for --duration seconds (give more --requests than that serves), so the "
+                          "machine's other work falls on both alike")
     out.add_argument("--trace-sample-ratio", type=float, default=None, metavar="R",
                      help="with --observability-cost: the on cluster's daemons trace this share of requests "
                           "(their --trace-sample-ratio; default: every request)")
@@ -371,6 +375,8 @@ def _check(args) -> tuple[wl.WorkloadConfig, list[int]]:
     if args.observability_cost and (args.coordinators or args.gateway or args.metrics or args.plot):
         raise ValueError("--observability-cost starts its own two local clusters: give it without --coordinators, "
                          "--gateway, --metrics and --plot")
+    if args.side_by_side and not args.observability_cost:
+        raise ValueError("--side-by-side is for --observability-cost: it runs that bench's two clusters at once")
     if args.trace_sample_ratio is not None and not args.observability_cost:
         raise ValueError("--trace-sample-ratio is for --observability-cost's on cluster")
     if args.trace_sample_ratio is not None and not 0.0 <= args.trace_sample_ratio <= 1.0:

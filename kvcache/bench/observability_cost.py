@@ -17,6 +17,14 @@ traces that share of the requests).
 
 The idle cluster is not scraped and exports nothing while the other runs (heartbeats make no
 span); its heartbeats (one a second per member) are all it costs the other.
+
+--side-by-side runs each pair's arms at the same time instead, each pass on both clusters at
+once for --duration seconds (give more --requests than that can serve): whatever else the machine
+does then falls on both arms alike, which taking turns cannot promise. Each arm's throughput is
+counted over the window both were busy (until the earlier of --duration and either arm's last
+start), a request still running at its end counted by the share of its time inside the window,
+so a few requests more or less do not decide the ratio. Two clusters sharing the cores each get
+about half: a per-request cost shows in the ratio as it would against the whole machine.
 """
 
 from __future__ import annotations
@@ -27,10 +35,15 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import uuid
 from pathlib import Path
 
+from kvcache.bench import workload as wl
+from kvcache.bench.loadrun import PassRun, run_pass, warm_up
 from kvcache.bench.report import dump_json, machine, versions
+from kvcache.bench.stats import summarize_pass
 from kvcache.bench.watchers import Scraper, SpanSink
 
 ARMS = ("off", "on")
@@ -85,7 +98,13 @@ def run(args: argparse.Namespace, config, levels: list[int], tokenizer) -> int:
         for cluster in clusters.values():
             wait_healthy(cluster.coordinator_addresses, args.nodes, args.workers, timeout_s=180.0)
         pairs = []
+        if args.side_by_side:
+            for cluster in clusters.values():
+                _warm_up(cluster, args, config)
         for number in range(args.repeat):
+            if args.side_by_side:
+                pairs.append(_side_by_side_pair(clusters, args, config, levels, tokenizer, number, say))
+                continue
             pair = {}
             for arm in ARMS:
                 load = os.getloadavg()[0]
@@ -116,13 +135,101 @@ def run(args: argparse.Namespace, config, levels: list[int], tokenizer) -> int:
             on_requests = sum(pair["on"]["requests"] for pair in pairs)
             spans = {"exports": sink.exports, "bytes": sink.bytes,
                      "per_request": _per_request(sink.spans(), on_requests)}
-    report = _report(pairs, levels, tracing, spans, args.scrape_interval, args.trace_sample_ratio)
+    report = _report(pairs, levels, tracing, spans, args.scrape_interval, args.trace_sample_ratio,
+                     args.side_by_side)
     if args.json:
         dump_json({"bench": "load-observability-cost", "machine": machine(), "versions": versions(),
                    "options": {k: v for k, v in vars(args).items() if k != "run"}, **report})
     else:
         _print(report, levels)
     return 0
+
+
+def _warm_up(cluster, args, config) -> None:
+    warm_up(cluster.coordinator_addresses, args.warmup if args.warmup is not None else 2 * args.workers,
+            args.max_tokens, uuid.uuid4().hex[:6])
+
+
+def _side_by_side_pair(clusters: dict, args: argparse.Namespace, config, levels: list[int], tokenizer,
+                       number: int, say) -> dict:
+    """One pair with both arms at once: each pass starts on both clusters together (the same
+    prompts, a fresh tag each pair so no pass finds an earlier pair's pages)."""
+    from kvcache.bench.load import _check_positions, _members
+
+    members = {arm: _members(clusters[arm].coordinator_addresses) for arm in ARMS}
+    for arm in ARMS:
+        _check_positions(config, args, members[arm]["worker_limits"])
+    run_id = uuid.uuid4().hex[:6]
+    load = os.getloadavg()[0]
+    cpu_before = {arm: cpu_seconds(clusters[arm].daemons) for arm in ARMS}
+    pair = {arm: {"load_average": load, "requests": 0, "levels": []} for arm in ARMS}
+    scraper = Scraper([d.metrics_url for d in clusters["on"].daemons], args.scrape_interval).start()
+    try:
+        for level in levels:
+            jobs = wl.build_workload(config, f"{run_id}.{level} ")
+            summaries = {arm: {} for arm in ARMS}
+            for name, no_cache in (("no_cache", True), ("cache", False)):
+                runs = {arm: PassRun(clusters[arm].coordinator_addresses, members[arm]["nodes"],
+                                     members[arm]["workers"], level, no_cache, args.max_tokens, args.duration,
+                                     tokenizer, progress=False) for arm in ARMS}
+                outcomes = _at_once({arm: (lambda r=runs[arm]: run_pass(r, jobs, name)) for arm in ARMS})
+                window = min([args.duration] + [max((r.start_s for r in results), default=0.0)
+                                                for results, *_ in outcomes.values()])
+                for arm, (results, wall_s, _, _) in outcomes.items():
+                    summary = summarize_pass(results, wall_s)
+                    summary["requests_per_s"] = requests_in_window(results, window) / window if window > 0 else 0.0
+                    summary["window_s"] = window
+                    summaries[arm][name] = summary
+                    pair[arm]["requests"] += summary["requests"]
+            for arm in ARMS:
+                pair[arm]["levels"].append(summaries[arm])
+                say(f"pair {number + 1}/{args.repeat} {arm}: {level} clients " + ", ".join(
+                    f"{p.replace('_', '-')} {summaries[arm][p]['requests_per_s']:.2f} req/s"
+                    for p in PASSES) + f" (side by side, load average {load:.1f})")
+    finally:
+        scraper.stop()
+    for arm in ARMS:
+        pair[arm]["cpu_ms_per_request_by_role"] = {
+            role: round((seconds - cpu_before[arm].get(role, 0.0)) * 1000 / max(1, pair[arm]["requests"]), 2)
+            for role, seconds in cpu_seconds(clusters[arm].daemons).items()}
+        pair[arm]["cpu_ms_per_request"] = sum(pair[arm]["cpu_ms_per_request_by_role"].values())
+    return pair
+
+
+def _at_once(calls: dict) -> dict:
+    """Run each call on a thread of its own, all released together; their results by name."""
+    barrier = threading.Barrier(len(calls))
+    results, errors = {}, {}
+
+    def run(name, call):
+        try:
+            barrier.wait(60.0)
+            results[name] = call()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, on the caller's thread
+            errors[name] = exc
+
+    threads = [threading.Thread(target=run, args=item, daemon=True) for item in calls.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise next(iter(errors.values()))
+    return results
+
+
+def requests_in_window(results, window_s: float) -> float:
+    """Requests completed within [0, window_s] of their pass, one still running at its end
+    counted by the share of its time inside (failed ones not at all)."""
+    done = 0.0
+    for r in results:
+        if not r.ok or r.start_s >= window_s:
+            continue
+        if r.end_s <= window_s:
+            done += 1.0
+        else:
+            done += (window_s - r.start_s) / (r.end_s - r.start_s)
+    return done
 
 
 def _per_request(spans: dict[str, dict[str, int]] | None, requests: int) -> dict[str, dict[str, float]] | None:
@@ -136,7 +243,7 @@ def _per_request(spans: dict[str, dict[str, int]] | None, requests: int) -> dict
 
 
 def _report(pairs: list[dict], levels: list[int], tracing: bool, spans: dict | None,
-            scrape_interval: float = 1.0, sample_ratio: float | None = None) -> dict:
+            scrape_interval: float = 1.0, sample_ratio: float | None = None, side_by_side: bool = False) -> dict:
     summary = []
     for index, level in enumerate(levels):
         ratios = {p: [pair["on"]["levels"][index][p]["requests_per_s"] /
@@ -149,12 +256,14 @@ def _report(pairs: list[dict], levels: list[int], tracing: bool, spans: dict | N
                      "on": f"--metrics-port scraped every {scrape_interval:g} s" + (
                          f", spans of {1.0 if sample_ratio is None else sample_ratio:g} of the requests over OTLP "
                          "to a sink" if tracing else "; tracing not measured (no otel extra)")},
+            "order": ("side by side: each pass on both clusters at once, throughput over the window both were busy"
+                      if side_by_side else "taking turns: off, then on, each pair"),
             "tracing_measured": tracing, "spans_exported": spans, "pairs": pairs, "summary": summary,
             "cpu_per_request_on_off": {"ratios": cpu, "median": statistics.median(cpu)}, "goal": GOAL}
 
 
 def _print(report: dict, levels: list[int]) -> None:
-    print(f"on: {report['arms']['on']}; off: {report['arms']['off']}")
+    print(f"on: {report['arms']['on']}; off: {report['arms']['off']}; {report['order']}")
     if report["spans_exported"]:
         s = report["spans_exported"]
         print(f"spans: {s['exports']} OTLP exports, {s['bytes'] / 1e6:.1f} MB")
@@ -162,7 +271,7 @@ def _print(report: dict, levels: list[int]) -> None:
             print(f"  {role}: {sum(names.values()):.1f} spans a request (" +
                   ", ".join(f"{name} {count:g}" for name, count in names.items()) + ")")
     for index, level in enumerate(report["summary"]):
-        print(f"{level['concurrency']} clients: throughput on / off (requests/s), pairs run off then on")
+        print(f"{level['concurrency']} clients: throughput on / off (requests/s)")
         for number, pair in enumerate(report["pairs"]):
             cells = []
             for p in PASSES:
