@@ -15,7 +15,7 @@ from coordinator import agent
 from kvnode.data_dir import DataDir
 from kvnode.eviction import ALIASES, NODE_POLICIES, POLICIES, PREFIX_LRU
 from kvnode.data_plane import DEFAULT_MAX_CONNECTIONS, DataPlaneServer
-from kvnode.disk_tier import DiskTier
+from kvnode.disk_tier import CHECK_AT_START, DISK_CHECKS, DiskTier
 from kvnode.flusher import Flusher
 from kvnode.metrics import NodeMetrics
 from kvnode.service import DEFAULT_MAX_KEYS, SERVICE_NAME, KVStoreService, handler
@@ -68,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --data-dir: seconds between writes of new pages to disk; a crash loses at most about the "
              "pages put in that time (and their descendants). 0 writes each page before its put is answered "
              "(default %(default)s)")
+    parser.add_argument(
+        "--disk-check", choices=DISK_CHECKS, default=CHECK_AT_START,
+        help="with --data-dir: when a page's bytes on disk are checked against its slot's checksum. start: "
+             "every slot once, when the node starts (a page this node writes is checksummed as written); a "
+             "read then checks the slot's header only, and a page altered on disk later is refused by the "
+             "client that fetches it (each checks every page) and dropped when it reports it. always: on "
+             "every read as well, a third of a disk hit's time (default %(default)s)")
     parser.add_argument(
         "--max-keys", type=int, default=DEFAULT_MAX_KEYS, help=f"most pages per request (default {DEFAULT_MAX_KEYS})"
     )
@@ -189,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         f"({capacity_pages} pages of {args.page_bytes} bytes, {format_size(capacity_pages * args.page_bytes)}, "
         f"eviction {store.policy.name}"
         + (f"; disk tier {store.capacity_pages} pages, {format_size(store.capacity_pages * args.page_bytes)}, "
-           f"{store.num_used()} recovered" if disk is not None else "") + ")",
+           f"{store.num_used()} recovered, disk check {disk.check}" if disk is not None else "") + ")",
         flush=True,
     )
     if data_plane is not None:
@@ -227,7 +234,7 @@ def open_disk_tier(args: argparse.Namespace, capacity_pages: int) -> tuple[DataD
                              f"{capacity_pages}: the disk keeps every page RAM holds, give at least --capacity")
     data_dir = DataDir(args.data_dir, args.page_bytes)
     try:
-        return data_dir, DiskTier(data_dir.path, disk_pages, args.page_bytes)
+        return data_dir, DiskTier(data_dir.path, disk_pages, args.page_bytes, check=args.disk_check)
     except BaseException:
         data_dir.close()
         raise

@@ -20,6 +20,14 @@ Design notes
    store dropped does not come back at the next start.
 5. pwrite puts the page in the OS page cache: it survives the process's crash (SIGKILL) at
    once. sync() (fdatasync) puts it on the device, so it survives the machine's crash too.
+6. A slot is checked whole once per process (check=CHECK_AT_START, the default): recovery reads
+   and checks every slot at start, and a slot this process wrote was checksummed from the bytes
+   it wrote. So a read checks only the header (magic, version, length, key) and trusts the
+   page's bytes: the slot's checksum would cost a second pass over the page, a third of a disk
+   hit's time. Bytes altered on disk later (another process writing the file, the media) are
+   caught end to end: every reader checks a page against its writer's checksum and reports a
+   mismatch (DropPages), and the node then checks its own copy (kvnode/store.py, note 9).
+   CHECK_ALWAYS checks the slot's checksum on every read as well.
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ HEADER_BYTES = HEADER.size  # 80
 _CHECKED = HEADER_BYTES - 8  # the checksum covers the header up to itself, then the page
 _HAS_PARENT = 1
 BLOCK_BYTES = 4096
+CHECK_AT_START = "start"  # design note 6
+CHECK_ALWAYS = "always"
+DISK_CHECKS = (CHECK_AT_START, CHECK_ALWAYS)
 
 
 @dataclass(frozen=True)
@@ -55,9 +66,12 @@ class SlotHeader:
 
 
 class DiskTier:
-    """`capacity_pages` slots for pages of `page_bytes` in DIR/pages.slots; not thread-safe (the store locks)."""
+    """`capacity_pages` slots for pages of `page_bytes` in DIR/pages.slots; not thread-safe (the store locks).
+    `check`: when read() checks a slot's checksum (design note 6)."""
 
-    def __init__(self, directory: Path | str, capacity_pages: int, page_bytes: int):
+    def __init__(self, directory: Path | str, capacity_pages: int, page_bytes: int, check: str = CHECK_AT_START):
+        if check not in DISK_CHECKS:
+            raise ValueError(f"the disk check is one of {', '.join(DISK_CHECKS)}, got {check!r}")
         if capacity_pages < 1:
             raise ValueError(f"the disk tier needs at least one page, got {capacity_pages}")
         if page_bytes < 1:
@@ -65,6 +79,8 @@ class DiskTier:
         self.directory = Path(directory)
         self.capacity_pages = capacity_pages
         self.page_bytes = page_bytes
+        self.check = check
+        self._check_pages = check == CHECK_ALWAYS
         self.slot_bytes = -(-(HEADER_BYTES + page_bytes) // BLOCK_BYTES) * BLOCK_BYTES
         self.path = self.directory / SLOTS_FILE
         self._head = bytearray(HEADER_BYTES)  # read()'s header, reused: reads run under the store's lock
@@ -106,15 +122,16 @@ class DiskTier:
 
     def read(self, slot: int, key: bytes, out) -> bool:
         """Read slot's page into `out` (page_bytes, writable); False when the slot does not hold
-        `key` intact (torn, corrupted, overwritten): then `out` holds garbage and must not be served.
-        The hot path of a fetch from disk (design note 6): one preadv, one unpack, one checksum."""
+        `key` (empty, overwritten, a bad header) or, with CHECK_ALWAYS, not intact: then `out`
+        holds garbage and must not be served. The hot path of a fetch from disk: one preadv, one
+        unpack, and the slot's checksum only with CHECK_ALWAYS (design note 6)."""
         page = memoryview(out).cast("B")
         head = self._head
         if os.preadv(self._fd, [head, page], self._offset(slot)) != HEADER_BYTES + self.page_bytes:
             return False
         magic, version, _, page_bytes, _, _, stored_key, _, _, checksum = HEADER.unpack_from(head)
         return (stored_key == key and magic == MAGIC and version == VERSION and page_bytes == self.page_bytes
-                and checksum == self._checksum(head, page))
+                and (not self._check_pages or checksum == self._checksum(head, page)))
 
     def inspect(self, slot: int, head: bytearray, out) -> SlotHeader | None:
         """Read slot's header into `head` and its page into `out`: the header when the page is

@@ -36,13 +36,14 @@ Design notes
    the node. A put lands in RAM, dirty: flush() (every --flush-interval) writes dirty pages to
    their slots, and so does dropping a dirty copy from RAM (demotion). So put acknowledges
    RAM, and disk within the flush interval; with `write_through` it writes the page before it
-   answers. A page on disk only is read back into RAM when it is read (promotion) and checked
-   against its checksum first; when no RAM slot is free or unpinned it is served from a
-   buffer of its own, not promoted. Moving copies between the tiers, and the disk's I/O
+   answers. A page on disk only is read back into RAM when it is read (promotion), its slot's
+   header checked (and its bytes, with the disk check `always`: kvnode/disk_tier.py note 6);
+   when no RAM slot is free or unpinned it is served from a buffer of its own, not promoted. Moving copies between the tiers, and the disk's I/O
    errors, are kvnode/tiers.py's.
-7. A page whose bytes on disk fail their checksum, or cannot be read, is never served: it is
-   dropped with its descendants (unreachable without it). At start the index is rebuilt from
-   the slots (kvnode/recovery.py).
+7. A page whose slot fails its check, or cannot be read, is never served: it is dropped with
+   its descendants (unreachable without it). At start the index is rebuilt from the slots, each
+   checked whole (kvnode/recovery.py); afterwards a read checks the slot's header only, unless
+   the disk check is `always`, and a page altered on disk since is caught by its reader (note 9).
 8. A page dropped while pinned (note 7: a descendant being sent, or flushed) leaves the index at
    once, so no lookup counts it and no fetch pins it again; only its slots wait, in
    `_condemned`, for its last unpin (a sender is still reading them). Until then its key

@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from kvnode.disk_tier import DiskTier
+from kvnode.disk_tier import CHECK_ALWAYS, DiskTier
 from kvnode.eviction import RamQueue
 from kvnode.eviction.candidates import Page
 
@@ -140,7 +140,8 @@ class Tiers:
             if slot is not None:
                 self._free_slots.append(slot)
             if error is None:
-                self._lose(key, "failed its checksum on disk", True)
+                self._lose(key, "failed its check on disk" if self.disk.check == CHECK_ALWAYS
+                           else "is no longer in its slot on disk (the header names another page)", True)
             else:
                 self._lose(key, f"could not be read from {self.disk.path} ({error})", False)
             return None

@@ -15,7 +15,7 @@ import pytest
 
 from kvnode.data_client import DataPlaneClient, DataPlaneError
 from kvnode.data_plane import DataPlaneServer
-from kvnode.disk_tier import SLOTS_FILE, DiskTier
+from kvnode.disk_tier import CHECK_ALWAYS, SLOTS_FILE, DiskTier
 from kvnode.store import PageNotFound, PageStore, PutOutcome
 from store_helpers import CheckedStore, FakeClock, key, page
 from test_disk_tier import flip_byte
@@ -156,7 +156,8 @@ def test_pages_a_flush_is_still_writing_are_not_counted_on_disk(tmp_path):
 
 
 def test_a_pinned_page_dropped_with_a_corrupted_ancestor_is_gone_at_once_its_slot_held_until_unpin(tmp_path):
-    store = CheckedStore(PageStore(2, PAGE_BYTES, clock=FakeClock(), disk=DiskTier(tmp_path, 8, PAGE_BYTES)))
+    store = CheckedStore(PageStore(2, PAGE_BYTES, clock=FakeClock(),
+                                   disk=DiskTier(tmp_path, 8, PAGE_BYTES, check=CHECK_ALWAYS)))
     put_chain(store, [1, 2, 3, 4])  # 3 and 4 in RAM, 1 and 2 on disk only
     [sending] = store.pin_pages([key(4)])
     flip_byte(tmp_path / SLOTS_FILE, store.store._index[key(2)].disk_slot * store.disk.slot_bytes + 100)
@@ -178,9 +179,11 @@ def test_a_pinned_page_dropped_with_a_corrupted_ancestor_is_gone_at_once_its_slo
 
 
 def test_leases_on_pages_dropped_with_a_corrupted_ancestor_no_longer_count(tmp_path):
-    """Else the leased-pages bound would shrink for good with every such drop."""
-    store = CheckedStore(PageStore(1, PAGE_BYTES, clock=FakeClock(), disk=DiskTier(tmp_path, 8, PAGE_BYTES),
-                                   max_leased_pages=3))
+    """Else the leased-pages bound would shrink for good with every such drop. (The disk check
+    `always` makes the node find the flipped byte itself; with the default its reader's report
+    would drop it through the same path.)"""
+    store = CheckedStore(PageStore(1, PAGE_BYTES, clock=FakeClock(),
+                                   disk=DiskTier(tmp_path, 8, PAGE_BYTES, check=CHECK_ALWAYS), max_leased_pages=3))
     put_chain(store, [1, 2, 3])
     assert store.lookup([key(1), key(2), key(3)], lease_ms=1000) == 3
     flip_byte(tmp_path / SLOTS_FILE, store.store._index[key(2)].disk_slot * store.disk.slot_bytes + 100)
@@ -192,7 +195,7 @@ def test_leases_on_pages_dropped_with_a_corrupted_ancestor_no_longer_count(tmp_p
 
 
 def test_pages_dropped_while_a_flush_writes_them_are_not_counted_and_stay_dropped_after_a_restart(tmp_path):
-    disk = BlockingDisk(tmp_path, 8, PAGE_BYTES)
+    disk = BlockingDisk(tmp_path, 8, PAGE_BYTES, CHECK_ALWAYS)  # the node itself finds the flipped byte
     disk.go.set()
     store = CheckedStore(PageStore(2, PAGE_BYTES, clock=FakeClock(), disk=disk))
     put_chain(store, [1])

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from kvnode.checksum import page_checksum
-from kvnode.disk_tier import BLOCK_BYTES, HEADER_BYTES, SLOTS_FILE, DiskTier
+from kvnode.disk_tier import BLOCK_BYTES, CHECK_ALWAYS, CHECK_AT_START, DISK_CHECKS, HEADER_BYTES, SLOTS_FILE, DiskTier
 from kvnode.recovery import recover
 from store_helpers import key, page
 
@@ -51,21 +51,58 @@ def test_a_page_written_is_read_back_whole_and_only_under_its_key(tier):
     assert not tier.read(4, key(1), out), "an empty slot holds nothing"
 
 
-@pytest.mark.parametrize("where", [0, 20, HEADER_BYTES - 1, HEADER_BYTES, HEADER_BYTES + PAGE_BYTES - 1],
-                         ids=["magic", "key", "checksum", "first data byte", "last data byte"])
-def test_any_flipped_byte_is_detected(tier, tmp_path, where):
+FLIPS = pytest.mark.parametrize("where", [0, 20, 30, HEADER_BYTES - 1, HEADER_BYTES, HEADER_BYTES + PAGE_BYTES - 1],
+                                ids=["magic", "seq", "key", "checksum", "first data byte", "last data byte"])
+
+
+def inspected(tier, slot: int):
+    """The slot as recovery sees it: its header when intact, else None."""
+    return tier.inspect(slot, bytearray(HEADER_BYTES), bytearray(PAGE_BYTES))
+
+
+@FLIPS
+def test_any_flipped_byte_is_detected_by_recovery_and_by_every_read_when_the_check_is_always(tmp_path, where):
+    tier = DiskTier(tmp_path, 8, PAGE_BYTES, check=CHECK_ALWAYS)
     write(tier, 2, key(1), b"", 1, 1)
     flip_byte(tmp_path / SLOTS_FILE, 2 * tier.slot_bytes + where)
     assert not tier.read(2, key(1), bytearray(PAGE_BYTES))
+    assert inspected(tier, 2) is None
+    tier.close()
 
 
-def test_a_torn_write_is_detected(tier, tmp_path):
-    """Half of a new page over an old one: header and bytes no longer agree."""
+@FLIPS
+def test_checked_at_start_a_read_checks_the_header_and_trusts_the_bytes(tier, tmp_path, where):
+    """Design note 6: a flipped byte of the header's named fields is refused on read; one of the
+    checksum or the page is served (its reader's check of the writer's checksum refuses it), and
+    recovery at the next start finds it either way."""
+    assert tier.check == CHECK_AT_START
+    write(tier, 2, key(1), b"", 1, 1)
+    flip_byte(tmp_path / SLOTS_FILE, 2 * tier.slot_bytes + where)
+    out = bytearray(PAGE_BYTES)
+    named = where in (0, 30)  # the magic, the key: read() checks them (and the version and length)
+    assert tier.read(2, key(1), out) is not named
+    if not named:
+        intact = page_checksum(key(1), out) == page_checksum(key(1), page(1, PAGE_BYTES))
+        assert intact is (where < HEADER_BYTES), "the page's own bytes are served as they are on disk"
+    assert inspected(tier, 2) is None
+
+
+@pytest.mark.parametrize("check", DISK_CHECKS)
+def test_a_torn_write_is_detected_at_start_and_by_reads_when_the_check_is_always(tmp_path, check):
+    """Half of a new page over an old one (a crash mid-write): header and bytes no longer agree."""
+    tier = DiskTier(tmp_path, 8, PAGE_BYTES, check=check)
     write(tier, 0, key(1), b"", 1, 1)
     with open(tmp_path / SLOTS_FILE, "r+b") as f:
         f.seek(HEADER_BYTES + PAGE_BYTES // 2)
         f.write(page(9, PAGE_BYTES)[PAGE_BYTES // 2 :])
-    assert not tier.read(0, key(1), bytearray(PAGE_BYTES))
+    assert tier.read(0, key(1), bytearray(PAGE_BYTES)) is (check == CHECK_AT_START)
+    assert inspected(tier, 0) is None
+    tier.close()
+
+
+def test_an_unknown_disk_check_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="the disk check is one of start, always, got 'never'"):
+        DiskTier(tmp_path, 8, PAGE_BYTES, check="never")
 
 
 def test_a_freed_slot_reads_as_empty(tier):

@@ -8,12 +8,13 @@ import os
 import re
 import signal
 
+import grpc
 import numpy as np
 import pytest
 
 from cluster_helpers import node_process, read_log, run_kvcache, wait_for
-from kvnode.client import NodeClient
-from kvnode.disk_tier import HEADER_BYTES, SLOTS_FILE, DiskTier
+from kvnode.client import NodeClient, NodeError, PageRejected
+from kvnode.disk_tier import BLOCK_BYTES, DISK_CHECKS, HEADER, HEADER_BYTES, MAGIC, SLOTS_FILE, DiskTier
 from kvnode.data_dir import NODE_ID_FILE
 from store_helpers import key
 from test_disk_tier import flip_byte
@@ -109,6 +110,63 @@ def test_a_flipped_page_and_a_cut_file_lose_those_pages_and_their_descendants_on
         assert stats["corrupted_pages_dropped"] == 2
         assert stats["orphaned_pages_dropped"] == (LENGTH - 41) + (LENGTH - 1 - expected[cut_chain])
     assert "dropped 2 corrupted or torn pages" in read_log(tmp_path)
+
+
+SLOT_BYTES = -(-(HEADER_BYTES + PAGE_BYTES) // BLOCK_BYTES) * BLOCK_BYTES
+
+
+def flip_page_byte(data_dir, page_key: bytes) -> None:
+    """Flip a byte of `page_key`'s page in the slot file, found by its header (the node may run)."""
+    with open(data_dir / SLOTS_FILE, "rb") as f:
+        for slot in range(os.path.getsize(data_dir / SLOTS_FILE) // SLOT_BYTES):
+            f.seek(slot * SLOT_BYTES)
+            head = f.read(HEADER_BYTES)
+            if head[:4] == MAGIC and HEADER.unpack_from(head)[6] == page_key:
+                break
+        else:
+            raise AssertionError(f"no slot holds page {page_key.hex()}")
+    flip_byte(data_dir / SLOTS_FILE, slot * SLOT_BYTES + HEADER_BYTES + 7)
+
+
+@pytest.mark.parametrize("check", DISK_CHECKS)
+def test_a_page_altered_on_disk_while_the_node_runs_is_never_used_and_is_dropped_with_its_descendants(tmp_path,
+                                                                                                    check):
+    """kvnode/disk_tier.py note 6. Checked at start (the default), the node serves the altered
+    page's bytes with its writer's checksum: NodeClient refuses it (PageRejected), and the report
+    (DropPages) drops it and its descendants. With --disk-check always the node refuses it itself.
+    Either way a page altered on disk is found again at the next start."""
+    data_dir = tmp_path / "data"
+    (keys0, data0), (keys1, data1), *_ = all_chains = chains(count=4)  # 0 and most of 1 on disk only
+    args = disk_args(data_dir, "--flush-interval", "0.2", *(["--disk-check", check] if check != "start" else []))
+    with node_process(tmp_path, *args) as daemon:
+        with NodeClient(daemon.address) as client:
+            put_chains(client, all_chains)
+            assert wait_for(lambda: client.info().dirty_pages == 0, timeout_s=20), "not flushed in time"
+            flip_page_byte(data_dir, keys0[40])
+            flip_page_byte(data_dir, keys1[10])  # not read before the restart
+            if check == "start":
+                with pytest.raises(PageRejected) as rejected:
+                    client.get_pages(keys0[:50])
+                assert (rejected.value.index, rejected.value.key) == (40, keys0[40])
+                assert client.drop_pages([keys0[40]]) == LENGTH - 40
+            else:
+                with pytest.raises(NodeError) as refused:
+                    client.get_pages(keys0[:50])
+                assert refused.value.code == grpc.StatusCode.NOT_FOUND and not isinstance(refused.value, PageRejected)
+            assert client.lookup(keys0) == 40 and served(client, keys0, data0) == 40
+            stats = client.stats()
+            assert (stats["reported_pages_dropped"], stats["corrupted_pages_dropped"],
+                    stats["orphaned_pages_dropped"]) == ((LENGTH - 40, 0, 0) if check == "start" else (0, 1, LENGTH - 41))
+        assert daemon.stop() == 0
+    log_text = read_log(tmp_path)
+    assert f"disk check {check}" in log_text
+    assert f"dropped page {keys0[40].hex()}" in log_text or f"page {keys0[40].hex()} failed its check" in log_text
+    assert "Traceback" not in log_text
+    with node_process(tmp_path, *disk_args(data_dir)) as daemon, NodeClient(daemon.address) as client:
+        assert client.lookup(keys1) == 10 and served(client, keys1, data1) == 10
+        stats = client.stats()
+        assert (stats["corrupted_pages_dropped"], stats["orphaned_pages_dropped"]) == (1, LENGTH - 11)
+        assert client.lookup(keys0) == 40
 
 
 def test_data_dir_alone_keeps_the_ram_tier_across_a_clean_restart_and_counts_per_tier(tmp_path):

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcache.bench import prefix_trace
-from kvnode.disk_tier import SLOTS_FILE, DiskTier
+from kvnode.checksum import page_checksum
+from kvnode.disk_tier import CHECK_ALWAYS, CHECK_AT_START, SLOTS_FILE, DiskTier
 from kvnode.store import PageNotFound, PageStore, PutOutcome
 from store_helpers import CheckedStore, FakeClock, key, page
 from test_disk_tier import flip_byte
@@ -22,9 +23,9 @@ from test_store_properties import ReferenceStore
 PAGE_BYTES = 64
 
 
-def tiered(tmp_path, ram: int, disk: int, clock=None, **kwargs) -> CheckedStore:
-    store = PageStore(ram, PAGE_BYTES, clock=clock or FakeClock(), disk=DiskTier(tmp_path, disk, PAGE_BYTES),
-                      **kwargs)
+def tiered(tmp_path, ram: int, disk: int, clock=None, check: str = CHECK_AT_START, **kwargs) -> CheckedStore:
+    store = PageStore(ram, PAGE_BYTES, clock=clock or FakeClock(),
+                      disk=DiskTier(tmp_path, disk, PAGE_BYTES, check=check), **kwargs)
     store.check_invariants()
     return CheckedStore(store)
 
@@ -89,7 +90,8 @@ def test_the_node_drops_pages_only_as_leaves_of_what_both_tiers_hold(tmp_path):
 
 
 def test_a_page_corrupted_on_disk_is_dropped_with_its_descendants_and_never_served(tmp_path):
-    store = tiered(tmp_path, ram=1, disk=8)
+    """With the disk check `always` the node itself refuses the page on read."""
+    store = tiered(tmp_path, ram=1, disk=8, check=CHECK_ALWAYS)
     put_chain(store, [1, 2, 3, 4])  # 1, 2, 3 on disk, 4 in RAM
     slot = store.store._index[key(2)].disk_slot
     flip_byte(tmp_path / SLOTS_FILE, slot * store.disk.slot_bytes + 100)
@@ -99,6 +101,31 @@ def test_a_page_corrupted_on_disk_is_dropped_with_its_descendants_and_never_serv
     assert (store.stats.corrupted_dropped, store.stats.orphans_dropped) == (1, 2)
     assert store.num_pinned() == 0
     assert store.lookup([key(1), key(2)]) == 1
+
+
+@pytest.mark.parametrize("where", ["on disk only", "promoted"])
+def test_checked_at_start_a_page_altered_on_disk_is_served_as_it_is_and_dropped_when_its_reader_reports_it(
+        tmp_path, where):
+    """The default disk check (kvnode/disk_tier.py note 6): the node serves the bytes it finds,
+    each with its writer's checksum, which they no longer match; the reader's report (DropPages)
+    then finds the node's copy, promoted or read again from disk, altered too, and drops the page
+    with its descendants."""
+    store = tiered(tmp_path, ram=2, disk=8)
+    put_chain(store, [1, 2, 3, 4])  # 1, 2 on disk only; 3, 4 in RAM
+    slot = store.store._index[key(2)].disk_slot
+    flip_byte(tmp_path / SLOTS_FILE, slot * store.disk.slot_bytes + 100)
+    if where == "on disk only":
+        store.pin_pages([key(3), key(4)])  # RAM full of pinned copies: 2 is read into a buffer of its own
+    served = store.read([key(1), key(2)])[PAGE_BYTES:]
+    assert served != page(2, PAGE_BYTES) and page_checksum(key(2), served) != store.checksums([key(2)])[0]
+    assert (key(2) in in_ram(store)) is (where == "promoted")
+    assert store.drop_reported(key(1)) == 0, "an intact page stays"
+    assert store.drop_reported(key(2)) == 3
+    if where == "on disk only":
+        store.unpin_pages([key(3), key(4)])
+    assert set(store.keys()) == {key(1)} and store.lookup([key(1), key(2)]) == 1
+    assert (store.stats.reported_dropped, store.stats.corrupted_dropped) == (3, 0)
+    assert store.num_pinned() == 0
 
 
 def reopen(tmp_path, ram: int, disk: int, store=None) -> CheckedStore:
