@@ -125,13 +125,13 @@ class DiskTier:
         `key` (empty, overwritten, a bad header) or, with CHECK_ALWAYS, not intact: then `out`
         holds garbage and must not be served. The hot path of a fetch from disk: one preadv, one
         unpack, and the slot's checksum only with CHECK_ALWAYS (design note 6)."""
-        page = memoryview(out).cast("B")
-        head = self._head
-        if os.preadv(self._fd, [head, page], self._offset(slot)) != HEADER_BYTES + self.page_bytes:
+        head, size = self._head, self.page_bytes
+        assert 0 <= slot < self.capacity_pages, f"slot {slot} outside 0..{self.capacity_pages - 1}"
+        if os.preadv(self._fd, [head, out], slot * self.slot_bytes) != HEADER_BYTES + size:
             return False
         magic, version, _, page_bytes, _, _, stored_key, _, _, checksum = HEADER.unpack_from(head)
-        return (stored_key == key and magic == MAGIC and version == VERSION and page_bytes == self.page_bytes
-                and (not self._check_pages or checksum == self._checksum(head, page)))
+        return (stored_key == key and magic == MAGIC and version == VERSION and page_bytes == size
+                and (not self._check_pages or checksum == self._checksum(head, memoryview(out).cast("B"))))
 
     def inspect(self, slot: int, head: bytearray, out) -> SlotHeader | None:
         """Read slot's header into `head` and its page into `out`: the header when the page is

@@ -190,6 +190,7 @@ class PageStore:
         self.stats = StoreStats()
         self._pool = np.zeros((self.ram_capacity_pages, page_bytes), dtype=np.uint8)
         self._pool.fill(0)  # touch every page now, so serving never waits on the kernel
+        self._pool_bytes = memoryview(self._pool).cast("B").toreadonly()  # slot n's bytes: _view(n)
         self._free_slots: list[int] = list(range(self.ram_capacity_pages - 1, -1, -1))  # RAM slots
         self._index: dict[bytes, _Page] = {}
         self._queue = EvictionQueue(self.policy, self._index)
@@ -321,7 +322,7 @@ class PageStore:
         touches them and counts them as sent. Nothing is pinned when a key is not cached
         (or its bytes on disk turn out corrupted: design note 7)."""
         with self._lock:
-            return [view.toreadonly() for view in self._pin(keys)]
+            return self._pin(keys)
 
     def unpin_pages(self, keys: Sequence[bytes]) -> None:
         with self._lock:
@@ -344,7 +345,7 @@ class PageStore:
             page = self._index.get(key)
             if page is None:
                 return 0
-            view = memoryview(self._pool[page.slot]) if self._tiers is None else self._tiers.bytes_of(key, page)
+            view = self._view(page.slot) if self._tiers is None else self._tiers.bytes_of(key, page)
             if view is not None and self._index.get(key) is page and page_checksum(key, view) == page.checksum:
                 self.stats.reported_kept += 1  # the node's copy is intact: the reader's was altered on the way
                 return 0
@@ -459,9 +460,15 @@ class PageStore:
             self._tiers.ram_queue.offer(key, page)
         return page
 
+    def _view(self, slot: int) -> memoryview:
+        """RAM slot `slot`'s bytes, read-only."""
+        start = slot * self.page_bytes
+        return self._pool_bytes[start : start + self.page_bytes]
+
     def _pin(self, keys: Sequence[bytes]) -> list[memoryview]:
-        """Views of the pages' bytes, each pinned (read from disk first when it is there only);
-        all or nothing: PageNotFound unpins what it pinned."""
+        """Read-only views of the pages' bytes, each pinned (read from disk first when it is there
+        only); all or nothing: PageNotFound unpins what it pinned. A page is pinned before it is
+        touched, so the touch queues nothing: its last unpin queues it (eviction's note 2)."""
         pages = []
         for key in keys:
             page = self._index.get(key)
@@ -469,33 +476,38 @@ class PageStore:
                 raise PageNotFound(key)
             pages.append(page)
         views: list[memoryview] = []
+        tiers, index, touched = self._tiers, self._index, self._queue.touched
         for key, page in zip(keys, pages):
-            view = memoryview(self._pool[page.slot]) if self._tiers is None else self._tiers.bytes_of(key, page)
-            if view is None or self._index.get(key) is not page:  # lost on disk, or dropped with a lost page
+            view = self._view(page.slot) if tiers is None else tiers.bytes_of(key, page)
+            if view is None or index.get(key) is not page:  # lost on disk, or dropped with a lost page
                 self._unpin(keys[: len(views)])
                 raise PageNotFound(key)
             views.append(view)
-            self._touch(key, page)
             page.pins += 1
+            self._tick += 1  # _touch, but for the RAM queue: the last unpin queues the page
+            page.tick = self._tick
+            touched(key, page)
         self.stats.get_pages += len(keys)
         self.stats.bytes_out += self.page_bytes * len(keys)
         return views
 
     def _unpin(self, keys: Sequence[bytes]) -> None:
+        index, condemned, offer = self._index, self._condemned, self._queue.offer
+        ram_offer = self._tiers.ram_queue.offer if self._tiers is not None else None
         for key in keys:
-            page = self._index.get(key) or self._condemned[key]  # a pinned page is never evicted (note 8)
+            page = index.get(key) or condemned[key]  # a pinned page is never evicted (note 8)
             assert page.pins > 0, f"page {key.hex()} unpinned more often than pinned"
             page.pins -= 1
             if page.pins:
                 continue
-            if self._condemned.get(key) is page:
-                del self._condemned[key]
+            if condemned and condemned.get(key) is page:
+                del condemned[key]
                 self._release_slots(key, page)
                 continue
             if page.lease_until == 0.0:
-                self._queue.offer(key, page)
-            if self._tiers is not None:
-                self._tiers.ram_queue.offer(key, page)
+                offer(key, page)
+            if ram_offer is not None:
+                ram_offer(key, page)
 
     def _drop_lost(self, key: bytes, why: str, corrupted: bool) -> None:
         """The disk lost `key` (design note 7): drop it and its descendants, with one log line."""

@@ -46,6 +46,8 @@ class Tiers:
         self.dirty: dict[bytes, None] = {}  # pages to write to disk, in the order stored
         self.flushing: set[bytes] = set()  # taken by a flush, being written (design note 1)
         self._pool = pool
+        self._page_bytes = disk.page_bytes
+        self._flat = memoryview(pool).cast("B")  # slot n: [n * page_bytes, (n + 1) * page_bytes)
         self._free_slots = free_slots
         self._index = index
         self._stats = stats
@@ -105,31 +107,38 @@ class Tiers:
             return self._free_slots.pop()
         kept: list[bytes] = []
         failing = False
+        slot = None
         while (victim := self.ram_queue.pop()) is not None:
             page = self._index[victim]
-            if page.dirty and (failing or not self._write(victim, page.parent, page.checksum, page.disk_slot,
-                                                          self._pool[page.slot])):
-                failing = True
-                kept.append(victim)
-                continue
             if page.dirty:
+                if failing or not self._write(victim, page.parent, page.checksum, page.disk_slot,
+                                              self._pool[page.slot]):
+                    failing = True
+                    kept.append(victim)
+                    continue
                 page.dirty = False
                 del self.dirty[victim]
-            self._free_slots.append(page.slot)
-            page.slot = None
+            slot, page.slot = page.slot, None
             self._stats.demotions += 1
             break
         for key in kept:
             self.ram_queue.offer(key, self._index[key])
-        return self._free_slots.pop() if victim is not None else None
+        return slot
 
     def bytes_of(self, key: bytes, page: Page) -> memoryview | None:
-        """The page's bytes: its RAM slot, promoted there from disk first when it is on disk only
-        (into a buffer of its own when no RAM slot can be had); None when the disk lost it."""
+        """The page's bytes, read-only: its RAM slot, promoted there from disk first when it is on
+        disk only (into a buffer of its own when no RAM slot can be had); None when the disk lost
+        it. Slices of one flat view of the pool: a disk hit's per-page Python is a third of its
+        cost beside the copy (docs/benchmarks.md)."""
+        size = self._page_bytes
         if page.slot is not None:
-            return memoryview(self._pool[page.slot])
+            start = page.slot * size
+            return self._flat[start : start + size].toreadonly()
         slot = self.take_ram_slot()
-        out = self._pool[slot] if slot is not None else np.empty(self.disk.page_bytes, dtype=np.uint8)
+        if slot is not None:
+            out = self._flat[slot * size : (slot + 1) * size]
+        else:
+            out = memoryview(np.empty(size, dtype=np.uint8))
         self._stats.disk_reads += 1
         try:
             intact, error = self.disk.read(page.disk_slot, key, out), None
@@ -146,9 +155,9 @@ class Tiers:
                 self._lose(key, f"could not be read from {self.disk.path} ({error})", False)
             return None
         if slot is not None:
-            page.slot = slot  # queued for RAM by the touch that follows (the store's _pin)
+            page.slot = slot  # queued for RAM once unpinned (the store's _pin and _unpin)
             self._stats.promotions += 1
-        return memoryview(out)
+        return out.toreadonly()
 
     # ---- flushes -------------------------------------------------------------
 

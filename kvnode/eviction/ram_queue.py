@@ -23,8 +23,9 @@ class RamQueue:
         self._heap: list[tuple[int, bytes]] = []
 
     def offer(self, key: bytes, page: Page) -> None:
-        """Queue `key` at its last touch, if it has a copy in RAM."""
-        if page.slot is None:
+        """Queue `key` at its last touch, if it has a copy in RAM and is not pinned (the store
+        offers it again when its last pin is released: pop would drop the entry anyway)."""
+        if page.slot is None or page.pins:
             return
         heapq.heappush(self._heap, (page.tick, key))
         if len(self._heap) > 2 * len(self._pages) + 64:

@@ -20,11 +20,12 @@ class RecencyOrder(Order):
         return page.tick if self.by_last_touch else page.stored_tick
 
     def offer(self, key: bytes, page: Page) -> None:
-        if self.may_evict(page):
+        # A pinned page is offered again when its last pin is released (candidates.py note 2).
+        if not page.pins and self.may_evict(page):
             self._candidates.push(self.rank(page), key, len(self._pages), self._live)
 
     def touched(self, key: bytes, page: Page) -> None:
-        if self.by_last_touch:
+        if self.by_last_touch and not page.pins:  # a pinned page is offered when unpinned
             self.offer(key, page)
 
     def lost_last_child(self, key: bytes, page: Page) -> None:
