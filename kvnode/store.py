@@ -348,6 +348,8 @@ class PageStore:
             view = self._view(page.slot) if self._tiers is None else self._tiers.bytes_of(key, page)
             if view is not None and self._index.get(key) is page and page_checksum(key, view) == page.checksum:
                 self.stats.reported_kept += 1  # the node's copy is intact: the reader's was altered on the way
+                if self._tiers is not None:
+                    self._tiers.ram_queue.offer(key, page)  # promoted just now: its RAM copy may make room
                 return 0
             if self._index.get(key) is not page:  # lost on disk meanwhile, with its descendants
                 return 0

@@ -121,11 +121,22 @@ def test_checked_at_start_a_page_altered_on_disk_is_served_as_it_is_and_dropped_
     assert (key(2) in in_ram(store)) is (where == "promoted")
     assert store.drop_reported(key(1)) == 0, "an intact page stays"
     assert store.drop_reported(key(2)) == 3
+    assert store.stats.reported_kept == 1
     if where == "on disk only":
         store.unpin_pages([key(3), key(4)])
     assert set(store.keys()) == {key(1)} and store.lookup([key(1), key(2)]) == 1
     assert (store.stats.reported_dropped, store.stats.corrupted_dropped) == (3, 0)
     assert store.num_pinned() == 0
+
+
+def test_a_page_reported_intact_from_disk_is_promoted_and_its_ram_copy_can_make_room(tmp_path):
+    """drop_reported reads a page on disk only into RAM to check it: that copy joins the RAM queue
+    (CheckedStore's invariants), so it can be dropped again for the next promotion."""
+    store = tiered(tmp_path, ram=2, disk=8)
+    put_chain(store, [1, 2, 3, 4])  # 1, 2 on disk only
+    assert store.drop_reported(key(1)) == 0 and key(1) in in_ram(store)
+    assert store.read([key(2)]) == page(2, PAGE_BYTES)
+    assert key(2) in in_ram(store) and store.stats.reported_kept == 1
 
 
 def reopen(tmp_path, ram: int, disk: int, store=None) -> CheckedStore:
