@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "every slot once, when the node starts (a page this node writes is checksummed as written); a "
              "read then checks the slot's header only, and a page altered on disk later is refused by the "
              "client that fetches it (each checks every page) and dropped when it reports it. always: on "
-             "every read as well, a third of a disk hit's time (default %(default)s)")
+             "every read as well, about a third more CPU a disk hit (default %(default)s)")
     parser.add_argument(
         "--max-keys", type=int, default=DEFAULT_MAX_KEYS, help=f"most pages per request (default {DEFAULT_MAX_KEYS})"
     )

@@ -23,8 +23,8 @@ Design notes
 6. A slot is checked whole once per process (check=CHECK_AT_START, the default): recovery reads
    and checks every slot at start, and a slot this process wrote was checksummed from the bytes
    it wrote. So a read checks only the header (magic, version, length, key) and trusts the
-   page's bytes: the slot's checksum would cost a second pass over the page, a third of a disk
-   hit's time. Bytes altered on disk later (another process writing the file, the media) are
+   page's bytes: the slot's checksum would cost a second pass over the page, about a quarter
+   of a disk hit's CPU time. Bytes altered on disk later (another process writing the file, the media) are
    caught end to end: every reader checks a page against its writer's checksum and reports a
    mismatch (DropPages), and the node then checks its own copy (kvnode/store.py, note 9).
    CHECK_ALWAYS checks the slot's checksum on every read as well.

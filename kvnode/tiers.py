@@ -128,8 +128,8 @@ class Tiers:
     def bytes_of(self, key: bytes, page: Page) -> memoryview | None:
         """The page's bytes, read-only: its RAM slot, promoted there from disk first when it is on
         disk only (into a buffer of its own when no RAM slot can be had); None when the disk lost
-        it. Slices of one flat view of the pool: a disk hit's per-page Python is a third of its
-        cost beside the copy (docs/benchmarks.md)."""
+        it. Slices of one flat view of the pool, cheaper than a NumPy row and a memoryview a page:
+        beside the copy, the store's Python is much of a disk hit's cost (docs/benchmarks.md)."""
         size = self._page_bytes
         if page.slot is not None:
             start = page.slot * size
