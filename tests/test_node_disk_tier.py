@@ -112,20 +112,18 @@ def test_a_flipped_page_and_a_cut_file_lose_those_pages_and_their_descendants_on
     assert "dropped 2 corrupted or torn pages" in read_log(tmp_path)
 
 
-SLOT_BYTES = -(-(HEADER_BYTES + PAGE_BYTES) // BLOCK_BYTES) * BLOCK_BYTES
-
-
-def flip_page_byte(data_dir, page_key: bytes) -> None:
+def flip_page_byte(data_dir, page_key: bytes, page_bytes: int = PAGE_BYTES) -> None:
     """Flip a byte of `page_key`'s page in the slot file, found by its header (the node may run)."""
+    slot_bytes = -(-(HEADER_BYTES + page_bytes) // BLOCK_BYTES) * BLOCK_BYTES
     with open(data_dir / SLOTS_FILE, "rb") as f:
-        for slot in range(os.path.getsize(data_dir / SLOTS_FILE) // SLOT_BYTES):
-            f.seek(slot * SLOT_BYTES)
+        for slot in range(os.path.getsize(data_dir / SLOTS_FILE) // slot_bytes):
+            f.seek(slot * slot_bytes)
             head = f.read(HEADER_BYTES)
             if head[:4] == MAGIC and HEADER.unpack_from(head)[6] == page_key:
                 break
         else:
             raise AssertionError(f"no slot holds page {page_key.hex()}")
-    flip_byte(data_dir / SLOTS_FILE, slot * SLOT_BYTES + HEADER_BYTES + 7)
+    flip_byte(data_dir / SLOTS_FILE, slot * slot_bytes + HEADER_BYTES + 7)
 
 
 @pytest.mark.parametrize("check", DISK_CHECKS)

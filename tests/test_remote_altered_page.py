@@ -14,6 +14,7 @@ import pytest
 from cluster_helpers import collect, read_log, started, wait_for
 from kvnode.client import NodeClient
 from metrics_helpers import scrape
+from test_node_disk_tier import flip_page_byte
 from worker.client import WorkerClient
 from worker.pages import page_keys
 
@@ -57,6 +58,42 @@ def test_a_page_altered_on_the_node_is_refused_and_the_answer_is_still_exact(tmp
                 dropped = f"dropped page {keys[ALTERED].hex()} and {len(keys) - ALTERED - 1} descendants"
                 assert dropped in read_log(tmp_path), read_log(tmp_path)
                 # The reader wrote back what it computed in their place, after the drop: intact again.
+                assert wait_for(lambda: node_client.lookup(keys) == len(keys), timeout_s=10.0)
+                assert node_client.get_pages(keys).shape == (len(keys), node_client.info().page_bytes)  # checked
+    for name in ("writer", "reader", "node"):
+        assert "Traceback" not in (tmp_path / f"{name}.log").read_text()
+
+
+def test_a_page_altered_in_a_kvnodes_slot_file_is_refused_by_the_worker_and_dropped_by_the_node(tmp_path):
+    """The disk tier checks each slot once per process (kvnode/disk_tier.py note 6): a byte flipped
+    in the slot file while the node runs, in a page on disk only, goes out with its writer's
+    checksum; the real worker refuses it, its answer stays exact, and its report drops the page
+    and its descendants on the node."""
+    worker_args = ("--model", "tiny", "--kv-cache", "8MiB", "--grace", "5")
+    data_dir = tmp_path / "data"
+    with started(tmp_path, "worker", "writer", *worker_args) as writer, \
+            started(tmp_path, "worker", "reader", *worker_args, "--metrics-port", "0") as reader:
+        with WorkerClient(writer.address) as client_a, WorkerClient(reader.address) as client_b:
+            root = bytes.fromhex(client_a.info().fingerprint)
+            keys = page_keys(root, list(PROMPT.encode()), PAGE_TOKENS)
+            node_args = ["--model", "tiny", "--capacity", "256KiB", "--disk-capacity", "16MiB",  # RAM: 2 pages
+                         "--data-dir", str(data_dir), "--flush-interval", "0.2"]
+            with started(tmp_path, "node", "node", *node_args) as node, NodeClient(node.address) as node_client:
+                collect(client_a.generate(PROMPT, max_tokens=4, placement=[node.address]))
+                assert wait_for(lambda: node_client.lookup(keys) == len(keys), timeout_s=10.0)
+                assert wait_for(lambda: node_client.info().dirty_pages == 0, timeout_s=10.0)
+                flip_page_byte(data_dir, keys[ALTERED], node_client.info().page_bytes)
+
+                cold, _ = collect(client_b.generate(PROMPT, max_tokens=8, no_cache=True))
+                warm, done = collect(client_b.generate(PROMPT, max_tokens=8, placement=[node.address]))
+
+                assert warm == cold and len(warm) == 8
+                assert done.usage.cached_tokens_remote == ALTERED * PAGE_TOKENS
+                assert scrape(reader.metrics_url).value("kvcache_worker_remote_rejected_pages_total") == 1
+                assert wait_for(lambda: node_client.stats()["reported_pages_dropped"] == len(keys) - ALTERED,
+                                timeout_s=10.0)
+                assert node_client.stats()["corrupted_pages_dropped"] == 0, "the node served it: checked at start"
+                assert f"dropped page {keys[ALTERED].hex()}" in read_log(tmp_path)
                 assert wait_for(lambda: node_client.lookup(keys) == len(keys), timeout_s=10.0)
                 assert node_client.get_pages(keys).shape == (len(keys), node_client.info().page_bytes)  # checked
     for name in ("writer", "reader", "node"):
