@@ -150,7 +150,7 @@ class Tiers:
                 self._free_slots.append(slot)
             if error is None:
                 self._lose(key, "failed its check on disk" if self.disk.check == CHECK_ALWAYS
-                           else "is no longer in its slot on disk (the header names another page)", True)
+                           else "is not in its slot on disk (its header is short, torn or names another page)", True)
             else:
                 self._lose(key, f"could not be read from {self.disk.path} ({error})", False)
             return None
