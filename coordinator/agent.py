@@ -15,25 +15,20 @@ from typing import Callable, Sequence
 import grpc
 
 from protos import kvcache_pb2 as pb
+from protos import kvcache_pb2_grpc as pb_grpc
 from protos import addresses, security
 
 log = logging.getLogger("membership")
-_SERVICE = "/kvcache.v1.Coordinator/"
 
 
 class _Coordinator:
     def __init__(self, address: str, credentials: security.Credentials | None):
         self.address = address
         self.channel = security.channel(address, credentials)
-        self.register = self.channel.unary_unary(
-            _SERVICE + "Register", pb.RegisterRequest.SerializeToString, pb.RegisterReply.FromString
-        )
-        self.heartbeat = self.channel.unary_unary(
-            _SERVICE + "Heartbeat", pb.HeartbeatRequest.SerializeToString, pb.HeartbeatReply.FromString
-        )
-        self.deregister = self.channel.unary_unary(
-            _SERVICE + "Deregister", pb.DeregisterRequest.SerializeToString, pb.DeregisterReply.FromString
-        )
+        stub = pb_grpc.CoordinatorStub(self.channel)
+        self.register = stub.Register
+        self.heartbeat = stub.Heartbeat
+        self.deregister = stub.Deregister
         self.member_id: str | None = None
         self.reachable: bool | None = None
 

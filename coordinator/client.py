@@ -19,6 +19,7 @@ from typing import Iterator, Mapping, Sequence
 import grpc
 
 from protos import kvcache_pb2 as pb
+from protos import kvcache_pb2_grpc as pb_grpc
 from protos import security
 from protos.tokens import authorization
 from protos.observability import traced_channel
@@ -26,7 +27,6 @@ from worker.client import Finished, Piece, Usage, generate_request, parse_reply
 
 __all__ = ["Cancel", "Client", "ClusterError", "Finished", "Piece", "Usage"]
 
-_SERVICE = "/kvcache.v1.Coordinator/"
 # A coordinator that is down, or at its limit of streams (RESOURCE_EXHAUSTED): try the next one.
 TRY_ELSEWHERE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                   grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -118,14 +118,8 @@ class Client:
         self._coordinators = []
         for address in dict.fromkeys(coordinators):
             channel = traced_channel(security.channel(address, credentials, security.KEEPALIVE_OPTIONS))
-            self._coordinators.append(_Coordinator(
-                address,
-                channel,
-                channel.unary_stream(_SERVICE + "Generate", pb.GenerateRequest.SerializeToString,
-                                     pb.GenerateReply.FromString),
-                channel.unary_unary(_SERVICE + "ClusterStatus", pb.ClusterStatusRequest.SerializeToString,
-                                    pb.ClusterStatusReply.FromString),
-            ))
+            stub = pb_grpc.CoordinatorStub(channel)
+            self._coordinators.append(_Coordinator(address, channel, stub.Generate, stub.ClusterStatus))
         self._preferred = 0
 
     def generate(self, prompt: str | Sequence[int] | Sequence[Mapping[str, str]], session_id: str = "",

@@ -30,12 +30,16 @@ from kvnode.checksum import CHECKSUM_BYTES, first_mismatch, page_checksum, page_
 from kvnode.data_client import DataPlaneClient, DataPlaneError
 from kvnode.store import InvalidRequest, check_key
 from protos import kvcache_pb2 as pb
+from protos import kvcache_pb2_grpc as pb_grpc
 from protos import security
+from protos.methods import method_path
 from protos.observability import traced_channel
 
 log = logging.getLogger("kvnode.client")
 
-_SERVICE = "/kvcache.v1.KVStore/"
+# GetPages and PutPages carry page bytes framed by kvnode/wire.py, not parsed by protobuf: hand-built calls.
+_GET_PAGES = method_path("KVStore", "GetPages")
+_PUT_PAGES = method_path("KVStore", "PutPages")
 DEFAULT_TIMEOUT_S = 5.0
 _CLIENT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
@@ -154,22 +158,15 @@ class NodeClient:
                 ("grpc.max_send_message_length", _CLIENT_MAX_MESSAGE_BYTES),
             ],
         ))
-        self._info = self._channel.unary_unary(
-            _SERVICE + "Info", pb.InfoRequest.SerializeToString, pb.NodeInfo.FromString
-        )
-        self._lookup = self._channel.unary_unary(
-            _SERVICE + "Lookup", pb.LookupRequest.SerializeToString, pb.LookupReply.FromString
-        )
+        stub = pb_grpc.KVStoreStub(self._channel)
+        self._info = stub.Info
+        self._lookup = stub.Lookup
         self._get_pages = self._channel.unary_stream(
-            _SERVICE + "GetPages", pb.GetPagesRequest.SerializeToString, None  # framed by kvnode.wire
+            _GET_PAGES, pb.GetPagesRequest.SerializeToString, None  # framed by kvnode.wire
         )
-        self._put_pages = self._channel.stream_unary(_SERVICE + "PutPages", None, pb.PutReply.FromString)
-        self._stats = self._channel.unary_unary(
-            _SERVICE + "Stats", pb.StatsRequest.SerializeToString, pb.NodeStats.FromString
-        )
-        self._drop_pages = self._channel.unary_unary(
-            _SERVICE + "DropPages", pb.DropPagesRequest.SerializeToString, pb.DropPagesReply.FromString
-        )
+        self._put_pages = self._channel.stream_unary(_PUT_PAGES, None, pb.PutReply.FromString)
+        self._stats = stub.Stats
+        self._drop_pages = stub.DropPages
         self._node_info: NodeInfo | None = None
 
     # ---- calls ---------------------------------------------------------------

@@ -1,8 +1,12 @@
-"""The committed gRPC stubs are exactly what `make protos` generates from the .proto files."""
+"""The committed gRPC stubs are exactly what `make protos` generates from the .proto files; hand-built
+calls take their paths from the proto."""
 
 from pathlib import Path
 
+import pytest
+
 from protos.generate import PROTO_FILES, generate
+from protos.methods import method_path
 
 PROJECT = Path(__file__).resolve().parent.parent
 
@@ -17,3 +21,11 @@ def test_committed_stubs_match_the_protos(tmp_path):
             assert committed.read_text() == generated.read_text(), (
                 f"{committed.relative_to(PROJECT)} differs from the .proto: run `make protos` and commit"
             )
+
+
+def test_method_paths_come_from_the_proto():
+    assert method_path("KVStore", "GetPages") == "/kvcache.v1.KVStore/GetPages"
+    with pytest.raises(KeyError, match="no method 'GetPage'"):
+        method_path("KVStore", "GetPage")
+    with pytest.raises(KeyError, match="no service 'KVStores'"):
+        method_path("KVStores", "GetPages")

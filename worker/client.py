@@ -8,12 +8,11 @@ from typing import Iterator, Mapping, Sequence
 import grpc
 
 from protos import kvcache_pb2 as pb
+from protos import kvcache_pb2_grpc as pb_grpc
 from protos import security
 from protos.observability import traced_channel
 from protos.tokens import authorization
 from worker.usage import Usage
-
-_SERVICE = "/kvcache.v1.Worker/"
 
 
 class WorkerError(Exception):
@@ -117,12 +116,9 @@ class WorkerClient:
         self.timeout = timeout
         self.metadata = authorization(token)  # protos/tokens.py: a worker started with --tokens-file needs one
         self._channel = traced_channel(security.channel(address, credentials, security.KEEPALIVE_OPTIONS))
-        self._generate = self._channel.unary_stream(
-            _SERVICE + "Generate", pb.GenerateRequest.SerializeToString, pb.GenerateReply.FromString
-        )
-        self._info = self._channel.unary_unary(
-            _SERVICE + "Info", pb.WorkerInfoRequest.SerializeToString, pb.WorkerInfo.FromString
-        )
+        stub = pb_grpc.WorkerStub(self._channel)
+        self._generate = stub.Generate
+        self._info = stub.Info
 
     def generate(self, prompt: str | Sequence[int], timeout: float | None = None, **options) -> Iterator[Piece | Finished]:
         """Pieces as the worker produces them, then one Finished; options as in generate_request."""
