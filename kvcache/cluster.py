@@ -23,6 +23,7 @@ from kvcache import prometheus
 from kvcache.cluster_file import ClusterFileError, read_cluster_file
 from kvcache.launch import Daemon, DaemonFailed
 from kvcache.model_pages import model_page_bytes
+from kvnode.daemon import CHECK_AT_START, DEFAULT_FLUSH_INTERVAL_S, DISK_CHECKS
 from protos import tokens
 from protos.units import parse_size
 from worker.model.named import DEFAULT_MODEL
@@ -47,6 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--data-dir", default=None, metavar="DIR",
                     help="keep each kvnode's pages in DIR/node-N (its --data-dir), so a cluster started again on "
                          "DIR finds them (default: none, RAM only)")
+    up.add_argument("--flush-interval", type=float, default=None, metavar="SECONDS",
+                    help="with --data-dir: each kvnode's --flush-interval, seconds between writes of new pages to "
+                         "disk, 0 before each put is answered "
+                         f"(default: the kvnode's, {DEFAULT_FLUSH_INTERVAL_S:g})")
+    up.add_argument("--disk-check", choices=DISK_CHECKS, default=None,
+                    help="with --data-dir: each kvnode's --disk-check, when a page read from disk has its bytes "
+                         "checked: start (each slot once a process) or always "
+                         f"(default: the kvnode's, {CHECK_AT_START})")
     up.add_argument("--worker-kv-cache", default="64MiB", help="local KV pool per worker (default 64MiB)")
     up.add_argument("--blas-threads", type=int, default=None,
                     help="BLAS threads per worker (default: cores / workers, at least 1, so workers do not "
@@ -80,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_up(args: argparse.Namespace) -> int:
     try:
         _check_counts(args)
+        disk_tier_args(args.data_dir, args.flush_interval, args.disk_check)
         model_page_bytes(args.model, args.kv_dtype)
         parse_size(args.node_capacity), parse_size(args.worker_kv_cache)
     except ValueError as exc:
@@ -107,6 +117,7 @@ def run_up(args: argparse.Namespace) -> int:
                       args.node_capacity, args.worker_kv_cache, blas_threads=args.blas_threads,
                       max_prefill_tokens=args.max_prefill_tokens, cluster=cluster, metrics=not args.no_metrics,
                       data_dir=Path(args.data_dir).resolve() if args.data_dir else None,
+                      flush_interval=args.flush_interval, disk_check=args.disk_check,
                       tls_dir=tls_dir, tokens_file=tokens_file,
                       gateway_port=None if args.no_gateway else args.gateway_port,
                       on_start=lambda c: _write_cluster_file(cluster_file, args, c.daemons, scrape_secrets))
@@ -223,6 +234,22 @@ def _check_counts(args: argparse.Namespace) -> None:
         raise ValueError(f"--replicas {args.replicas} exceeds --nodes {args.nodes}: each replica needs its own kvnode")
 
 
+def disk_tier_args(data_dir: Path | str | None, flush_interval: float | None, disk_check: str | None) -> list[str]:
+    """The disk tier's options every kvnode gets, those not given left to the kvnode's defaults.
+    ValueError for one given without data_dir: a kvnode without a disk tier would ignore it."""
+    given = [name for name, value in (("--flush-interval", flush_interval), ("--disk-check", disk_check))
+             if value is not None]
+    if given and data_dir is None:
+        raise ValueError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --data-dir: "
+                         "without a data folder the kvnodes have no disk tier")
+    if flush_interval is not None and flush_interval < 0:
+        raise ValueError(f"--flush-interval must not be negative, got {flush_interval}")
+    if disk_check is not None and disk_check not in DISK_CHECKS:
+        raise ValueError(f"--disk-check must be one of {', '.join(DISK_CHECKS)}, got {disk_check!r}")
+    options = ["--flush-interval", repr(flush_interval)] if flush_interval is not None else []
+    return options + (["--disk-check", disk_check] if disk_check is not None else [])
+
+
 @dataclass
 class LocalCluster:
     """Daemons started by start_cluster, in start order; stop() ends them all by pid."""
@@ -266,6 +293,7 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
                   worker_kv_cache: str = "64MiB", blas_threads: int | None = None, on_start=None,
                   cluster: LocalCluster | None = None, step_logs: bool = False,
                   max_prefill_tokens: int | None = None, data_dir: Path | None = None,
+                  flush_interval: float | None = None, disk_check: str | None = None,
                   metrics: bool = False, tls_dir: Path | None = None,
                   tokens_file: Path | None = None, gateway_port: int | None = None,
                   otlp_endpoint: str | None = None, trace_sample_ratio: float | None = None) -> LocalCluster:
@@ -274,7 +302,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
     Each worker gets `blas_threads` BLAS threads (default: cores / workers, at least 1) and
     `max_prefill_tokens` (default: the worker's own); with `step_logs`, each writes one JSON line
     per engine step to `<logs>/<worker>.steps.jsonl`. With `data_dir`, kvnode i keeps its pages in
-    `<data_dir>/node-i` (kvcache node --data-dir); with `metrics`, every member serves Prometheus
+    `<data_dir>/node-i` (kvcache node --data-dir; `flush_interval` and `disk_check` are its
+    --flush-interval and --disk-check when given); with `metrics`, every member serves Prometheus
     metrics on a free port (`Daemon.metrics_url`). With `tls_dir` (made by `kvcache certs`), every
     member serves and calls over mutual TLS with its role's certificate (tls_args); with
     `tokens_file`, coordinators and workers want a client token from it (protos/tokens.py). With
@@ -289,6 +318,7 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
     """
     cluster = cluster or LocalCluster()
     page_bytes = model_page_bytes(model, kv_dtype)
+    disk_args = disk_tier_args(data_dir, flush_interval, disk_check)
     logs.mkdir(parents=True, exist_ok=True)
 
     def launch(role: str, name: str, daemon_args: list[str]) -> Daemon:
@@ -315,7 +345,7 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
             node_args = ["--coordinators", joined, "--node-id", f"node-{i}",
                          "--page-bytes", str(page_bytes), "--capacity", node_capacity]
             if data_dir is not None:
-                node_args += ["--data-dir", str(data_dir / f"node-{i}")]
+                node_args += ["--data-dir", str(data_dir / f"node-{i}"), *disk_args]
             launch("node", f"node-{i}", node_args)
         threads = blas_threads or default_blas_threads(workers)
         for i in range(workers):

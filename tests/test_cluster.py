@@ -3,9 +3,14 @@ cache hits through the cluster, and every kind of member dying."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -14,7 +19,7 @@ from cluster_helpers import collect, wait_for
 from coordinator.client import Client, ClusterError, Finished, Piece
 from coordinator.ring import Ring, placement_key
 from kvcache import launch
-from kvcache.cluster import add_worker, default_blas_threads, start_cluster, wait_healthy
+from kvcache.cluster import _is_ours, add_worker, default_blas_threads, disk_tier_args, start_cluster, wait_healthy
 from kvnode.client import NodeClient
 from worker.client import WorkerClient
 from worker.engine import Engine
@@ -262,12 +267,47 @@ def _busy_worker(cluster):
     (["--max-prefill-tokens", "0"], "--max-prefill-tokens must be at least 1, got 0"),
     (["--replicas", "4"], "--replicas 4 exceeds --nodes 3"),
     (["--gateway-port", "70000"], "--gateway-port must be between 0 and 65535, got 70000"),
+    (["--disk-check", "always"],
+     "--disk-check needs --data-dir: without a data folder the kvnodes have no disk tier"),
+    (["--flush-interval", "0", "--disk-check", "start"], "--flush-interval and --disk-check need --data-dir"),
+    (["--data-dir", "DATA", "--flush-interval", "-1"], "--flush-interval must not be negative, got -1.0"),
 ])
 def test_cluster_up_refuses_bad_options_in_one_line_before_starting_anything(tmp_path, option, message):
     done = subprocess.run([sys.executable, "-m", "kvcache.cli", "cluster", "up", "--run-dir", str(tmp_path / "run"),
                            *option], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "run" / "cluster.json").exists()
+
+
+def test_cluster_up_passes_the_disk_tier_options_to_every_kvnode_and_only_those_given(tmp_path):
+    run_dir, data_dir = tmp_path / "run", tmp_path / "data"
+    cli = [sys.executable, "-m", "kvcache.cli", "cluster"]
+    up = subprocess.run([*cli, "up", "--run-dir", str(run_dir), "--model", "tiny", "--nodes", "2", "--workers", "1",
+                         "--coordinators", "1", "--replicas", "1", "--no-gateway", "--no-metrics", "--data-dir",
+                         str(data_dir), "--flush-interval", "0", "--disk-check", "always", "--detach"],
+                        capture_output=True, text=True, timeout=180)
+    members = []
+    try:
+        assert up.returncode == 0, up.stderr
+        members = json.loads((run_dir / "cluster.json").read_text())["members"]
+        nodes = [m for m in members if m["role"] == "node"]
+        assert len(nodes) == 2
+        for node in nodes:
+            assert "disk check always)" in Path(node["log"]).read_text()
+            with NodeClient(node["address"]) as client:  # --flush-interval 0: on disk before the put is answered
+                page = bytes(client.info().page_bytes)
+                assert client.put_pages([b"k" * 16], [b""], [page]).stored == 1
+                info = client.info()
+                assert (info.disk_used_pages, info.dirty_pages) == (1, 0)
+    finally:
+        down = subprocess.run([*cli, "down", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=120)
+        for member in members:  # whatever `down` left running, by its own pid
+            if _is_ours(member["pid"]):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(member["pid"], signal.SIGKILL)
+    assert down.returncode == 0, down.stderr
+    assert sorted(p.name for p in data_dir.iterdir()) == ["node-0", "node-1"]
+    assert disk_tier_args(data_dir, None, None) == []  # the kvnode's own defaults
 
 
 def test_a_kvnode_killed_and_restarted_on_its_data_dir_and_port_serves_its_pages_again(tmp_path):
