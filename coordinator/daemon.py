@@ -13,11 +13,12 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.ring import DEFAULT_PREFIX_CHARS
 from coordinator.service import SERVICE_NAME, TRACE_ROOTS, CoordinatorService, handler, run_sweeper
 from protos import addresses, observability, security, serving, tokens
+from protos.methods import method_path
 
 log = logging.getLogger("coordinator")
 
 # Called by members, not clients: open to any holder of a cluster certificate, no token (protos/tokens.py note 2).
-MEMBER_METHODS = [f"/{SERVICE_NAME}/{name}" for name in ("Register", "Heartbeat", "Deregister")]
+MEMBER_METHODS = [method_path("Coordinator", name) for name in ("Register", "Heartbeat", "Deregister")]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,11 +19,12 @@ from coordinator.router import Router
 from coordinator.workers import WorkerStreams
 from protos import kvcache_pb2 as pb
 from protos import security, serving
+from protos.methods import service_name
 from protos.tokens import forwarded
 
 log = logging.getLogger("coordinator")
 
-SERVICE_NAME = "kvcache.v1.Coordinator"
+SERVICE_NAME = service_name("Coordinator")
 TRACE_ROOTS = ("Generate",)  # where a request's trace starts when its caller sent none (protos/observability.py)
 MEMBERS = ("node", "worker")  # whose certificates may join a secure cluster (protos/security.py note 4)
 

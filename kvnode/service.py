@@ -17,11 +17,12 @@ from kvnode.checksum import CHECKSUM_BYTES
 from kvnode.store import InvalidRequest, LeaseRefused, PageNotFound, PageStore, PutOutcome, check_key
 from protos import kvcache_pb2 as pb
 from protos import security
+from protos.methods import service_name
 from protos.serving import DEFAULT_MAX_MESSAGE_BYTES, Malformed, tolerant
 
 log = logging.getLogger("kvnode")
 
-SERVICE_NAME = "kvcache.v1.KVStore"
+SERVICE_NAME = service_name("KVStore")
 READERS = ("worker",)  # whose certificates may look pages up, get, put and drop them (protos/security.py note 4)
 # Trailing metadata of a Lookup whose hits the node's leased-pages bound cut short (store design note 5).
 LEASE_LIMITED_KEY = "kvcache-lease-limited"

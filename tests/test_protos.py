@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from protos.generate import PROTO_FILES, generate
-from protos.methods import method_path
+from protos.methods import method_path, service_name
 
 PROJECT = Path(__file__).resolve().parent.parent
 
@@ -24,6 +24,7 @@ def test_committed_stubs_match_the_protos(tmp_path):
 
 
 def test_method_paths_come_from_the_proto():
+    assert service_name("Worker") == "kvcache.v1.Worker"
     assert method_path("KVStore", "GetPages") == "/kvcache.v1.KVStore/GetPages"
     with pytest.raises(KeyError, match="no method 'GetPage'"):
         method_path("KVStore", "GetPage")

@@ -32,6 +32,7 @@ import grpc
 from protos.version import __version__
 from protos import kvcache_pb2 as pb
 from protos import serving
+from protos.methods import service_name
 from worker.client import usage_to_proto
 from worker.engine import Engine
 from worker.model.chat import MAX_MESSAGES, ChatError, Message
@@ -41,7 +42,7 @@ from worker.sampling import FINISH_ERROR, SamplingParams
 
 log = logging.getLogger("worker")
 
-SERVICE_NAME = "kvcache.v1.Worker"
+SERVICE_NAME = service_name("Worker")
 TRACE_ROOTS = ("Generate",)  # where a request's trace starts when its caller sent none (protos/observability.py)
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
 MAX_PLACEMENT = 8  # kvnodes a request may name (replicas); more is refused
