@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import time
 
@@ -224,8 +225,8 @@ def open_disk_tier(args: argparse.Namespace, capacity_pages: int) -> tuple[DataD
         if args.disk_capacity is not None:
             raise ValueError("--disk-capacity needs --data-dir: say where the pages go")
         return None, None
-    if args.flush_interval < 0:
-        raise ValueError(f"--flush-interval must not be negative, got {args.flush_interval}")
+    if not 0 <= args.flush_interval < math.inf:  # NaN too: it would never flush
+        raise ValueError(f"--flush-interval must be a finite number of seconds, 0 or more, got {args.flush_interval}")
     disk_pages = capacity_pages
     if args.disk_capacity is not None:
         disk_pages = parse_size(args.disk_capacity) // args.page_bytes

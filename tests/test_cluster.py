@@ -270,7 +270,10 @@ def _busy_worker(cluster):
     (["--disk-check", "always"],
      "--disk-check needs --data-dir: without a data folder the kvnodes have no disk tier"),
     (["--flush-interval", "0", "--disk-check", "start"], "--flush-interval and --disk-check need --data-dir"),
-    (["--data-dir", "DATA", "--flush-interval", "-1"], "--flush-interval must not be negative, got -1.0"),
+    (["--data-dir", "DATA", "--flush-interval", "-1"],
+     "--flush-interval must be a finite number of seconds, 0 or more, got -1.0"),
+    (["--data-dir", "DATA", "--flush-interval", "nan"],
+     "--flush-interval must be a finite number of seconds, 0 or more, got nan"),
 ])
 def test_cluster_up_refuses_bad_options_in_one_line_before_starting_anything(tmp_path, option, message):
     done = subprocess.run([sys.executable, "-m", "kvcache.cli", "cluster", "up", "--run-dir", str(tmp_path / "run"),

@@ -207,7 +207,9 @@ def test_a_chain_longer_than_ram_is_served_whole_by_a_real_node(tmp_path):
     [
         (["--disk-capacity", "1MiB"], ["--disk-capacity needs --data-dir"]),
         (["--data-dir", "{tmp}/d", "--disk-capacity", "100KiB"], ["fewer than --capacity's 256"]),
-        (["--data-dir", "{tmp}/d", "--flush-interval", "-1"], ["--flush-interval must not be negative"]),
+        (["--data-dir", "{tmp}/d", "--flush-interval", "-1"], ["--flush-interval must be a finite number"]),
+        (["--data-dir", "{tmp}/d", "--flush-interval", "nan"], ["--flush-interval must be a finite number", "nan"]),
+        (["--data-dir", "{tmp}/d", "--flush-interval", "inf"], ["--flush-interval must be a finite number", "inf"]),
     ],
 )
 def test_bad_disk_options_exit_with_one_clear_error_line(tmp_path, args, fragments):
