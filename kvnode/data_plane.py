@@ -37,7 +37,8 @@ Design notes
    SIGHUP may have re-read the files). A connection over the bound is closed without an answer
    (no handshake is spent on it); the client sends that call over gRPC. The session runs over
    memory BIOs on the blocking socket (data_wire.TlsStream, its design note 5), which keeps its
-   kernel timeouts: each page is encrypted from its slot whole and sent with one sendall.
+   kernel timeouts: each page is encrypted from its slot whole and sent with one sendall (the
+   reply's header with the first page, a banded GET's slices ~256 KiB a sendall).
 7. GET_BANDS (data_wire design note 6) is a GET whose pages are sent band-major: the same pins
    and deadline, one sendmsg list of (band, page) slices of the pinned slots, cut by send_parts
    into calls of at most IOV_MAX buffers; no copy.

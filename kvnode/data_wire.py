@@ -220,13 +220,15 @@ def set_kernel_timeouts(sock: socket.socket, timeout_s: float, receive: bool = T
 
 
 TLS_READ_CHUNK = 1 << 20  # bytes of TLS records read from the socket at once (design note 5)
+TLS_SEND_BATCH = 256 << 10  # parts after the first are encrypted into one send while below this
 
 
 class TlsStream:
     """TLS over a plain blocking socket through memory BIOs (design note 5), for both ends: the
     socket keeps its kernel timeouts, one recv brings up to a MiB of records, each decrypted
-    straight into the caller's buffer, and each part sent is encrypted whole and written with one
-    sendall, not one syscall a 16 KiB record as an ssl.SSLSocket does. The handshake checks
+    straight into the caller's buffer, and each part sent (with the small ones after it) is
+    encrypted whole and written with one sendall, not one syscall a 16 KiB record as an
+    ssl.SSLSocket does. The handshake checks
     certificates as the context says, as wrap_socket would. Offers what the data plane uses of a
     socket."""
 
@@ -294,10 +296,17 @@ class TlsStream:
         return got
 
     def sendmsg(self, parts) -> int:
-        """The first part encrypted whole and sent with one sendall; its size (send_parts then
-        checks its deadline before the next part)."""
-        self.sendall(parts[0])
-        return memoryview(parts[0]).nbytes
+        """The first part encrypted whole, and the next ones while less than TLS_SEND_BATCH bytes
+        are encrypted, sent with one sendall; their size (send_parts then checks its deadline
+        before the next call). So a reply's header goes with its first page, and the small
+        slices of a banded GET go a few hundred KiB a syscall, not one each."""
+        write, sent = self._tls.write, 0
+        for part in parts:
+            sent += write(part)
+            if sent >= TLS_SEND_BATCH:
+                break
+        self._flush()
+        return sent
 
     def sendall(self, data) -> None:
         self._tls.write(data)

@@ -107,3 +107,34 @@ def test_a_peer_that_closes_mid_record_fails_the_receive_with_what_arrived(pair)
     with pytest.raises(DataPlaneError, match="closed after 1000 of 17384 bytes"):
         _receive(client, out, deadline=float("inf"))
     assert bytes(out[:1000]) == pattern(1000)
+
+
+def receive_all(client, size: int) -> bytes:
+    out = memoryview(bytearray(size))
+    _receive(client, out, deadline=float("inf"))
+    return bytes(out)
+
+
+def test_send_parts_over_tls_sends_many_small_parts_in_few_calls_and_in_order(pair):
+    client, server, _ = pair
+    parts = [bytes([i % 251]) * 19_661 for i in range(480)]  # 16 pages x 30 bands of a banded GET
+    parts[7] = b""
+    calls = []
+    sendmsg = server.sendmsg
+    server.sendmsg = lambda chunk: calls.append(len(chunk)) or sendmsg(chunk)
+    sender = threading.Thread(target=dw.send_parts, args=(server, parts, None))
+    sender.start()
+    assert receive_all(client, sum(map(len, parts))) == b"".join(parts)
+    sender.join(5)
+    assert len(calls) < len(parts) // 10  # a few hundred KiB a call, not one part each
+
+
+def test_a_small_first_part_goes_in_one_send_with_the_next(pair):
+    client, server, _ = pair
+    page = pattern(589_824)
+    sent = []
+    sender = threading.Thread(target=lambda: sent.append(server.sendmsg([b"header", page, page])))
+    sender.start()
+    assert receive_all(client, 6 + len(page)) == b"header" + page
+    sender.join(5)
+    assert sent == [6 + len(page)]  # the header and the first page, not the second
