@@ -86,6 +86,7 @@ class NodeInfo:
     disk_used_pages: int = 0
     dirty_pages: int = 0  # in RAM, not yet written to disk
     data_host: str = ""  # the data plane's advertised host; "": the host of the gRPC address
+    data_unix: str = ""  # the data plane's abstract unix socket name; "": none (data_client.py note 7)
 
 
 @dataclass(frozen=True)
@@ -139,11 +140,14 @@ def _check_keys(address: str, keys: Sequence[bytes], parents: Sequence[bytes] = 
 
 class NodeClient:
     """`use_data_plane=False` keeps every call on gRPC (benches and tests compare the two);
-    `credentials` (protos.security) make both gRPC and the data plane mutual TLS."""
+    `unix_socket=False` keeps the data plane on TCP when the node also offers its same-host
+    socket (the bench compares the two); `credentials` (protos.security) make both gRPC and the
+    data plane mutual TLS."""
 
     def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S, use_data_plane: bool = True,
-                 credentials: security.Credentials | None = None):
+                 credentials: security.Credentials | None = None, unix_socket: bool = True):
         self.address = address
+        self.unix_socket = unix_socket
         self.credentials = credentials
         self.timeout = timeout
         self.use_data_plane = use_data_plane
@@ -190,6 +194,7 @@ class NodeClient:
             reply.disk_used_pages,
             reply.dirty_pages,
             reply.data_host,
+            reply.data_unix,
         )
         return self._node_info
 
@@ -439,6 +444,11 @@ class NodeClient:
         plane = self._data_plane()
         return plane.address if plane is not None else None
 
+    def data_plane_transport(self) -> str | None:
+        """"unix" or "tcp" for the data plane this client uses (data_client.py note 7), None on gRPC."""
+        plane = self._data_plane()
+        return plane.transport if plane is not None else None
+
     def _data_plane(self) -> DataPlaneClient | None:
         if not self.use_data_plane:
             return None
@@ -447,7 +457,8 @@ class NodeClient:
         if not port:
             return None
         with self._data_lock:
-            if self._data is None or self._data.port != port:
+            unix = info.data_unix if self.unix_socket else ""
+            if self._data is None or (self._data.port, self._data.offered_unix) != (port, unix):
                 host = info.data_host or _host_of(self.address)
                 if host is None:
                     log.warning("kvnode %s: cannot tell its host for the data plane; using gRPC", self.address)
@@ -456,7 +467,7 @@ class NodeClient:
                 if self._data is not None:
                     self._data.close()
                 tls = self.credentials.client_context() if self.credentials is not None else None
-                self._data = DataPlaneClient(host, port, tls)
+                self._data = DataPlaneClient(host, port, tls, unix)
             return self._data
 
     def _data_plane_failed(self, plane: DataPlaneClient, exc: DataPlaneError) -> None:

@@ -106,6 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "uses gRPC for that call. Each client keeps up to 4 idle ones (default %(default)s)",
     )
     parser.add_argument(
+        "--no-data-unix", action="store_true",
+        help="no abstract Unix socket beside the data plane's TCP port (by default the data plane also "
+             "listens on one, advertised in Info, which clients on this host reaching the node at a "
+             "loopback address use: same framing, bounds and TLS, about twice the throughput)",
+    )
+    parser.add_argument(
         "--no-data-plane", action="store_true",
         help="serve pages over gRPC only (clients then use GetPages/PutPages)",
     )
@@ -171,12 +177,14 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--data-max-connections must be at least 1, got {args.data_max_connections}")
             try:
                 data_plane = DataPlaneServer(store, args.host, args.data_port, args.max_keys,
-                                             max_connections=args.data_max_connections, credentials=credentials)
+                                             max_connections=args.data_max_connections, credentials=credentials,
+                                             unix=not args.no_data_unix)
             except OSError as exc:
                 raise OSError(f"cannot listen on {serving.host_port(args.host, args.data_port)} "
                               f"for the data plane: {exc.strerror or exc}") from None
             service.data_port = data_plane.port
             service.data_host = addresses.split_host_port(address)[0]
+            service.data_unix = data_plane.unix_name
             data_plane.metrics = metrics
         metrics_server = (observability.start_metrics(metrics.registry, args, credentials)
                           if metrics is not None else None)
@@ -201,8 +209,9 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     if data_plane is not None:
-        log.info("data plane (GET/PUT of pages over %s) on %s", "TLS" if credentials else "plain TCP",
-                 serving.host_port(args.host, data_plane.port))
+        log.info("data plane (GET/PUT of pages over %s) on %s%s", "TLS" if credentials else "plain TCP",
+                 serving.host_port(args.host, data_plane.port),
+                 f" and the abstract unix socket @{data_plane.unix_name}" if data_plane.unix_name else "")
     else:
         log.info("data plane off (--no-data-plane): pages move over gRPC only")
     registration = pb.RegisterRequest(

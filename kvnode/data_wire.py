@@ -219,6 +219,13 @@ def set_kernel_timeouts(sock: socket.socket, timeout_s: float, receive: bool = T
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
+def set_no_delay(sock) -> None:
+    """TCP_NODELAY on a TCP socket (under a TlsStream too); a Unix socket has no Nagle to turn off."""
+    raw = getattr(sock, "sock", sock)
+    if raw.family in (socket.AF_INET, socket.AF_INET6):
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 TLS_READ_CHUNK = 1 << 20  # bytes of TLS records read from the socket at once (design note 5)
 TLS_SEND_BATCH = 256 << 10  # parts after the first are encrypted into one send while below this
 

@@ -53,6 +53,7 @@ class KVStoreService:
         self.chunk_bytes = max_message_bytes - _CHUNK_HEADROOM
         self.data_port = 0  # the node's data plane port, advertised in Info; 0 = none
         self.data_host = ""  # its host as advertised (--advertise's); "" = the host clients dialed for gRPC
+        self.data_unix = ""  # the data plane's abstract unix socket name; "" = none (data_plane.py note 8)
         self.metrics = None  # kvnode.metrics.NodeMetrics with --metrics-port: bytes and put outcomes
         self._calls_in_flight = 0
         self._calls_lock = threading.Lock()
@@ -84,6 +85,7 @@ class KVStoreService:
             max_message_bytes=self.max_message_bytes,
             data_port=self.data_port,
             data_host=self.data_host,
+            data_unix=self.data_unix,
             ram_capacity_pages=store.ram_capacity_pages,
             ram_used_pages=store.num_in_ram(),
             disk_capacity_pages=store.capacity_pages if store.disk is not None else 0,

@@ -40,10 +40,25 @@ def member_credentials(certs, role="worker") -> security.Credentials:
     return security.Credentials(certs / "ca.pem", certs / f"{role}.pem", certs / f"{role}.key")
 
 
-def data_port(secure_cluster, certs) -> int:
+def data_plane(secure_cluster, certs, transport: str, context=None) -> DataPlaneClient:
+    """A data plane client of the node over TCP or over its same-host unix socket (which runs the same TLS)."""
     node = secure_cluster.role("node")[0]
     with NodeClient(node.address, credentials=member_credentials(certs)) as client:
-        return client.info().data_port
+        info = client.info()
+    assert info.data_unix, "a TLS node offers its unix socket, under the same TLS"
+    plane = DataPlaneClient("127.0.0.1", info.data_port, context, info.data_unix if transport == "unix" else "")
+    assert plane.transport == transport
+    return plane
+
+
+def plain_connection(secure_cluster, certs, transport: str) -> socket.socket:
+    plane = data_plane(secure_cluster, certs, transport)
+    if transport == "unix":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5)
+        sock.connect(b"\0" + plane.unix_name.encode())
+        return sock
+    return socket.create_connection(("127.0.0.1", plane.port), timeout=5)
 
 
 def test_certs_name_loopback_and_the_hosts_given_and_keep_keys_private(tmp_path):
@@ -145,10 +160,12 @@ def test_a_client_certificate_reaches_client_calls_only_not_a_members(secure_clu
         assert failed.value.code() == grpc.StatusCode.PERMISSION_DENIED
     with NodeClient(node, credentials=client) as as_client:
         assert as_client.info().page_bytes > 0  # Info stays open to any certificate of the cluster
-    plane = DataPlaneClient("127.0.0.1", data_port(secure_cluster, certs), client.client_context())
-    with pytest.raises(DataPlaneError):
-        plane.get_into([b"k" * 16], memoryview(bytearray(1024)), memoryview(bytearray(16)), timeout_s=5)
-    plane.close()
+    for transport in ("tcp", "unix"):
+        plane = data_plane(secure_cluster, certs, transport, client.client_context())
+        with pytest.raises(DataPlaneError):
+            plane.get_into([b"k" * 16], memoryview(bytearray(1024)), memoryview(bytearray(16)), timeout_s=5)
+        assert plane.transport == transport
+        plane.close()
     assert "the data plane is for worker members" in secure_cluster.role("node")[0].log_path.read_text()
 
 
@@ -161,12 +178,16 @@ def test_a_kvnode_serves_members_over_its_tls_data_plane(secure_cluster, certs):
         assert client.put_pages(keys, [b"", keys[0]], data).outcomes[0] in ("stored", "already_present")
         assert client.get_pages(keys).tobytes() == data.tobytes()
         assert client.data_plane_address() is not None and client.use_data_plane, "no fallback to gRPC"
+        assert client.data_plane_transport() == "unix"  # the same host: its unix socket, under TLS
+    with NodeClient(node.address, credentials=member_credentials(certs), unix_socket=False) as client:
+        assert client.get_pages(keys).tobytes() == data.tobytes()
+        assert client.data_plane_transport() == "tcp" and client.use_data_plane
     assert "data plane (GET/PUT of pages over TLS)" in node.log_path.read_text()
 
 
-def test_a_plaintext_connection_to_the_data_port_gets_no_page(secure_cluster, certs):
-    port = data_port(secure_cluster, certs)
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_a_plaintext_connection_to_the_data_port_gets_no_page(secure_cluster, certs, transport):
+    with plain_connection(secure_cluster, certs, transport) as sock:
         sock.sendall(dw.get_request([b"k" * 16]))
         received = b""
         try:
@@ -175,18 +196,19 @@ def test_a_plaintext_connection_to_the_data_port_gets_no_page(secure_cluster, ce
         except (ConnectionResetError, socket.timeout):
             pass
     assert not received.startswith(dw.ok_reply(0)[:4]), "a plaintext peer must not get a reply frame"
-    plain = DataPlaneClient("127.0.0.1", port)
+    plain = data_plane(secure_cluster, certs, transport)
     with pytest.raises(DataPlaneError):
         plain.get_into([b"k" * 16], memoryview(bytearray(1024)), memoryview(bytearray(16)), timeout_s=5)
     plain.close()
 
 
-def test_tls_without_a_client_certificate_cannot_fetch_from_the_data_port(secure_cluster, certs):
-    port = data_port(secure_cluster, certs)
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_tls_without_a_client_certificate_cannot_fetch_from_the_data_port(secure_cluster, certs, transport):
     checks_server_only = security.Credentials(certs / "ca.pem")
-    client = DataPlaneClient("127.0.0.1", port, checks_server_only.client_context())
+    client = data_plane(secure_cluster, certs, transport, checks_server_only.client_context())
     with pytest.raises(DataPlaneError):
         client.get_into([b"k" * 16], memoryview(bytearray(1024)), memoryview(bytearray(16)), timeout_s=5)
+    assert client.transport == transport  # refused by the node's TLS, not by a missing socket
     client.close()
 
 
@@ -223,20 +245,21 @@ def test_sighup_re_reads_the_certificate_files_for_new_connections(tmp_path):
             assert refused.value.code == grpc.StatusCode.UNAVAILABLE
 
 
-def test_a_worker_certificate_of_another_ca_cannot_fetch_from_the_data_port(secure_cluster, certs, tmp_path):
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_a_worker_certificate_of_another_ca_cannot_fetch_from_the_data_port(secure_cluster, certs, tmp_path,
+                                                                           transport):
     """The data plane's TLS runs over memory BIOs (kvnode/data_wire.py note 5): its handshake still
     checks the peer's certificate against the cluster's CA, on both ends."""
     make_certs(tmp_path / "other")
-    port = data_port(secure_cluster, certs)
     foreign = security.Credentials(tmp_path / "other" / "ca.pem", tmp_path / "other" / "worker.pem",
                                    tmp_path / "other" / "worker.key")
-    client = DataPlaneClient("127.0.0.1", port, foreign.client_context())
+    client = data_plane(secure_cluster, certs, transport, foreign.client_context())
     with pytest.raises(DataPlaneError, match="certificate verify failed|TLS"):
         client.get_into([b"k" * 16], memoryview(bytearray(1024)), memoryview(bytearray(16)), timeout_s=5)
     client.close()
     ours_to_them = security.Credentials(certs / "ca.pem", tmp_path / "other" / "worker.pem",
                                         tmp_path / "other" / "worker.key")  # trusts the node, is not trusted by it
-    client = DataPlaneClient("127.0.0.1", port, ours_to_them.client_context())
+    client = data_plane(secure_cluster, certs, transport, ours_to_them.client_context())
     with pytest.raises(DataPlaneError):
         client.get_into([b"k" * 16], memoryview(bytearray(1024)), memoryview(bytearray(16)), timeout_s=5)
     client.close()

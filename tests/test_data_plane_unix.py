@@ -1,0 +1,121 @@
+"""The data plane's same-host path (kvnode/data_plane.py note 8) with real node processes: Info
+advertises an abstract Unix socket, a client on the node's loopback address uses it and gets
+the bytes TCP and gRPC give, tokens computed from pages it brought equal the cold ones, it
+shares TCP's connection bound, and a socket that does not answer, a host that is not loopback
+or `--no-data-unix` leave the client on TCP."""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+import numpy as np
+
+from cluster_helpers import NODE_PAGE_BYTES, node_process, read_log
+from kvcache.launch import Daemon
+from kvnode import data_wire as dw
+from kvnode.client import NodeClient
+from kvnode.data_client import DataPlaneClient
+from store_helpers import key
+from worker.engine import Engine
+from worker.model import load_model
+from worker.remote import Placement, RemoteTier
+
+ARGS = ("--capacity", "64KiB", "--page-bytes", str(NODE_PAGE_BYTES))
+
+
+def stored(client: NodeClient, n: int = 3) -> tuple[list[bytes], np.ndarray]:
+    keys = [key(i) for i in range(1, n + 1)]
+    data = np.random.default_rng(n).integers(0, 256, size=(n, NODE_PAGE_BYTES), dtype=np.uint8)
+    assert client.put_pages(keys, [b"", *keys[:-1]], data).stored == n
+    return keys, data
+
+
+def test_a_client_on_the_nodes_host_uses_its_unix_socket_and_gets_the_same_bytes(tmp_path):
+    with node_process(tmp_path, *ARGS) as daemon:
+        with NodeClient(daemon.address) as unix, NodeClient(daemon.address, unix_socket=False) as tcp, \
+                NodeClient(daemon.address, use_data_plane=False) as grpc_client:
+            name = unix.info().data_unix
+            assert name.startswith("kvcache-data-")
+            keys, data = stored(unix)
+            assert unix.data_plane_transport() == "unix" and tcp.data_plane_transport() == "tcp"
+            assert unix.get_pages(keys).tobytes() == tcp.get_pages(keys).tobytes() == \
+                grpc_client.get_pages(keys).tobytes() == data.tobytes()
+            assert unix.data_plane_transport() == "unix", "fell back to TCP"
+        assert f"abstract unix socket @{name}" in read_log(tmp_path)
+
+
+def test_no_data_unix_keeps_the_data_plane_on_tcp(tmp_path):
+    with node_process(tmp_path, *ARGS, "--no-data-unix") as daemon, NodeClient(daemon.address) as client:
+        assert client.info().data_unix == ""
+        keys, data = stored(client)
+        assert client.get_pages(keys).tobytes() == data.tobytes()
+        assert client.data_plane_transport() == "tcp"
+
+
+def test_a_unix_socket_that_does_not_answer_leaves_the_client_on_tcp(tmp_path):
+    with node_process(tmp_path, *ARGS) as daemon, NodeClient(daemon.address) as client:
+        keys, data = stored(client)
+        port = client.info().data_port
+        plane = DataPlaneClient("127.0.0.1", port, unix_name="kvcache-data-nobody-listens-here")
+        assert plane.transport == "unix"
+        out, sums = bytearray(3 * NODE_PAGE_BYTES), bytearray(3 * 16)
+        plane.get_into(keys, memoryview(out), memoryview(sums), timeout_s=5)
+        assert bytes(out) == data.tobytes() and plane.transport == "tcp"
+        plane.close()
+
+
+def test_a_host_that_is_not_loopback_never_tries_the_unix_socket():
+    assert DataPlaneClient("10.1.2.3", 7000, unix_name="kvcache-data-x").transport == "tcp"
+    assert DataPlaneClient("::1", 7000, unix_name="kvcache-data-x").transport == "unix"
+    assert DataPlaneClient("localhost", 7000, unix_name="kvcache-data-x").transport == "unix"
+
+
+def test_unix_and_tcp_connections_share_the_nodes_connection_bound(tmp_path):
+    with node_process(tmp_path, *ARGS, "--data-max-connections", "1") as daemon, \
+            NodeClient(daemon.address, use_data_plane=False) as client:
+        keys, data = stored(client, 1)
+        info = client.info()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as held:
+            held.settimeout(5)
+            held.connect(b"\0" + info.data_unix.encode())
+            held.sendall(dw.get_request(keys))  # answered: the connection is served, and stays open
+            reply = b""
+            while len(reply) < dw.REPLY.size + 16 + NODE_PAGE_BYTES:
+                reply += held.recv(1 << 20)
+            assert reply[dw.REPLY.size + 16 :] == data.tobytes()
+            with socket.create_connection(("127.0.0.1", info.data_port), timeout=5) as other:
+                other.sendall(dw.get_request(keys))
+                header = other.recv(dw.REPLY.size)
+                assert dw.parse_reply_header(header)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_tokens_from_pages_fetched_over_the_unix_socket_equal_the_cold_ones(tmp_path):
+    model = load_model("tiny")
+    prompt = "You are a helpful assistant. Answer briefly, and cite what you read. " * 2 + "What is a page?"
+
+    def engine():
+        return Engine(model, kv_dtype="float16", num_blocks=64, page_tokens=16, seed=0)
+
+    cold = engine().generate([prompt], max_new_tokens=12, ignore_eos=True)[0]
+    writer, reader = engine(), engine()
+    page_bytes = writer.kv_pool[0].nbytes // 2
+    with Daemon("node", ["--port", "0", "--page-bytes", str(page_bytes), "--capacity", "4MiB"],
+                log_path=tmp_path / "node.log") as daemon:
+        placement = Placement([daemon.address])
+        tiers = [RemoteTier(writer.kv_pool, "float16"), RemoteTier(reader.kv_pool, "float16")]
+        try:
+            writer.attach_remote_tier(tiers[0])
+            reader.attach_remote_tier(tiers[1])
+            writer.generate([prompt], max_new_tokens=2, tier_context=placement)
+            assert tiers[0].flush(timeout_s=10.0) and tiers[0].stats.pages_written >= 8
+            warm = reader.generate([prompt], max_new_tokens=12, ignore_eos=True,
+                                   tier_context=Placement([daemon.address]))[0]
+            with tiers[1].nodes.use([daemon.address]) as nodes:
+                assert nodes[0].client.data_plane_transport() == "unix"
+        finally:
+            for tier in tiers:
+                tier.close()
+        assert tiers[1].stats.pages_fetched >= 8 and tiers[1].stats.pages_rejected == 0
+        assert warm.usage.cached_tokens_remote >= 8 * 16
+        assert warm.token_ids == cold.token_ids
