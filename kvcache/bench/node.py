@@ -1,6 +1,6 @@
-"""`kvcache bench node`: kvnode put/get throughput and latency, over its data plane and over
-gRPC as separate rows, beside a raw loopback TCP socket moving the same bytes in the same
-run, and the cost of a lookup as the index grows.
+"""`kvcache bench node`: kvnode put/get throughput and latency, over its data plane (its
+same-host Unix socket and TCP, as separate rows) and over gRPC, beside a raw loopback TCP
+socket moving the same bytes in the same run, and the cost of a lookup as the index grows.
 
 Batches are interleaved (every path's get, then every path's put, the order rotating each
 round) so every path sees the same machine load. Defaults: batches of 16 pages of 589,824
@@ -77,8 +77,9 @@ def run(args: argparse.Namespace) -> int:
 # ---- transfer ---------------------------------------------------------------------
 
 OPS = ("get", "put")
-SIDES = ("node", "node_grpc", "socket")  # "node" is the path clients take: the data plane
-LABELS = {"node": "node data plane", "node_grpc": "node gRPC", "socket": "raw socket"}
+SIDES = ("node_unix", "node", "node_grpc", "socket")  # "node": the data plane over TCP
+LABELS = {"node_unix": "node data plane, unix socket", "node": "node data plane, TCP", "node_grpc": "node gRPC",
+          "socket": "raw TCP socket"}
 
 
 def measure_transfer(args: argparse.Namespace) -> dict:
@@ -89,15 +90,17 @@ def measure_transfer(args: argparse.Namespace) -> dict:
         node_daemon = Daemon("node", ["--port", "0", "--page-bytes", str(args.page_bytes), "--capacity", str(capacity)])
         address = node_daemon.address
     try:
-        with NodeClient(address, timeout=60.0) as client, \
+        with NodeClient(address, timeout=60.0) as unix_client, \
+                NodeClient(address, timeout=60.0, unix_socket=False) as client, \
                 NodeClient(address, timeout=60.0, use_data_plane=False) as grpc_client, SocketBaseline() as raw:
-            return _interleaved(client, grpc_client, raw, args)
+            return _interleaved(unix_client, client, grpc_client, raw, args)
     finally:
         if node_daemon is not None:
             node_daemon.stop()
 
 
-def _interleaved(client: NodeClient, grpc_client: NodeClient, raw: SocketBaseline, args: argparse.Namespace) -> dict:
+def _interleaved(unix_client: NodeClient, client: NodeClient, grpc_client: NodeClient, raw: SocketBaseline,
+                 args: argparse.Namespace) -> dict:
     page_bytes = client.info().page_bytes
     n = args.pages_per_batch
     rng = np.random.default_rng(0)
@@ -106,10 +109,13 @@ def _interleaved(client: NodeClient, grpc_client: NodeClient, raw: SocketBaselin
     get_keys = [os.urandom(16) for _ in range(n)]
     grpc_client.put_pages(get_keys, [b""] * n, pages)
     batch_bytes = pages.nbytes
-    clients = {"node": client, "node_grpc": grpc_client}
+    clients = {"node_unix": unix_client, "node": client, "node_grpc": grpc_client}
     missing = {}
     if client.data_plane_address() is None:
         missing["node"] = "the node serves no data plane (started with --no-data-plane?)"
+    unix_client.get_pages(get_keys[:1])  # a client that finds no unix socket goes on over TCP
+    if unix_client.data_plane_transport() != "unix":
+        missing["node_unix"] = "no unix socket (node on another host, or --no-data-unix / --no-data-plane)"
 
     def node_ops(c: NodeClient) -> dict:
         return {"get": lambda: c.get_pages(get_keys, out=out),
