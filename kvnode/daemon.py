@@ -109,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-data-unix", action="store_true",
         help="no abstract Unix socket beside the data plane's TCP port (by default the data plane also "
              "listens on one, advertised in Info, which clients on this host reaching the node at a "
-             "loopback address use: same framing, bounds and TLS, about twice the throughput)",
+             "loopback address use: same framing, bounds and TLS, ~1.5x the throughput)",
     )
     parser.add_argument(
         "--no-data-plane", action="store_true",

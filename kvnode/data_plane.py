@@ -44,7 +44,7 @@ Design notes
    into calls of at most IOV_MAX buffers; no copy.
 8. With `unix` the same server also listens on a Linux abstract Unix socket under a random name
    (Info advertises it), for clients on the node's host: a stream socket there moved the data
-   plane's GETs about twice as fast as TCP over loopback (docs/benchmarks.md). Abstract names
+   plane's GETs 1.4-1.6x as fast as TCP over loopback (docs/benchmarks.md). Abstract names
    belong to the network namespace, so whoever reaches it could reach the loopback port already;
    and its connections are served exactly as TCP ones: the same connection bound (shared),
    kernel timeouts, deadlines and, with `credentials`, the same mutual TLS.
