@@ -111,6 +111,8 @@ def test_tls_adds_a_row_for_the_data_plane_over_mutual_tls_and_its_ratio_to_plai
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     _check_measured(report["transports"]["kvnode_tls"])
+    # Both over TCP, as between hosts: not the node's same-host Unix socket, which TLS and plaintext would not share.
+    assert report["data_plane_wire"] == {"kvnode": "tcp", "kvnode_tls": "tcp"}
     for op in ("get", "put"):
         assert report["ratios"][op]["kvnode_tls/kvnode"] == pytest.approx(
             report["transports"]["kvnode_tls"][op]["gb_per_s"] / report["transports"]["kvnode"][op]["gb_per_s"])

@@ -13,6 +13,10 @@ SET replacing a whole value. Defaults: batches of 16 pages of 589,824 bytes, one
 With --tls a second kvnode runs with mutual TLS (certificates made for the run in a temporary
 folder) and its data plane is one more row, interleaved with the others; its ratio to the
 plaintext data plane is printed (the goal: a TLS fetch at 0.6 of plaintext or better).
+
+Every kvnode row goes over TCP, as between hosts: the clients do not take the node's same-host
+Unix socket (`kvcache bench node` has a row for it), so Redis, the raw socket and TLS are
+compared on the wire they would share across a network.
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ def measure(args: argparse.Namespace) -> dict:
     with contextlib.ExitStack() as stack:
         node = stack.enter_context(Daemon("node", [
             "--port", "0", "--page-bytes", str(page_bytes), "--capacity", str(batch_bytes * RING_BATCHES)]))
-        client = stack.enter_context(NodeClient(node.address, timeout=60.0))
+        client = stack.enter_context(NodeClient(node.address, timeout=60.0, unix_socket=False))
         grpc_client = stack.enter_context(NodeClient(node.address, timeout=60.0, use_data_plane=False))
         if client.data_plane_address() is None:
             raise RuntimeError("the kvnode started for the bench serves no data plane")
@@ -114,6 +118,8 @@ def measure(args: argparse.Namespace) -> dict:
                 args.redis_server, max_memory_bytes=batch_bytes * (RING_BATCHES + 2) + 64 * 2**20))
         tls_client = _tls_client(stack, page_bytes, batch_bytes) if args.tls else None
         times = _interleaved(client, grpc_client, redis, raw, n, page_bytes, args.warmup, args.batches, tls_client)
+        wires = {"kvnode": client.data_plane_transport(),
+                 **({TLS: tls_client.data_plane_transport()} if tls_client is not None else {})}
 
     transports: dict[str, dict] = {}
     for name in TRANSPORTS + ((TLS,) if args.tls else ()):
@@ -122,7 +128,7 @@ def measure(args: argparse.Namespace) -> dict:
             continue
         transports[name] = {op: _summary(times[name][op], batch_bytes) for op in OPS}
     return {"page_bytes": page_bytes, "batch_bytes": batch_bytes, "transports": transports,
-            "ratios": ratios(transports)}
+            "data_plane_wire": wires, "ratios": ratios(transports)}
 
 
 def _tls_client(stack: contextlib.ExitStack, page_bytes: int, batch_bytes: int) -> NodeClient:
@@ -135,7 +141,7 @@ def _tls_client(stack: contextlib.ExitStack, page_bytes: int, batch_bytes: int) 
         "--port", "0", "--page-bytes", str(page_bytes), "--capacity", str(batch_bytes * RING_BATCHES),
         *tls_args(folder, "node")]))
     credentials = security.Credentials(folder / "ca.pem", folder / "worker.pem", folder / "worker.key")
-    client = stack.enter_context(NodeClient(node.address, timeout=60.0, credentials=credentials))
+    client = stack.enter_context(NodeClient(node.address, timeout=60.0, credentials=credentials, unix_socket=False))
     if client.data_plane_address() is None:
         raise RuntimeError("the TLS kvnode started for the bench serves no data plane")
     return client
@@ -213,7 +219,8 @@ def ratios(transports: dict[str, dict]) -> dict[str, dict[str, float | None]]:
 def print_report(result: dict) -> None:
     options, transports = result["options"], result["transports"]
     print(f"transfer: {options['batches']} batches of {options['pages_per_batch']} pages x {result['page_bytes']} bytes "
-          f"({result['batch_bytes'] / 2**20:.1f} MiB), interleaved")
+          f"({result['batch_bytes'] / 2**20:.1f} MiB), interleaved; the kvnode data plane over "
+          f"{', '.join(sorted(set(result['data_plane_wire'].values())))} (as between hosts)")
     rows = []
     for op in OPS:
         for name in (t for t in (*TRANSPORTS, TLS) if t in transports):
