@@ -288,3 +288,52 @@ def test_close_is_bounded_by_a_hung_call_and_a_closed_connector_answers_a_miss_a
     finally:
         release.set()
     wait_until(lambda: not [t for t in threading.enumerate() if t not in before and t.name.startswith("kv-")], 5.0)
+
+
+def test_a_layerwise_load_trickling_its_layers_holds_one_step_at_most_its_step_budget():
+    """Each layer lands just inside the per-layer wait; the step's waits together still end at
+    step_wait_s, so a node sending just in time cannot hold the engine for layers x layer_wait_s."""
+    from types import SimpleNamespace
+
+    from worker.connector import KVConnector
+
+    layers, gap_s = 30, 0.06
+    stop = threading.Event()
+
+    class TricklingTier:
+        layerwise_fill = True
+
+        def lookup(self, keys, context):
+            return len(keys)
+
+        def fill(self, keys, block_ids, context):
+            return len(keys)
+
+        def fill_layerwise(self, keys, block_ids, context, landed):
+            for layer in range(layers):
+                if stop.wait(gap_s):  # bounded: the test stops it
+                    return 0
+                landed(layer)
+            return len(keys)
+
+        def on_page_full(self, key, parent, block_id, context):
+            pass
+
+    connector = KVConnector(TricklingTier(), layer_wait_s=0.1, step_wait_s=0.25)
+    request = SimpleNamespace(request_id="trickled", tier_context=None)
+    try:
+        connector.start_load(request, [b"k" * 16], [0])
+        wait_until(lambda: connector.can_join_early(request), 5.0)
+        connector.join_early(request)
+        started, waited = time.monotonic(), []
+        for layer in range(layers):
+            if not connector.wait_layer(request, layer):
+                break
+            waited.append(layer)
+        spent = time.monotonic() - started
+        assert 1 <= len(waited) < layers - 1, waited  # some layers came in time, then the budget ran out
+        assert spent < 0.25 + 0.15, f"the step waited {spent:.2f}s for its layers, over its 0.25 s budget"
+        assert connector.num_layer_waits >= 2
+    finally:
+        stop.set()
+        connector.close(timeout_s=2.0)

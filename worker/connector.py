@@ -31,8 +31,10 @@ Design notes
    landed (the node answered and is sending; it wakes the engine), the scheduler may let the
    request join a step of its own before the load ends (`join_early`, once a load); the engine
    waits before computing layer l until layer l landed (`wait_layer`). That wait holds up the
-   whole engine, so it is short (`layer_wait_s`, 0.1 s): a layer later than that, or a load that
-   ended without it, sends the request back to wait for its load as any parked one (`unjoin`).
+   whole engine, so it is short (`layer_wait_s`, 0.1 s a layer, and `step_wait_s`, 0.3 s for all
+   of the step's layers together, so a node trickling its layers just in time cannot hold the
+   engine for layers x 0.1 s): a layer later than that, or a load that ended without it, sends
+   the request back to wait for its load as any parked one (`unjoin`).
    After the forward `settle_layerwise` says whether every page arrived intact (the tier checks
    them only at the end, waited for at most `settle_timeout_s`); on any failure the scheduler
    throws the step's work away.
@@ -52,6 +54,7 @@ log = logging.getLogger("worker.connector")
 DEFAULT_TIMEOUT_S = 30.0  # a backstop: RemoteTier bounds its own calls far sooner (deadlines per call)
 DEFAULT_CLOSE_TIMEOUT_S = 5.0
 DEFAULT_LAYER_WAIT_S = 0.1  # the engine's wait for one layer of a layer-wise load (design note 7)
+DEFAULT_STEP_WAIT_S = 0.3  # ... and for all the layers of its early step together
 DEFAULT_SETTLE_TIMEOUT_S = 1.0  # ... and for its outcome once its last layer landed
 
 
@@ -94,6 +97,7 @@ class _Load:
     layers: _Layers | None = None  # a layer-wise load (design note 7)
     joined: bool = False  # its request joined a step before the load ended (design note 7)
     tried_early: bool = False  # it did once: never again
+    wait_until: float = 0.0  # once joined: the end of its step's layer waits (step_wait_s)
 
 
 @dataclass
@@ -109,10 +113,12 @@ class FinishedLoads:
 class KVConnector:
     def __init__(self, tier, lookup_threads: int = 4, timeout_s: float = DEFAULT_TIMEOUT_S,
                  wake: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic,
-                 layer_wait_s: float = DEFAULT_LAYER_WAIT_S, settle_timeout_s: float = DEFAULT_SETTLE_TIMEOUT_S):
+                 layer_wait_s: float = DEFAULT_LAYER_WAIT_S, settle_timeout_s: float = DEFAULT_SETTLE_TIMEOUT_S,
+                 step_wait_s: float = DEFAULT_STEP_WAIT_S):
         self.tier = tier
         self.timeout_s = timeout_s
         self.layer_wait_s = layer_wait_s
+        self.step_wait_s = step_wait_s
         self.settle_timeout_s = settle_timeout_s
         self.layerwise = bool(getattr(tier, "layerwise_fill", False)) and hasattr(tier, "fill_layerwise")
         self.wake = wake
@@ -227,6 +233,7 @@ class KVConnector:
         """The request runs before its load ended; it is no longer reported by take_finished_loads."""
         load = self._loads[id(request)]
         load.joined = load.tried_early = True
+        load.wait_until = time.monotonic() + self.step_wait_s
         self.num_early_joins += 1
 
     def unjoin(self, request) -> None:
@@ -236,11 +243,12 @@ class KVConnector:
 
     def wait_layer(self, request, layer: int) -> bool:
         """Wait until layer `layer` of the request's early-joined load is in the pool: True; False
-        after layer_wait_s, or at once when the load ended without it (design note 7)."""
+        after layer_wait_s, once the step's layer waits reached step_wait_s in all, or at once when
+        the load ended without it (design note 7)."""
         load = self._loads.get(id(request))
         if load is None or load.layers is None:
             return False
-        layers, deadline = load.layers, time.monotonic() + self.layer_wait_s
+        layers, deadline = load.layers, min(time.monotonic() + self.layer_wait_s, load.wait_until)
         with layers.cond:
             if layers.landed <= layer and not layers.done:
                 self.num_layer_waits += 1
