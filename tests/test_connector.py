@@ -337,3 +337,44 @@ def test_a_layerwise_load_trickling_its_layers_holds_one_step_at_most_its_step_b
     finally:
         stop.set()
         connector.close(timeout_s=2.0)
+
+
+def test_the_step_budget_counts_only_layer_waits_not_the_forwards_compute_between_them():
+    """A forward that computes for longer than the budget still gets a layer that lands soon after."""
+    from types import SimpleNamespace
+
+    from worker.connector import KVConnector
+
+    released = threading.Event()
+
+    class LateLastLayerTier:
+        layerwise_fill = True
+
+        def lookup(self, keys, context):
+            return len(keys)
+
+        def fill(self, keys, block_ids, context):
+            return len(keys)
+
+        def fill_layerwise(self, keys, block_ids, context, landed):
+            landed(0)
+            released.wait(5.0)  # bounded: the test releases it
+            landed(1)
+            return len(keys)
+
+        def on_page_full(self, key, parent, block_id, context):
+            pass
+
+    connector = KVConnector(LateLastLayerTier(), layer_wait_s=0.1, step_wait_s=0.05)
+    request = SimpleNamespace(request_id="computing", tier_context=None)
+    try:
+        connector.start_load(request, [b"k" * 16], [0])
+        wait_until(lambda: connector.can_join_early(request), 5.0)
+        connector.join_early(request)
+        assert connector.wait_layer(request, 0)  # landed: no wait
+        time.sleep(0.1)  # layer 0's compute, twice the step's budget for waits
+        threading.Timer(0.02, released.set).start()
+        assert connector.wait_layer(request, 1), "the compute before the wait used up the budget for waits"
+    finally:
+        released.set()
+        connector.close(timeout_s=2.0)

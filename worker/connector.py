@@ -31,9 +31,9 @@ Design notes
    landed (the node answered and is sending; it wakes the engine), the scheduler may let the
    request join a step of its own before the load ends (`join_early`, once a load); the engine
    waits before computing layer l until layer l landed (`wait_layer`). That wait holds up the
-   whole engine, so it is short (`layer_wait_s`, 0.1 s a layer, and `step_wait_s`, 0.3 s for all
-   of the step's layers together, so a node trickling its layers just in time cannot hold the
-   engine for layers x 0.1 s): a layer later than that, or a load that ended without it, sends
+   whole engine, so it is short (`layer_wait_s`, 0.1 s a layer, and `step_wait_s`, 0.3 s of such
+   waits in all a step, the compute between them not counted, so a node trickling its layers
+   just in time cannot hold the engine for layers x 0.1 s): a layer later than that, or a load that ended without it, sends
    the request back to wait for its load as any parked one (`unjoin`).
    After the forward `settle_layerwise` says whether every page arrived intact (the tier checks
    them only at the end, waited for at most `settle_timeout_s`); on any failure the scheduler
@@ -97,7 +97,7 @@ class _Load:
     layers: _Layers | None = None  # a layer-wise load (design note 7)
     joined: bool = False  # its request joined a step before the load ended (design note 7)
     tried_early: bool = False  # it did once: never again
-    wait_until: float = 0.0  # once joined: the end of its step's layer waits (step_wait_s)
+    waited_s: float = 0.0  # once joined: what its step waited for layers so far (step_wait_s bounds it)
 
 
 @dataclass
@@ -233,7 +233,6 @@ class KVConnector:
         """The request runs before its load ended; it is no longer reported by take_finished_loads."""
         load = self._loads[id(request)]
         load.joined = load.tried_early = True
-        load.wait_until = time.monotonic() + self.step_wait_s
         self.num_early_joins += 1
 
     def unjoin(self, request) -> None:
@@ -248,7 +247,8 @@ class KVConnector:
         load = self._loads.get(id(request))
         if load is None or load.layers is None:
             return False
-        layers, deadline = load.layers, min(time.monotonic() + self.layer_wait_s, load.wait_until)
+        layers, started = load.layers, time.monotonic()
+        deadline = started + min(self.layer_wait_s, self.step_wait_s - load.waited_s)  # only waits count
         with layers.cond:
             if layers.landed <= layer and not layers.done:
                 self.num_layer_waits += 1
@@ -257,6 +257,7 @@ class KVConnector:
                 if left <= 0:
                     break
                 layers.cond.wait(left)
+            load.waited_s += time.monotonic() - started
             return layers.landed > layer
 
     def settle_layerwise(self, request, blocks: Sequence[int], wait_s: float | None = None) -> int | None:

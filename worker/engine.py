@@ -34,7 +34,8 @@ Design notes
    token, its length, a stop string) it finishes at once, as the first worker would have.
 8. A step of one request whose remote pages are still landing layer by layer (scheduler design
    note 10) waits, before computing each layer, for that layer's pages (the connector's
-   `wait_layer`, 0.1 s at most a layer, no budget for the whole step yet); the wait is under the engine's lock, as the forward is, and the
+   `wait_layer`, 0.1 s at most a layer and 0.3 s of waiting in all a step); the wait is under
+   the engine's lock, as the forward is, and the
    network I/O itself runs on the connector's loader thread. A layer that does not come in time
    ends the forward at once and the request waits for its load as any parked one; pages that
    turn out not all intact after the forward throw the step's work away (no token), and the
