@@ -84,8 +84,11 @@ class DiskTier:
         self.slot_bytes = -(-(HEADER_BYTES + page_bytes) // BLOCK_BYTES) * BLOCK_BYTES
         self.path = self.directory / SLOTS_FILE
         self._head = bytearray(HEADER_BYTES)  # read()'s header, reused: reads run under the store's lock
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Pages are KV of users' prompts: only the node's user may read them (an older node made 0o644).
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
+            if os.fstat(self._fd).st_mode & 0o077:
+                os.fchmod(self._fd, 0o600)
             self._size_file()
         except BaseException:
             os.close(self._fd)

@@ -43,6 +43,18 @@ def test_the_file_is_preallocated_in_block_aligned_slots(tier, tmp_path):
     assert os.stat(tmp_path / SLOTS_FILE).st_blocks * 512 >= 8 * BLOCK_BYTES  # blocks reserved, not sparse
 
 
+def test_only_the_nodes_user_may_read_the_pages_file_and_an_older_open_one_is_closed(tmp_path):
+    (tmp_path / "fresh").mkdir()
+    DiskTier(tmp_path / "fresh", 2, PAGE_BYTES).close()
+    assert os.stat(tmp_path / "fresh" / SLOTS_FILE).st_mode & 0o777 == 0o600
+    (tmp_path / "older").mkdir()
+    older = tmp_path / "older" / SLOTS_FILE
+    older.touch(mode=0o644)
+    os.chmod(older, 0o644)  # as a node before this one left it
+    DiskTier(tmp_path / "older", 2, PAGE_BYTES).close()
+    assert os.stat(older).st_mode & 0o777 == 0o600
+
+
 def test_a_page_written_is_read_back_whole_and_only_under_its_key(tier):
     write(tier, 3, key(1), key(0), 7, 1)
     out = bytearray(PAGE_BYTES)
