@@ -73,9 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--disk-check", choices=DISK_CHECKS, default=CHECK_AT_START,
         help="with --data-dir: when a page's bytes on disk are checked against its slot's checksum. start: "
              "every slot once, when the node starts (a page this node writes is checksummed as written); a "
-             "read then checks the slot's header only, and a page altered on disk later is refused by the "
-             "client that fetches it (each checks every page) and dropped when it reports it. always: on "
-             "every read as well, about a third more CPU a disk hit (default %(default)s)")
+             "read then checks the slot's header only, and a page altered on disk later is served until "
+             "a reader checking it against its writer's checksum (this project's clients check every page) "
+             "reports it, then dropped. always: on every read as well, so the node never serves such a page, "
+             "about a third more CPU a disk hit (default %(default)s)")
     parser.add_argument(
         "--max-keys", type=int, default=DEFAULT_MAX_KEYS, help=f"most pages per request (default {DEFAULT_MAX_KEYS})"
     )
