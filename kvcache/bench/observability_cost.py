@@ -23,8 +23,10 @@ once for --duration seconds (give more --requests than that can serve): whatever
 does then falls on both arms alike, which taking turns cannot promise. Each arm's throughput is
 counted over the window both were busy (until the earlier of --duration and either arm's last
 start), a request still running at its end counted by the share of its time inside the window,
-so a few requests more or less do not decide the ratio. Two clusters sharing the cores each get
-about half: a per-request cost shows in the ratio as it would against the whole machine.
+so a few requests more or less do not decide the ratio. What the "on" arm does on its request
+threads shows in the ratio; what it does on other threads (answering scrapes, exporting spans)
+takes CPU from both arms alike, so the ratio counts only part of that: the members' CPU time
+per request, printed beside, counts all of it.
 """
 
 from __future__ import annotations
