@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import sys
@@ -24,7 +23,8 @@ from kvcache import prometheus
 from kvcache.cluster_file import ClusterFileError, read_cluster_file
 from kvcache.launch import Daemon, DaemonFailed
 from kvcache.model_pages import model_page_bytes
-from kvnode.daemon import CHECK_AT_START, DEFAULT_FLUSH_INTERVAL_S, DISK_CHECKS
+from kvnode.disk_tier import CHECK_AT_START, DISK_CHECKS
+from kvnode.flusher import DEFAULT_FLUSH_INTERVAL_S, check_flush_interval
 from protos import tokens
 from protos.units import parse_size
 from worker.model.named import DEFAULT_MODEL
@@ -243,8 +243,8 @@ def disk_tier_args(data_dir: Path | str | None, flush_interval: float | None, di
     if given and data_dir is None:
         raise ValueError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --data-dir: "
                          "without a data folder the kvnodes have no disk tier")
-    if flush_interval is not None and not 0 <= flush_interval < math.inf:  # NaN too: it would never flush
-        raise ValueError(f"--flush-interval must be a finite number of seconds, 0 or more, got {flush_interval}")
+    if flush_interval is not None:
+        check_flush_interval(flush_interval)
     if disk_check is not None and disk_check not in DISK_CHECKS:
         raise ValueError(f"--disk-check must be one of {', '.join(DISK_CHECKS)}, got {disk_check!r}")
     options = ["--flush-interval", repr(flush_interval)] if flush_interval is not None else []

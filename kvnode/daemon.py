@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 import time
 
@@ -17,7 +16,7 @@ from kvnode.data_dir import DataDir
 from kvnode.eviction import ALIASES, NODE_POLICIES, POLICIES, PREFIX_LRU
 from kvnode.data_plane import DEFAULT_MAX_CONNECTIONS, DataPlaneServer
 from kvnode.disk_tier import CHECK_AT_START, DISK_CHECKS, DiskTier
-from kvnode.flusher import Flusher
+from kvnode.flusher import DEFAULT_FLUSH_INTERVAL_S, Flusher, check_flush_interval
 from kvnode.metrics import NodeMetrics
 from kvnode.service import DEFAULT_MAX_KEYS, SERVICE_NAME, KVStoreService, handler
 from kvnode.store import PageStore
@@ -31,7 +30,6 @@ log = logging.getLogger("kvnode")
 DEFAULT_PAGE_BYTES = 4 * 2 * 4 * 16 * 64 * 4
 DEFAULT_MAX_LEASED_FRACTION = 0.5
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
-DEFAULT_FLUSH_INTERVAL_S = 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -235,8 +233,7 @@ def open_disk_tier(args: argparse.Namespace, capacity_pages: int) -> tuple[DataD
         if args.disk_capacity is not None:
             raise ValueError("--disk-capacity needs --data-dir: say where the pages go")
         return None, None
-    if not 0 <= args.flush_interval < math.inf:  # NaN too: it would never flush
-        raise ValueError(f"--flush-interval must be a finite number of seconds, 0 or more, got {args.flush_interval}")
+    check_flush_interval(args.flush_interval)
     disk_pages = capacity_pages
     if args.disk_capacity is not None:
         disk_pages = parse_size(args.disk_capacity) // args.page_bytes

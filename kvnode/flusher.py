@@ -5,11 +5,21 @@ what is left (the node's SIGTERM)."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 from kvnode.store import PageStore
 
 log = logging.getLogger("kvnode")
+
+DEFAULT_FLUSH_INTERVAL_S = 1.0
+
+
+def check_flush_interval(seconds: float) -> float:
+    """`seconds` as --flush-interval takes it, or ValueError: NaN would never flush, inf never wake."""
+    if not 0 <= seconds < math.inf:
+        raise ValueError(f"--flush-interval must be a finite number of seconds, 0 or more, got {seconds}")
+    return seconds
 
 
 class Flusher:

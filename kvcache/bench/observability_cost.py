@@ -177,6 +177,9 @@ def _side_by_side_pair(clusters: dict, args: argparse.Namespace, config, levels:
                 outcomes = _at_once({arm: (lambda r=runs[arm]: run_pass(r, jobs, name)) for arm in ARMS})
                 window = min([args.duration] + [max((r.start_s for r in results), default=0.0)
                                                 for results, *_ in outcomes.values()])
+                if window <= 0:
+                    raise RuntimeError(f"the {name.replace('_', '-')} pass left an arm without a request after the "
+                                       "first: give more --requests (and see the clusters' logs, --logs DIR)")
                 for arm, (results, wall_s, _, _) in outcomes.items():
                     summary = summarize_pass(results, wall_s)
                     summary["requests_per_s"] = requests_in_window(results, window) / window if window > 0 else 0.0
