@@ -8,6 +8,7 @@ every wait bounded in time.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -155,3 +156,16 @@ def run_bench(bench: str, args: Sequence[str], timeout_s: float) -> tuple[int, s
             process.kill()
         pytest.fail(f"bench {bench} did not finish in {timeout_s}s: {err[-2000:]}")
     return process.returncode, out, err
+
+
+def cluster_down(command: Sequence[str], run_dir: Path, members: Sequence[dict]) -> subprocess.CompletedProcess:
+    """`COMMAND down --run-dir RUN_DIR` (command: the CLI up to `cluster`), then SIGKILL whatever
+    member it left running, each by its own pid: a test's cluster never outlives it."""
+    from kvcache.cluster import _is_ours
+
+    down = subprocess.run([*command, "down", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=120)
+    for member in members:
+        if _is_ours(member["pid"]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(member["pid"], signal.SIGKILL)
+    return down

@@ -3,10 +3,7 @@ cache hits through the cluster, and every kind of member dying."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,11 +12,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster_helpers import collect, wait_for
+from cluster_helpers import cluster_down, collect, wait_for
 from coordinator.client import Client, ClusterError, Finished, Piece
 from coordinator.ring import Ring, placement_key
 from kvcache import launch
-from kvcache.cluster import _is_ours, add_worker, default_blas_threads, disk_tier_args, start_cluster, wait_healthy
+from kvcache.cluster import add_worker, default_blas_threads, disk_tier_args, start_cluster, wait_healthy
 from kvnode.client import NodeClient
 from worker.client import WorkerClient
 from worker.engine import Engine
@@ -303,11 +300,7 @@ def test_cluster_up_passes_the_disk_tier_options_to_every_kvnode_and_only_those_
                 info = client.info()
                 assert (info.disk_used_pages, info.dirty_pages) == (1, 0)
     finally:
-        down = subprocess.run([*cli, "down", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=120)
-        for member in members:  # whatever `down` left running, by its own pid
-            if _is_ours(member["pid"]):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(member["pid"], signal.SIGKILL)
+        down = cluster_down(cli, run_dir, members)
     assert down.returncode == 0, down.stderr
     assert sorted(p.name for p in data_dir.iterdir()) == ["node-0", "node-1"]
     assert disk_tier_args(data_dir, None, None) == []  # the kvnode's own defaults

@@ -6,11 +6,8 @@ the requests it relayed."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.client import Client, Finished
-from kvcache.cluster import _is_ours, start_cluster, wait_healthy
+from cluster_helpers import cluster_down
+from kvcache.cluster import start_cluster, wait_healthy
 from kvcache.prometheus import file_sd_targets
 from metrics_helpers import scrape
 from worker.client import WorkerClient
@@ -172,11 +170,7 @@ def test_cluster_up_records_each_members_metrics_and_prints_scrape_targets(tmp_p
             names = scrape(member["metrics"]).names()
             assert any(name.startswith(f"kvcache_{member['role']}_") for name in names), member["role"]
     finally:
-        down = subprocess.run([*cli, "down", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=120)
-        for member in members:  # whatever `down` left running, by its own pid
-            if _is_ours(member["pid"]):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(member["pid"], signal.SIGKILL)
+        down = cluster_down(cli, run_dir, members)
     assert down.returncode == 0, down.stderr
 
 

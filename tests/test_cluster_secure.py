@@ -4,12 +4,10 @@ configuration `prometheus-config --scrape-config` prints tells Prometheus to."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -18,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcache.cluster import _is_ours
+from cluster_helpers import cluster_down
 from metrics_helpers import scrape, tls_context
 
 
@@ -55,12 +53,7 @@ def test_cluster_up_secure_prints_a_token_and_options_that_work_and_plaintext_do
         for member in members:
             assert token not in open(member["log"]).read()
     finally:
-        down = subprocess.run([*cli, "cluster", "down", "--run-dir", str(run_dir)], capture_output=True, text=True,
-                              timeout=120)
-        for member in members:  # whatever `down` left running, by its own pid
-            if _is_ours(member["pid"]):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(member["pid"], signal.SIGKILL)
+        down = cluster_down([*cli, "cluster"], run_dir, members)
     assert down.returncode == 0, down.stderr
 
 

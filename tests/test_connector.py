@@ -290,25 +290,42 @@ def test_close_is_bounded_by_a_hung_call_and_a_closed_connector_answers_a_miss_a
     wait_until(lambda: not [t for t in threading.enumerate() if t not in before and t.name.startswith("kv-")], 5.0)
 
 
-def test_a_layerwise_load_trickling_its_layers_holds_one_step_at_most_its_step_budget():
-    """Each layer lands just inside the per-layer wait; the step's waits together still end at
-    step_wait_s, so a node sending just in time cannot hold the engine for layers x layer_wait_s."""
+class LayerwiseTier:
+    """A remote tier that finds and fills every page; subclasses land the layers as a test needs."""
+
+    layerwise_fill = True
+
+    def lookup(self, keys, context):
+        return len(keys)
+
+    def fill(self, keys, block_ids, context):
+        return len(keys)
+
+    def on_page_full(self, key, parent, block_id, context):
+        pass
+
+
+def joined_early(tier, **options):
+    """A connector over `tier` and a request whose layer-wise load started and joined a step early."""
     from types import SimpleNamespace
 
     from worker.connector import KVConnector
 
+    connector = KVConnector(tier, **options)
+    request = SimpleNamespace(request_id="early", tier_context=None)
+    connector.start_load(request, [b"k" * 16], [0])
+    wait_until(lambda: connector.can_join_early(request), 5.0)
+    connector.join_early(request)
+    return connector, request
+
+
+def test_a_layerwise_load_trickling_its_layers_holds_one_step_at_most_its_step_budget():
+    """Each layer lands just inside the per-layer wait; the step's waits together still end at
+    step_wait_s, so a node sending just in time cannot hold the engine for layers x layer_wait_s."""
     layers, gap_s = 30, 0.06
     stop = threading.Event()
 
-    class TricklingTier:
-        layerwise_fill = True
-
-        def lookup(self, keys, context):
-            return len(keys)
-
-        def fill(self, keys, block_ids, context):
-            return len(keys)
-
+    class TricklingTier(LayerwiseTier):
         def fill_layerwise(self, keys, block_ids, context, landed):
             for layer in range(layers):
                 if stop.wait(gap_s):  # bounded: the test stops it
@@ -316,15 +333,8 @@ def test_a_layerwise_load_trickling_its_layers_holds_one_step_at_most_its_step_b
                 landed(layer)
             return len(keys)
 
-        def on_page_full(self, key, parent, block_id, context):
-            pass
-
-    connector = KVConnector(TricklingTier(), layer_wait_s=0.1, step_wait_s=0.25)
-    request = SimpleNamespace(request_id="trickled", tier_context=None)
+    connector, request = joined_early(TricklingTier(), layer_wait_s=0.1, step_wait_s=0.25)
     try:
-        connector.start_load(request, [b"k" * 16], [0])
-        wait_until(lambda: connector.can_join_early(request), 5.0)
-        connector.join_early(request)
         started, waited = time.monotonic(), []
         for layer in range(layers):
             if not connector.wait_layer(request, layer):
@@ -341,36 +351,17 @@ def test_a_layerwise_load_trickling_its_layers_holds_one_step_at_most_its_step_b
 
 def test_the_step_budget_counts_only_layer_waits_not_the_forwards_compute_between_them():
     """A forward that computes for longer than the budget still gets a layer that lands soon after."""
-    from types import SimpleNamespace
-
-    from worker.connector import KVConnector
-
     released = threading.Event()
 
-    class LateLastLayerTier:
-        layerwise_fill = True
-
-        def lookup(self, keys, context):
-            return len(keys)
-
-        def fill(self, keys, block_ids, context):
-            return len(keys)
-
+    class LateLastLayerTier(LayerwiseTier):
         def fill_layerwise(self, keys, block_ids, context, landed):
             landed(0)
             released.wait(5.0)  # bounded: the test releases it
             landed(1)
             return len(keys)
 
-        def on_page_full(self, key, parent, block_id, context):
-            pass
-
-    connector = KVConnector(LateLastLayerTier(), layer_wait_s=0.1, step_wait_s=0.05)
-    request = SimpleNamespace(request_id="computing", tier_context=None)
+    connector, request = joined_early(LateLastLayerTier(), layer_wait_s=0.1, step_wait_s=0.05)
     try:
-        connector.start_load(request, [b"k" * 16], [0])
-        wait_until(lambda: connector.can_join_early(request), 5.0)
-        connector.join_early(request)
         assert connector.wait_layer(request, 0)  # landed: no wait
         time.sleep(0.1)  # layer 0's compute, twice the step's budget for waits
         threading.Timer(0.02, released.set).start()
