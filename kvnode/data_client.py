@@ -26,13 +26,18 @@ Design notes
 7. Same host (data_plane design note 8): given the node's abstract Unix socket name and a host
    that is a loopback address, connections go to that socket, 1.4-1.6x as fast as TCP over
    loopback here; both live in the network namespace, so reaching one means reaching the other.
-   When it does not answer (a node in another namespace behind a forwarded port, say) the
-   client says so once and uses TCP from then on. Everything else is as over TCP: TLS, kernel
-   timeouts, deadlines, the pool.
+   A name nobody listens on (ECONNREFUSED, ENOENT: the node exited or restarted under a new name,
+   or lives in another namespace behind a forwarded port) puts the client on TCP for good, with one
+   log line, and sets `unix_gone`: NodeClient then reads Info again before its next data plane
+   call, and a node that restarted gives its new name (client.py). Any other failure to connect
+   (EAGAIN from a full backlog, say) sends only that connection over TCP; the next one tries the
+   socket again. A process that may not make Unix sockets at all (a sandbox) uses TCP for good.
+   Everything else is as over TCP: TLS, kernel timeouts, deadlines, the pool.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import socket
@@ -47,6 +52,8 @@ from kvnode import data_wire as dw
 from kvnode.checksum import CHECKSUM_BYTES
 
 _MAX_IDLE = 4
+_UNIX_GONE = (errno.ECONNREFUSED, errno.ENOENT)  # nobody listens on the name: the node exited or restarted
+_UNIX_FORBIDDEN = (errno.EAFNOSUPPORT, errno.EPERM, errno.EACCES)  # no unix socket can be made here
 
 log = logging.getLogger("kvnode.client")
 
@@ -80,6 +87,8 @@ class DataPlaneClient:
         self.tls = tls
         self.offered_unix = unix_name
         self.unix_name = unix_name if unix_name and _is_loopback(host) else ""
+        self.unix_gone = False  # the node's unix socket name had nobody listening (design note 7)
+        self._told_unix_busy = False
         self.connected_once = False
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -213,17 +222,31 @@ class DataPlaneClient:
         return "unix" if self.unix_name else "tcp"
 
     def _connect_unix(self, deadline: float) -> socket.socket | None:
-        """A connection to the node's abstract socket, or None (and TCP from now on) when it does not answer."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        """A connection to the node's abstract socket, or None: this connection then goes over TCP.
+        A name nobody listens on (ECONNREFUSED, ENOENT: the node exited, or restarted under a new
+        name) or a process that may not make Unix sockets puts the client on TCP for good, and a gone
+        name sets `unix_gone` so NodeClient reads Info again; anything else (EAGAIN from a full
+        backlog, say) is this connection's alone and the socket is tried again for the next."""
+        sock = None
         try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             sock.connect(b"\0" + self.unix_name.encode("ascii"))
             return sock
         except OSError as exc:
-            sock.close()
-            log.info("kvnode data plane %s: its unix socket @%s does not answer (%s); using TCP",
-                     self.address, self.unix_name, exc)
-            self.unix_name = ""
+            if sock is not None:
+                sock.close()
+            gone = exc.errno in _UNIX_GONE
+            if gone or sock is None and exc.errno in _UNIX_FORBIDDEN:
+                log.info("kvnode data plane %s: its unix socket @%s %s (%s); using TCP", self.address, self.unix_name,
+                         "is gone" if gone else "cannot be used from this process", exc)
+                self.unix_name = ""
+                self.unix_gone = gone
+            else:
+                (log.debug if self._told_unix_busy else log.info)(
+                    "kvnode data plane %s: its unix socket @%s did not take a connection (%s); that connection "
+                    "goes over TCP, the next tries the unix socket again", self.address, self.unix_name, exc)
+                self._told_unix_busy = True
             return None
 
     def _connect_tcp(self, deadline: float) -> socket.socket:

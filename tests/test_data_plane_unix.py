@@ -2,20 +2,25 @@
 advertises an abstract Unix socket, a client on the node's loopback address uses it and gets
 the bytes TCP and gRPC give, tokens computed from pages it brought equal the cold ones, it
 shares TCP's connection bound, and a socket that does not answer, a host that is not loopback
-or `--no-data-unix` leave the client on TCP."""
+or `--no-data-unix` leave the client on TCP. A socket that is only busy sends one connection over
+TCP, and a process that may not make unix sockets uses TCP."""
 
 from __future__ import annotations
 
+import errno
 import socket
+import uuid
 
 import grpc
 import numpy as np
+import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, node_process, read_log
 from kvcache.launch import Daemon
+from kvnode import data_client
 from kvnode import data_wire as dw
 from kvnode.client import NodeClient
-from kvnode.data_client import DataPlaneClient
+from kvnode.data_client import DataPlaneClient, DataPlaneError
 from store_helpers import key
 from worker.engine import Engine
 from worker.model import load_model
@@ -61,7 +66,7 @@ def test_a_unix_socket_that_does_not_answer_leaves_the_client_on_tcp(tmp_path):
         assert plane.transport == "unix"
         out, sums = bytearray(3 * NODE_PAGE_BYTES), bytearray(3 * 16)
         plane.get_into(keys, memoryview(out), memoryview(sums), timeout_s=5)
-        assert bytes(out) == data.tobytes() and plane.transport == "tcp"
+        assert bytes(out) == data.tobytes() and plane.transport == "tcp" and plane.unix_gone
         plane.close()
 
 
@@ -119,3 +124,55 @@ def test_tokens_from_pages_fetched_over_the_unix_socket_equal_the_cold_ones(tmp_
         assert tiers[1].stats.pages_fetched >= 8 and tiers[1].stats.pages_rejected == 0
         assert warm.usage.cached_tokens_remote >= 8 * 16
         assert warm.token_ids == cold.token_ids
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_busy_unix_socket_sends_only_that_connection_over_tcp(tmp_path):
+    """A full backlog makes a non-blocking AF_UNIX connect fail with EAGAIN at once: that connection
+    goes over TCP and the next one tries the unix socket again."""
+    name = "kvcache-data-test-" + uuid.uuid4().hex
+    with node_process(tmp_path, *ARGS) as daemon, NodeClient(daemon.address) as client, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as held:
+        keys, data = stored(client)
+        held.bind(b"\0" + name.encode())
+        held.listen(0)
+        filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        filler.connect(b"\0" + name.encode())  # the backlog is full now
+        plane = DataPlaneClient("127.0.0.1", client.info().data_port, unix_name=name)
+        plane.close()  # no pool: every call opens a connection
+        out, sums = bytearray(3 * NODE_PAGE_BYTES), bytearray(3 * 16)
+        plane.get_into(keys, memoryview(out), memoryview(sums), timeout_s=5)
+        assert bytes(out) == data.tobytes()
+        assert plane.transport == "unix" and not plane.unix_gone, "a busy socket is not a gone one"
+        held.accept()[0].close()
+        filler.close()  # room in the backlog again: the next call's connection lands here
+        with pytest.raises(DataPlaneError):
+            plane.get_into(keys, memoryview(out), memoryview(sums), timeout_s=0.5)
+        conn, _ = held.accept()
+        with conn:
+            conn.settimeout(5)
+            assert conn.recv(dw.REQUEST.size + 1)[: dw.REQUEST.size] == dw.get_request(keys)[: dw.REQUEST.size]
+
+
+def test_a_process_that_may_not_make_unix_sockets_uses_tcp(tmp_path, monkeypatch):
+    real_socket = socket.socket
+
+    def sandboxed(family=socket.AF_INET, *args, **kwargs):
+        if family == socket.AF_UNIX:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        return real_socket(family, *args, **kwargs)
+
+    with node_process(tmp_path, *ARGS) as daemon, NodeClient(daemon.address) as client:
+        keys, data = stored(client)
+        monkeypatch.setattr(data_client.socket, "socket", sandboxed)
+        plane = DataPlaneClient("127.0.0.1", client.info().data_port, unix_name=client.info().data_unix)
+        out, sums = bytearray(3 * NODE_PAGE_BYTES), bytearray(3 * 16)
+        plane.get_into(keys, memoryview(out), memoryview(sums), timeout_s=5)
+        assert bytes(out) == data.tobytes() and plane.transport == "tcp" and not plane.unix_gone
+        plane.close()
+
