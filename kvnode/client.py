@@ -3,7 +3,9 @@
 Every call has a deadline; failures raise NodeError, which keeps the gRPC status code.
 get_pages and put_pages go over the node's data plane (kvnode/data_plane.py) when its
 Info advertises one, else over gRPC; a data plane that cannot be reached at all (a
-firewall, say) makes this client use gRPC from then on, with one log line.
+firewall, say) makes this client use gRPC from then on, with one log line. When the node's
+same-host Unix socket name has nobody listening (kvnode/data_client.py note 7), the next call
+reads Info again first: a node restarted since gives its new name.
 Pages carry checksums (kvnode/checksum.py): put_pages sends them (computed here unless the
 caller did once for several nodes), get_pages checks every page it received against its own
 before returning, and raises PageRejected at the first that does not match; get_pages_in_batches
@@ -437,6 +439,12 @@ class NodeClient:
     # ---- plumbing ------------------------------------------------------------
 
     def _known_info(self) -> NodeInfo:
+        plane = self._data
+        if plane is not None and plane.unix_gone:  # data_client.py note 7: a restarted node has a new name
+            with self._data_lock:
+                if plane.unix_gone:
+                    plane.unix_gone = False
+                    self._node_info = None
         return self._node_info or self.info()
 
     def data_plane_address(self) -> str | None:

@@ -48,10 +48,19 @@ Design notes
    belong to the network namespace, so whoever reaches it could reach the loopback port already;
    and its connections are served exactly as TCP ones: the same connection bound (shared),
    kernel timeouts, deadlines and, with `credentials`, the same mutual TLS.
+   The name is random, not derived from the port or node id: a predictable name could be bound
+   by another local process before the node starts. A node restarted gets a new one, and its
+   clients learn it from Info once the old name has nobody listening (data_client.py note 7).
+   A name already bound (EADDRINUSE) does not stop the node: one log line, and it serves on TCP
+   alone (Info advertises no socket). Once the node exits its name is free, and a process that
+   binds it gets the connections of clients still holding the old Info, as one that binds a
+   freed TCP port would: without TLS any process here could reach the node's data plane anyway;
+   with `credentials` it cannot complete the handshake (the client checks the node's certificate).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import ssl
@@ -401,17 +410,30 @@ class DataPlaneServer:
             conn.close()
 
 
+def _new_unix_name() -> str:
+    return "kvcache-data-" + uuid.uuid4().hex
+
+
 def _unix_listener() -> socket.socket | None:
     """A listening abstract Unix socket under a random name (design note 8), or None where there is none."""
     if not hasattr(socket, "AF_UNIX"):
         return None
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    name = _new_unix_name()
     try:
-        listener.bind(b"\0kvcache-data-" + uuid.uuid4().hex.encode("ascii"))
-        listener.listen(128)
-    except OSError as exc:  # not Linux (no abstract names), or a sandbox that forbids them
-        listener.close()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError as exc:  # a sandbox that forbids unix sockets
         log.info("data plane: no unix socket beside TCP (%s)", exc)
+        return None
+    try:
+        listener.bind(b"\0" + name.encode("ascii"))
+        listener.listen(128)
+    except OSError as exc:
+        listener.close()
+        if exc.errno == errno.EADDRINUSE:
+            log.warning("data plane: the abstract unix socket name @%s is held by another process; serving on TCP "
+                        "only (Info advertises no unix socket). `ss -xlp` names its holder", name)
+        else:  # not Linux (no abstract names), or a sandbox that forbids them
+            log.info("data plane: no unix socket beside TCP (%s)", exc)
         return None
     listener.settimeout(0.2)  # the accept loop wakes to see stop()
     return listener

@@ -3,11 +3,13 @@ advertises an abstract Unix socket, a client on the node's loopback address uses
 the bytes TCP and gRPC give, tokens computed from pages it brought equal the cold ones, it
 shares TCP's connection bound, and a socket that does not answer, a host that is not loopback
 or `--no-data-unix` leave the client on TCP. A socket that is only busy sends one connection over
-TCP, and a process that may not make unix sockets uses TCP."""
+TCP, a node restarted under a new name is found again through Info, and a name held by another
+process leaves the node serving on TCP alone."""
 
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 import uuid
 
@@ -17,10 +19,13 @@ import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, node_process, read_log
 from kvcache.launch import Daemon
-from kvnode import data_client
+from kvnode import data_client, data_plane
 from kvnode import data_wire as dw
+from kvnode.checksum import page_checksum
 from kvnode.client import NodeClient
 from kvnode.data_client import DataPlaneClient, DataPlaneError
+from kvnode.data_plane import DataPlaneServer
+from kvnode.store import PageStore
 from store_helpers import key
 from worker.engine import Engine
 from worker.model import load_model
@@ -176,3 +181,41 @@ def test_a_process_that_may_not_make_unix_sockets_uses_tcp(tmp_path, monkeypatch
         assert bytes(out) == data.tobytes() and plane.transport == "tcp" and not plane.unix_gone
         plane.close()
 
+
+def test_a_node_restarted_under_a_new_name_is_found_again_through_info(tmp_path):
+    """Same ports, new process: the old name has nobody listening, that call goes over TCP, and the
+    next reads Info again and uses the node's new unix socket."""
+    ports = ("--port", str(free_port()), "--data-port", str(free_port()))
+    with node_process(tmp_path, *ARGS, *ports) as daemon:
+        client = NodeClient(daemon.address)
+        keys, data = stored(client)
+        old = client.info().data_unix
+        assert client.get_pages(keys).tobytes() == data.tobytes() and client.data_plane_transport() == "unix"
+    try:
+        with node_process(tmp_path, *ARGS, *ports):
+            keys, data = stored(client)  # the old name is refused: this put goes over TCP
+            assert client._data.transport == "tcp"
+            assert client.data_plane_transport() == "unix", "the client did not learn the new name"
+            assert client._data.unix_name not in ("", old)
+            assert client.get_pages(keys).tobytes() == data.tobytes() and client.data_plane_transport() == "unix"
+    finally:
+        client.close()
+
+
+def test_a_name_held_by_another_process_leaves_the_node_on_tcp(monkeypatch, caplog):
+    name = "kvcache-data-test-" + uuid.uuid4().hex
+    monkeypatch.setattr(data_plane, "_new_unix_name", lambda: name)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as squatter:
+        squatter.bind(b"\0" + name.encode())
+        squatter.listen(1)
+        store = PageStore(8, NODE_PAGE_BYTES)
+        with caplog.at_level(logging.INFO, logger="kvnode"), DataPlaneServer(store, unix=True) as server:
+            assert server.unix_name == ""
+            lines = [r.getMessage() for r in caplog.records if "held by another process" in r.getMessage()]
+            assert len(lines) == 1 and name in lines[0]
+            plane = DataPlaneClient("127.0.0.1", server.port, unix_name=server.unix_name)
+            keys = [key(1)]
+            page = np.full((NODE_PAGE_BYTES,), 7, dtype=np.uint8)
+            assert plane.put(keys, [b""], [page_checksum(keys[0], page)], [memoryview(page)], NODE_PAGE_BYTES, 5) == [1]
+            assert plane.transport == "tcp"
+            plane.close()
