@@ -108,7 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-data-unix", action="store_true",
         help="no abstract Unix socket beside the data plane's TCP port (by default the data plane also "
              "listens on one, advertised in Info, which clients on this host reaching the node at a "
-             "loopback address use: same framing, bounds and TLS, ~1.5x the throughput)",
+             "loopback address use: same framing and bounds, ~1.5x the throughput, and with --tls-* the "
+             "same mutual TLS). Firewall rules on --data-port do not apply to it: any process in this "
+             "network namespace can connect to it, as it can to the loopback port",
     )
     parser.add_argument(
         "--no-data-plane", action="store_true",

@@ -45,7 +45,8 @@ Design notes
 8. With `unix` the same server also listens on a Linux abstract Unix socket under a random name
    (Info advertises it), for clients on the node's host: a stream socket there moved the data
    plane's GETs 1.4-1.6x as fast as TCP over loopback (docs/benchmarks.md). Abstract names
-   belong to the network namespace, so whoever reaches it could reach the loopback port already;
+   belong to the network namespace, so whoever reaches it could reach the loopback port already
+   (firewall rules on the TCP port do not apply to it; `--no-data-unix` turns it off);
    and its connections are served exactly as TCP ones: the same connection bound (shared),
    kernel timeouts, deadlines and, with `credentials`, the same mutual TLS.
    The name is random, not derived from the port or node id: a predictable name could be bound
@@ -170,8 +171,8 @@ class DataPlaneServer:
             busy = {conn: self._connections[conn] for conn in self._busy if conn in self._connections}
             idle = [conn for conn in self._connections if conn not in busy]
         _shutdown(idle)
-        for acceptor in self._acceptors:  # one accepted meanwhile is refused UNAVAILABLE, then cut below
-            acceptor.join(1.0)
+        for acceptor in self._acceptors:  # one accepted meanwhile is closed without an answer (_serve sees
+            acceptor.join(1.0)            # the drain): its client sends that call over gRPC
         for listener in self._listeners():
             listener.close()
         for thread in busy.values():
