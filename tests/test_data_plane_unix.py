@@ -9,7 +9,7 @@ process leaves the node serving on TCP alone."""
 from __future__ import annotations
 
 import errno
-import logging
+import sys
 import socket
 import uuid
 
@@ -19,13 +19,10 @@ import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, node_process, read_log
 from kvcache.launch import Daemon
-from kvnode import data_client, data_plane
+from kvnode import data_client
 from kvnode import data_wire as dw
-from kvnode.checksum import page_checksum
 from kvnode.client import NodeClient
 from kvnode.data_client import DataPlaneClient, DataPlaneError
-from kvnode.data_plane import DataPlaneServer
-from kvnode.store import PageStore
 from store_helpers import key
 from worker.engine import Engine
 from worker.model import load_model
@@ -202,20 +199,30 @@ def test_a_node_restarted_under_a_new_name_is_found_again_through_info(tmp_path)
         client.close()
 
 
-def test_a_name_held_by_another_process_leaves_the_node_on_tcp(monkeypatch, caplog):
+# Runs `kvcache node` in this process's place (the pid stays the daemon's) with the unix socket
+# name fixed, so a test can hold that name first.
+_FIXED_NAME = """
+import runpy, sys
+from kvnode import data_plane
+name = sys.argv.pop(1)
+data_plane._new_unix_name = lambda: name
+sys.argv = ["kvcache", *sys.argv[4:]]
+runpy.run_module("kvcache.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_name_held_by_another_process_leaves_the_node_on_tcp(tmp_path):
     name = "kvcache-data-test-" + uuid.uuid4().hex
-    monkeypatch.setattr(data_plane, "_new_unix_name", lambda: name)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as squatter:
         squatter.bind(b"\0" + name.encode())
         squatter.listen(1)
-        store = PageStore(8, NODE_PAGE_BYTES)
-        with caplog.at_level(logging.INFO, logger="kvnode"), DataPlaneServer(store, unix=True) as server:
-            assert server.unix_name == ""
-            lines = [r.getMessage() for r in caplog.records if "held by another process" in r.getMessage()]
-            assert len(lines) == 1 and name in lines[0]
-            plane = DataPlaneClient("127.0.0.1", server.port, unix_name=server.unix_name)
-            keys = [key(1)]
-            page = np.full((NODE_PAGE_BYTES,), 7, dtype=np.uint8)
-            assert plane.put(keys, [b""], [page_checksum(keys[0], page)], [memoryview(page)], NODE_PAGE_BYTES, 5) == [1]
-            assert plane.transport == "tcp"
-            plane.close()
+        with Daemon("node", ["--host", "127.0.0.1", "--port", "0", *ARGS], log_path=tmp_path / "node.log",
+                    prefix=[sys.executable, "-c", _FIXED_NAME, name]) as daemon, \
+                NodeClient(daemon.address) as client:
+            assert client.info().data_unix == "", "Info advertises a socket the node does not hold"
+            keys, data = stored(client)
+            assert client.get_pages(keys).tobytes() == data.tobytes()
+            assert client.data_plane_transport() == "tcp"
+        log = read_log(tmp_path)
+        assert log.count("held by another process") == 1 and f"@{name}" in log
+        assert "abstract unix socket @" not in log
