@@ -55,6 +55,26 @@ def test_paged_equals_dense_random_shapes(seed, fp16):
         np.testing.assert_allclose(got[rows], want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_float16_pool_attends_bit_for_bit_as_a_float32_pool_of_its_values(seed):
+    """The pool kept in float16 (float16 KV): stored by rounding, read back exactly (note 7)."""
+    rng = np.random.default_rng(100 + seed)
+    n_kv, group, hd, P = int(rng.integers(1, 4)), int(rng.choice([1, 2, 4])), int(rng.choice([8, 64])), 16
+    lens = [int(x) for x in rng.integers(1, 200, int(rng.integers(1, 6)))]
+    new = [1 if rng.random() < 0.5 else int(rng.integers(1, n + 1)) for n in lens]
+    pool, meta, q, _, _, positions, _ = _setup(rng, lens, new, n_kv, group, hd, P, fp16=True)
+    half = pool.astype(np.float16)
+    single = half.astype(np.float32)
+    k, v = (rng.standard_normal((len(positions), n_kv, hd), dtype=np.float32) * 300 for _ in range(2))
+    write_kv(half, 0, meta, k, v)   # rounded by the assignment
+    write_kv(single, 0, meta, k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(half.astype(np.float32).view(np.uint32), single.view(np.uint32))
+    for layer in (0, 1):
+        want = paged_attention(q, single, layer, meta, 0.125)
+        got = paged_attention(q, half, layer, meta, 0.125)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_decode_batch_of_different_lengths_gqa():
     rng = np.random.default_rng(42)
     lens = [1, 5, 16, 17, 64, 33]

@@ -36,6 +36,16 @@ def test_allocate_and_release_without_keys_returns_blocks_to_the_free_list():
     assert pool.get_num_free_blocks() == 4 and pool.get_num_cached_blocks() == 0
 
 
+def test_the_pool_holds_the_kv_dtype():
+    import numpy as np
+
+    assert BlockPool(4, SHAPE).kv.dtype == np.float32
+    half = BlockPool(4, SHAPE, np.float16)
+    assert half.kv.dtype == np.float16 and not half.kv.any()
+    with pytest.raises(ValueError, match="float32 or float16"):
+        BlockPool(4, SHAPE, np.float64)
+
+
 def test_allocating_more_than_available_is_refused():
     pool = BlockPool(2, SHAPE)
     pool.allocate(2)

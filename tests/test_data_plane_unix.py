@@ -106,7 +106,7 @@ def test_tokens_from_pages_fetched_over_the_unix_socket_equal_the_cold_ones(tmp_
 
     cold = engine().generate([prompt], max_new_tokens=12, ignore_eos=True)[0]
     writer, reader = engine(), engine()
-    page_bytes = writer.kv_pool[0].nbytes // 2
+    page_bytes = writer.kv_pool[0].nbytes   # the pool is float16, as on the wire
     with Daemon("node", ["--port", "0", "--page-bytes", str(page_bytes), "--capacity", "4MiB"],
                 log_path=tmp_path / "node.log") as daemon:
         placement = Placement([daemon.address])

@@ -44,6 +44,28 @@ def test_tiny_engine_batched_chunked_cached_and_preempted_runs_agree(tiny):
     cramped.pool.check_invariants()
 
 
+def test_a_float16_pool_gives_the_tokens_of_a_float32_pool_holding_float16_kv(tiny):
+    """The pool in the KV dtype changes no answer: the same rounded values, read back exactly."""
+    half = tiny_engine(tiny, kv_dtype="float16", max_num_batched_tokens=16, max_num_seqs=4)
+    single = tiny_engine(tiny, kv_dtype="float16", max_num_batched_tokens=16, max_num_seqs=4)
+    single.pool.kv = single.pool.kv.astype(np.float32)   # float16 KV rounded into a float32 pool, as before
+    assert half.kv_pool.dtype == np.float16 and single.kv_pool.dtype == np.float32
+    params = dict(max_new_tokens=12, seed=3, temperature=0.8)   # sampled: any logit that differed could show
+    outs = [engine.generate(TINY_PROMPTS, **params) for engine in (half, single)]
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    used = [b for b in range(64) if single.kv_pool[b].any()]
+    assert used and np.array_equal(half.kv_pool[used].astype(np.float32).view(np.uint32),
+                                   single.kv_pool[used].view(np.uint32))
+
+
+def test_the_same_kv_cache_bytes_hold_twice_the_blocks_in_float16(tiny):
+    budget = 8 * 2**20
+    single, half = (Engine(tiny, kv_dtype=d, kv_cache_bytes=budget) for d in ("float32", "float16"))
+    assert half.pool.num_blocks == 2 * single.pool.num_blocks
+    assert half.kv_pool.nbytes == single.kv_pool.nbytes <= budget
+    assert half.get_num_free_blocks() == half.pool.num_blocks
+
+
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
 def test_tiny_engine_prefix_cache_hit_gives_the_cold_tokens(tiny, kv_dtype):
     engine = Engine.load("tiny", kv_dtype=kv_dtype, num_blocks=32, page_tokens=16)

@@ -93,7 +93,7 @@ def node():
 def written(model, kv_dtype, node_factory):
     """A node holding the shared prefix's pages, written back by another worker."""
     writer = engine(model, kv_dtype)
-    node = node_factory(writer.kv_pool[0].nbytes // (2 if kv_dtype == "float16" else 1))
+    node = node_factory(writer.kv_pool[0].nbytes)   # the pool is in the KV dtype
     tier = RemoteTier(writer.kv_pool, kv_dtype)
     writer.attach_remote_tier(tier)
     try:

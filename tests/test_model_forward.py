@@ -27,10 +27,10 @@ CONFIGS = {
 class PagedRunner:
     """Drives Model.forward as an engine would: one pool, shuffled block ids, a table per sequence."""
 
-    def __init__(self, model, page_tokens=4, num_blocks=128, kv_dtype="float32", seed=0):
+    def __init__(self, model, page_tokens=4, num_blocks=128, kv_dtype="float32", seed=0, pool_dtype=np.float32):
         c = model.config
         self.model, self.P, self.kv_dtype = model, page_tokens, kv_dtype
-        self.pool = np.zeros((num_blocks, c.n_layers, 2, c.n_kv_heads, page_tokens, c.head_dim), np.float32)
+        self.pool = np.zeros((num_blocks, c.n_layers, 2, c.n_kv_heads, page_tokens, c.head_dim), pool_dtype)
         self.free = [int(b) for b in np.random.default_rng(seed).permutation(num_blocks)]
         self.tables, self.lens = {}, {}
 
@@ -163,6 +163,26 @@ def test_float16_kv_is_rounded_in_the_pool():
     runner32 = PagedRunner(model, kv_dtype="float32")
     runner32.step({0: _prompt(30, 10)})
     assert not np.array_equal(runner32.pool[runner32.tables[0]], used)  # float32 KV keeps full precision
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_float16_pool_gives_the_float32_pools_logits_bit_for_bit(name):
+    """float16 KV kept in a float16 pool reads back the very values a float32 pool holds, so every
+    logit is equal: chunked prefill, a prefill beside a decode, batched decodes."""
+    model = random_model(CONFIGS[name], seed=7)
+    runners = [PagedRunner(model, kv_dtype="float16", pool_dtype=d) for d in (np.float32, np.float16)]
+    a, b = _prompt(40, 37), _prompt(41, 21)
+    steps = [{0: a[:16]}, {0: a[16:], 1: b[:6]}, {1: b[6:]}]
+    for step in steps:
+        single, half = (r.step(step, all_logits=True) for r in runners)
+        np.testing.assert_array_equal(half.view(np.uint32), single.view(np.uint32))
+    tokens = [7, int(single[-1].argmax())]
+    for _ in range(6):
+        single, half = (r.step({0: [tokens[0]], 1: [tokens[1]]}) for r in runners)
+        np.testing.assert_array_equal(half.view(np.uint32), single.view(np.uint32))
+        tokens = [int(t) for t in single.argmax(axis=-1)]
+    assert runners[1].pool.dtype == np.float16
+    np.testing.assert_array_equal(runners[1].pool.astype(np.float32).view(np.uint32), runners[0].pool.view(np.uint32))
 
 
 def test_dense_runner_matches_reference():

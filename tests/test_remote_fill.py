@@ -86,9 +86,9 @@ def chain_keys(n, salt):
     return keys
 
 
-def make_tier(kv_dtype, batch_pages=3, min_pages=1):
+def make_tier(kv_dtype, batch_pages=3, min_pages=1, pool_dtype=np.float32):
     """A tier over a pool whose blocks 0..PAGES-1 hold the pages to write; the rest is zero."""
-    pool = np.zeros((BLOCKS, *BLOCK_SHAPE), dtype=np.float32)
+    pool = np.zeros((BLOCKS, *BLOCK_SHAPE), dtype=pool_dtype)
     pages = np.random.default_rng(1).standard_normal((PAGES, *BLOCK_SHAPE)).astype(np.float32) * 100
     pages[0, 0, 0, 0, 0, :4] = [6e-8, -3e-5, 0.0, -0.0]  # float16 subnormals and signed zeros
     pool[:PAGES] = pages.astype(np.float16).astype(np.float32) if kv_dtype == "float16" else pages
@@ -97,11 +97,11 @@ def make_tier(kv_dtype, batch_pages=3, min_pages=1):
                       fetch_batch_bytes=batch_pages * page_bytes, min_batch_bytes=min_pages * page_bytes)
 
 
-def stored_node(make_node, kv_dtype, keys, max_keys=256):
+def stored_node(make_node, kv_dtype, keys, max_keys=256, pool_dtype=np.float32):
     """A node holding `keys` as the pages of a fresh tier's blocks 0..; returns (node, those pages)."""
     page_bytes = int(np.prod(BLOCK_SHAPE)) * np.dtype(kv_dtype).itemsize
     node = make_node(capacity_pages=4 * PAGES, page_bytes=page_bytes, max_keys=max_keys)
-    writer = make_tier(kv_dtype)
+    writer = make_tier(kv_dtype, pool_dtype=pool_dtype)
     try:
         placement = Placement([node.address])
         for i, key in enumerate(keys):
@@ -149,6 +149,35 @@ def test_pipelined_fill_writes_what_the_simple_path_writes(make_node, kv_dtype, 
         assert tier.stats.bytes_fetched == PAGES * tier.page_bytes
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("batch_pages,min_pages", [(3, 1), (64, 64)])
+@pytest.mark.parametrize("targets", sorted(TARGETS))
+def test_a_float16_pool_sends_and_receives_pages_as_the_node_holds_them(make_node, batch_pages, min_pages, targets):
+    """The engine's float16 pool: write-back sends its blocks' bytes, a fill lands the node's bytes."""
+    keys = chain_keys(PAGES, b"half pool")
+    node, written = stored_node(make_node, "float16", keys, pool_dtype=np.float16)
+    with NodeClient(node.address) as client:
+        held = client.get_pages(keys)
+    np.testing.assert_array_equal(held, written.reshape(PAGES, -1).view(np.uint8))
+    tier = make_tier("float16", batch_pages, min_pages, pool_dtype=np.float16)
+    tier.pool[PAGES:] = 0.0
+    try:
+        placement = Placement([node.address])
+        block_ids = TARGETS[targets]
+        assert tier.lookup(keys, placement) == PAGES
+        assert tier.fill(keys, block_ids, placement) == PAGES
+        for page, block in enumerate(block_ids):
+            np.testing.assert_array_equal(tier.pool[block].reshape(-1).view(np.uint8), held[page])
+        if targets == "consecutive":
+            assert not tier._staging   # received straight into the blocks: no staging buffer, no cast
+    finally:
+        tier.close()
+
+
+def test_a_float16_pool_takes_no_float32_pages():
+    with pytest.raises(ValueError, match="float16 pool cannot hold float32 pages"):
+        RemoteTier(np.zeros((2, *BLOCK_SHAPE), dtype=np.float16), "float32")
 
 
 def fail_on_batch(tier, address, batch_number):

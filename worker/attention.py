@@ -1,6 +1,7 @@
 """Paged attention over the worker's KV pool, and a dense reference.
 
-Pool layout (docs/architecture.md): kv_pool[block, layer, 0 = K | 1 = V, kv_head, offset, head_dim], float32.
+Pool layout (docs/architecture.md): kv_pool[block, layer, 0 = K | 1 = V, kv_head, offset, head_dim], in the
+KV dtype (float32 or float16); attention itself runs in float32.
 A sequence's block table maps its position p to block table[p // P], offset p % P.
 
 Notes:
@@ -29,6 +30,10 @@ Notes:
    context): for a 16-token step over 1,024 keys that is 64x fewer multiplications. With a
    power-of-two scale (head_dim 64, 256, ...) the scores are bit-identical to scaling after the
    matmul; otherwise they differ in the last bit.
+7. A float16 pool is gathered into a float16 scratch (half the bytes read from the pool), which
+   worker/half.py converts into the float32 one: NumPy's matmul has no fast float16 path, and its
+   own float16 cast runs element by element. The conversion is exact, so the scores are those of a
+   float32 pool holding the same rounded values. New K/V are rounded by the assignment into the pool.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from worker.half import float16_to_float32
 from worker.window import first_read_block
 
 # Largest score matrix a prefill builds at once (floats): 16 MiB. Also keeps chunks short enough
@@ -67,9 +73,16 @@ class GatherPlan:
         if meta.scratch is None or meta.scratch.shape[0] < n:
             meta.scratch = np.empty((meta.max_gather_rows, P * hd), dtype=np.float32)
         out = meta.scratch[:n]
+        taken = out
+        if kv_pool.dtype == np.float16:  # note 7
+            if meta.half_scratch is None or meta.half_scratch.shape[0] < n:
+                meta.half_scratch = np.empty((meta.max_gather_rows, P * hd), dtype=np.float16)
+            taken = meta.half_scratch[:n]
         # mode="clip" skips take's defensive copy (block ids were validated by the caller).
         np.take(kv_pool.reshape(-1, P * hd), (rows + layer * self.layer_stride).reshape(-1), axis=0,
-                out=out, mode="clip")
+                out=taken, mode="clip")
+        if taken is not out:
+            float16_to_float32(taken, out)
         return out.reshape(S, n_parts, KV, MB * P, hd)
 
 
@@ -114,6 +127,7 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     max_gather_rows: int        # largest gather of any group or sequence
     scratch: np.ndarray | None = None   # the gather buffer (note 2)
+    half_scratch: np.ndarray | None = None   # a float16 pool's rows before their conversion (note 7)
     window: int | None = None   # sliding window: a query at p sees keys at p - window < j <= p
     written: np.ndarray | None = None   # rows whose K/V is stored; None: every row (cached_lens)
 
@@ -166,7 +180,7 @@ class AttentionMetadata:
 
 def write_kv(kv_pool: np.ndarray, layer: int, meta: AttentionMetadata, k: np.ndarray, v: np.ndarray) -> None:
     """Store new tokens' keys and values ([T, kv_heads, head_dim] each) in their pool slots (only
-    the `written` rows when a cached page already holds the others')."""
+    the `written` rows when a cached page already holds the others'); a float16 pool rounds them."""
     if meta.written is None:
         kv_pool[meta.slot_blocks, layer, 0, :, meta.slot_offsets, :] = k
         kv_pool[meta.slot_blocks, layer, 1, :, meta.slot_offsets, :] = v

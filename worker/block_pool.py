@@ -1,4 +1,4 @@
-"""The worker's KV block pool: one float32 array, a free list, reference counts and a local
+"""The worker's KV block pool: one array in the KV dtype, a free list, reference counts and a local
 prefix cache of full pages by key. Knows blocks and keys, not sequences or the scheduler.
 
 Design notes
@@ -32,16 +32,22 @@ import numpy as np
 
 
 class BlockPool:
-    """`num_blocks` blocks of `block_shape` float32s, one array: `kv[block_id]` is one page."""
+    """`num_blocks` blocks of `block_shape` values, one array: `kv[block_id]` is one page.
 
-    def __init__(self, num_blocks: int, block_shape: tuple[int, ...]):
+    `dtype` is the KV dtype: a float16 pool holds the rounded values the forward computes
+    (docs/architecture.md), in half the memory, and a fetched page lands in it as it came.
+    """
+
+    def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype=np.float32):
         if num_blocks < 1:
             raise ValueError(f"the pool needs at least one block, got {num_blocks}")
+        if np.dtype(dtype) not in (np.float32, np.float16):
+            raise ValueError(f"the pool holds float32 or float16, not {np.dtype(dtype)}")
         self.num_blocks = num_blocks
         # Written once now, not lazily zero-mapped (np.zeros): the first write into an untouched
         # block page-faults, and a warm fetch filling 1,024 tokens of gpt2-small-shape paid
         # 100-150 ms of faults inside the request's time to first token.
-        self.kv = np.empty((num_blocks, *block_shape), dtype=np.float32)
+        self.kv = np.empty((num_blocks, *block_shape), dtype=dtype)
         self.kv.fill(0.0)
         self.ref_counts = [0] * num_blocks
         self.block_keys: list[bytes | None] = [None] * num_blocks

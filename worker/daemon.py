@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serving.add_listen_arguments(parser, default_port=50061)
     parser.add_argument("--model", default="tiny", help="tiny, gpt2-small-shape, or a Hugging Face checkpoint folder")
     parser.add_argument(
-        "--kv-dtype", choices=["float32", "float16"], default="float32", help="KV dtype on the wire (default float32)"
+        "--kv-dtype", choices=["float32", "float16"], default="float32",
+        help="KV dtype of the local pool and on the wire (default float32; float16 fits twice the pages)"
     )
     parser.add_argument("--kv-cache", default="256MiB", help="memory for the local paged KV pool (default 256MiB)")
     parser.add_argument("--page-tokens", type=int, default=DEFAULT_PAGE_TOKENS,

@@ -40,6 +40,9 @@ Design notes
    ends the forward at once and the request waits for its load as any parked one; pages that
    turn out not all intact after the forward throw the step's work away (no token), and the
    request computes its prompt without them.
+9. The pool is in the KV dtype: with float16 KV a block holds a page exactly as it goes on the
+   wire, so a fetched page lands without a cast, a full page is sent as it is, and `kv_cache_bytes`
+   holds twice the blocks; attention converts what it reads (worker/attention.py note 7).
 """
 
 from __future__ import annotations
@@ -98,9 +101,10 @@ class Engine:
         self.page_tokens = page_tokens
         self.fingerprint = model.fingerprint(kv_dtype, page_tokens)
         block_shape = (cfg.n_layers, 2, cfg.n_kv_heads, page_tokens, cfg.head_dim)
+        dtype = np.dtype(kv_dtype)  # the pool holds KV as stored and sent (design note 9)
         if num_blocks is None:
-            num_blocks = max(1, kv_cache_bytes // (int(np.prod(block_shape)) * 4))
-        self.pool = BlockPool(num_blocks, block_shape)
+            num_blocks = max(1, kv_cache_bytes // (int(np.prod(block_shape)) * dtype.itemsize))
+        self.pool = BlockPool(num_blocks, block_shape, dtype)
         self._work = threading.Event()  # set by add_request, cancel and the connector's finished work
         self.scheduler = Scheduler(self.pool, page_tokens, max_num_seqs, max_num_batched_tokens,
                                    self._connector_for(remote_tier), max_prefill_tokens=max_prefill_tokens,
@@ -126,7 +130,8 @@ class Engine:
 
     @property
     def kv_pool(self) -> np.ndarray:
-        """The pool array `[num_blocks, n_layers, 2, n_kv_heads, page_tokens, head_dim]` (remote tiers use it)."""
+        """The pool array `[num_blocks, n_layers, 2, n_kv_heads, page_tokens, head_dim]` in the KV dtype
+        (remote tiers use it)."""
         return self.pool.kv
 
     def attach_remote_tier(self, tier: RemoteTier | None) -> None:

@@ -1,8 +1,8 @@
 """float16 -> float32, bit for bit, about twice as fast as NumPy's own cast here.
 
 NumPy (2.4 on these x86 cores) converts float16 element by element (~0.7 GB/s of float16
-read), although the CPU has F16C. Fetched pages are converted on every remote cache hit,
-so that cast was a large part of a warm time to first token.
+read), although the CPU has F16C. Paged attention converts every gather of a float16 pool
+(worker/attention.py), and a float32 pool's float16 pages are converted as they arrive.
 
 The trick: a half's 15 magnitude bits shifted left by 13 are a float32 whose exponent is
 short by 127 - 15 = 112; multiplying by 2**112 restores it exactly, subnormals included
@@ -28,7 +28,7 @@ _SCALE = np.float32(2.0**112)
 _KEEP_SIGN_AND_MAGNITUDE = np.int32(-0x70000001)  # 0x8FFFFFFF: clears the sign's copies in bits 30..28
 _EXPONENT = np.uint16(0x7C00)
 
-_checked = threading.local()
+_per_thread = threading.local()
 
 
 def float16_to_float32(src: np.ndarray, out: np.ndarray) -> None:
@@ -42,8 +42,7 @@ def float16_to_float32(src: np.ndarray, out: np.ndarray) -> None:
         np.copyto(floats, halves)
         return
     signed, bits = halves.view(np.int16), halves.view(np.uint16)
-    work = np.empty(min(CHUNK, halves.size), dtype=np.int32)
-    exponents = np.empty(work.size, dtype=np.uint16)
+    work, exponents = _buffers()
     for start in range(0, halves.size, CHUNK):
         end = min(start + CHUNK, halves.size)
         w, e = work[: end - start], exponents[: end - start]
@@ -57,19 +56,27 @@ def float16_to_float32(src: np.ndarray, out: np.ndarray) -> None:
         np.multiply(w.view(np.float32), _SCALE, out=floats[start:end])
 
 
+def _buffers() -> tuple[np.ndarray, np.ndarray]:
+    """This thread's work buffers, kept: paged attention converts every layer's gather (fresh memory is slower)."""
+    buffers = getattr(_per_thread, "buffers", None)
+    if buffers is None:
+        buffers = _per_thread.buffers = (np.empty(CHUNK, dtype=np.int32), np.empty(CHUNK, dtype=np.uint16))
+    return buffers
+
+
 def _trick_is_exact_here() -> bool:
     """Once per thread: does the trick give NumPy's bits for the halves the float mode could spoil?
 
     Those are the subnormals (their float32 stand-ins are subnormal too, which a thread with
     denormals-are-zero reads as 0) and, to be safe, the smallest and largest normal exponents.
     """
-    exact = getattr(_checked, "exact", None)
+    exact = getattr(_per_thread, "exact", None)
     if exact is None:
         halves = np.concatenate([_EXPONENT_CASES | sign for sign in (np.uint16(0), np.uint16(0x8000))]).view(np.float16)
         w = halves.view(np.int16).astype(np.int32)
         w <<= 13
         w &= _KEEP_SIGN_AND_MAGNITUDE
-        exact = _checked.exact = bool(np.array_equal((w.view(np.float32) * _SCALE).view(np.uint32),
+        exact = _per_thread.exact = bool(np.array_equal((w.view(np.float32) * _SCALE).view(np.uint32),
                                                      halves.astype(np.float32).view(np.uint32)))
     return exact
 

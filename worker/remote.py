@@ -12,10 +12,12 @@ Design notes
 3. The known nodes are bounded (`max_nodes`, least recently used evicted and closed), and so are
    the probes in flight (`max_probes`; past it an unknown address is a miss).
 4. Fetched pages come in batches: a fetch thread receives batch i+1 while the engine's thread
-   writes batch i into the pool (casting float16 to float32 on the way), so the transfer and
-   the cast overlap instead of adding up. The batches' requests all go out at once
-   (NodeClient.get_pages_in_batches), so a fetch costs one round trip to the node, not one a
-   batch; two staging buffers take turns, the fetch thread waiting for the one written last.
+   writes batch i into the pool, so the transfer and the writing overlap instead of adding up.
+   Pages bound for consecutive blocks of a pool in the wire dtype (the engine's, engine design
+   note 9) are received straight into them; a float32 pool's float16 pages are cast (half.py).
+   The batches' requests all go out at once (NodeClient.get_pages_in_batches), so a fetch costs
+   one round trip to the node, not one a batch; two staging buffers take turns, the fetch thread
+   waiting for the one written last.
 5. Write-back runs on one background thread with a bounded queue; what cannot be sent is
    counted and dropped. That thread waits for first contacts up to `lookup_timeout_s` a batch.
    Each page's checksum (kvnode/checksum.py) is computed once there, after the cast to the
@@ -31,10 +33,11 @@ Design notes
    lookup in one banded GET, a band per layer (a page is laid out layer-major, so layer l of
    every page is one contiguous range on the wire), and `landed(l)` is called once layer l of
    every page is in the pool, so the engine may compute layer l of the request's suffix while
-   the later layers are on the way. float32 pages are received straight into their blocks;
-   float16 ones into a staging buffer kept between fills, and as each layer lands it is cast for
-   every page at once (gathered, half.py, then copied per run of consecutive blocks: one cast a
-   page, beside the forward, took the GIL so often that the fill ran 3-6x longer). Off by
+   the later layers are on the way. Pages in the pool's dtype are received straight into their
+   blocks; float16 ones bound for a float32 pool into a staging buffer kept between fills, and as
+   each layer lands it is cast for every page at once (gathered, half.py, then copied per run of
+   consecutive blocks: one cast a page, beside the forward, took the GIL so often that the fill
+   ran 3-6x longer). Off by
    default (`layerwise_fill`): on the shared 2-core machine it did not pay (docs/benchmarks.md). Pages are checked
    once their last band landed, after the engine may have used them: the count returned says
    how many leading pages are whole and intact (those before an altered page; none after a node
@@ -107,10 +110,10 @@ def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
 
 
 class RemoteTier:
-    """Fetches pages into the engine's float32 pool and writes full pages back.
+    """Fetches pages into the engine's pool and writes full pages back.
 
-    `pool` is the engine's block array [blocks, layers, 2, kv_heads, page_tokens, head_dim];
-    on the wire a page is that block in `kv_dtype` (float16 halves the bytes).
+    `pool` is the engine's block array [blocks, layers, 2, kv_heads, page_tokens, head_dim], in
+    `kv_dtype` or float32; on the wire a page is that block in `kv_dtype` (float16 halves the bytes).
     """
 
     def __init__(
@@ -132,6 +135,8 @@ class RemoteTier:
     ):
         self.pool = pool
         self.wire_dtype = np.dtype(kv_dtype)
+        if pool.dtype not in (self.wire_dtype, np.float32):
+            raise ValueError(f"a {pool.dtype} pool cannot hold {kv_dtype} pages")
         self.block_shape = pool.shape[1:]
         self.page_bytes = int(np.prod(self.block_shape)) * self.wire_dtype.itemsize
         self.lease_ms = lease_ms
@@ -146,7 +151,7 @@ class RemoteTier:
         self.nodes = NodeTable(self.page_bytes, lookup_timeout_s, retry_after_s, max_retry_after_s, max_nodes,
                                max_probes, on_failure=lambda: self._count("node_failures", 1),
                                credentials=credentials)
-        # Float32 copies, cast when sent: bounded in bytes (1,024 gpt2-small pages would be 1.2 GB).
+        # Copies of blocks (a float32 one cast when sent): bounded in bytes (1,024 gpt2-small pages would be 1.2 GB).
         self._outbox: queue.Queue = queue.Queue(maxsize=max(16, queue_bytes // pool[0].nbytes))
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fetch")
         self._fetch_lock = threading.Lock()  # one fill at a time owns the staging buffers
@@ -385,7 +390,7 @@ class RemoteTier:
         self._count("bytes_fetched", count * self.page_bytes)
 
     def _pool_rows(self, block_ids: Sequence[int], start: int, end: int) -> np.ndarray | None:
-        """float32 pages bound for consecutive blocks are received straight into the pool: there."""
+        """Pages in the pool's dtype bound for consecutive blocks are received straight into the pool: there."""
         count, first = end - start, block_ids[start]
         if self.wire_dtype == self.pool.dtype and list(block_ids[start:end]) == list(range(first, first + count)):
             return self.pool[first : first + count].reshape(count, -1).view(np.uint8)
@@ -432,7 +437,7 @@ class RemoteTier:
             while end < len(block_ids) and block_ids[end] == block_ids[end - 1] + 1:
                 end += 1
             first = block_ids[start]
-            if pages.dtype == np.float16:
+            if pages.dtype != self.pool.dtype:  # float16 pages, float32 pool
                 float16_to_float32(pages[start:end], self.pool[first : first + end - start])
             else:
                 np.copyto(self.pool[first : first + end - start], pages[start:end])
@@ -443,8 +448,8 @@ class RemoteTier:
         if not any(self.nodes.may_be_usable(a) for a in placement.addresses):
             self._count("pages_dropped", len(placement.addresses))
             return
-        # A plain copy (the block may be reused); the sender casts it to the wire dtype, because
-        # NumPy's float32 -> float16 cast (~2-10 ms a gpt2-small page here) would delay the token.
+        # A plain copy (the block may be reused); the sender casts a float32 one to the wire dtype,
+        # because NumPy's float32 -> float16 cast (~2-10 ms a gpt2-small page here) would delay the token.
         data = self.pool[block_id].copy()
         try:
             self._outbox.put_nowait((tuple(placement.addresses), key, parent, data))

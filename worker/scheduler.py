@@ -100,7 +100,7 @@ class RemoteTier(Protocol):
     engine wraps it in a KVConnector, which calls `lookup` and `fill` on threads of its own.
 
     `context` is the request's opaque `tier_context` (e.g. its placement). The tier reads and
-    writes the engine's pool array, `engine.kv_pool[block_id]`, in the page layout.
+    writes the engine's pool array, `engine.kv_pool[block_id]`, in the page layout and the KV dtype.
     """
 
     def lookup(self, keys: Sequence[bytes], context: Any) -> int:

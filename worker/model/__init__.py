@@ -93,16 +93,19 @@ class Model:
                 between_layers: BetweenLayers | None = None) -> np.ndarray:
         """Compute the batch's new tokens over the paged pool, writing their K/V into it.
         -> [S, vocab] (last new token of each sequence) or [T, vocab] with all_logits.
+        The pool is float32, or float16 with float16 KV (the same rounded values, half the memory).
         `between_layers()` runs after each layer but the last; it may run other forwards over
         other blocks of the pool (none of this batch's)."""
         _check_kv_dtype(kv_dtype)
-        token_ids, positions, query_starts, context_lens = _validate(self.config, batch, kv_pool)
+        token_ids, positions, query_starts, context_lens = _validate(self.config, batch, kv_pool, kv_dtype)
         meta = AttentionMetadata.build(positions, query_starts, context_lens, batch.block_tables, kv_pool.shape,
                                        window=self.config.sliding_window, cached_lens=batch.cached_lens)
         scale = self.attn_scale
 
+        rounding = kv_dtype if kv_pool.dtype == np.float32 else "float32"   # a float16 pool rounds as it stores
+
         def attend(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-            write_kv(kv_pool, layer, meta, round_kv(k, kv_dtype), round_kv(v, kv_dtype))
+            write_kv(kv_pool, layer, meta, round_kv(k, rounding), round_kv(v, rounding))
             with attention_threads(len(token_ids)):
                 return paged_attention(q, kv_pool, layer, meta, scale)
 
@@ -186,13 +189,14 @@ def _check_kv_dtype(kv_dtype: str) -> str:
     return kv_dtype
 
 
-def _validate(c: ModelConfig, batch: ForwardBatch, kv_pool: np.ndarray):
+def _validate(c: ModelConfig, batch: ForwardBatch, kv_pool: np.ndarray, kv_dtype: str):
     """Refuse a malformed batch with a ValueError before anything is written to the pool."""
     expected_pool = (c.n_layers, 2, c.n_kv_heads, None, c.head_dim)
-    if (kv_pool.dtype != np.float32 or kv_pool.ndim != 6 or not kv_pool.flags.c_contiguous
+    dtypes = ("float32", "float16") if kv_dtype == "float16" else ("float32",)   # no float32 KV in a float16 pool
+    if (kv_pool.dtype.name not in dtypes or kv_pool.ndim != 6 or not kv_pool.flags.c_contiguous
             or any(e is not None and e != g for e, g in zip(expected_pool, kv_pool.shape[1:]))):
-        raise ValueError(f"kv_pool should be C-ordered float32 [blocks, {c.n_layers}, 2, {c.n_kv_heads}, page_tokens, "
-                         f"{c.head_dim}], got {kv_pool.dtype} {list(kv_pool.shape)}")
+        raise ValueError(f"kv_pool should be C-ordered {' or '.join(dtypes)} [blocks, {c.n_layers}, 2, {c.n_kv_heads}, "
+                         f"page_tokens, {c.head_dim}] for {kv_dtype} KV, got {kv_pool.dtype} {list(kv_pool.shape)}")
     num_blocks, page_tokens = kv_pool.shape[0], kv_pool.shape[4]
     token_ids = np.asarray(batch.token_ids, dtype=np.int64).reshape(-1)
     positions = np.asarray(batch.positions, dtype=np.int64).reshape(-1)
