@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         page_bytes = model_page_bytes(args.model, args.kv_dtype)
-        pool_bytes = model_page_bytes(args.model, "float32") * (args.prompt_tokens // 16 + 2) * 2
+        pool_bytes = page_bytes * (args.prompt_tokens // 16 + 2) * 2
         writer, local = (Engine.load(args.model, kv_dtype=args.kv_dtype, kv_cache_bytes=pool_bytes) for _ in range(2))
     except ValueError as exc:
         print(f"kvcache bench overlap: error: {exc}", file=sys.stderr)
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     num_pages = args.prompt_tokens // P   # a warm run fetches every full page (its last token is computed)
     keys = page_keys(tenant_root(writer.fingerprint, ""), prompt_a[: num_pages * P], P)
     # The fill's own pool, written once now as the engine's is (first writes into fresh memory page-fault).
-    pool = np.empty((num_pages, *writer.kv_pool.shape[1:]), dtype=np.float32)
+    pool = np.empty((num_pages, *writer.kv_pool.shape[1:]), dtype=writer.kv_pool.dtype)
     pool.fill(0.0)
     capacity = str(page_bytes * (num_pages + 2) * 2)  # room to spare (with exactly the pages, a tiny run found 7 of 12)
     with Daemon("node", ["--port", "0", "--page-bytes", str(page_bytes), "--capacity", capacity]) as node:

@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         "remote_vs_local": ttft["warm_remote"] / ttft["warm_local"],
         # An upper bound on transfer time is the whole warm TTFT (it also computes the last page).
         "fetch_gb_per_s_lower_bound": fetch_bytes / (ttft["warm_remote"] / 1000) / 1e9,
-        # Within that TTFT, the tier's fill: transfer and writing into the float32 pool, overlapped.
+        # Within that TTFT, the tier's fill: transfer and writing into the pool, overlapped.
         "fill_ms": statistics.median(fills),
         "fill_samples_ms": fills,
         "fill_gb_per_s": fetch_bytes / (statistics.median(fills) / 1000) / 1e9,
@@ -258,7 +258,6 @@ def _node(address: str | None, page_bytes: int, capacity: str) -> Iterator[Daemo
 
 
 def _pool_bytes(args: argparse.Namespace) -> int:
-    """Enough local blocks for a few prompts (float32 pool) without holding gigabytes."""
-    float32_page = model_page_bytes(args.model, "float32")
+    """Enough local blocks for a few prompts (the pool is in the KV dtype) without holding gigabytes."""
     pages = (args.prompt_tokens // 16 + 2) * 4
-    return float32_page * pages
+    return model_page_bytes(args.model, args.kv_dtype) * pages
