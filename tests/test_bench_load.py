@@ -121,6 +121,8 @@ def test_observability_cost_side_by_side_runs_both_arms_at_once_and_counts_the_c
         off, on = (pair[arm]["levels"][0][name] for arm in ("off", "on"))
         # Duration-bound: both arms ran out of time, not of prompts, and share one window.
         assert 0 < off["window_s"] == on["window_s"] <= 4.0
+        # At once, not one after the other (a pass lasts about --duration).
+        assert off["arms_started_apart_s"] == on["arms_started_apart_s"] < 1.0
         assert off["requests"] < 400 and on["requests"] < 400 and off["failed"] == on["failed"] == 0
         assert level["ratios_on_off"][name] == [on["requests_per_s"] / off["requests_per_s"]]
     lines = [line for line in err.splitlines() if line.startswith("pair ")]

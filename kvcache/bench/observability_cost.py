@@ -174,7 +174,13 @@ def _side_by_side_pair(clusters: dict, args: argparse.Namespace, config, levels:
                 runs = {arm: PassRun(clusters[arm].coordinator_addresses, members[arm]["nodes"],
                                      members[arm]["workers"], level, no_cache, args.max_tokens, args.duration,
                                      tokenizer, progress=False) for arm in ARMS}
-                outcomes = _at_once({arm: (lambda r=runs[arm]: run_pass(r, jobs, name)) for arm in ARMS})
+                started: dict[str, float] = {}
+
+                def timed(arm: str):
+                    started[arm] = time.monotonic()
+                    return run_pass(runs[arm], jobs, name)
+
+                outcomes = _at_once({arm: (lambda a=arm: timed(a)) for arm in ARMS})
                 window = min([args.duration] + [max((r.start_s for r in results), default=0.0)
                                                 for results, *_ in outcomes.values()])
                 if window <= 0:
@@ -184,6 +190,7 @@ def _side_by_side_pair(clusters: dict, args: argparse.Namespace, config, levels:
                     summary = summarize_pass(results, wall_s)
                     summary["requests_per_s"] = requests_in_window(results, window) / window if window > 0 else 0.0
                     summary["window_s"] = window
+                    summary["arms_started_apart_s"] = round(max(started.values()) - min(started.values()), 4)
                     summaries[arm][name] = summary
                     pair[arm]["requests"] += summary["requests"]
             for arm in ARMS:
