@@ -143,13 +143,16 @@ def _check_keys(address: str, keys: Sequence[bytes], parents: Sequence[bytes] = 
 class NodeClient:
     """`use_data_plane=False` keeps every call on gRPC (benches and tests compare the two);
     `unix_socket=False` keeps the data plane on TCP when the node also offers its same-host
-    socket (the bench compares the two); `credentials` (protos.security) make both gRPC and the
-    data plane mutual TLS."""
+    socket (the bench compares the two); `shared_memory=False` keeps it on that socket when the
+    node would also let it copy pages out of its shared pool (data_client.py note 8);
+    `credentials` (protos.security) make both gRPC and the data plane mutual TLS."""
 
     def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S, use_data_plane: bool = True,
-                 credentials: security.Credentials | None = None, unix_socket: bool = True):
+                 credentials: security.Credentials | None = None, unix_socket: bool = True,
+                 shared_memory: bool = True):
         self.address = address
         self.unix_socket = unix_socket
+        self.shared_memory = shared_memory
         self.credentials = credentials
         self.timeout = timeout
         self.use_data_plane = use_data_plane
@@ -453,9 +456,16 @@ class NodeClient:
         return plane.address if plane is not None else None
 
     def data_plane_transport(self) -> str | None:
-        """"unix" or "tcp" for the data plane this client uses (data_client.py note 7), None on gRPC."""
+        """"shared memory", "unix" or "tcp" for the data plane this client uses (data_client.py notes
+        7-8), None on gRPC."""
         plane = self._data_plane()
         return plane.transport if plane is not None else None
+
+    def map_shared_pool(self, timeout: float | None = None) -> bool:
+        """Map the node's shared pool now rather than in the background (data_client.py note 8);
+        whether pages now come out of it."""
+        plane = self._data_plane()
+        return plane is not None and plane.map_pool(timeout or self.timeout)
 
     def _data_plane(self) -> DataPlaneClient | None:
         if not self.use_data_plane:
@@ -475,7 +485,7 @@ class NodeClient:
                 if self._data is not None:
                     self._data.close()
                 tls = self.credentials.client_context() if self.credentials is not None else None
-                self._data = DataPlaneClient(host, port, tls, unix)
+                self._data = DataPlaneClient(host, port, tls, unix, self.shared_memory)
             return self._data
 
     def _data_plane_failed(self, plane: DataPlaneClient, exc: DataPlaneError) -> None:

@@ -113,6 +113,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "network namespace can connect to it, as it can to the loopback port",
     )
     parser.add_argument(
+        "--no-shared-pool", action="store_true",
+        help="do not let clients on this host copy pages out of the node's RAM pool (by default a plaintext "
+             "node keeps its pool in shared memory, and a process of the node's own user, or root, on the "
+             "unix socket may map it read-only and copy the pages it fetches straight out of it, ~3x the unix "
+             "socket's throughput; with --tls-* it is never offered). Such a process could read the node's "
+             "memory anyway",
+    )
+    parser.add_argument(
         "--no-data-plane", action="store_true",
         help="serve pages over gRPC only (clients then use GetPages/PutPages)",
     )
@@ -124,6 +132,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     agent.add_arguments(parser)
     security.add_arguments(parser)
     observability.add_arguments(parser)
+
+
+def shares_pool(args, credentials) -> bool:
+    """Whether the pool goes in shared memory (kvnode/shared_pool.py): only where it can be offered."""
+    return not (args.no_shared_pool or args.no_data_unix or args.no_data_plane or credentials is not None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
         data_dir, disk = open_disk_tier(args, capacity_pages)
         store = PageStore(capacity_pages, args.page_bytes, policy=eviction,
                           max_leased_pages=int((disk.capacity_pages if disk else capacity_pages) * args.max_leased_fraction),
-                          max_leases_per_call=max_leases_per_call, disk=disk, write_through=args.flush_interval == 0)
+                          max_leases_per_call=max_leases_per_call, disk=disk, write_through=args.flush_interval == 0,
+                          shared_pool=shares_pool(args, credentials))
         if store.recovered is not None:
             log.info("%s", store.recovered.summary(disk))
         node_id = data_dir.node_id(args.node_id) if data_dir else args.node_id
@@ -179,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 data_plane = DataPlaneServer(store, args.host, args.data_port, args.max_keys,
                                              max_connections=args.data_max_connections, credentials=credentials,
-                                             unix=not args.no_data_unix)
+                                             unix=not args.no_data_unix, share_pool=not args.no_shared_pool)
             except OSError as exc:
                 raise OSError(f"cannot listen on {serving.host_port(args.host, args.data_port)} "
                               f"for the data plane: {exc.strerror or exc}") from None

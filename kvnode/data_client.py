@@ -33,6 +33,13 @@ Design notes
    (EAGAIN from a full backlog, say) sends only that connection over TCP; the next one tries the
    socket again. A process that may not make Unix sockets at all (a sandbox) uses TCP for good.
    Everything else is as over TCP: TLS, kernel timeouts, deadlines, the pool.
+8. Over the Unix socket of a plaintext node the client maps the node's page pool read-only
+   (kvnode/shared_pool.py; data_plane design note 9) and fetches by slot: GET_SLOTS pins the
+   pages and tells where they are, the client copies them out of the mapping and releases them
+   (data_wire design note 7); a page the node has on disk only comes by GET after. The mapping
+   is made by a thread of its own, started by the first call, so no request waits for it; until
+   it is there, and for good once the node refused it (TLS, another user, --no-shared-pool),
+   pages come over the socket as before. The caller checks the checksums as always.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -47,11 +55,15 @@ import time
 from typing import Callable, Sequence
 
 import grpc
+import numpy as np
 
 from kvnode import data_wire as dw
+from kvnode import shared_pool
 from kvnode.checksum import CHECKSUM_BYTES
 
 _MAX_IDLE = 4
+_MAP_TIMEOUT_S = 30.0  # the shared pool's mapping (design note 8), on its own thread
+_SLOT_ENTRY = CHECKSUM_BYTES + dw.SLOT.size
 _UNIX_GONE = (errno.ECONNREFUSED, errno.ENOENT)  # nobody listens on the name: the node exited or restarted
 _UNIX_FORBIDDEN = (errno.EAFNOSUPPORT, errno.EPERM, errno.EACCES)  # no unix socket can be made here
 
@@ -80,9 +92,11 @@ class _Retry(Exception):
 class DataPlaneClient:
     """`tls`: an ssl client context (protos.security.Credentials.client_context): every connection
     is TLS, checked against the node's certificate, and presents ours (mutual TLS). `unix_name`:
-    the node's abstract Unix socket, used when `host` is a loopback address (design note 7)."""
+    the node's abstract Unix socket, used when `host` is a loopback address (design note 7);
+    `shared_memory=False` never maps the node's pool (design note 8)."""
 
-    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None = None, unix_name: str = ""):
+    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None = None, unix_name: str = "",
+                 shared_memory: bool = True):
         self.host, self.port = host, port
         self.tls = tls
         self.offered_unix = unix_name
@@ -93,6 +107,10 @@ class DataPlaneClient:
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
+        # The node's pool, mapped read-only (design note 8): "unasked", "mapping", "mapped" or "refused".
+        self.pool_state = "unasked" if shared_memory and self.unix_name and tls is None else "refused"
+        self._pool: np.ndarray | None = None
+        self._pool_mapped = threading.Event()
 
     @property
     def address(self) -> str:
@@ -113,6 +131,14 @@ class DataPlaneClient:
         requests = [dw.get_request(keys) for keys in batches]
 
         def exchange(sock: socket.socket, deadline: float, reused: bool) -> None:
+            pool = self._pool_for(sock)
+            if pool is not None:  # design note 8: one batch at a time, each copied out of the pool
+                for number, keys in enumerate(batches):
+                    out, checksums = out_for(number)
+                    self._copy_pages(sock, pool, keys, np.frombuffer(out, dtype=np.uint8).reshape(len(keys), -1),
+                                     checksums, deadline, reused and number == 0)
+                    landed(number)
+                return
             self._send(sock, requests, deadline, reused)
             for number in range(len(batches)):
                 payload = self._reply_header(sock, deadline, reused and number == 0)
@@ -149,6 +175,13 @@ class DataPlaneClient:
         outs = [memoryview(out).cast("B") for out in outs]
 
         def exchange(sock: socket.socket, deadline: float, reused: bool) -> None:
+            pool = self._pool_for(sock)
+            if pool is not None:  # design note 8: whole pages out of the pool, then every band at once
+                self._copy_pages(sock, pool, keys, [np.frombuffer(out, dtype=np.uint8) for out in outs], checksums,
+                                 deadline, reused)
+                for band in range(len(bands)):
+                    landed(band)
+                return
             self._send(sock, [request], deadline, reused)
             payload = self._reply_header(sock, deadline, reused)
             if payload != checksums.nbytes + len(keys) * page_bytes:
@@ -180,11 +213,140 @@ class DataPlaneClient:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            self._pool = None  # the mapping goes with the last array that uses it
         self._drop_idle()
+
+    # ---- the shared pool (design note 8) -------------------------------------------
+
+    def map_pool(self, timeout_s: float = _MAP_TIMEOUT_S) -> bool:
+        """Map the node's pool now, on this thread (or wait for the thread mapping it), unless it
+        was refused; whether it is mapped."""
+        if self._claim_mapping():
+            self._map_pool(timeout_s)
+        elif self.pool_state == "mapping":
+            self._pool_mapped.wait(timeout_s)
+        return self.pool_state == "mapped"
+
+    def _claim_mapping(self) -> bool:
+        with self._lock:
+            if self.pool_state != "unasked" or self._closed:
+                return False
+            self.pool_state = "mapping"
+            return True
+
+    def _start_mapping(self) -> None:
+        if self._claim_mapping():
+            threading.Thread(target=self._map_pool, args=(_MAP_TIMEOUT_S,), name="kvnode-pool-map",
+                             daemon=True).start()
+
+    def _map_pool(self, timeout_s: float) -> None:
+        """MAP_POOL on a new connection to the Unix socket; the pool mapped, or refused for good."""
+        pool, why = None, ""
+        deadline = time.monotonic() + timeout_s
+        sock = None
+        try:
+            sock = self._connect_unix(deadline)
+            if sock is None:
+                why = "its unix socket did not take the connection"
+            else:
+                sock.settimeout(None)
+                dw.set_kernel_timeouts(sock, max(0.001, deadline - time.monotonic()))
+                sock.sendall(dw.request_header(dw.OP_MAP_POOL, 0))
+                data, fds, _, _ = socket.recv_fds(sock, dw.REPLY.size + dw.POOL_REPLY.size, 1)
+                try:
+                    pool, why = self._pool_from_reply(sock, data, fds, deadline)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+        except (OSError, DataPlaneError, ValueError) as exc:
+            why = str(exc)
+        with self._lock:
+            if pool is not None and not self._closed:
+                self._pool, self.pool_state = pool, "mapped"
+            else:
+                self.pool_state = "refused"
+        if pool is None:
+            log.info("kvnode data plane %s: pages come over the socket, not out of the node's shared pool (%s)",
+                     self.address, why)
+        if sock is not None:
+            if pool is not None:
+                self._give_back(sock)
+            else:
+                sock.close()
+        self._pool_mapped.set()
+
+    def _pool_from_reply(self, sock: socket.socket, data: bytes, fds: list[int],
+                         deadline: float) -> tuple[np.ndarray | None, str]:
+        if len(data) < dw.REPLY.size:
+            header = memoryview(bytearray(dw.REPLY.size))
+            header[: len(data)] = data
+            _receive(sock, header[len(data):], deadline)
+            data = bytes(header)
+        code, message_bytes, payload = dw.parse_reply_header(data[: dw.REPLY.size])
+        if code != grpc.StatusCode.OK:
+            message = memoryview(bytearray(message_bytes))
+            got = data[dw.REPLY.size :][:message_bytes]
+            message[: len(got)] = got
+            _receive(sock, message[len(got):], deadline)
+            return None, f"{code.name}: {bytes(message).decode('utf-8', errors='replace')}"
+        if payload != dw.POOL_REPLY.size or len(data) != dw.REPLY.size + dw.POOL_REPLY.size or len(fds) != 1:
+            return None, f"a MAP_POOL reply of {len(data)} bytes and {len(fds)} descriptors is not one this client reads"
+        pages, page_bytes = dw.POOL_REPLY.unpack_from(data, dw.REPLY.size)
+        return shared_pool.map_read_only(fds[0], pages, page_bytes), ""
+
+    def _pool_for(self, sock) -> np.ndarray | None:
+        """The mapped pool when this connection can fetch out of it (a plain Unix one), else None."""
+        pool = self._pool
+        return pool if pool is not None and getattr(sock, "family", None) == socket.AF_UNIX else None
+
+    def _copy_pages(self, sock: socket.socket, pool: np.ndarray, keys: Sequence[bytes], outs, checksums: memoryview,
+                    deadline: float, reused: bool) -> None:
+        """GET_SLOTS: page i copied out of the pool into outs[i] and its checksum into `checksums`;
+        the pages the node has no slot for come by GET after the release (data_wire note 7)."""
+        if checksums.nbytes != len(keys) * CHECKSUM_BYTES:
+            raise ValueError(f"room for {checksums.nbytes} bytes of checksums, expected "
+                             f"{len(keys) * CHECKSUM_BYTES} ({CHECKSUM_BYTES} a page)")
+        self._send(sock, [dw.get_slots_request(keys)], deadline, reused)
+        payload = self._reply_header(sock, deadline, reused)
+        if payload != len(keys) * _SLOT_ENTRY:
+            raise DataPlaneError(grpc.StatusCode.DATA_LOSS,
+                                 f"node answers {payload} bytes of slots for {len(keys)} pages, expected "
+                                 f"{len(keys) * _SLOT_ENTRY}")
+        body = memoryview(bytearray(payload))
+        _receive(sock, body, deadline)
+        missing = []
+        for i in range(len(keys)):
+            entry = body[i * _SLOT_ENTRY : (i + 1) * _SLOT_ENTRY]
+            checksums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES] = entry[:CHECKSUM_BYTES]
+            slot = dw.SLOT.unpack_from(entry, CHECKSUM_BYTES)[0]
+            if slot == dw.NO_SLOT:
+                missing.append(i)
+            elif slot >= len(pool):
+                raise DataPlaneError(grpc.StatusCode.DATA_LOSS,
+                                     f"node names slot {slot} of a pool of {len(pool)} pages")
+            else:
+                np.copyto(outs[i], pool[slot])
+        self._send(sock, [dw.RELEASE], deadline, False)
+        if missing:
+            page_bytes = pool.shape[1]
+            pages = np.empty((len(missing), page_bytes), dtype=np.uint8)
+            sums = memoryview(bytearray(len(missing) * CHECKSUM_BYTES))
+            self._send(sock, [dw.get_request([keys[i] for i in missing])], deadline, False)
+            if self._reply_header(sock, deadline, False) != sums.nbytes + pages.nbytes:
+                raise DataPlaneError(grpc.StatusCode.DATA_LOSS, "node's GET reply to the pages without a slot has "
+                                     "the wrong length")
+            _receive(sock, sums, deadline)
+            _receive(sock, memoryview(pages).cast("B"), deadline)
+            for row, i in enumerate(missing):
+                np.copyto(outs[i], pages[row])
+                checksums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES] = sums[row * CHECKSUM_BYTES :
+                                                                               (row + 1) * CHECKSUM_BYTES]
 
     # ---- plumbing ----------------------------------------------------------------
 
     def _call(self, exchange, timeout_s: float):
+        if self.pool_state == "unasked":
+            self._start_mapping()  # design note 8
         deadline = time.monotonic() + timeout_s
         for attempt in range(2):
             sock, reused = self._take(deadline, fresh=attempt > 0)
@@ -218,7 +380,10 @@ class DataPlaneClient:
 
     @property
     def transport(self) -> str:
-        """"unix" while the node's Unix socket is used (design note 7), else "tcp"."""
+        """"shared memory" once the node's pool is mapped (design note 8), "unix" while the node's
+        Unix socket is used (design note 7), else "tcp"."""
+        if self.unix_name and self._pool is not None:
+            return "shared memory"
         return "unix" if self.unix_name else "tcp"
 
     def _connect_unix(self, deadline: float) -> socket.socket | None:

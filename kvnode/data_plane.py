@@ -57,12 +57,22 @@ Design notes
    binds it gets the connections of clients still holding the old Info, as one that binds a
    freed TCP port would: without TLS any process here could reach the node's data plane anyway;
    with `credentials` it cannot complete the handshake (the client checks the node's certificate).
+9. With `share_pool` and a store whose pool is in shared memory (kvnode/shared_pool.py), a peer
+   on the Unix socket may map the pool read-only (MAP_POOL) and fetch pages by their slots
+   (GET_SLOTS: data_wire design note 7): a copy at memory speed instead of a socket's two. Only
+   where no more is revealed than the peer could read already: a plaintext node (with
+   `credentials` the same host goes over TLS on the Unix socket, as a member's certificate is
+   the rule there), and a peer process of the node's own user or root (SO_PEERCRED), who could
+   read the node's memory anyway. Pages stay pinned until the peer says it copied them, or
+   until `timeout_s` passes and the connection is dropped, as a GET's reply must be sent
+   within it.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -74,6 +84,7 @@ import grpc
 from kvnode import data_wire as dw
 from kvnode.checksum import CHECKSUM_BYTES
 from protos import security
+from kvnode import shared_pool
 from kvnode.recv_buffers import DEFAULT_KEEP_PER_CONNECTION, DEFAULT_KEEP_TOTAL, BufferBudget, ReceiveBuffer
 from kvnode.store import KEY_BYTES, InvalidRequest, PageNotFound, PageStore, PutOutcome
 
@@ -101,7 +112,7 @@ class DataPlaneServer:
                  max_connections: int = DEFAULT_MAX_CONNECTIONS, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_put_bytes_in_flight: int = DEFAULT_MAX_PUT_BYTES_IN_FLIGHT,
                  keep_buffer_bytes: int = DEFAULT_KEEP_PER_CONNECTION, max_kept_buffer_bytes: int = DEFAULT_KEEP_TOTAL,
-                 credentials=None, unix: bool = False):
+                 credentials=None, unix: bool = False, share_pool: bool = True):
         self.store = store
         self.credentials = credentials  # design note 6
         self.buffers = BufferBudget(keep_buffer_bytes, max_kept_buffer_bytes)
@@ -119,6 +130,9 @@ class DataPlaneServer:
         self._unix_listener = _unix_listener() if unix else None
         if self._unix_listener is not None:
             self.unix_name = self._unix_listener.getsockname()[1:].decode("ascii")
+        # The pool readers on this host may map (design note 9); None: not shared.
+        self.shared_pool = (store.shared_pool if share_pool and self._unix_listener is not None and credentials is None
+                            else None)
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._busy: set[socket.socket] = set()  # connections serving a request (design note 5)
         self._lock = threading.Lock()
@@ -297,6 +311,11 @@ class DataPlaneServer:
         if header.key_bytes != KEY_BYTES:
             raise dw.FrameError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"keys must be {KEY_BYTES} bytes, the request says {header.key_bytes}")
+        if header.op == dw.OP_MAP_POOL:
+            if header.count:
+                raise dw.FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"MAP_POOL takes no keys, got {header.count}")
+            self._map_pool(connection)
+            return True
         if header.count == 0:
             raise dw.FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"{dw.OPS[header.op]} needs at least one key")
         if header.count > self.max_keys:
@@ -305,6 +324,8 @@ class DataPlaneServer:
                                 "split the request")
         if header.op in (dw.OP_GET, dw.OP_GET_BANDS):
             self._get(connection, header)
+        elif header.op == dw.OP_GET_SLOTS:
+            self._get_slots(connection, header)
         else:
             self._put(connection, header)
         connection.pending = 0
@@ -312,7 +333,7 @@ class DataPlaneServer:
 
     def _request_bytes(self, header: dw.RequestHeader) -> int:
         """What the peer will still send after this header (for draining after a refusal)."""
-        if header.op in (dw.OP_GET, dw.OP_GET_BANDS):
+        if header.op in (dw.OP_GET, dw.OP_GET_BANDS, dw.OP_GET_SLOTS):
             return header.count * header.key_bytes
         return header.count * (dw.put_entry_bytes(header.key_bytes, header.checksums) + header.page_bytes)
 
@@ -346,6 +367,56 @@ class DataPlaneServer:
                                   deadline=time.monotonic() + self.timeout_s)
         finally:
             del pages
+            self.store.unpin_pages(keys)
+        if self.metrics is not None:
+            self.metrics.data_get(header.count * self.store.page_bytes, time.perf_counter() - started)
+
+    def _not_shared_reason(self, conn) -> str | None:
+        """Why this peer may not read the shared pool (design note 9); None when it may."""
+        if self.shared_pool is None:
+            return ("this node does not share its page pool (it runs with TLS, --no-shared-pool or without a unix "
+                    "socket, or the platform has no memfd): fetch with GET")
+        if getattr(conn, "family", None) != socket.AF_UNIX:
+            return "the shared page pool is offered on the node's unix socket only: fetch with GET"
+        uid, own = shared_pool.peer_uid(conn), os.geteuid()
+        if uid is None or uid not in (own, 0):
+            return f"the shared page pool is for processes of the node's user ({own}) only; yours is {uid}: fetch with GET"
+        return None
+
+    def _map_pool(self, connection: "_Connection") -> None:
+        """MAP_POOL: the pool's read-only descriptor, sent beside the reply (data_wire note 7)."""
+        refusal = self._not_shared_reason(connection.conn)
+        if refusal is not None:
+            raise dw.FrameError(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+        pool = self.shared_pool
+        fd = pool.read_only_fd()
+        try:
+            connection.send_with_fd(dw.ok_reply(dw.POOL_REPLY.size) + dw.POOL_REPLY.pack(pool.pages, pool.page_bytes), fd)
+        finally:
+            os.close(fd)
+
+    def _get_slots(self, connection: "_Connection", header: dw.RequestHeader) -> None:
+        """GET_SLOTS: pin the pages, tell their slots, unpin once the reader says it copied them."""
+        started = time.perf_counter()
+        raw_keys = connection.receive(header.count * KEY_BYTES)
+        keys = [bytes(raw_keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]) for i in range(header.count)]
+        connection.pending = 0
+        refusal = self._not_shared_reason(connection.conn)
+        if refusal is not None:
+            raise dw.FrameError(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+        try:
+            slots = self.store.pin_slots(keys)
+        except PageNotFound as exc:
+            raise dw.FrameError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+        try:
+            checksums = self.store.checksums(keys)  # pinned: still cached
+            body = b"".join(checksum + dw.SLOT.pack(dw.NO_SLOT if slot is None else slot)
+                            for checksum, slot in zip(checksums, slots))
+            connection.send(dw.ok_reply(len(body)) + body)
+            answer = connection.receive(len(dw.RELEASE))  # within timeout_s, or the peer is dropped
+            if bytes(answer) != dw.RELEASE:
+                raise _Dropped(f"sent {bytes(answer)!r} instead of releasing the pages of a GET_SLOTS")
+        finally:
             self.store.unpin_pages(keys)
         if self.metrics is not None:
             self.metrics.data_get(header.count * self.store.page_bytes, time.perf_counter() - started)
@@ -489,6 +560,17 @@ class _Connection:
         except OSError as exc:
             raise _Dropped(f"connection broke while sending: {exc}") from None
         dw.set_kernel_timeouts(self.conn, self.timeout_s)  # send_parts shortened the send timeout
+
+    def send_with_fd(self, data: bytes, fd: int) -> None:
+        """`data` with `fd` as SCM_RIGHTS ancillary data (a plain Unix socket only)."""
+        try:
+            sent = socket.send_fds(self.conn, [data], [fd])
+            if sent < len(data):
+                self.conn.sendall(data[sent:])
+        except (BlockingIOError, socket.timeout):
+            raise _Dropped("stopped reading the reply") from None
+        except OSError as exc:
+            raise _Dropped(f"connection broke while sending: {exc}") from None
 
     def send(self, data) -> None:
         try:

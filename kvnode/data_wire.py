@@ -39,6 +39,15 @@ Design notes
    per layer lets the reader use layer l while later layers are on the way (issue 19). The
    bands a page may be cut into are bounded (MAX_BANDS). A node older than the op answers
    INVALID_ARGUMENT "unknown data plane op 3" and closes the connection (is_unknown_op).
+7. The shared pool (kvnode/shared_pool.py), on the Unix socket only:
+     MAP_POOL  (op 4, count 0) OK: POOL_REPLY (pages, page_bytes), and with the reply header the
+               pool's read-only descriptor as SCM_RIGHTS ancillary data. Refused
+               FAILED_PRECONDITION where the node does not share its pool with this peer.
+     GET_SLOTS (op 5) count x key. OK: count x (checksum, slot u64; NO_SLOT for a page the
+               reader must GET instead), every page pinned; the reader copies them out of its
+               mapping and then sends the one byte RELEASE, and only then does the node unpin
+               them. A reader that sends anything else, or nothing within the node's timeout, is
+               dropped, and the pins with it.
 """
 
 from __future__ import annotations
@@ -57,14 +66,18 @@ from kvnode.checksum import CHECKSUM_BYTES
 MAGIC = b"KVDP"
 VERSION = 2
 VERSIONS = (1, 2)  # spoken by the server (design note 4)
-OP_GET, OP_PUT, OP_GET_BANDS = 1, 2, 3
-OPS = {OP_GET: "GET", OP_PUT: "PUT", OP_GET_BANDS: "GET_BANDS"}
+OP_GET, OP_PUT, OP_GET_BANDS, OP_MAP_POOL, OP_GET_SLOTS = 1, 2, 3, 4, 5
+OPS = {OP_GET: "GET", OP_PUT: "PUT", OP_GET_BANDS: "GET_BANDS", OP_MAP_POOL: "MAP_POOL", OP_GET_SLOTS: "GET_SLOTS"}
 MAX_BANDS = 1024  # bands a page may be cut into by one GET_BANDS (design note 6)
 MAX_BAND_SLICES = 16_384  # pages x bands of one GET_BANDS: each slice is a buffer to send (a TLS record)
 
 REQUEST = struct.Struct("!4sBBBxIQ")  # magic, version, op, key_bytes, count, page_bytes
 REPLY = struct.Struct("!BxxxIQ")  # status, message bytes, payload bytes
 PARENT_LEN = struct.Struct("!B")
+POOL_REPLY = struct.Struct("!QQ")  # MAP_POOL: pages, page_bytes (design note 7)
+SLOT = struct.Struct("!Q")  # GET_SLOTS: a page's slot in the shared pool, after its checksum
+NO_SLOT = 2**64 - 1  # not in the shared pool: GET it
+RELEASE = b"R"  # GET_SLOTS: the reader copied the pages; the node may unpin them
 
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -103,6 +116,12 @@ def get_request(keys: Sequence[bytes]) -> bytes:
     """A whole GET request: header and keys (every key as long as the first)."""
     key_bytes = len(keys[0]) if keys else 16
     return request_header(OP_GET, len(keys), key_bytes) + b"".join(keys)
+
+
+def get_slots_request(keys: Sequence[bytes]) -> bytes:
+    """A whole GET_SLOTS request (design note 7)."""
+    key_bytes = len(keys[0]) if keys else 16
+    return request_header(OP_GET_SLOTS, len(keys), key_bytes) + b"".join(keys)
 
 
 def get_bands_request(keys: Sequence[bytes], band_bytes: int) -> bytes:
@@ -161,7 +180,8 @@ def parse_request_header(buf) -> RequestHeader:
                          f"{' and '.join(map(str, VERSIONS))})")
     if op not in OPS:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"unknown data plane op {op} (GET is 1, PUT is 2, GET_BANDS is 3)")
+                         f"unknown data plane op {op} (GET is 1, PUT is 2, GET_BANDS is 3, MAP_POOL is 4, "
+                         f"GET_SLOTS is 5)")
     return RequestHeader(op, key_bytes, count, page_bytes, version)
 
 

@@ -74,6 +74,7 @@ from kvnode.disk_tier import DiskTier
 from kvnode.eviction import PREFIX_AWARE, EvictionPolicy, EvictionQueue, get_policy
 from kvnode.leases import Leases
 from kvnode.recovery import Recovered, recover
+from kvnode.shared_pool import make_pool
 from kvnode.tiers import Tiers
 from protos.pages import KEY_BYTES
 
@@ -162,12 +163,13 @@ class PageStore:
     `max_leased_pages` and `max_leases_per_call` bound leases (design note 5); None: no bound.
     With a `disk` tier (design notes 6 and 7) the node holds `disk.capacity_pages` pages, RAM a
     copy of up to `capacity_pages` of them; its pages are recovered from it at once.
+    `shared_pool` puts the RAM pool in shared memory (`self.shared_pool`) for readers on this host.
     """
 
     def __init__(self, capacity_pages: int, page_bytes: int, clock: Callable[[], float] = time.monotonic,
                  policy: str = PREFIX_AWARE.name, max_leased_pages: int | None = None,
                  max_leases_per_call: int | None = None, disk: DiskTier | None = None,
-                 write_through: bool = False):
+                 write_through: bool = False, shared_pool: bool = False):
         if disk is not None and disk.page_bytes != page_bytes:
             raise ValueError(f"the disk tier holds pages of {disk.page_bytes} bytes, the store {page_bytes}")
         self.ram_capacity_pages = capacity_pages
@@ -188,8 +190,8 @@ class PageStore:
         self.clock = clock
         self.policy: EvictionPolicy = get_policy(policy)
         self.stats = StoreStats()
-        self._pool = np.zeros((self.ram_capacity_pages, page_bytes), dtype=np.uint8)
-        self._pool.fill(0)  # touch every page now, so serving never waits on the kernel
+        # In shared memory for readers on this host when asked (kvnode/shared_pool.py); touched now.
+        self._pool, self.shared_pool = make_pool(self.ram_capacity_pages, page_bytes, shared_pool)
         self._pool_bytes = memoryview(self._pool).cast("B").toreadonly()  # slot n's bytes: _view(n)
         self._free_slots: list[int] = list(range(self.ram_capacity_pages - 1, -1, -1))  # RAM slots
         self._index: dict[bytes, _Page] = {}
@@ -323,6 +325,14 @@ class PageStore:
         (or its bytes on disk turn out corrupted: design note 7)."""
         with self._lock:
             return self._pin(keys)
+
+    def pin_slots(self, keys: Sequence[bytes]) -> list[int | None]:
+        """pin_pages for a reader of the shared pool (kvnode/shared_pool.py): each page's RAM slot,
+        or None for one served from a buffer of its own (on disk only, no RAM slot to be had),
+        which the reader must be sent. Pinned until unpin_pages(keys), as pin_pages."""
+        with self._lock:
+            self._pin(keys)
+            return [self._index[key].slot for key in keys]
 
     def unpin_pages(self, keys: Sequence[bytes]) -> None:
         with self._lock:

@@ -15,7 +15,7 @@ def test_bench_node_short_run_reports_both_sides():
     report = json.loads(result.stdout)
     transfer = report["transfer"]
     assert transfer["page_bytes"] == 5000 and transfer["batch_bytes"] == 15000
-    for side in ("node_unix", "node", "node_grpc", "socket"):  # "node": over its data plane by TCP
+    for side in ("node_shared", "node_unix", "node", "node_grpc", "socket"):  # "node": over its data plane by TCP
         for op in ("get", "put"):
             figures = transfer[side][op]
             assert figures["gb_per_s"] > 0 and 0 < figures["p50_ms"] <= figures["p99_ms"]

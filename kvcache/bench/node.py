@@ -1,5 +1,5 @@
-"""`kvcache bench node`: kvnode put/get throughput and latency, over its data plane (its
-same-host Unix socket and TCP, as separate rows) and over gRPC, beside a raw loopback TCP
+"""`kvcache bench node`: kvnode put/get throughput and latency, over its data plane (pages
+copied out of its shared pool, its same-host Unix socket and TCP, as separate rows) and over gRPC, beside a raw loopback TCP
 socket moving the same bytes in the same run, and the cost of a lookup as the index grows.
 
 Batches are interleaved (every path's get, then every path's put, the order rotating each
@@ -77,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
 # ---- transfer ---------------------------------------------------------------------
 
 OPS = ("get", "put")
-SIDES = ("node_unix", "node", "node_grpc", "socket")  # "node": the data plane over TCP
-LABELS = {"node_unix": "node data plane, unix socket", "node": "node data plane, TCP", "node_grpc": "node gRPC",
+SIDES = ("node_shared", "node_unix", "node", "node_grpc", "socket")  # "node": the data plane over TCP
+LABELS = {"node_shared": "node data plane, shared pool", "node_unix": "node data plane, unix socket", "node": "node data plane, TCP", "node_grpc": "node gRPC",
           "socket": "raw TCP socket"}
 
 
@@ -90,16 +90,17 @@ def measure_transfer(args: argparse.Namespace) -> dict:
         node_daemon = Daemon("node", ["--port", "0", "--page-bytes", str(args.page_bytes), "--capacity", str(capacity)])
         address = node_daemon.address
     try:
-        with NodeClient(address, timeout=60.0) as unix_client, \
+        with NodeClient(address, timeout=60.0) as shared_client, \
+                NodeClient(address, timeout=60.0, shared_memory=False) as unix_client, \
                 NodeClient(address, timeout=60.0, unix_socket=False) as client, \
                 NodeClient(address, timeout=60.0, use_data_plane=False) as grpc_client, SocketBaseline() as raw:
-            return _interleaved(unix_client, client, grpc_client, raw, args)
+            return _interleaved(shared_client, unix_client, client, grpc_client, raw, args)
     finally:
         if node_daemon is not None:
             node_daemon.stop()
 
 
-def _interleaved(unix_client: NodeClient, client: NodeClient, grpc_client: NodeClient, raw: SocketBaseline,
+def _interleaved(shared_client: NodeClient, unix_client: NodeClient, client: NodeClient, grpc_client: NodeClient, raw: SocketBaseline,
                  args: argparse.Namespace) -> dict:
     page_bytes = client.info().page_bytes
     n = args.pages_per_batch
@@ -109,13 +110,15 @@ def _interleaved(unix_client: NodeClient, client: NodeClient, grpc_client: NodeC
     get_keys = [os.urandom(16) for _ in range(n)]
     grpc_client.put_pages(get_keys, [b""] * n, pages)
     batch_bytes = pages.nbytes
-    clients = {"node_unix": unix_client, "node": client, "node_grpc": grpc_client}
+    clients = {"node_shared": shared_client, "node_unix": unix_client, "node": client, "node_grpc": grpc_client}
     missing = {}
     if client.data_plane_address() is None:
         missing["node"] = "the node serves no data plane (started with --no-data-plane?)"
     unix_client.get_pages(get_keys[:1])  # a client that finds no unix socket goes on over TCP
     if unix_client.data_plane_transport() != "unix":
         missing["node_unix"] = "no unix socket (node on another host, or --no-data-unix / --no-data-plane)"
+    if not shared_client.map_shared_pool(timeout=60.0):  # puts go over the unix socket all the same
+        missing["node_shared"] = "no shared pool (node on another host, with TLS, or --no-shared-pool; see its log)"
 
     def node_ops(c: NodeClient) -> dict:
         return {"get": lambda: c.get_pages(get_keys, out=out),

@@ -1,0 +1,248 @@
+"""The shared pool (kvnode/shared_pool.py; data_plane.py note 9): a client on the node's host
+maps the node's pool read-only and copies pinned pages out of it. The bytes equal every other
+path's, pins last exactly until the client releases them (or goes away, or stalls), the mapping
+cannot be written, a page on disk only still arrives, an altered page is still refused, and the
+pool is never offered with TLS, over TCP, to another user or with --no-shared-pool."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from cluster_helpers import NODE_PAGE_BYTES, node_process, read_log, serve_node, wait_for
+from data_plane_helpers import GOOD, GOOD_PARENTS, pages
+from kvnode import data_wire as dw
+from kvnode import shared_pool
+from kvnode.client import NodeClient, PageRejected
+from kvnode.data_client import DataPlaneClient
+from kvnode.data_plane import DataPlaneServer
+from kvnode.disk_tier import DiskTier
+from kvnode.store import PageStore
+from store_helpers import key
+from test_node_checksums import flip_byte_in_pool
+from worker.engine import Engine
+from worker.model import load_model
+from worker.remote import Placement, RemoteTier
+
+pytestmark = pytest.mark.skipif(not shared_pool.supported(), reason="the shared pool needs Linux (memfd, SO_PEERCRED)")
+ARGS = ("--capacity", "64KiB", "--page-bytes", str(NODE_PAGE_BYTES))
+
+
+@contextlib.contextmanager
+def shared_node(store: PageStore | None = None, timeout_s: float = 2.0, **server_kwargs):
+    """An in-process node whose pool is shared, its data plane on TCP and a unix socket, both in Info."""
+    store = store or PageStore(16, NODE_PAGE_BYTES, shared_pool=True)
+    with serve_node(store) as node:
+        server = DataPlaneServer(store, "127.0.0.1", 0, max_keys=8, max_connections=4, timeout_s=timeout_s,
+                                 unix=True, **server_kwargs).start()
+        node.service.data_port, node.service.data_unix = server.port, server.unix_name
+        try:
+            yield node, server
+        finally:
+            server.stop()
+
+
+def unix_connection(server: DataPlaneServer) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5.0)
+    sock.connect(b"\0" + server.unix_name.encode())
+    return sock
+
+
+def receive_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        assert chunk, f"closed after {len(data)} of {size} bytes"
+        data += chunk
+    return data
+
+
+def test_a_client_on_the_nodes_host_copies_pages_out_of_the_shared_pool(tmp_path):
+    with node_process(tmp_path, *ARGS) as daemon, NodeClient(daemon.address) as client, \
+            NodeClient(daemon.address, shared_memory=False) as unix, \
+            NodeClient(daemon.address, use_data_plane=False) as grpc_client:
+        keys = [key(i) for i in range(1, 4)]
+        data = pages(3)
+        assert client.put_pages(keys, [b"", *keys[:-1]], data).stored == 3
+        assert client.map_shared_pool(timeout=10)
+        assert client.data_plane_transport() == "shared memory" and unix.data_plane_transport() == "unix"
+        assert client.get_pages(keys).tobytes() == unix.get_pages(keys).tobytes() == \
+            grpc_client.get_pages(keys).tobytes() == data.tobytes()
+        landed = []
+        client.get_pages_in_batches([keys[:1], keys[1:]], lambda i: np.empty((len([keys[:1], keys[1:]][i]),
+                                                                              NODE_PAGE_BYTES), dtype=np.uint8),
+                                    landed.append)
+        outs = [np.zeros(NODE_PAGE_BYTES, dtype=np.uint8) for _ in keys]
+        bands = []
+        client.get_pages_in_bands(keys, outs, NODE_PAGE_BYTES // 4, bands.append)
+        assert landed == [0, 1] and bands == [0, 1, 2, 3] and np.array_equal(np.stack(outs), data)
+        assert client.data_plane_transport() == "shared memory", "fell back to the socket"
+        assert client.stats()["get_pages"] >= 3 * 5
+    assert "Traceback" not in read_log(tmp_path)
+
+
+def test_pins_last_until_the_release_and_no_longer():
+    with shared_node(timeout_s=1.0) as (node, server):
+        with node.client(use_data_plane=False) as grpc_client:
+            assert grpc_client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3
+        with unix_connection(server) as sock:
+            sock.sendall(dw.get_slots_request(GOOD))
+            code, _, payload = dw.parse_reply_header(receive_exactly(sock, dw.REPLY.size))
+            assert code == grpc.StatusCode.OK and payload == 3 * (16 + dw.SLOT.size)
+            body = receive_exactly(sock, payload)
+            slots = [dw.SLOT.unpack_from(body, i * 24 + 16)[0] for i in range(3)]
+            assert [body[i * 24 : i * 24 + 16] for i in range(3)] == node.store.checksums(GOOD)
+            assert node.store.num_pinned() == 3
+            np.testing.assert_array_equal(node.store._pool[slots], pages(3))
+            time.sleep(0.3)
+            assert node.store.num_pinned() == 3, "unpinned before the release"
+            sock.sendall(dw.RELEASE)
+            assert wait_for(lambda: node.store.num_pinned() == 0, timeout_s=2.0)
+            sock.sendall(dw.get_slots_request(GOOD[:1]))  # the connection goes on serving
+            assert dw.parse_reply_header(receive_exactly(sock, dw.REPLY.size))[0] == grpc.StatusCode.OK
+            receive_exactly(sock, 24)
+            assert node.store.num_pinned() == 1
+        assert wait_for(lambda: node.store.num_pinned() == 0, timeout_s=2.0), "a closed reader kept its pins"
+        with unix_connection(server) as sock:  # a reader that never releases: dropped after timeout_s
+            sock.sendall(dw.get_slots_request(GOOD))
+            receive_exactly(sock, dw.REPLY.size + 3 * 24)
+            started = time.monotonic()
+            assert wait_for(lambda: node.store.num_pinned() == 0, timeout_s=5.0)
+            assert 0.5 < time.monotonic() - started < 4.0
+            assert sock.recv(1) == b"", "the node kept the stalled connection"
+        with unix_connection(server) as sock:  # anything but the release byte: dropped, unpinned
+            sock.sendall(dw.get_slots_request(GOOD))
+            receive_exactly(sock, dw.REPLY.size + 3 * 24)
+            sock.sendall(b"X")
+            assert wait_for(lambda: node.store.num_pinned() == 0, timeout_s=2.0)
+        node.store.check_invariants()
+
+
+def test_the_mapping_a_reader_gets_cannot_be_written():
+    with shared_node() as (node, server), unix_connection(server) as sock:
+        sock.sendall(dw.request_header(dw.OP_MAP_POOL, 0))
+        data, fds, _, _ = socket.recv_fds(sock, dw.REPLY.size + dw.POOL_REPLY.size, 1)
+        try:
+            assert len(fds) == 1 and dw.parse_reply_header(data[: dw.REPLY.size])[0] == grpc.StatusCode.OK
+            assert dw.POOL_REPLY.unpack_from(data, dw.REPLY.size) == (16, NODE_PAGE_BYTES)
+            with pytest.raises(PermissionError):
+                mmap.mmap(fds[0], 16 * NODE_PAGE_BYTES, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            pool = shared_pool.map_read_only(fds[0], 16, NODE_PAGE_BYTES)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert not pool.flags.writeable
+        node.store._pool[3, :4] = [1, 2, 3, 4]  # the reader sees the node's pool itself
+        assert pool[3, :4].tolist() == [1, 2, 3, 4]
+
+
+def test_a_page_altered_in_the_shared_pool_is_refused():
+    with shared_node() as (node, server):
+        with node.client() as client:
+            assert client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3
+            assert client.map_shared_pool(timeout=5)
+            flip_byte_in_pool(node, GOOD[1])
+            out = np.zeros((3, NODE_PAGE_BYTES), dtype=np.uint8)
+            with pytest.raises(PageRejected) as rejected:
+                client.get_pages(GOOD, out=out)
+            assert (rejected.value.index, rejected.value.key) == (1, GOOD[1])
+            np.testing.assert_array_equal(out[0], pages(3)[0])
+            assert client.data_plane_transport() == "shared memory"
+        assert wait_for(lambda: node.store.num_pinned() == 0, timeout_s=2.0)
+
+
+def test_pages_on_disk_without_a_ram_slot_come_over_the_socket(tmp_path):
+    """RAM holds 2 copies; a fetch of 4 pages on disk only promotes the first 2 (pinned), and the
+    node has no slot for the other 2: they come by GET on the same connection."""
+    store = PageStore(2, NODE_PAGE_BYTES, disk=DiskTier(tmp_path, 8, NODE_PAGE_BYTES), shared_pool=True)
+    keys = [key(i) for i in range(1, 7)]
+    data = pages(6)
+    for parent, k, row in zip([b"", *keys[:-1]], keys, data):
+        store.put(k, parent, row.tobytes())
+    store.flush()
+    with shared_node(store) as (node, server):
+        plane = DataPlaneClient("127.0.0.1", server.port, unix_name=server.unix_name)
+        try:
+            assert plane.map_pool(5.0) and plane.transport == "shared memory"
+            out, sums = bytearray(4 * NODE_PAGE_BYTES), bytearray(4 * 16)
+            plane.get_into(keys[:4], memoryview(out), memoryview(sums), timeout_s=5)
+        finally:
+            plane.close()
+        assert bytes(out) == data[:4].tobytes()
+        assert bytes(sums) == b"".join(store.checksums(keys[:4]))
+        assert store.stats.promotions >= 2
+        assert wait_for(lambda: store.num_pinned() == 0, timeout_s=2.0)
+        store.check_invariants()
+
+
+def test_no_shared_pool_over_tcp_with_no_shared_pool_or_without_a_shared_store():
+    with shared_node() as (node, server):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(dw.request_header(dw.OP_MAP_POOL, 0))
+            code, size, _ = dw.parse_reply_header(receive_exactly(sock, dw.REPLY.size))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "unix socket only" in receive_exactly(sock, size).decode()
+    for store, kwargs in ((PageStore(16, NODE_PAGE_BYTES, shared_pool=True), {"share_pool": False}),
+                          (PageStore(16, NODE_PAGE_BYTES), {})):
+        with shared_node(store, **kwargs) as (node, server), node.client() as client:
+            assert client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3
+            assert not client.map_shared_pool(timeout=5)
+            np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))
+            assert client.data_plane_transport() == "unix"
+
+
+def test_a_tls_client_never_asks_for_the_pool():
+    plane = DataPlaneClient("127.0.0.1", 1, tls=object(), unix_name="kvcache-data-x")
+    assert plane.pool_state == "refused" and not plane.map_pool(0.1)
+
+
+def test_a_process_of_another_user_is_refused_the_pool(monkeypatch):
+    left, right = socket.socketpair(socket.AF_UNIX)
+    with left, right:
+        assert shared_pool.peer_uid(left) == os.geteuid()  # what the node asks the kernel
+    monkeypatch.setattr(shared_pool, "peer_uid", lambda sock: os.geteuid() + 12345)
+    with shared_node() as (node, server), unix_connection(server) as sock:
+        sock.sendall(dw.request_header(dw.OP_MAP_POOL, 0))
+        data, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+        assert fds == []
+        assert dw.parse_reply_header(data[: dw.REPLY.size])[0] == grpc.StatusCode.FAILED_PRECONDITION
+        assert "node's user" in data[dw.REPLY.size :].decode()
+
+
+def test_tokens_from_pages_copied_out_of_the_shared_pool_equal_the_cold_ones(tmp_path):
+    model = load_model("tiny")
+    prompt = "You are a helpful assistant. Answer briefly, and cite what you read. " * 2 + "What is a page?"
+
+    def engine():
+        return Engine(model, kv_dtype="float16", num_blocks=64, page_tokens=16, seed=0)
+
+    cold = engine().generate([prompt], max_new_tokens=12, ignore_eos=True)[0]
+    writer, reader = engine(), engine()
+    page_bytes = writer.kv_pool[0].nbytes
+    with node_process(tmp_path, "--page-bytes", str(page_bytes), "--capacity", "4MiB") as daemon:
+        tiers = [RemoteTier(writer.kv_pool, "float16"), RemoteTier(reader.kv_pool, "float16")]
+        try:
+            writer.attach_remote_tier(tiers[0])
+            reader.attach_remote_tier(tiers[1])
+            writer.generate([prompt], max_new_tokens=2, tier_context=Placement([daemon.address]))
+            assert tiers[0].flush(timeout_s=10.0) and tiers[0].stats.pages_written >= 8
+            with tiers[1].nodes.use([daemon.address]) as nodes:
+                assert nodes[0].client.map_shared_pool(timeout=10)
+            warm = reader.generate([prompt], max_new_tokens=12, ignore_eos=True,
+                                   tier_context=Placement([daemon.address]))[0]
+            with tiers[1].nodes.use([daemon.address]) as nodes:
+                assert nodes[0].client.data_plane_transport() == "shared memory"
+        finally:
+            for tier in tiers:
+                tier.close()
+    assert tiers[1].stats.pages_fetched >= 8 and tiers[1].stats.pages_rejected == 0
+    assert warm.usage.cached_tokens_remote >= 8 * 16
+    assert warm.token_ids == cold.token_ids
