@@ -461,6 +461,13 @@ class NodeClient:
         plane = self._data_plane()
         return plane.transport if plane is not None else None
 
+    def prepare_data_plane(self) -> None:
+        """Begin now, in the background, what the first data plane call would wait for or do
+        beside it: the shared pool's mapping (data_client.py note 8)."""
+        plane = self._data_plane()
+        if plane is not None:
+            plane.start_mapping()
+
     def map_shared_pool(self, timeout: float | None = None) -> bool:
         """Map the node's shared pool now rather than in the background (data_client.py note 8);
         whether pages now come out of it."""

@@ -234,7 +234,8 @@ class DataPlaneClient:
             self.pool_state = "mapping"
             return True
 
-    def _start_mapping(self) -> None:
+    def start_mapping(self) -> None:
+        """Map the node's pool on a thread of its own, unless asked already (design note 8)."""
         if self._claim_mapping():
             threading.Thread(target=self._map_pool, args=(_MAP_TIMEOUT_S,), name="kvnode-pool-map",
                              daemon=True).start()
@@ -346,7 +347,7 @@ class DataPlaneClient:
 
     def _call(self, exchange, timeout_s: float):
         if self.pool_state == "unasked":
-            self._start_mapping()  # design note 8
+            self.start_mapping()  # design note 8
         deadline = time.monotonic() + timeout_s
         for attempt in range(2):
             sock, reused = self._take(deadline, fresh=attempt > 0)

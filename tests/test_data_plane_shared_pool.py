@@ -246,3 +246,18 @@ def test_tokens_from_pages_copied_out_of_the_shared_pool_equal_the_cold_ones(tmp
     assert tiers[1].stats.pages_fetched >= 8 and tiers[1].stats.pages_rejected == 0
     assert warm.usage.cached_tokens_remote >= 8 * 16
     assert warm.token_ids == cold.token_ids
+
+
+def test_a_worker_maps_the_pool_at_first_contact_before_any_fetch(tmp_path):
+    with node_process(tmp_path, *ARGS) as daemon:
+        tier = RemoteTier(np.zeros((4, NODE_PAGE_BYTES // 2), dtype=np.float16), "float16")
+        try:
+            assert tier.lookup([key(1)], Placement([daemon.address])) == 0  # the first contact
+            with tier.nodes.use([daemon.address]) as nodes:
+                client = nodes[0].client
+                assert wait_for(lambda: client._data is not None and client._data.pool_state == "mapped",
+                                timeout_s=10.0)
+                assert client.data_plane_transport() == "shared memory"
+            assert tier.stats.pages_fetched == 0
+        finally:
+            tier.close()

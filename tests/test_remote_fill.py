@@ -165,12 +165,14 @@ def test_a_float16_pool_sends_and_receives_pages_as_the_node_holds_them(make_nod
     try:
         placement = Placement([node.address])
         block_ids = TARGETS[targets]
+        staged, staging_rows = [], tier._staging_rows
+        tier._staging_rows = lambda *args: staged.append(args) or staging_rows(*args)
         assert tier.lookup(keys, placement) == PAGES
         assert tier.fill(keys, block_ids, placement) == PAGES
         for page, block in enumerate(block_ids):
             np.testing.assert_array_equal(tier.pool[block].reshape(-1).view(np.uint8), held[page])
         if targets == "consecutive":
-            assert not tier._staging   # received straight into the blocks: no staging buffer, no cast
+            assert staged == []   # received straight into the blocks: no staging buffer, no cast
     finally:
         tier.close()
 

@@ -214,4 +214,5 @@ class NodeTable:
                 node.address, info.page_bytes, self.page_bytes,
             )
             return
+        node.client.prepare_data_plane()  # a same-host node's shared pool is mapped before the first fetch
         node.answered = True
