@@ -120,6 +120,24 @@ def _byte_view(page, index: int) -> memoryview:
 _OUTCOME_NAMES = {o: pb.PutReply.Outcome.Name(o).lower() for o in pb.PutReply.Outcome.values()}
 
 
+def _checked_pages(out, count: int, page_bytes: int) -> np.ndarray | list[np.ndarray]:
+    """`out` when it holds `count` pages: a C-contiguous (count, page_bytes) uint8 array, or a list
+    of `count` C-contiguous (page_bytes,) uint8 arrays; ValueError saying what it is otherwise."""
+    if isinstance(out, np.ndarray):
+        shape = (count, page_bytes)
+        if out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous uint8 array of shape {shape}, got {out.dtype} {out.shape}")
+        return out
+    if len(out) != count or any(page.shape != (page_bytes,) or page.dtype != np.uint8 or not page.flags.c_contiguous
+                                for page in out):
+        raise ValueError(f"out must be {count} C-contiguous uint8 arrays of shape ({page_bytes},), one a page")
+    return out
+
+
+def _byte_views(out: np.ndarray | list[np.ndarray]) -> memoryview | list[memoryview]:
+    return memoryview(out).cast("B") if isinstance(out, np.ndarray) else [memoryview(page) for page in out]
+
+
 def _host_of(address: str) -> str | None:
     """The host of a gRPC target "host:port" or "[v6]:port"; None for other target forms."""
     host, sep, port = address.rpartition(":")
@@ -232,10 +250,13 @@ class NodeClient:
         self._grpc_get_pages(keys, out, checksums, timeout)
         return self._verified(keys, out, checksums)
 
-    def get_pages_in_batches(self, batches: Sequence[Sequence[bytes]], out_for: Callable[[int], np.ndarray],
+    def get_pages_in_batches(self, batches: Sequence[Sequence[bytes]],
+                             out_for: Callable[[int], np.ndarray | list[np.ndarray]],
                              landed: Callable[[int], None], timeout: float | None = None) -> None:
         """get_pages of several batches, in order: batch i into out_for(i), a (len, page_bytes) uint8
-        array asked once its pages are coming (it may wait until that memory is free), checked
+        array or a list of len (page_bytes,) uint8 arrays, one a page (so pages bound for scattered
+        memory land there with no copy in between), asked once its pages are coming (it may wait
+        until that memory is free), checked
         against their checksums, then landed(i). Over the data plane every request is sent at once
         and the node answers them in turn, so the batches cost one round trip, not one each; over
         gRPC they go one by one. A page that fails its checksum raises PageRejected, its index
@@ -246,14 +267,11 @@ class NodeClient:
         page_bytes = self._known_info().page_bytes
         firsts = list(itertools.accumulate((len(keys) for keys in batches), initial=0))  # each batch's first page
         checksums = [bytearray(len(keys) * CHECKSUM_BYTES) for keys in batches]
-        outs: dict[int, np.ndarray] = {}
+        outs: dict[int, np.ndarray | list[np.ndarray]] = {}
         done = 0
 
-        def checked(number: int) -> np.ndarray:
-            out, shape = out_for(number), (len(batches[number]), page_bytes)
-            if out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
-                raise ValueError(f"out must be a C-contiguous uint8 array of shape {shape}, got {out.dtype} {out.shape}")
-            outs[number] = out
+        def checked(number: int) -> np.ndarray | list[np.ndarray]:
+            out = outs[number] = _checked_pages(out_for(number), len(batches[number]), page_bytes)
             return out
 
         def count(number: int) -> None:
@@ -270,7 +288,7 @@ class NodeClient:
             for keys in batches:
                 _check_keys(self.address, keys)
             try:
-                plane.get_batches(batches, lambda i: (memoryview(checked(i)).cast("B"), memoryview(checksums[i])),
+                plane.get_batches(batches, lambda i: (_byte_views(checked(i)), memoryview(checksums[i])),
                                   count, timeout or self.timeout)
                 return
             except DataPlaneError as exc:
@@ -278,7 +296,12 @@ class NodeClient:
                     raise NodeError(self.address, exc.code, exc.details) from None
                 self._data_plane_failed(plane, exc)  # returns only to fall back to gRPC
         for number in range(len(batches)):  # nothing landed over the data plane
-            self._grpc_get_pages(batches[number], checked(number), checksums[number], self._time_left(deadline))
+            out = checked(number)
+            rows = out if isinstance(out, np.ndarray) else np.empty((len(out), page_bytes), dtype=np.uint8)
+            self._grpc_get_pages(batches[number], rows, checksums[number], self._time_left(deadline))
+            if rows is not out:
+                for page, row in zip(out, rows):
+                    np.copyto(page, row)
             count(number)
 
     def get_pages_in_bands(self, keys: Sequence[bytes], outs: Sequence[np.ndarray], band_bytes: int,

@@ -122,12 +122,13 @@ class DataPlaneClient:
         self.get_batches([keys], lambda _: (out, checksums), lambda _: None, timeout_s)
 
     def get_batches(self, batches: Sequence[Sequence[bytes]],
-                    out_for: Callable[[int], tuple[memoryview, memoryview]],
+                    out_for: Callable[[int], tuple[memoryview | list[memoryview], memoryview]],
                     landed: Callable[[int], None], timeout_s: float) -> None:
         """GETs of several batches of keys on one connection, all sent at once (design note 4).
-        out_for(i) gives (pages, checksums), where batch i's pages and their checksums (16 bytes
-        each) are received; it is asked once that batch's reply began (it may wait until that
-        memory is free). landed(i) is called once both arrived, in order; the caller checks them."""
+        out_for(i) gives (pages, checksums), where batch i's pages (one buffer, or a list of one a
+        page) and their checksums (16 bytes each) are received; it is asked once that batch's reply
+        began (it may wait until that memory is free). landed(i) is called once both arrived, in
+        order; the caller checks them."""
         requests = [dw.get_request(keys) for keys in batches]
 
         def exchange(sock: socket.socket, deadline: float, reused: bool) -> None:
@@ -135,8 +136,9 @@ class DataPlaneClient:
             if pool is not None:  # design note 8: one batch at a time, each copied out of the pool
                 for number, keys in enumerate(batches):
                     out, checksums = out_for(number)
-                    self._copy_pages(sock, pool, keys, np.frombuffer(out, dtype=np.uint8).reshape(len(keys), -1),
-                                     checksums, deadline, reused and number == 0)
+                    pages = [np.frombuffer(page, dtype=np.uint8) for page in out] if isinstance(out, list) \
+                        else np.frombuffer(out, dtype=np.uint8).reshape(len(keys), -1)
+                    self._copy_pages(sock, pool, keys, pages, checksums, deadline, reused and number == 0)
                     landed(number)
                 return
             self._send(sock, requests, deadline, reused)
@@ -146,11 +148,15 @@ class DataPlaneClient:
                 if checksums.nbytes != len(batches[number]) * CHECKSUM_BYTES:
                     raise ValueError(f"batch {number}: room for {checksums.nbytes} bytes of checksums, expected "
                                      f"{len(batches[number]) * CHECKSUM_BYTES} ({CHECKSUM_BYTES} a page)")
-                if payload != checksums.nbytes + out.nbytes:
+                size = sum(page.nbytes for page in out) if isinstance(out, list) else out.nbytes
+                if payload != checksums.nbytes + size:
                     raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers {payload} bytes to batch {number}, "
-                                         f"expected {checksums.nbytes + out.nbytes} (checksums and pages)")
+                                         f"expected {checksums.nbytes + size} (checksums and pages)")
                 _receive(sock, checksums, deadline)  # a version 2 reply: the checksums, then the pages
-                _receive(sock, out, deadline)
+                if isinstance(out, list):
+                    _receive_scattered(sock, out, deadline)
+                else:
+                    _receive(sock, out, deadline)
                 landed(number)
 
         self._call(exchange, timeout_s)

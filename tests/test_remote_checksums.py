@@ -77,8 +77,8 @@ def test_an_altered_page_in_a_later_batch_keeps_the_batches_before_and_its_own_p
         assert tier.fill(keys, block_ids, placement) == altered
         for page in range(altered):  # two whole batches and the page before it in its own
             np.testing.assert_array_equal(fill.bits(tier.pool[block_ids[page]]), fill.bits(pages[page]))
-        if kv_dtype == "float32" and targets == "consecutive":  # its batch was received in place, the
-            untouched = block_ids[9:]                            # rejected page with it: computed over
+        if kv_dtype == "float32":  # its batch was received in place (consecutive blocks or not), the
+            untouched = block_ids[9:]  # rejected page with it: computed over
         else:
             untouched = block_ids[altered:]
         assert not tier.pool[untouched].any(), "nothing after the rejected page reached the pool"

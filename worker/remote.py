@@ -13,8 +13,9 @@ Design notes
    the probes in flight (`max_probes`; past it an unknown address is a miss).
 4. Fetched pages come in batches: a fetch thread receives batch i+1 while the engine's thread
    writes batch i into the pool, so the transfer and the writing overlap instead of adding up.
-   Pages bound for consecutive blocks of a pool in the wire dtype (the engine's, engine design
-   note 9) are received straight into them; a float32 pool's float16 pages are cast (half.py).
+   Pages bound for blocks of a pool in the wire dtype (the engine's, engine design note 9) are
+   received straight into them, consecutive or not; a float32 pool's float16 pages are cast
+   (half.py).
    The batches' requests all go out at once (NodeClient.get_pages_in_batches), so a fetch costs
    one round trip to the node, not one a batch; two staging buffers take turns, the fetch thread
    waiting for the one written last.
@@ -155,10 +156,11 @@ class RemoteTier:
         self._outbox: queue.Queue = queue.Queue(maxsize=max(16, queue_bytes // pool[0].nbytes))
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fetch")
         self._fetch_lock = threading.Lock()  # one fill at a time owns the staging buffers
-        # Two reused receive buffers, for float16 pages bound for a float32 pool and for pages bound for
-        # blocks that are not consecutive: touched now, not in a request (fresh memory is written far
-        # slower here: a first fill through untouched ones took 50-70 ms more for 64 gpt2-small pages).
-        self._staging = [np.full((self.fetch_batch_pages, self.page_bytes), 0, dtype=np.uint8) for _ in range(2)]
+        # Two reused receive buffers for float16 pages bound for a float32 pool, touched now, not in a
+        # request (fresh memory is written far slower here: a first fill through untouched ones took
+        # 50-70 ms more for 64 gpt2-small pages). A pool in the wire dtype never needs them.
+        self._staging = ([np.full((self.fetch_batch_pages, self.page_bytes), 0, dtype=np.uint8) for _ in range(2)]
+                         if self.wire_dtype != pool.dtype else [])
         self._band_staging = np.empty((0, self.page_bytes), dtype=np.uint8)  # float16 layer-wise fills: grown, kept
         self._sender = threading.Thread(target=self._send_loop, name="kv-writeback", daemon=True)
         self._stopping = threading.Event()
@@ -327,7 +329,8 @@ class RemoteTier:
                 into_pool = self._pool_rows(block_ids, 0, len(keys))
                 rows = into_pool if into_pool is not None else self._staging_rows(0, len(keys))
                 try:
-                    node.client.get_pages(keys, out=rows, timeout=self._fetch_timeout(len(keys)))
+                    node.client.get_pages_in_batches([keys], lambda _: rows, lambda _: None,
+                                                     timeout=self._fetch_timeout(len(keys)))
                 except PageRejected as exc:  # design note 6: the pages before it are intact
                     self._land(block_ids[: exc.index], None if into_pool is not None else rows[: exc.index], exc.index)
                     return exc.index, exc
@@ -390,12 +393,15 @@ class RemoteTier:
         self._count("pages_fetched", count)
         self._count("bytes_fetched", count * self.page_bytes)
 
-    def _pool_rows(self, block_ids: Sequence[int], start: int, end: int) -> np.ndarray | None:
-        """Pages in the pool's dtype bound for consecutive blocks are received straight into the pool: there."""
+    def _pool_rows(self, block_ids: Sequence[int], start: int, end: int) -> np.ndarray | list[np.ndarray] | None:
+        """Pages in the pool's dtype are received straight into their blocks: the blocks' bytes, one
+        array when they are consecutive, else one a block; None for pages that must be cast first."""
+        if self.wire_dtype != self.pool.dtype:
+            return None
         count, first = end - start, block_ids[start]
-        if self.wire_dtype == self.pool.dtype and list(block_ids[start:end]) == list(range(first, first + count)):
+        if list(block_ids[start:end]) == list(range(first, first + count)):
             return self.pool[first : first + count].reshape(count, -1).view(np.uint8)
-        return None
+        return [self.pool[block].reshape(-1).view(np.uint8) for block in block_ids[start:end]]
 
     def _staging_rows(self, buffer: int, count: int) -> np.ndarray:
         return self._staging[buffer][:count]
