@@ -271,8 +271,9 @@ class NodeClient:
         done = 0
 
         def checked(number: int) -> np.ndarray | list[np.ndarray]:
-            out = outs[number] = _checked_pages(out_for(number), len(batches[number]), page_bytes)
-            return out
+            if number not in outs:  # asked once, even when a retry or the fallback asks again
+                outs[number] = _checked_pages(out_for(number), len(batches[number]), page_bytes)
+            return outs[number]
 
         def count(number: int) -> None:
             nonlocal done

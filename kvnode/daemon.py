@@ -116,9 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-shared-pool", action="store_true",
         help="do not let clients on this host copy pages out of the node's RAM pool (by default a plaintext "
              "node keeps its pool in shared memory, and a process of the node's own user, or root, on the "
-             "unix socket may map it read-only and copy the pages it fetches straight out of it, ~3x the unix "
-             "socket's throughput; with --tls-* it is never offered). Such a process could read the node's "
-             "memory anyway",
+             "unix socket may map it read-only and copy the pages it fetches straight out of it, ~1.8x the unix "
+             "socket's throughput; with --tls-* it is never offered)",
     )
     parser.add_argument(
         "--no-data-plane", action="store_true",

@@ -37,9 +37,13 @@ Design notes
    (kvnode/shared_pool.py; data_plane design note 9) and fetches by slot: GET_SLOTS pins the
    pages and tells where they are, the client copies them out of the mapping and releases them
    (data_wire design note 7); a page the node has on disk only comes by GET after. The mapping
-   is made by a thread of its own, started by the first call, so no request waits for it; until
-   it is there, and for good once the node refused it (TLS, another user, --no-shared-pool),
-   pages come over the socket as before. The caller checks the checksums as always.
+   is made by a thread of its own, started by the first call (or NodeClient.prepare_data_plane),
+   so no request waits for it; until it is there, pages come over the socket as before: for good
+   once the node refused it (TLS, another user, --no-shared-pool, a node before the op) or its
+   descriptor was not sealed as shared_pool note 1 says, else (a busy socket, a timeout) the
+   mapping is tried again after _MAP_RETRY_S. Each batch costs a round trip of its own (the
+   request, then the release). The caller checks the checksums as always. A socket name found
+   gone drops the mapping with it.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ from kvnode.checksum import CHECKSUM_BYTES
 
 _MAX_IDLE = 4
 _MAP_TIMEOUT_S = 30.0  # the shared pool's mapping (design note 8), on its own thread
+_MAP_RETRY_S = 30.0  # after a mapping failed for a reason that may pass (a busy socket, a timeout)
+_MAX_MESSAGE_BYTES = 64 << 10  # of a node's error message read
 _SLOT_ENTRY = CHECKSUM_BYTES + dw.SLOT.size
 _UNIX_GONE = (errno.ECONNREFUSED, errno.ENOENT)  # nobody listens on the name: the node exited or restarted
 _UNIX_FORBIDDEN = (errno.EAFNOSUPPORT, errno.EPERM, errno.EACCES)  # no unix socket can be made here
@@ -110,7 +116,8 @@ class DataPlaneClient:
         # The node's pool, mapped read-only (design note 8): "unasked", "mapping", "mapped" or "refused".
         self.pool_state = "unasked" if shared_memory and self.unix_name and tls is None else "refused"
         self._pool: np.ndarray | None = None
-        self._pool_mapped = threading.Event()
+        self._mapping_done = threading.Event()  # a new one each time a mapping is begun
+        self._map_again_at = 0.0
 
     @property
     def address(self) -> str:
@@ -135,10 +142,8 @@ class DataPlaneClient:
             pool = self._pool_for(sock)
             if pool is not None:  # design note 8: one batch at a time, each copied out of the pool
                 for number, keys in enumerate(batches):
-                    out, checksums = out_for(number)
-                    pages = [np.frombuffer(page, dtype=np.uint8) for page in out] if isinstance(out, list) \
-                        else np.frombuffer(out, dtype=np.uint8).reshape(len(keys), -1)
-                    self._copy_pages(sock, pool, keys, pages, checksums, deadline, reused and number == 0)
+                    self._copy_pages(sock, pool, keys, lambda: _page_arrays(out_for(number), len(keys)), deadline,
+                                     reused and number == 0)
                     landed(number)
                 return
             self._send(sock, requests, deadline, reused)
@@ -183,8 +188,8 @@ class DataPlaneClient:
         def exchange(sock: socket.socket, deadline: float, reused: bool) -> None:
             pool = self._pool_for(sock)
             if pool is not None:  # design note 8: whole pages out of the pool, then every band at once
-                self._copy_pages(sock, pool, keys, [np.frombuffer(out, dtype=np.uint8) for out in outs], checksums,
-                                 deadline, reused)
+                self._copy_pages(sock, pool, keys, lambda: ([np.frombuffer(out, dtype=np.uint8) for out in outs],
+                                                            checksums), deadline, reused)
                 for band in range(len(bands)):
                     landed(band)
                 return
@@ -230,15 +235,8 @@ class DataPlaneClient:
         if self._claim_mapping():
             self._map_pool(timeout_s)
         elif self.pool_state == "mapping":
-            self._pool_mapped.wait(timeout_s)
+            self._mapping_done.wait(timeout_s)
         return self.pool_state == "mapped"
-
-    def _claim_mapping(self) -> bool:
-        with self._lock:
-            if self.pool_state != "unasked" or self._closed:
-                return False
-            self.pool_state = "mapping"
-            return True
 
     def start_mapping(self) -> None:
         """Map the node's pool on a thread of its own, unless asked already (design note 8)."""
@@ -246,11 +244,18 @@ class DataPlaneClient:
             threading.Thread(target=self._map_pool, args=(_MAP_TIMEOUT_S,), name="kvnode-pool-map",
                              daemon=True).start()
 
+    def _claim_mapping(self) -> bool:
+        with self._lock:
+            if self.pool_state != "unasked" or self._closed or time.monotonic() < self._map_again_at:
+                return False
+            self.pool_state, self._mapping_done = "mapping", threading.Event()
+            return True
+
     def _map_pool(self, timeout_s: float) -> None:
-        """MAP_POOL on a new connection to the Unix socket; the pool mapped, or refused for good."""
-        pool, why = None, ""
+        """MAP_POOL on a new connection to the Unix socket: the pool mapped; refused for good when
+        the node or its descriptor says no (design note 8); else asked again after _MAP_RETRY_S."""
+        pool, why, for_good, sock = None, "", False, None
         deadline = time.monotonic() + timeout_s
-        sock = None
         try:
             sock = self._connect_unix(deadline)
             if sock is None:
@@ -258,96 +263,99 @@ class DataPlaneClient:
             else:
                 sock.settimeout(None)
                 dw.set_kernel_timeouts(sock, max(0.001, deadline - time.monotonic()))
-                sock.sendall(dw.request_header(dw.OP_MAP_POOL, 0))
-                data, fds, _, _ = socket.recv_fds(sock, dw.REPLY.size + dw.POOL_REPLY.size, 1)
-                try:
-                    pool, why = self._pool_from_reply(sock, data, fds, deadline)
-                finally:
-                    for fd in fds:
-                        os.close(fd)
-        except (OSError, DataPlaneError, ValueError) as exc:
-            why = str(exc)
+                uid = shared_pool.peer_uid(sock)
+                if uid not in (os.geteuid(), 0):  # shared_pool note 2: not the node's socket, or not ours to trust
+                    why, for_good = f"the process on its unix socket runs as user {uid}, not as this one or root", True
+                else:
+                    sock.sendall(dw.request_header(dw.OP_MAP_POOL, 0))
+                    pool = self._receive_pool(sock, deadline)
+        except DataPlaneError as exc:  # FAILED_PRECONDITION: not offered; INVALID_ARGUMENT: a node before the op
+            why = f"{exc.code.name}: {exc.details}"
+            for_good = exc.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+        except ValueError as exc:  # a descriptor not sealed or sized as promised
+            why, for_good = str(exc), True
+        except Exception as exc:  # OSError, MemoryError, ...: this try only
+            why = str(exc) or repr(exc)
         with self._lock:
             if pool is not None and not self._closed:
                 self._pool, self.pool_state = pool, "mapped"
             else:
-                self.pool_state = "refused"
+                pool = None
+                self.pool_state = "refused" if for_good else "unasked"
+                self._map_again_at = time.monotonic() + _MAP_RETRY_S
+            self._mapping_done.set()
         if pool is None:
-            log.info("kvnode data plane %s: pages come over the socket, not out of the node's shared pool (%s)",
-                     self.address, why)
+            log.info("kvnode data plane %s: pages come over the socket, not out of the node's shared pool (%s)%s",
+                     self.address, why, "" if for_good else f"; asked again in {_MAP_RETRY_S:.0f} s")
         if sock is not None:
             if pool is not None:
                 self._give_back(sock)
             else:
                 sock.close()
-        self._pool_mapped.set()
 
-    def _pool_from_reply(self, sock: socket.socket, data: bytes, fds: list[int],
-                         deadline: float) -> tuple[np.ndarray | None, str]:
-        if len(data) < dw.REPLY.size:
+    def _receive_pool(self, sock: socket.socket, deadline: float) -> np.ndarray:
+        """The MAP_POOL reply: its descriptor mapped (shared_pool.map_read_only), or the node's status raised."""
+        data, fds, _, _ = socket.recv_fds(sock, dw.REPLY.size, 1, getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+        try:
+            if not data:
+                raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, "connection closed before a reply")
             header = memoryview(bytearray(dw.REPLY.size))
             header[: len(data)] = data
             _receive(sock, header[len(data):], deadline)
-            data = bytes(header)
-        code, message_bytes, payload = dw.parse_reply_header(data[: dw.REPLY.size])
-        if code != grpc.StatusCode.OK:
-            message = memoryview(bytearray(message_bytes))
-            got = data[dw.REPLY.size :][:message_bytes]
-            message[: len(got)] = got
-            _receive(sock, message[len(got):], deadline)
-            return None, f"{code.name}: {bytes(message).decode('utf-8', errors='replace')}"
-        if payload != dw.POOL_REPLY.size or len(data) != dw.REPLY.size + dw.POOL_REPLY.size or len(fds) != 1:
-            return None, f"a MAP_POOL reply of {len(data)} bytes and {len(fds)} descriptors is not one this client reads"
-        pages, page_bytes = dw.POOL_REPLY.unpack_from(data, dw.REPLY.size)
-        return shared_pool.map_read_only(fds[0], pages, page_bytes), ""
+            payload = self._payload_or_status(sock, header, deadline)
+            if payload != dw.POOL_REPLY.size or len(fds) != 1:
+                raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"a MAP_POOL reply of {payload} bytes and {len(fds)} "
+                                     "descriptors is not one this client reads")
+            body = memoryview(bytearray(dw.POOL_REPLY.size))
+            _receive(sock, body, deadline)
+            return shared_pool.map_read_only(fds[0], *dw.POOL_REPLY.unpack(body))
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _pool_for(self, sock) -> np.ndarray | None:
         """The mapped pool when this connection can fetch out of it (a plain Unix one), else None."""
         pool = self._pool
         return pool if pool is not None and getattr(sock, "family", None) == socket.AF_UNIX else None
 
-    def _copy_pages(self, sock: socket.socket, pool: np.ndarray, keys: Sequence[bytes], outs, checksums: memoryview,
+    def _copy_pages(self, sock: socket.socket, pool: np.ndarray, keys: Sequence[bytes],
+                    destination: Callable[[], tuple[list[np.ndarray] | np.ndarray, memoryview]],
                     deadline: float, reused: bool) -> None:
-        """GET_SLOTS: page i copied out of the pool into outs[i] and its checksum into `checksums`;
-        the pages the node has no slot for come by GET after the release (data_wire note 7)."""
-        if checksums.nbytes != len(keys) * CHECKSUM_BYTES:
-            raise ValueError(f"room for {checksums.nbytes} bytes of checksums, expected "
-                             f"{len(keys) * CHECKSUM_BYTES} ({CHECKSUM_BYTES} a page)")
-        self._send(sock, [dw.get_slots_request(keys)], deadline, reused)
+        """GET_SLOTS (data_wire note 7): destination() gives (pages, checksums) once the node
+        answered, as out_for does for a GET; page i is copied out of the pool into pages[i] (or
+        received, when the node has it in no slot) and its checksum into `checksums`; then the
+        pages are released."""
+        self._send(sock, [dw.get_request(keys, dw.OP_GET_SLOTS)], deadline, reused)
         payload = self._reply_header(sock, deadline, reused)
-        if payload != len(keys) * _SLOT_ENTRY:
-            raise DataPlaneError(grpc.StatusCode.DATA_LOSS,
-                                 f"node answers {payload} bytes of slots for {len(keys)} pages, expected "
-                                 f"{len(keys) * _SLOT_ENTRY}")
-        body = memoryview(bytearray(payload))
-        _receive(sock, body, deadline)
-        missing = []
+        table = memoryview(bytearray(len(keys) * _SLOT_ENTRY))
+        if payload < table.nbytes:
+            raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers {payload} bytes to a GET_SLOTS of "
+                                 f"{len(keys)} pages, expected at least {table.nbytes}")
+        _receive(sock, table, deadline)
+        slots = [dw.SLOT.unpack_from(table, i * _SLOT_ENTRY + CHECKSUM_BYTES)[0] for i in range(len(keys))]
+        unslotted = [i for i, slot in enumerate(slots) if slot == dw.NO_SLOT]
+        page_bytes = pool.shape[1]
+        if payload != table.nbytes + len(unslotted) * page_bytes or \
+                any(slot >= len(pool) for slot in slots if slot != dw.NO_SLOT):
+            raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers a GET_SLOTS of {len(keys)} pages with "
+                                 f"{payload} bytes, naming slots {sorted(set(slots) - {dw.NO_SLOT})} of a pool of "
+                                 f"{len(pool)}: not one this client reads")
+        pages, checksums = destination()
+        if any(page.nbytes != page_bytes for page in pages):
+            raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"the node's shared pool holds pages of {page_bytes} "
+                                 f"bytes, the caller's of {pages[0].nbytes}")
         for i in range(len(keys)):
-            entry = body[i * _SLOT_ENTRY : (i + 1) * _SLOT_ENTRY]
-            checksums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES] = entry[:CHECKSUM_BYTES]
-            slot = dw.SLOT.unpack_from(entry, CHECKSUM_BYTES)[0]
-            if slot == dw.NO_SLOT:
-                missing.append(i)
-            elif slot >= len(pool):
-                raise DataPlaneError(grpc.StatusCode.DATA_LOSS,
-                                     f"node names slot {slot} of a pool of {len(pool)} pages")
-            else:
-                np.copyto(outs[i], pool[slot])
-        self._send(sock, [dw.RELEASE], deadline, False)
-        if missing:
-            page_bytes = pool.shape[1]
-            pages = np.empty((len(missing), page_bytes), dtype=np.uint8)
-            sums = memoryview(bytearray(len(missing) * CHECKSUM_BYTES))
-            self._send(sock, [dw.get_request([keys[i] for i in missing])], deadline, False)
-            if self._reply_header(sock, deadline, False) != sums.nbytes + pages.nbytes:
-                raise DataPlaneError(grpc.StatusCode.DATA_LOSS, "node's GET reply to the pages without a slot has "
-                                     "the wrong length")
-            _receive(sock, sums, deadline)
-            _receive(sock, memoryview(pages).cast("B"), deadline)
-            for row, i in enumerate(missing):
-                np.copyto(outs[i], pages[row])
-                checksums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES] = sums[row * CHECKSUM_BYTES :
-                                                                               (row + 1) * CHECKSUM_BYTES]
+            checksums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES] = table[i * _SLOT_ENTRY :
+                                                                             i * _SLOT_ENTRY + CHECKSUM_BYTES]
+        if unslotted:
+            _receive_scattered(sock, [memoryview(pages[i]) for i in unslotted], deadline)
+        for page, slot in zip(pages, slots):
+            if slot != dw.NO_SLOT:
+                np.copyto(page, pool[slot])
+        try:
+            sock.sendall(dw.RELEASE)
+        except OSError as exc:  # the node unpins them as the connection goes
+            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"connection broke before the release: {exc}") from None
 
     # ---- plumbing ----------------------------------------------------------------
 
@@ -414,6 +422,7 @@ class DataPlaneClient:
                          "is gone" if gone else "cannot be used from this process", exc)
                 self.unix_name = ""
                 self.unix_gone = gone
+                self._pool = None  # a gone node's memory is freed once no reader maps it (shared_pool note 2)
             else:
                 (log.debug if self._told_unix_busy else log.info)(
                     "kvnode data plane %s: its unix socket @%s did not take a connection (%s); that connection "
@@ -479,18 +488,31 @@ class DataPlaneClient:
             raise DataPlaneError(grpc.StatusCode.UNAVAILABLE,
                                  f"connection to {self.address} closed before a reply: {broken or exc}",
                                  closed_unanswered=True) from None
+        if broken is not None and dw.parse_reply_header(header)[0] == grpc.StatusCode.OK:
+            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"connection broke while sending: {broken}")
+        return self._payload_or_status(sock, header, deadline)
+
+    @staticmethod
+    def _payload_or_status(sock: socket.socket, header, deadline: float) -> int:
+        """An OK reply header's payload length; else the node's status and message, raised."""
         code, message_bytes, payload = dw.parse_reply_header(header)
         if code == grpc.StatusCode.OK:
-            if broken is not None:
-                raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"connection broke while sending: {broken}")
             return payload
-        message = memoryview(bytearray(message_bytes))
+        message = memoryview(bytearray(min(message_bytes, _MAX_MESSAGE_BYTES)))
         try:
             _receive(sock, message, deadline)
             details = bytes(message).decode("utf-8", errors="replace")
         except DataPlaneError:
             details = "(the node's message was cut off)"
         raise DataPlaneError(code, details)
+
+
+def _page_arrays(destination: tuple, count: int) -> tuple[list[np.ndarray] | np.ndarray, memoryview]:
+    """out_for's (pages, checksums) with the pages as `count` uint8 arrays, one a page."""
+    out, checksums = destination
+    if isinstance(out, list):
+        return [np.frombuffer(page, dtype=np.uint8) for page in out], checksums
+    return np.frombuffer(out, dtype=np.uint8).reshape(count, -1), checksums
 
 
 def _is_loopback(host: str) -> bool:

@@ -62,8 +62,10 @@ Design notes
    (GET_SLOTS: data_wire design note 7): a copy at memory speed instead of a socket's two. Only
    where no more is revealed than the peer could read already: a plaintext node (with
    `credentials` the same host goes over TLS on the Unix socket, as a member's certificate is
-   the rule there), and a peer process of the node's own user or root (SO_PEERCRED), who could
-   read the node's memory anyway. Pages stay pinned until the peer says it copied them, or
+   the rule there), and a peer process of the node's own user or root (SO_PEERCRED), who may
+   read the pages over the socket anyway (and could attach to the node where ptrace is not
+   restricted). The pool is sealed against writes (shared_pool note 1): a reader cannot alter a
+   page. Pages stay pinned until the peer says it copied them, or
    until `timeout_s` passes and the connection is dropped, as a GET's reply must be sent
    within it.
 """
@@ -133,6 +135,7 @@ class DataPlaneServer:
         # The pool readers on this host may map (design note 9); None: not shared.
         self.shared_pool = (store.shared_pool if share_pool and self._unix_listener is not None and credentials is None
                             else None)
+        self.pages_by_slot = 0  # pages readers copied out of the shared pool (GET_SLOTS), since start
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._busy: set[socket.socket] = set()  # connections serving a request (design note 5)
         self._lock = threading.Lock()
@@ -337,11 +340,15 @@ class DataPlaneServer:
             return header.count * header.key_bytes
         return header.count * (dw.put_entry_bytes(header.key_bytes, header.checksums) + header.page_bytes)
 
+    @staticmethod
+    def _receive_keys(connection: "_Connection", header: dw.RequestHeader) -> list[bytes]:
+        raw_keys = connection.receive(header.count * KEY_BYTES)
+        connection.pending = 0
+        return [bytes(raw_keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]) for i in range(header.count)]
+
     def _get(self, connection: "_Connection", header: dw.RequestHeader) -> None:
         started = time.perf_counter()
-        raw_keys = connection.receive(header.count * KEY_BYTES)
-        keys = [bytes(raw_keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]) for i in range(header.count)]
-        connection.pending = 0
+        keys = self._receive_keys(connection, header)
         bands = None
         if header.op == dw.OP_GET_BANDS:  # design note 7
             if not header.checksums:
@@ -384,40 +391,41 @@ class DataPlaneServer:
         return None
 
     def _map_pool(self, connection: "_Connection") -> None:
-        """MAP_POOL: the pool's read-only descriptor, sent beside the reply (data_wire note 7)."""
+        """MAP_POOL: the pool's sealed descriptor, sent beside the reply (data_wire note 7)."""
         refusal = self._not_shared_reason(connection.conn)
         if refusal is not None:
             raise dw.FrameError(grpc.StatusCode.FAILED_PRECONDITION, refusal)
         pool = self.shared_pool
-        fd = pool.read_only_fd()
-        try:
-            connection.send_with_fd(dw.ok_reply(dw.POOL_REPLY.size) + dw.POOL_REPLY.pack(pool.pages, pool.page_bytes), fd)
-        finally:
-            os.close(fd)
+        connection.send_with_fd(dw.ok_reply(dw.POOL_REPLY.size) + dw.POOL_REPLY.pack(pool.pages, pool.page_bytes),
+                                pool.fd)
 
     def _get_slots(self, connection: "_Connection", header: dw.RequestHeader) -> None:
-        """GET_SLOTS: pin the pages, tell their slots, unpin once the reader says it copied them."""
+        """GET_SLOTS: pin the pages, tell their slots (and send the bytes of those without one),
+        unpin once the reader says it copied them (data_wire note 7)."""
         started = time.perf_counter()
-        raw_keys = connection.receive(header.count * KEY_BYTES)
-        keys = [bytes(raw_keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]) for i in range(header.count)]
-        connection.pending = 0
+        keys = self._receive_keys(connection, header)
         refusal = self._not_shared_reason(connection.conn)
         if refusal is not None:
             raise dw.FrameError(grpc.StatusCode.FAILED_PRECONDITION, refusal)
         try:
-            slots = self.store.pin_slots(keys)
+            slots, views = self.store.pin_slots(keys)
         except PageNotFound as exc:
             raise dw.FrameError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
         try:
             checksums = self.store.checksums(keys)  # pinned: still cached
-            body = b"".join(checksum + dw.SLOT.pack(dw.NO_SLOT if slot is None else slot)
-                            for checksum, slot in zip(checksums, slots))
-            connection.send(dw.ok_reply(len(body)) + body)
+            table = b"".join(checksum + dw.SLOT.pack(dw.NO_SLOT if slot is None else slot)
+                             for checksum, slot in zip(checksums, slots))
+            unslotted = [view for slot, view in zip(slots, views) if slot is None]
+            payload = len(table) + len(unslotted) * self.store.page_bytes
+            connection.send_parts([dw.ok_reply(payload) + table, *unslotted], deadline=time.monotonic() + self.timeout_s)
             answer = connection.receive(len(dw.RELEASE))  # within timeout_s, or the peer is dropped
             if bytes(answer) != dw.RELEASE:
                 raise _Dropped(f"sent {bytes(answer)!r} instead of releasing the pages of a GET_SLOTS")
         finally:
+            del views
             self.store.unpin_pages(keys)
+        with self._lock:
+            self.pages_by_slot += len(keys) - len(unslotted)
         if self.metrics is not None:
             self.metrics.data_get(header.count * self.store.page_bytes, time.perf_counter() - started)
 
@@ -563,18 +571,13 @@ class _Connection:
 
     def send_with_fd(self, data: bytes, fd: int) -> None:
         """`data` with `fd` as SCM_RIGHTS ancillary data (a plain Unix socket only)."""
-        try:
-            sent = socket.send_fds(self.conn, [data], [fd])
-            if sent < len(data):
-                self.conn.sendall(data[sent:])
-        except (BlockingIOError, socket.timeout):
-            raise _Dropped("stopped reading the reply") from None
-        except OSError as exc:
-            raise _Dropped(f"connection broke while sending: {exc}") from None
+        self.send(data, fd)
 
-    def send(self, data) -> None:
+    def send(self, data, fd: int | None = None) -> None:
         try:
-            self.conn.sendall(data)
+            sent = 0 if fd is None else socket.send_fds(self.conn, [data], [fd])
+            if sent < len(data):
+                self.conn.sendall(memoryview(data)[sent:])
         except (BlockingIOError, socket.timeout):
             raise _Dropped("stopped reading the reply") from None
         except OSError as exc:

@@ -44,10 +44,11 @@ Design notes
                pool's read-only descriptor as SCM_RIGHTS ancillary data. Refused
                FAILED_PRECONDITION where the node does not share its pool with this peer.
      GET_SLOTS (op 5) count x key. OK: count x (checksum, slot u64; NO_SLOT for a page the
-               reader must GET instead), every page pinned; the reader copies them out of its
-               mapping and then sends the one byte RELEASE, and only then does the node unpin
-               them. A reader that sends anything else, or nothing within the node's timeout, is
-               dropped, and the pins with it.
+               node has in no slot of the pool: on disk only, no RAM slot to be had), then the
+               bytes of the NO_SLOT pages back to back, in request order; every page pinned. The
+               reader copies the others out of its mapping and then sends the one byte RELEASE,
+               and only then does the node unpin them. A reader that sends anything else, or
+               nothing within the node's timeout, is dropped, and the pins with it.
 """
 
 from __future__ import annotations
@@ -112,16 +113,10 @@ def request_header(op: int, count: int, key_bytes: int = 16, page_bytes: int = 0
     return REQUEST.pack(magic, version, op, key_bytes, count, page_bytes)
 
 
-def get_request(keys: Sequence[bytes]) -> bytes:
-    """A whole GET request: header and keys (every key as long as the first)."""
+def get_request(keys: Sequence[bytes], op: int = OP_GET) -> bytes:
+    """A whole GET (or GET_SLOTS) request: header and keys (every key as long as the first)."""
     key_bytes = len(keys[0]) if keys else 16
-    return request_header(OP_GET, len(keys), key_bytes) + b"".join(keys)
-
-
-def get_slots_request(keys: Sequence[bytes]) -> bytes:
-    """A whole GET_SLOTS request (design note 7)."""
-    key_bytes = len(keys[0]) if keys else 16
-    return request_header(OP_GET_SLOTS, len(keys), key_bytes) + b"".join(keys)
+    return request_header(op, len(keys), key_bytes) + b"".join(keys)
 
 
 def get_bands_request(keys: Sequence[bytes], band_bytes: int) -> bytes:

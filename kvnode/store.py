@@ -326,13 +326,13 @@ class PageStore:
         with self._lock:
             return self._pin(keys)
 
-    def pin_slots(self, keys: Sequence[bytes]) -> list[int | None]:
+    def pin_slots(self, keys: Sequence[bytes]) -> tuple[list[int | None], list[memoryview]]:
         """pin_pages for a reader of the shared pool (kvnode/shared_pool.py): each page's RAM slot,
         or None for one served from a buffer of its own (on disk only, no RAM slot to be had),
-        which the reader must be sent. Pinned until unpin_pages(keys), as pin_pages."""
+        whose bytes the reader must be sent, and pin_pages' views. Pinned until unpin_pages(keys)."""
         with self._lock:
-            self._pin(keys)
-            return [self._index[key].slot for key in keys]
+            views = self._pin(keys)
+            return [self._index[key].slot for key in keys], views
 
     def unpin_pages(self, keys: Sequence[bytes]) -> None:
         with self._lock:

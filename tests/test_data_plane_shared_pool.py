@@ -99,7 +99,7 @@ def test_pins_last_until_the_release_and_no_longer():
         with node.client(use_data_plane=False) as grpc_client:
             assert grpc_client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3
         with unix_connection(server) as sock:
-            sock.sendall(dw.get_slots_request(GOOD))
+            sock.sendall(dw.get_request(GOOD, dw.OP_GET_SLOTS))
             code, _, payload = dw.parse_reply_header(receive_exactly(sock, dw.REPLY.size))
             assert code == grpc.StatusCode.OK and payload == 3 * (16 + dw.SLOT.size)
             body = receive_exactly(sock, payload)
@@ -111,20 +111,20 @@ def test_pins_last_until_the_release_and_no_longer():
             assert node.store.num_pinned() == 3, "unpinned before the release"
             sock.sendall(dw.RELEASE)
             assert wait_for(lambda: node.store.num_pinned() == 0, timeout_s=2.0)
-            sock.sendall(dw.get_slots_request(GOOD[:1]))  # the connection goes on serving
+            sock.sendall(dw.get_request(GOOD[:1], dw.OP_GET_SLOTS))  # the connection goes on serving
             assert dw.parse_reply_header(receive_exactly(sock, dw.REPLY.size))[0] == grpc.StatusCode.OK
             receive_exactly(sock, 24)
             assert node.store.num_pinned() == 1
         assert wait_for(lambda: node.store.num_pinned() == 0, timeout_s=2.0), "a closed reader kept its pins"
         with unix_connection(server) as sock:  # a reader that never releases: dropped after timeout_s
-            sock.sendall(dw.get_slots_request(GOOD))
+            sock.sendall(dw.get_request(GOOD, dw.OP_GET_SLOTS))
             receive_exactly(sock, dw.REPLY.size + 3 * 24)
             started = time.monotonic()
             assert wait_for(lambda: node.store.num_pinned() == 0, timeout_s=5.0)
             assert 0.5 < time.monotonic() - started < 4.0
             assert sock.recv(1) == b"", "the node kept the stalled connection"
         with unix_connection(server) as sock:  # anything but the release byte: dropped, unpinned
-            sock.sendall(dw.get_slots_request(GOOD))
+            sock.sendall(dw.get_request(GOOD, dw.OP_GET_SLOTS))
             receive_exactly(sock, dw.REPLY.size + 3 * 24)
             sock.sendall(b"X")
             assert wait_for(lambda: node.store.num_pinned() == 0, timeout_s=2.0)
@@ -140,6 +140,17 @@ def test_the_mapping_a_reader_gets_cannot_be_written():
             assert dw.POOL_REPLY.unpack_from(data, dw.REPLY.size) == (16, NODE_PAGE_BYTES)
             with pytest.raises(PermissionError):
                 mmap.mmap(fds[0], 16 * NODE_PAGE_BYTES, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            reopened = os.open(f"/proc/self/fd/{fds[0]}", os.O_RDWR)  # another descriptor of the same memory
+            try:
+                with pytest.raises(PermissionError):
+                    mmap.mmap(reopened, 16 * NODE_PAGE_BYTES, flags=mmap.MAP_SHARED,
+                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                with pytest.raises(PermissionError):
+                    os.pwrite(reopened, b"poison", 0)
+                with pytest.raises(PermissionError):
+                    os.ftruncate(reopened, NODE_PAGE_BYTES)  # a shrunk pool would kill its readers (SIGBUS)
+            finally:
+                os.close(reopened)
             pool = shared_pool.map_read_only(fds[0], 16, NODE_PAGE_BYTES)
         finally:
             for fd in fds:
@@ -162,6 +173,7 @@ def test_a_page_altered_in_the_shared_pool_is_refused():
             np.testing.assert_array_equal(out[0], pages(3)[0])
             assert client.data_plane_transport() == "shared memory"
         assert wait_for(lambda: node.store.num_pinned() == 0, timeout_s=2.0)
+        assert server.pages_by_slot == 3, "the pages were not copied out of the shared pool"
 
 
 def test_pages_on_disk_without_a_ram_slot_come_over_the_socket(tmp_path):
@@ -183,6 +195,8 @@ def test_pages_on_disk_without_a_ram_slot_come_over_the_socket(tmp_path):
             plane.close()
         assert bytes(out) == data[:4].tobytes()
         assert bytes(sums) == b"".join(store.checksums(keys[:4]))
+        assert wait_for(lambda: server.pages_by_slot == 2, timeout_s=2.0), \
+            "two pages by slot, the two without a RAM slot after the table"
         assert store.stats.promotions >= 2
         assert wait_for(lambda: store.num_pinned() == 0, timeout_s=2.0)
         store.check_invariants()
@@ -266,3 +280,51 @@ def test_a_worker_maps_the_pool_at_first_contact_before_any_fetch(tmp_path):
             assert tier.stats.pages_fetched == 0
         finally:
             tier.close()
+
+
+def test_a_stale_pooled_connection_is_retried_and_asks_for_its_memory_once():
+    """The node closes an idle connection after its timeout; the next fetch retries on a new one,
+    and the caller's out_for is asked once per batch all the same."""
+    with shared_node(timeout_s=0.5) as (node, server), node.client() as client:
+        assert client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3
+        assert client.map_shared_pool(timeout=5)
+        client.get_pages(GOOD)
+        time.sleep(1.0)  # the pooled connection is closed by the node meanwhile
+        asked, out = [], np.zeros((3, NODE_PAGE_BYTES), dtype=np.uint8)
+        client.get_pages_in_batches([GOOD], lambda i: asked.append(i) or out, lambda i: None)
+        assert asked == [0] and np.array_equal(out, pages(3))
+        assert client.data_plane_transport() == "shared memory"
+        assert wait_for(lambda: server.pages_by_slot == 6, timeout_s=2.0)
+
+
+def test_a_tls_node_never_offers_the_pool():
+    store = PageStore(4, NODE_PAGE_BYTES, shared_pool=True)
+    with DataPlaneServer(store, "127.0.0.1", 0, unix=True, credentials=object()) as server:
+        assert store.shared_pool is not None and server.shared_pool is None
+
+
+def test_a_client_maps_no_pool_from_a_peer_of_another_user(monkeypatch, caplog):
+    with shared_node() as (node, server), node.client() as client:
+        monkeypatch.setattr(shared_pool, "peer_uid", lambda sock: os.geteuid() + 12345)
+        with caplog.at_level("INFO", logger="kvnode.client"):
+            assert not client.map_shared_pool(timeout=5)
+        assert "runs as user" in caplog.text
+        monkeypatch.undo()
+        assert client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3
+        np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))
+        assert client.data_plane_transport() == "unix" and server.pages_by_slot == 0
+
+
+def test_an_unsealed_or_short_descriptor_is_not_mapped():
+    fd = os.memfd_create("not-a-pool", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 4 * NODE_PAGE_BYTES)
+        with pytest.raises(ValueError, match="not sealed"):
+            shared_pool.map_read_only(fd, 4, NODE_PAGE_BYTES)
+    finally:
+        os.close(fd)
+    pool = shared_pool.SharedPool(4, NODE_PAGE_BYTES)
+    with pytest.raises(ValueError, match="holds"):
+        shared_pool.map_read_only(pool.fd, 8, NODE_PAGE_BYTES)
+    with pytest.raises(ValueError, match="not one to map"):
+        shared_pool.map_read_only(pool.fd, 0, NODE_PAGE_BYTES)

@@ -214,5 +214,9 @@ class NodeTable:
                 node.address, info.page_bytes, self.page_bytes,
             )
             return
-        node.client.prepare_data_plane()  # a same-host node's shared pool is mapped before the first fetch
+        try:
+            node.client.prepare_data_plane()  # a same-host node's shared pool is mapped before the first fetch
+        except Exception as exc:  # noqa: BLE001 - the fetch maps it, or goes over the socket
+            log.info("kvnode %s: could not begin mapping its shared pool now (%s); the first fetch will", node.address,
+                     exc)
         node.answered = True
