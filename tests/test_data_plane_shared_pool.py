@@ -328,3 +328,31 @@ def test_an_unsealed_or_short_descriptor_is_not_mapped():
         shared_pool.map_read_only(pool.fd, 8, NODE_PAGE_BYTES)
     with pytest.raises(ValueError, match="not one to map"):
         shared_pool.map_read_only(pool.fd, 0, NODE_PAGE_BYTES)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_node_killed_and_restarted_is_read_out_of_its_new_pool(tmp_path):
+    """The old pool's mapping goes with the old socket name; the restarted node's pool is mapped
+    anew, and its pages (not the dead node's) are what the client gets."""
+    ports = ("--port", str(free_port()), "--data-port", str(free_port()))
+    client = NodeClient(f"127.0.0.1:{ports[1]}")
+    try:
+        with node_process(tmp_path, *ARGS, *ports):
+            keys = [key(i) for i in range(1, 4)]
+            assert client.put_pages(keys, [b"", *keys[:-1]], pages(3)).stored == 3
+            assert client.map_shared_pool(timeout=10) and np.array_equal(client.get_pages(keys), pages(3))
+            old = client._data
+        with node_process(tmp_path, *ARGS, *ports):
+            newer = pages(3, first=7)
+            assert client.put_pages(keys, [b"", *keys[:-1]], newer).stored == 3  # the old name is gone: TCP
+            assert old._pool is None, "the dead node's pool is still mapped"
+            assert client.map_shared_pool(timeout=10), "the restarted node's pool was not mapped"
+            assert np.array_equal(client.get_pages(keys), newer)
+            assert client.data_plane_transport() == "shared memory" and client._data is not old
+    finally:
+        client.close()
