@@ -336,7 +336,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_node_killed_and_restarted_is_read_out_of_its_new_pool(tmp_path):
+def test_a_node_stopped_and_restarted_is_read_out_of_its_new_pool(tmp_path):
     """The old pool's mapping goes with the old socket name; the restarted node's pool is mapped
     anew, and its pages (not the dead node's) are what the client gets."""
     ports = ("--port", str(free_port()), "--data-port", str(free_port()))
