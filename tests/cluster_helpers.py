@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -90,6 +91,13 @@ def node_process(log_dir: Path, *args: str, timeout_s: float = 30.0) -> Iterator
         yield daemon
     finally:
         daemon.stop(timeout_s=5.0)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (a daemon restarted on fixed ports takes it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def read_log(log_dir: Path) -> str:

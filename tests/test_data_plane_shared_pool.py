@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
-from cluster_helpers import NODE_PAGE_BYTES, node_process, read_log, serve_node, wait_for
+from cluster_helpers import NODE_PAGE_BYTES, free_port, node_process, read_log, serve_node, wait_for
 from data_plane_helpers import GOOD, GOOD_PARENTS, pages
 from kvnode import data_wire as dw
 from kvnode import shared_pool
@@ -27,8 +27,6 @@ from kvnode.disk_tier import DiskTier
 from kvnode.store import PageStore
 from store_helpers import key
 from test_node_checksums import flip_byte_in_pool
-from worker.engine import Engine
-from worker.model import load_model
 from worker.remote import Placement, RemoteTier
 
 pytestmark = pytest.mark.skipif(not shared_pool.supported(), reason="the shared pool needs Linux (memfd, SO_PEERCRED)")
@@ -236,37 +234,6 @@ def test_a_process_of_another_user_is_refused_the_pool(monkeypatch):
         assert "node's user" in data[dw.REPLY.size :].decode()
 
 
-def test_tokens_from_pages_copied_out_of_the_shared_pool_equal_the_cold_ones(tmp_path):
-    model = load_model("tiny")
-    prompt = "You are a helpful assistant. Answer briefly, and cite what you read. " * 2 + "What is a page?"
-
-    def engine():
-        return Engine(model, kv_dtype="float16", num_blocks=64, page_tokens=16, seed=0)
-
-    cold = engine().generate([prompt], max_new_tokens=12, ignore_eos=True)[0]
-    writer, reader = engine(), engine()
-    page_bytes = writer.kv_pool[0].nbytes
-    with node_process(tmp_path, "--page-bytes", str(page_bytes), "--capacity", "4MiB") as daemon:
-        tiers = [RemoteTier(writer.kv_pool, "float16"), RemoteTier(reader.kv_pool, "float16")]
-        try:
-            writer.attach_remote_tier(tiers[0])
-            reader.attach_remote_tier(tiers[1])
-            writer.generate([prompt], max_new_tokens=2, tier_context=Placement([daemon.address]))
-            assert tiers[0].flush(timeout_s=10.0) and tiers[0].stats.pages_written >= 8
-            with tiers[1].nodes.use([daemon.address]) as nodes:
-                assert nodes[0].client.map_shared_pool(timeout=10)
-            warm = reader.generate([prompt], max_new_tokens=12, ignore_eos=True,
-                                   tier_context=Placement([daemon.address]))[0]
-            with tiers[1].nodes.use([daemon.address]) as nodes:
-                assert nodes[0].client.data_plane_transport() == "shared memory"
-        finally:
-            for tier in tiers:
-                tier.close()
-    assert tiers[1].stats.pages_fetched >= 8 and tiers[1].stats.pages_rejected == 0
-    assert warm.usage.cached_tokens_remote >= 8 * 16
-    assert warm.token_ids == cold.token_ids
-
-
 def test_a_worker_maps_the_pool_at_first_contact_before_any_fetch(tmp_path):
     with node_process(tmp_path, *ARGS) as daemon:
         tier = RemoteTier(np.zeros((4, NODE_PAGE_BYTES // 2), dtype=np.float16), "float16")
@@ -328,12 +295,6 @@ def test_an_unsealed_or_short_descriptor_is_not_mapped():
         shared_pool.map_read_only(pool.fd, 8, NODE_PAGE_BYTES)
     with pytest.raises(ValueError, match="not one to map"):
         shared_pool.map_read_only(pool.fd, 0, NODE_PAGE_BYTES)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_node_stopped_and_restarted_is_read_out_of_its_new_pool(tmp_path):

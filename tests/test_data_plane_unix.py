@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
-from cluster_helpers import NODE_PAGE_BYTES, node_process, read_log
+from cluster_helpers import NODE_PAGE_BYTES, free_port, node_process, read_log
 from kvcache.launch import Daemon
 from kvnode import data_client
 from kvnode import data_wire as dw
@@ -98,7 +98,9 @@ def test_unix_and_tcp_connections_share_the_nodes_connection_bound(tmp_path):
                 assert dw.parse_reply_header(header)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_tokens_from_pages_fetched_over_the_unix_socket_equal_the_cold_ones(tmp_path):
+@pytest.mark.parametrize("node_args,transport", [(("--no-shared-pool",), "unix"), ((), "shared memory")],
+                         ids=["unix socket", "shared pool"])
+def test_tokens_from_pages_fetched_on_the_same_host_equal_the_cold_ones(tmp_path, node_args, transport):
     model = load_model("tiny")
     prompt = "You are a helpful assistant. Answer briefly, and cite what you read. " * 2 + "What is a page?"
 
@@ -108,7 +110,7 @@ def test_tokens_from_pages_fetched_over_the_unix_socket_equal_the_cold_ones(tmp_
     cold = engine().generate([prompt], max_new_tokens=12, ignore_eos=True)[0]
     writer, reader = engine(), engine()
     page_bytes = writer.kv_pool[0].nbytes   # the pool is float16, as on the wire
-    with Daemon("node", ["--port", "0", "--page-bytes", str(page_bytes), "--capacity", "4MiB"],
+    with Daemon("node", ["--port", "0", "--page-bytes", str(page_bytes), "--capacity", "4MiB", *node_args],
                 log_path=tmp_path / "node.log") as daemon:
         placement = Placement([daemon.address])
         tiers = [RemoteTier(writer.kv_pool, "float16"), RemoteTier(reader.kv_pool, "float16")]
@@ -117,22 +119,19 @@ def test_tokens_from_pages_fetched_over_the_unix_socket_equal_the_cold_ones(tmp_
             reader.attach_remote_tier(tiers[1])
             writer.generate([prompt], max_new_tokens=2, tier_context=placement)
             assert tiers[0].flush(timeout_s=10.0) and tiers[0].stats.pages_written >= 8
+            with tiers[1].nodes.use([daemon.address]) as nodes:  # the reader meets the node, maps its pool
+                assert tiers[1].lookup([bytes(16)], placement) == 0
+                nodes[0].client.map_shared_pool(timeout=10)
             warm = reader.generate([prompt], max_new_tokens=12, ignore_eos=True,
                                    tier_context=Placement([daemon.address]))[0]
             with tiers[1].nodes.use([daemon.address]) as nodes:
-                assert nodes[0].client.data_plane_transport() in ("unix", "shared memory")
+                assert nodes[0].client.data_plane_transport() == transport
         finally:
             for tier in tiers:
                 tier.close()
         assert tiers[1].stats.pages_fetched >= 8 and tiers[1].stats.pages_rejected == 0
         assert warm.usage.cached_tokens_remote >= 8 * 16
         assert warm.token_ids == cold.token_ids
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_busy_unix_socket_sends_only_that_connection_over_tcp(tmp_path):

@@ -2,11 +2,11 @@
 
 import hashlib
 import logging
-import socket
 
 import numpy as np
 import pytest
 
+from cluster_helpers import free_port
 from kvcache.launch import Daemon
 from kvnode.client import NodeClient
 from worker.remote import Placement, RemoteTier
@@ -21,12 +21,6 @@ def chain_keys(n, salt=b""):
         parent = hashlib.blake2b(parent + salt + bytes([i]), digest_size=16).digest()
         keys.append(parent)
     return keys
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
