@@ -67,7 +67,7 @@ def test_batches_cover_every_page_once_within_the_limits(batch_pages, min_pages,
     tier = make_tier("float16", batch_pages, min_pages)
     try:
         for count in [1, 2, 3, 7, 8, 63, 200]:
-            bounds = tier._batches(count, max_keys)
+            bounds = tier.fetcher._batches(count, max_keys)
             assert bounds[0][0] == 0 and bounds[-1][1] == count
             assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
             assert all(0 < end - start <= min(batch_pages, max_keys) for start, end in bounds)
@@ -165,8 +165,8 @@ def test_a_float16_pool_sends_and_receives_pages_as_the_node_holds_them(make_nod
     try:
         placement = Placement([node.address])
         block_ids = TARGETS[targets]
-        staged, staging_rows = [], tier._staging_rows
-        tier._staging_rows = lambda *args: staged.append(args) or staging_rows(*args)
+        staged, staging_rows = [], tier.fetcher._staging_rows
+        tier.fetcher._staging_rows = lambda *args: staged.append(args) or staging_rows(*args)
         assert tier.lookup(keys, placement) == PAGES
         assert tier.fill(keys, block_ids, placement) == PAGES
         for page, block in enumerate(block_ids):
