@@ -32,9 +32,9 @@ Design notes
    had generated them itself: `resumed_token_ids` are replayed through its stop checker, count
    in `max_new_tokens`, and their text is not handed out again. If they already end it (a stop
    token, its length, a stop string) it finishes at once, as the first worker would have.
-8. A step of one request whose remote pages are still landing layer by layer (scheduler design
-   note 10) waits, before computing each layer, for that layer's pages (the connector's
-   `wait_layer`, 0.1 s at most a layer and 0.3 s of waiting in all a step); the wait is under
+8. A step of one request whose remote pages are still landing layer by layer
+   (worker/remote_joins.py note 1) waits, before computing each layer, for that layer's pages
+   (the connector's `wait_layer`, 0.1 s at most a layer and 0.3 s of waiting in all a step); the wait is under
    the engine's lock, as the forward is, and the
    network I/O itself runs on the connector's loader thread. A layer that does not come in time
    ends the forward at once and the request waits for its load as any parked one; pages that
@@ -158,7 +158,7 @@ class Engine:
         """Queue a request (text or token ids); sampling options go in `params` or as keywords.
         `resumed_token_ids`: tokens another worker already generated for it (design note 7).
         `namespace`: the caller's tenant namespace, mixed into the root of its page keys (worker/pages.py).
-        `priority`: lower is scheduled first (scheduler design note 8)."""
+        `priority`: lower is scheduled first (worker/priority.py design note 2)."""
         if params is None:
             params = SamplingParams(**sampling)
         elif sampling:

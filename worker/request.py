@@ -29,7 +29,7 @@ class Request:
         self.params = params
         self.tier_context = tier_context
         self.bypass_cache = bypass_cache
-        self.priority = priority  # lower goes first (the scheduler's design note 8)
+        self.priority = priority  # lower goes first (worker/priority.py design note 2)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []  # block i holds positions [iP, (i+1)P)

@@ -25,10 +25,8 @@ Design notes
    Aging bounds the wait: a request that has waited through `aging_steps` steps goes before
    every younger one (oldest first), so a long prompt is never starved by a stream of short
    ones.
-4. When a request needs a block and none is available, the newest running request not yet in
-   this step is preempted: its blocks are released (its full pages stay in the prefix cache),
-   its tokens so far are kept, and it waits to be recomputed (keeping its age, so it soon goes
-   first). A request alone always fits, because prompts and lengths are capped at the pool's size.
+4. When a request needs a block and none is available, a running request not yet in this step is
+   preempted (worker/priority.py note 1).
 5. Admission reuses the longest locally cached prefix, then asks the KV connector
    (worker/connector.py) what the remote tier holds of the whole page chain (local hits
    included, so the tier learns which of our pages it lacks). While that lookup is in flight
@@ -54,45 +52,28 @@ Design notes
    preempted or found the pool short (the rules of note 4 and of `schedule`), and a step whose
    prompt was chosen by aging is never paused, so aging still bounds a long prompt's wait in
    steps (a step now lasts longer by the newcomers it carries, at most one per layer).
-8. Priorities (lower values first, default 0): the prefill order of note 3 ranks by priority
-   before tokens left (aged requests still go first), and preemption (note 4) takes the running
-   request of the highest value, the newest among equals, so a request is never preempted for
-   one of lower priority. Before a step takes its decodes, the first waiting request in that
-   order, if it lacks a seat or the blocks of its first chunk, preempts running requests of a
-   strictly higher value, one at a time, until it has them; it is then admitted in that step. Aging:
-   a request's priority counts one better for every `aging_steps + 1` steps since it arrived,
-   so a low-priority one cannot be preempted forever, and with equal priorities the order is
-   exactly that of notes 3 and 4.
+8. Priorities (lower values first, default 0) order the prefill (note 3) and preemption (note 4),
+   aging making a waiting request's priority better as it waits (worker/priority.py note 2).
 9. Sliding windows (worker/window.py): after each step a running request releases the blocks
    no later query of its window reads, once its full pages are cached and copied for the
    tier, so it holds at most about W / page_tokens + 1 blocks however long it grows.
 10. Layer-wise overlap (issue 19, connector design note 7): a parked request whose layer-wise
    load is under way may join before the load ends, in a step of its own
-   (`ScheduledBatch.layerwise`), so other requests never share a step with a wait on the
-   network; the engine's forward waits (briefly) for each layer of its pages. Its remote pages
-   count as computed from that step on, and they are indexed only in `settle_layerwise`, after
-   the forward, once every page arrived intact; otherwise the step's work is thrown away: its
-   blocks are released (those the loader may still write once it let go of them; the leading
-   pages that arrived whole and intact, before an altered one, are cached first), and it waits
-   to compute its prompt reusing only those, its usage then saying so.
-   A layer that is late cuts the forward short and sends the request back to the parked ones
-   (`repark`), to join when its load ended as any. A step that finds no blocks for its first
-   chunk leaves it parked.
+   (`ScheduledBatch.layerwise`; worker/remote_joins.py note 1).
 """
 
 from __future__ import annotations
 
-import logging
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from worker.block_pool import BlockPool
 from worker.connector import KVConnector
+from worker.priority import PriorityPolicy
+from worker.remote_joins import RemoteJoins
 from worker.request import Request, RequestStatus
+from worker.scheduled_batch import ScheduledBatch
 from worker.window import release_passed_blocks
-
-log = logging.getLogger(__name__)
 
 
 class RemoteTier(Protocol):
@@ -114,17 +95,6 @@ class RemoteTier(Protocol):
         reused once this returns, so copy what you need now."""
 
 
-@dataclass
-class ScheduledBatch:
-    requests: list[Request]
-    num_new_tokens: list[int]
-    admission_held: bool = False  # scheduling it preempted or found the pool short: admit nobody more
-    layerwise: bool = False  # one request whose remote pages are still landing, layer by layer (note 10)
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -141,7 +111,7 @@ _LOOKUP_PENDING = -1  # _admit: the connector's lookup has not answered yet
 _PARKED = -2          # _admit: blocks given, remote pages on their way (design note 5)
 
 
-class Scheduler:
+class Scheduler(PriorityPolicy, RemoteJoins):
     def __init__(self, pool: BlockPool, page_tokens: int, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 1024, connector: KVConnector | None = None,
                  max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP, aging_steps: int = AGING_STEPS,
@@ -168,7 +138,7 @@ class Scheduler:
         self.parked: list[Request] = []  # waiting for remote KV (design note 5): blocks held, not scheduled
         self._remote_given_up: set[int] = set()  # ids of requests whose load was given up: they compute
         self._early: dict[int, tuple[int, int, bool]] = {}  # id -> (local hits, remote pages, usage set here): note 10
-        self.num_layerwise_discarded = 0  # early-joined steps thrown away (note 10)
+        self.num_layerwise_discarded = 0  # early-joined steps thrown away (remote_joins.py note 1)
         self.num_preemptions = 0
         self.num_steps = 0
 
@@ -275,69 +245,9 @@ class Scheduler:
                 self.connector.on_page_full(keys[page], parent or b"", block_id, request.tier_context)
         request.num_cached_pages = num_full
 
-    def settle_layerwise(self, request: Request) -> bool:
-        """After an early-joined request's step (design note 10): True, its remote pages indexed,
-        when every one arrived intact; else False, the step's work thrown away and the request
-        waiting to compute its prompt without them."""
-        num_hits, num_remote, set_usage = self._early.pop(id(request))
-        remote = request.block_table[num_hits : num_hits + num_remote]
-        filled = self.connector.settle_layerwise(request, remote)
-        if filled == num_remote:
-            keys = request.page_keys(num_hits + num_remote)
-            for page in range(num_hits, num_hits + num_remote):
-                parent = keys[page - 1] if page else None
-                request.block_table[page] = self.pool.cache_full_block(request.block_table[page], keys[page], parent)
-            request.num_cached_pages = num_hits + num_remote
-            return True
-        self.num_layerwise_discarded += 1
-        log.info("remote pages of request %s did not all arrive intact (%s of %d); computing its prompt without "
-                 "the others", request.request_id, "a load given up" if filled is None else filled, num_remote)
-        if filled is None:  # the loader may still write them: released once it is done
-            del request.block_table[num_hits : num_hits + num_remote]
-        elif filled:  # whole and intact: cached, so the recompute reuses them
-            keys = request.page_keys(num_hits + filled)
-            for page in range(num_hits, num_hits + filled):
-                parent = keys[page - 1] if page else None
-                request.block_table[page] = self.pool.cache_full_block(request.block_table[page], keys[page], parent)
-        self.running.remove(request)
-        self._release(request)
-        request.status = RequestStatus.WAITING
-        self._remote_given_up.add(id(request))
-        if set_usage:  # what it will reuse: the local hits and the remote pages that were intact
-            request.cached_tokens_local, request.cached_tokens_remote = (
-                (num_hits * self.page_tokens, filled * self.page_tokens) if filled else (None, None))
-        self.waiting.appendleft(request)
-        return False
-
-    def num_reused_tokens(self, request: Request) -> int:
-        """Tokens whose K/V came from a cache into its blocks, never to be written again: its cached
-        pages', and while it runs early (note 10) those of its remote pages still landing."""
-        early = self._early.get(id(request))
-        pages = early[0] + early[1] if early is not None else request.num_cached_pages
-        return pages * self.page_tokens
-
-    def repark(self, request: Request) -> None:
-        """An early-joined request whose step was cut short by a late layer waits for its load again
-        (design note 10): the blocks of its suffix go back, its remote ones stay the loader's."""
-        num_hits, num_remote, set_usage = self._early.pop(id(request))
-        self.pool.release(request.block_table[num_hits + num_remote :])
-        del request.block_table[num_hits + num_remote :]
-        request.num_computed_tokens = min(num_hits * self.page_tokens, request.num_tokens - 1)
-        if set_usage:
-            request.cached_tokens_local = request.cached_tokens_remote = None
-        self.running.remove(request)
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.parked.append(request)
-        self.connector.unjoin(request)
-
     def finish(self, request: Request) -> None:
         """Remove a request (done or aborted) wherever it is and release its blocks at once."""
-        early = self._early.pop(id(request), None)
-        if early is not None:  # ended in its early-joined step (note 10): the loader may still write
-            num_hits, num_remote, _ = early
-            if self.connector.settle_layerwise(request, request.block_table[num_hits : num_hits + num_remote],
-                                               wait_s=0.0) is None:
-                del request.block_table[num_hits : num_hits + num_remote]
+        self._end_early_join(request)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -370,82 +280,10 @@ class Scheduler:
         request.num_cached_pages = 0
         request.num_computed_tokens = 0
 
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
-        self._release(request)
-        request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(request)
-
-    def _make_room(self, request: Request, num_new: int, batch: ScheduledBatch) -> bool:
-        """Preempt the newest running requests outside the batch until `request` can grow (design
-        note 4); it may be preempted itself. True if anything was preempted."""
-        preempted = False
-        while not self._can_grow(request, num_new):
-            victim = self._victim(batch)
-            self._preempt(victim)
-            preempted = True
-            if victim is request:
-                break
-        return preempted
-
-    def _preempt_for_priority(self) -> None:
-        """Before the step takes its decodes: if the first waiting request in the prefill order
-        lacks a seat or blocks, preempt running requests of a higher priority value for it (note 8)."""
-        if not self.waiting:
-            return
-        no_batch = ScheduledBatch([], [])
-        request = next((r for r, _ in self._prefill_order(no_batch) if r.status is RequestStatus.WAITING), None)
-        if request is None or (self.connector is not None and self.connector.is_looking_up(request)):
-            return  # it could not be admitted now anyway
-        P = self.page_tokens
-        num_local = len(self.pool.lookup(request.page_keys(request.num_reusable_pages())))
-        first_chunk_end = min(request.num_tokens, self._num_cached(request) + self.max_prefill_tokens)
-        needed = _cdiv(first_chunk_end, P) - num_local
-        while (self.num_seats_taken() >= self.max_num_seqs or needed > self.pool.get_num_free_blocks()):
-            victim = self._lower_victim(request, no_batch)
-            if victim is None:
-                return
-            self._preempt(victim)
-
-    def _victim(self, batch: ScheduledBatch, exclude: Request | None = None) -> Request | None:
-        """The running request outside the batch to preempt first: the highest priority value,
-        the newest among equals (design notes 4 and 8)."""
-        candidates = [(self._priority(r), i, r) for i, r in enumerate(self.running)
-                      if r not in batch.requests and r is not exclude]
-        return max(candidates, key=lambda entry: entry[:2])[2] if candidates else None
-
-    def _lower_victim(self, request: Request, batch: ScheduledBatch) -> Request | None:
-        """A running request that `request` may preempt: of a strictly higher priority value (note 8)."""
-        victim = self._victim(batch, exclude=request)
-        return victim if victim is not None and self._priority(victim) > self._priority(request) else None
-
-    def _priority(self, request: Request) -> int:
-        """Its priority, one better for every `aging_steps + 1` steps since it arrived (design note 8)."""
-        return request.priority - (self.num_steps - request.arrival_step) // (self.aging_steps + 1)
-
     def _add_to_batch(self, batch: ScheduledBatch, request: Request, num_new: int) -> None:
         self._grow(request, num_new)
         batch.requests.append(request)
         batch.num_new_tokens.append(num_new)
-
-    def _prefill_order(self, batch: ScheduledBatch) -> list[tuple[Request, int]]:
-        """(request, prompt tokens it still has to compute) for running requests mid-prompt and
-        waiting ones: aged ones first (oldest first), then by priority (note 8), then the fewest tokens left first;
-        ties keep running before waiting, queue order."""
-        candidates = [r for r in self.running if r not in batch.requests] + list(self.waiting)
-        ranked = []
-        for request in candidates:
-            left = self._tokens_to_compute(request)
-            rank = (0, request.arrival_step, 0) if self._aged(request) else (1, self._priority(request), left)
-            ranked.append((rank, request, left))
-        ranked.sort(key=lambda entry: entry[0])
-        return [(request, left) for _, request, left in ranked]
-
-    def _aged(self, request: Request) -> bool:
-        """Waited through `aging_steps` steps: goes before every younger request (design note 3)."""
-        return self.num_steps - request.arrival_step > self.aging_steps
 
     def _tokens_to_compute(self, request: Request) -> int:
         """Prompt tokens a request still has to compute (a waiting one: after its cached prefix)."""
@@ -506,70 +344,3 @@ class Scheduler:
         assert self._can_grow(request, num_new), "admission checked the blocks it needs"
         self._grow(request, num_new)
         return num_new
-
-    def _join_early(self) -> ScheduledBatch | None:
-        """A parked request whose layer-wise load is under way, in a step of its own (design note 10)."""
-        if self.connector is None:
-            return None
-        P = self.page_tokens
-        for request in self.parked:
-            if not self.connector.can_join_early(request):
-                continue
-            num_hits = request.num_cached_pages
-            num_remote = len(request.block_table) - num_hits
-            computed = min((num_hits + num_remote) * P, request.num_tokens - 1)   # the last token is computed
-            num_new = min(request.num_tokens - computed, self.max_prefill_tokens)
-            if _cdiv(computed + num_new, P) - len(request.block_table) > self.pool.get_num_free_blocks():
-                continue  # it joins once its load landed, as any parked request
-            self.connector.join_early(request)
-            set_usage = request.cached_tokens_local is None
-            if set_usage:
-                request.cached_tokens_local = min(num_hits * P, computed)
-                request.cached_tokens_remote = computed - request.cached_tokens_local
-            request.num_computed_tokens = computed
-            self._early[id(request)] = (num_hits, num_remote, set_usage)
-            self.parked.remove(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._grow(request, num_new)
-            return ScheduledBatch([request], [num_new], layerwise=True)
-        return None
-
-    def _take_finished_loads(self) -> None:
-        """Parked requests whose pages landed join the running ones (design note 5)."""
-        if self.connector is None:
-            return
-        finished = self.connector.take_finished_loads()
-        for blocks in finished.released:
-            self.pool.release(blocks)
-        for request in finished.overdue:  # given up: it computes its prompt instead
-            log.warning("remote pages for request %s still loading after %.0fs; computing instead",
-                        request.request_id, self.connector.timeout_s)
-            self.parked.remove(request)
-            self.connector.give_up_load(request, request.block_table)
-            request.block_table = []
-            request.num_cached_pages = 0
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.WAITING
-            self._remote_given_up.add(id(request))
-            self.waiting.appendleft(request)
-        for request, filled in finished.landed:
-            self._join(request, filled)
-
-    def _join(self, request: Request, filled: int) -> None:
-        """Index the pages that landed in a parked request's blocks; it runs from the next step."""
-        P = self.page_tokens
-        num_hits = request.num_cached_pages
-        filled = max(0, min(filled, len(request.block_table) - num_hits))
-        keys = request.page_keys(num_hits + filled)
-        for page in range(num_hits, num_hits + filled):
-            parent = keys[page - 1] if page else None
-            request.block_table[page] = self.pool.cache_full_block(request.block_table[page], keys[page], parent)
-        request.num_cached_pages = num_hits + filled
-        request.num_computed_tokens = min((num_hits + filled) * P, request.num_tokens - 1)   # design note 5
-        if request.cached_tokens_local is None:
-            request.cached_tokens_local = min(num_hits * P, request.num_computed_tokens)
-            request.cached_tokens_remote = request.num_computed_tokens - request.cached_tokens_local
-        self.parked.remove(request)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
