@@ -16,15 +16,9 @@ Design notes
    as decided when the request was first admitted (recomputation after a preemption is not
    counted there; `num_preemptions` says how often it happened).
 4. Between two layers of a step's forward, a request that arrived since the step began may be
-   computed whole, in a forward of its own, before the step goes on (scheduler design note 7):
-   a short prompt then does not wait for the rest of a long prompt's chunk. The check is one
-   look at the inbox per layer; the step's own requests and blocks are left untouched.
-5. A step that fails fails only the requests at fault. A forward writes nothing but the KV of
-   the positions it computes, so after a forward raises, each request of the step is run again
-   alone; those that fail alone finish with an error (`finish_reason` "error"), the others go
-   on. Work after the forward (sampling, stop checks) is done request by request, and a request
-   whose own work raises fails alone. Only an exception outside any request (the scheduler's)
-   escapes `step()`: then the engine's state is in doubt, and its caller stops using it.
+   computed whole before the step goes on (worker/step_runner.py note 1).
+5. A step that fails fails only the requests at fault; only an exception outside any request
+   (the scheduler's) escapes `step()` (worker/step_runner.py note 2).
 6. Request ids are the engine's to own: an id is taken from `add_request` until the request
    finishes, checked and taken under one lock, so a duplicate (running, or still in the inbox)
    is refused with `RequestIdInUse` before anything is queued.
@@ -32,14 +26,8 @@ Design notes
    had generated them itself: `resumed_token_ids` are replayed through its stop checker, count
    in `max_new_tokens`, and their text is not handed out again. If they already end it (a stop
    token, its length, a stop string) it finishes at once, as the first worker would have.
-8. A step of one request whose remote pages are still landing layer by layer
-   (worker/remote_joins.py note 1) waits, before computing each layer, for that layer's pages
-   (the connector's `wait_layer`, 0.1 s at most a layer and 0.3 s of waiting in all a step); the wait is under
-   the engine's lock, as the forward is, and the
-   network I/O itself runs on the connector's loader thread. A layer that does not come in time
-   ends the forward at once and the request waits for its load as any parked one; pages that
-   turn out not all intact after the forward throw the step's work away (no token), and the
-   request computes its prompt without them.
+8. A step of one request whose remote pages are still landing layer by layer waits for each
+   layer's pages before computing it (worker/step_runner.py note 3).
 9. The pool is in the KV dtype: with float16 KV a block holds a page exactly as it goes on the
    wire, so a fetched page lands without a cast, a full page is sent as it is, and `kv_cache_bytes`
    holds twice the blocks; attention converts what it reads (worker/attention.py note 7).
@@ -60,12 +48,13 @@ import numpy as np
 from protos.pages import DEFAULT_PAGE_TOKENS
 from worker.block_pool import BlockPool
 from worker.connector import KVConnector
-from worker.model import ForwardBatch, load_model
+from worker.model import load_model
 from worker.pages import tenant_root
 from worker.request import Request, RequestStatus
 from worker.sampling import FINISH_ABORT, FINISH_ERROR, SamplingParams, StopChecker, sample
-from worker.scheduler import PREFILL_TOKENS_PER_STEP, RemoteTier, ScheduledBatch, Scheduler
+from worker.scheduler import PREFILL_TOKENS_PER_STEP, RemoteTier, Scheduler
 from worker.outputs import Completion, RequestHandle, RequestIdInUse, StreamDelta
+from worker.step_runner import StepRunner
 from worker.usage import Usage
 from worker.window import release_window
 
@@ -85,7 +74,7 @@ class _Live:
     num_sent_tokens: int = 0
 
 
-class Engine:
+class Engine(StepRunner):
     def __init__(self, model, kv_dtype: str = "float32", num_blocks: int | None = None, page_tokens: int = DEFAULT_PAGE_TOKENS,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 1024, remote_tier: RemoteTier | None = None,
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, seed: int | None = None,
@@ -255,123 +244,6 @@ class Engine:
             self._work.wait(IDLE_WAIT_S)
         return []
 
-    def _step_batch(self, batch: ScheduledBatch, started: float) -> list[StreamDelta]:
-        if batch.layerwise:
-            return self._step_layerwise(batch, started)
-        newcomer_deltas: list[StreamDelta] = []
-        scheduler_failures: list[Exception] = []
-
-        def between_layers() -> None:
-            if self._inbox.empty() or scheduler_failures:
-                return  # nobody new: the usual case, one cheap check a layer
-            self._take_inbox()
-            paused = time.monotonic()
-            try:
-                newcomer = self.scheduler.schedule_newcomer(batch)
-            except Exception as exc:  # not a request's fault: raised after the forward (design note 5)
-                scheduler_failures.append(exc)
-                return
-            if newcomer is not None:
-                newcomer_deltas.extend(self._run_isolated(newcomer, paused))
-
-        deltas = self._run_isolated(batch, started, between_layers)
-        if scheduler_failures:
-            raise scheduler_failures[0]
-        return newcomer_deltas + deltas
-
-    def _step_layerwise(self, batch: ScheduledBatch, started: float) -> list[StreamDelta]:
-        """A request whose remote pages are still landing, each layer computed once its pages are in (design note 8)."""
-        request, connector = batch.requests[0], self.scheduler.connector
-        layer = 0
-
-        def next_layer() -> None:  # after layer `layer`, before the next one
-            nonlocal layer
-            layer += 1
-            if not connector.wait_layer(request, layer):
-                raise _LayerMissing(layer)
-
-        try:
-            if not connector.wait_layer(request, 0):
-                raise _LayerMissing(0)
-            return self._run(batch, started, time.monotonic(), next_layer,
-                             settle=lambda: self.scheduler.settle_layerwise(request))
-        except _LayerMissing as missing:
-            log.info("layer %d of request %s's remote pages did not land in time; it waits for its load",
-                     missing.layer, request.request_id)
-            self.scheduler.repark(request)
-            return []
-        except Exception as exc:  # the model failed on it: it fails alone (design note 5)
-            live = self._live.get(request.request_id)
-            return [self._fail(live, f"the model failed on it: {exc!r}")] if live else []
-
-    def _run_isolated(self, batch: ScheduledBatch, started: float,
-                      between_layers: Callable[[], None] | None = None) -> list[StreamDelta]:
-        """`_run`, and if its forward raises, each request alone; those that fail alone fail (design note 5)."""
-        try:
-            return self._run(batch, started, time.monotonic(), between_layers)
-        except Exception as exc:
-            if len(batch) == 1:
-                live = self._live.get(batch.requests[0].request_id)
-                return [self._fail(live, f"the model failed on it: {exc!r}")] if live else []
-            deltas = []
-            for request, num_new in zip(batch.requests, batch.num_new_tokens):
-                deltas += self._run_isolated(ScheduledBatch([request], [num_new]), time.monotonic())
-            return deltas
-
-    def _run(self, batch: ScheduledBatch, started: float, scheduled: float,
-             between_layers: Callable[[], None] | None, settle: Callable[[], bool] | None = None) -> list[StreamDelta]:
-        """Forward a scheduled batch, then account for its tokens; its deltas. A batch run
-        between the layers of another gets no `between_layers` of its own (no nesting deeper).
-        `settle()` False after the forward throws its work away (design note 8)."""
-        # For on_step only: what each request had computed, and when it arrived (a finished one leaves _live).
-        before = None if self.on_step is None else [
-            (r.num_computed_tokens, self._live[r.request_id].arrival) for r in batch.requests]
-        token_ids, positions, starts = [], [], [0]
-        for request, num_new in zip(batch.requests, batch.num_new_tokens):
-            start = request.num_computed_tokens
-            token_ids.extend(request.token_ids[start:start + num_new])
-            positions.extend(range(start, start + num_new))
-            starts.append(starts[-1] + num_new)
-        forward_batch = ForwardBatch(
-            token_ids=np.asarray(token_ids, dtype=np.int64),
-            positions=np.asarray(positions, dtype=np.int64),
-            query_starts=np.asarray(starts, dtype=np.int64),
-            context_lens=np.asarray([r.num_computed_tokens + n for r, n in zip(batch.requests, batch.num_new_tokens)],
-                                    dtype=np.int64),
-            block_tables=[np.asarray(r.block_table, dtype=np.int32) for r in batch.requests],
-            cached_lens=self._cached_lens(batch),
-        )
-        logits = self.model.forward(forward_batch, self.pool.kv, self.kv_dtype, between_layers=between_layers)
-        forwarded = time.monotonic()
-        if settle is not None and not settle():
-            return []
-        deltas = []
-        for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            live = self._live[request.request_id]
-            try:
-                self.scheduler.on_computed(request, num_new)
-                if request.num_computed_tokens == request.num_tokens:
-                    deltas.append(self._append_token(live, logits[row]))
-            except Exception as exc:  # this request's own work: it fails alone (design note 5)
-                deltas.append(self._fail(live, f"its next token failed: {exc!r}"))
-        if before is not None:
-            nested = between_layers is None
-            try:
-                self.on_step(self._step_record(batch, before, started, scheduled, forwarded, nested))
-            except Exception as exc:  # a log that cannot be written must not fail requests
-                log.warning("on_step failed: %r", exc)
-        return deltas
-
-    def _cached_lens(self, batch: ScheduledBatch) -> np.ndarray | None:
-        """Per request, the tokens whose K/V came from a cache (its cached pages, and remote pages
-        still landing under a layer-wise fill), when a step computes some of them again (a prompt
-        whose every page was cached computes its last token; scheduler note 5); None when no
-        request does, the usual case."""
-        cached = [self.scheduler.num_reused_tokens(r) for r in batch.requests]
-        if all(c <= r.num_computed_tokens for c, r in zip(cached, batch.requests)):
-            return None
-        return np.asarray(cached, dtype=np.int64)
-
     # ---- single-threaded helpers ----------------------------------------------
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], params: SamplingParams | None = None,
@@ -407,26 +279,6 @@ class Engine:
                 self.abort(handle.request_id)
 
     # ---- internals -----------------------------------------------------------
-
-    def _step_record(self, batch, before: list[tuple[int, float]], started: float, scheduled: float,
-                     forwarded: float, nested: bool) -> dict:
-        """One step for `on_step` (times from time.monotonic()): when it started (Unix seconds), how
-        long scheduling and the forward took, and per request its tokens and arrival (a request
-        whose `computed` + `new` reaches `prompt` got its first token in this step). A step run
-        between the layers of another (design note 4) is logged first and says so; the other's
-        forward_ms includes it."""
-        return {
-            "time": self._unix_offset + started,
-            "between_layers": nested,
-            "schedule_ms": (scheduled - started) * 1000.0,
-            "forward_ms": (forwarded - scheduled) * 1000.0,
-            "requests": [
-                {"id": r.request_id, "arrived": self._unix_offset + arrived, "new": n, "computed": computed,
-                 "prompt": r.num_prompt_tokens, "cached_local": r.cached_tokens_local or 0,
-                 "cached_remote": r.cached_tokens_remote or 0}
-                for r, n, (computed, arrived) in zip(batch.requests, batch.num_new_tokens, before)
-            ],
-        }
 
     def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -523,14 +375,6 @@ class Engine:
             except Exception as exc:  # metrics that fail must not fail the request
                 log.warning("on_finish failed: %r", exc)
         return self._send(live, completion)
-
-
-class _LayerMissing(Exception):
-    """A layer of an early-joined request's remote pages did not land (design note 8)."""
-
-    def __init__(self, layer: int):
-        super().__init__(f"layer {layer} did not land")
-        self.layer = layer
 
 
 def _drained(items: queue.SimpleQueue) -> Iterator:

@@ -20,7 +20,7 @@ class Completion:
     finish_reason: str    # "stop", "length", "abort" or "error"
     usage: Usage
     num_preemptions: int = 0
-    error: str | None = None  # with finish_reason "error": what failed (engine design note 5)
+    error: str | None = None  # with finish_reason "error": what failed (worker/step_runner.py note 2)
 
 
 class RequestIdInUse(ValueError):

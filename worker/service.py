@@ -11,8 +11,8 @@ Design notes
    is broken: `on_broken` runs once (the daemon turns health NOT_SERVING and stops beating, so
    coordinators stop routing here), and every call, waiting or new, ends with UNAVAILABLE so
    its request resumes elsewhere. A step failure that the engine pins on some requests fails
-   only those (engine note 5), with INTERNAL. A drain that runs out of time hands its requests
-   back the same way (`hand_back`).
+   only those (worker/step_runner.py note 2), with INTERNAL. A drain that runs out of time
+   hands its requests back the same way (`hand_back`).
 4. Every wait on a handle wakes at least once a second to check the call is still wanted and
    the worker not broken, so no handler thread waits forever.
 """
