@@ -23,7 +23,7 @@ Design notes
 6. `get_bands` receives a GET_BANDS reply (data_wire design note 6) into one buffer per page,
    band by band, and calls back after each band: the caller may use band b of every page while
    the later bands are on the way.
-7. Same host (data_plane design note 8): given the node's abstract Unix socket name and a host
+7. Same host (data_plane design note 7): given the node's abstract Unix socket name and a host
    that is a loopback address, connections go to that socket, 1.4-1.6x as fast as TCP over
    loopback here; both live in the network namespace, so reaching one means reaching the other.
    A name nobody listens on (ECONNREFUSED, ENOENT: the node exited or restarted under a new name,
@@ -34,7 +34,7 @@ Design notes
    socket again. A process that may not make Unix sockets at all (a sandbox) uses TCP for good.
    Everything else is as over TCP: TLS, kernel timeouts, deadlines, the pool.
 8. Over the Unix socket of a plaintext node the client maps the node's page pool read-only
-   (kvnode/shared_pool.py; data_plane design note 9) and fetches by slot: GET_SLOTS pins the
+   (kvnode/shared_pool.py; shared_pool_serving.py note 1) and fetches by slot: GET_SLOTS pins the
    pages and tells where they are, the client copies them out of the mapping and releases them
    (data_wire design note 7); a page the node has on disk only comes by GET after. The mapping
    is made by a thread of its own, started by the first call (or NodeClient.prepare_data_plane),

@@ -1,6 +1,7 @@
 """The page pool in shared memory, for readers on the node's host: the node keeps its RAM pool in
 a memfd, and a client on the same host that may (same user, plaintext data plane) maps it read-only
-and copies pinned pages straight out of it, with no socket in between (kvnode/data_plane.py note 9).
+and copies pinned pages straight out of it, with no socket in between
+(kvnode/shared_pool_serving.py note 1).
 
 Why: over a Unix socket a page is copied twice by the kernel (node -> socket buffer -> client)
 beside the syscalls of both ends, ~3.8 GB/s here; a copy out of a mapping runs at memory speed

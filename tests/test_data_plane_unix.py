@@ -1,4 +1,4 @@
-"""The data plane's same-host path (kvnode/data_plane.py note 8) with real node processes: Info
+"""The data plane's same-host path (kvnode/data_plane.py note 7) with real node processes: Info
 advertises an abstract Unix socket, a client on the node's loopback address uses it and gets
 the bytes TCP and gRPC give, tokens computed from pages it brought equal the cold ones, it
 shares TCP's connection bound, and a socket that does not answer, a host that is not loopback
@@ -204,9 +204,9 @@ def test_a_node_restarted_under_a_new_name_is_found_again_through_info(tmp_path)
 # name fixed, so a test can hold that name first.
 _FIXED_NAME = """
 import runpy, sys
-from kvnode import data_plane
+from kvnode import data_plane_connection
 name = sys.argv.pop(1)
-data_plane._new_unix_name = lambda: name
+data_plane_connection.new_unix_name = lambda: name
 sys.argv = ["kvcache", *sys.argv[4:]]
 runpy.run_module("kvcache.cli", run_name="__main__", alter_sys=True)
 """
