@@ -29,7 +29,8 @@ import numpy as np
 from kvnode import data_wire as dw
 from kvnode import wire
 from kvnode.checksum import CHECKSUM_BYTES, first_mismatch, page_checksum, page_digest
-from kvnode.data_client import DataPlaneClient, DataPlaneError
+from kvnode.data_client import DataPlaneClient
+from kvnode.data_client_io import DataPlaneError
 from kvnode.store import InvalidRequest, check_key
 from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
@@ -162,7 +163,7 @@ class NodeClient:
     """`use_data_plane=False` keeps every call on gRPC (benches and tests compare the two);
     `unix_socket=False` keeps the data plane on TCP when the node also offers its same-host
     socket (the bench compares the two); `shared_memory=False` keeps it on that socket when the
-    node would also let it copy pages out of its shared pool (data_client.py note 8);
+    node would also let it copy pages out of its shared pool (shared_pool_reader.py note 1);
     `credentials` (protos.security) make both gRPC and the data plane mutual TLS."""
 
     def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S, use_data_plane: bool = True,
@@ -480,20 +481,20 @@ class NodeClient:
         return plane.address if plane is not None else None
 
     def data_plane_transport(self) -> str | None:
-        """"shared memory", "unix" or "tcp" for the data plane this client uses (data_client.py notes
-        7-8), None on gRPC."""
+        """"shared memory", "unix" or "tcp" for the data plane this client uses (data_client.py note 7,
+        shared_pool_reader.py note 1), None on gRPC."""
         plane = self._data_plane()
         return plane.transport if plane is not None else None
 
     def prepare_data_plane(self) -> None:
         """Begin now, in the background, what the first data plane call would wait for or do
-        beside it: the shared pool's mapping (data_client.py note 8)."""
+        beside it: the shared pool's mapping (shared_pool_reader.py note 1)."""
         plane = self._data_plane()
         if plane is not None:
             plane.start_mapping()
 
     def map_shared_pool(self, timeout: float | None = None) -> bool:
-        """Map the node's shared pool now rather than in the background (data_client.py note 8);
+        """Map the node's shared pool now rather than in the background (shared_pool_reader.py note 1);
         whether pages now come out of it."""
         plane = self._data_plane()
         return plane is not None and plane.map_pool(timeout or self.timeout)

@@ -19,8 +19,8 @@ Design notes
    memory is freed once no reader maps it). Before mapping, the reader checks that the peer on the
    socket runs as its own user or root, and that the descriptor is sealed as note 1 says and as
    large as the node said. Populating the page tables costs ~90 ms a GiB here, so it is done while
-   mapping (MAP_POPULATE), off the request path (kvnode/data_client.py note 8), for pools up to
-   POPULATE_MAX_BYTES; a larger pool is mapped lazily, each page's first copy paying its faults.
+   mapping (MAP_POPULATE), off the request path (kvnode/shared_pool_reader.py note 1), for pools up
+   to POPULATE_MAX_BYTES; a larger pool is mapped lazily, each page's first copy paying its faults.
 3. Linux only (memfd_create, SO_PEERCRED, SCM_RIGHTS); elsewhere the pool is a plain array and
    nothing is shared.
 """

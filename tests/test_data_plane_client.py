@@ -188,7 +188,7 @@ def test_when_every_pooled_connection_went_stale_the_call_still_succeeds(make_no
 def test_a_grpc_fallback_gets_only_what_is_left_of_the_calls_timeout(seeded, plane, monkeypatch):
     """A connect that fails slowly (a host that drops packets) used up part of the timeout: the
     gRPC fallback gets the rest, and none at all when nothing is left."""
-    from kvnode.data_client import DataPlaneError
+    from kvnode.data_client_io import DataPlaneError
 
     def slow_connect_failure(*args):
         time.sleep(0.4)

@@ -22,7 +22,8 @@ from kvcache.launch import Daemon
 from kvnode import data_client
 from kvnode import data_wire as dw
 from kvnode.client import NodeClient
-from kvnode.data_client import DataPlaneClient, DataPlaneError
+from kvnode.data_client import DataPlaneClient
+from kvnode.data_client_io import DataPlaneError
 from store_helpers import key
 from worker.engine import Engine
 from worker.model import load_model

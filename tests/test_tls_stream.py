@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from kvnode import data_wire as dw
-from kvnode.data_client import DataPlaneError, _receive
+from kvnode.data_client_io import DataPlaneError, receive
 from protos import security
 
 RECORD = 16384  # a TLS record's most plaintext
@@ -105,13 +105,13 @@ def test_a_peer_that_closes_mid_record_fails_the_receive_with_what_arrived(pair)
     raw.shutdown(socket.SHUT_WR)
     out = memoryview(bytearray(1000 + RECORD))
     with pytest.raises(DataPlaneError, match="closed after 1000 of 17384 bytes"):
-        _receive(client, out, deadline=float("inf"))
+        receive(client, out, deadline=float("inf"))
     assert bytes(out[:1000]) == pattern(1000)
 
 
 def receive_all(client, size: int) -> bytes:
     out = memoryview(bytearray(size))
-    _receive(client, out, deadline=float("inf"))
+    receive(client, out, deadline=float("inf"))
     return bytes(out)
 
 

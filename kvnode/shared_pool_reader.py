@@ -1,0 +1,205 @@
+"""The client's side of a node's shared pool (kvnode/shared_pool.py; the node's side:
+kvnode/shared_pool_serving.py): the pool mapped read-only, and pages copied out of it. Each
+DataPlaneClient (kvnode/data_client.py) holds one SharedPoolReader and fetches through it while
+the pool is mapped.
+
+Design notes
+1. Over the Unix socket of a plaintext node the client maps the node's page pool read-only
+   (kvnode/shared_pool.py; shared_pool_serving.py note 1) and fetches by slot: GET_SLOTS pins the
+   pages and tells where they are, the client copies them out of the mapping and releases them
+   (data_wire design note 7); a page the node has on disk only comes by GET after. The mapping
+   is made by a thread of its own, started by the first call (or NodeClient.prepare_data_plane),
+   so no request waits for it; until it is there, pages come over the socket as before: for good
+   once the node refused it (TLS, another user, --no-shared-pool, a node before the op) or its
+   descriptor was not sealed as shared_pool note 1 says, else (a busy socket, a timeout) the
+   mapping is tried again after _MAP_RETRY_S. Each batch costs a round trip of its own (the
+   request, then the release). The caller checks the checksums as always. A socket name found
+   gone drops the mapping with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Callable, Sequence
+
+import grpc
+import numpy as np
+
+from kvnode import data_wire as dw
+from kvnode import shared_pool
+from kvnode.checksum import CHECKSUM_BYTES
+from kvnode.data_client_io import (DataPlaneError, payload_or_status, receive, receive_scattered, reply_header,
+                                  send_request)
+
+MAP_TIMEOUT_S = 30.0  # the shared pool's mapping (design note 1), on its own thread
+_MAP_RETRY_S = 30.0  # after a mapping failed for a reason that may pass (a busy socket, a timeout)
+_SLOT_ENTRY = CHECKSUM_BYTES + dw.SLOT.size
+
+# The DataPlaneClient's: a new connection to the node's Unix socket by a deadline (None: it did not
+# take one), and a connection handed back to its pool of idle ones.
+Connect = Callable[[float], "socket.socket | None"]
+GiveBack = Callable[[socket.socket], None]
+
+log = logging.getLogger("kvnode.client")
+
+
+class SharedPoolReader:
+    """The node's pool as one DataPlaneClient maps it (design note 1): `state` is "unasked",
+    "mapping", "mapped" or "refused"; `pool` the mapping once it is made."""
+
+    def __init__(self, address: str, enabled: bool):
+        self.address = address  # the node's data plane, for log lines and errors
+        self.state = "unasked" if enabled else "refused"
+        self.pool: np.ndarray | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._mapping_done = threading.Event()  # a new one each time a mapping is begun
+        self._map_again_at = 0.0
+
+    def close(self) -> None:
+        """Drop the mapping (it goes with the last array that uses it), and map no more."""
+        with self._lock:
+            self._closed = True
+            self.pool = None
+
+    def map_now(self, connect: Connect, give_back: GiveBack, timeout_s: float) -> bool:
+        """Map the node's pool now, on this thread (or wait for the thread mapping it), unless it
+        was refused; whether it is mapped."""
+        if self._claim_mapping():
+            self._map_pool(connect, give_back, timeout_s)
+        elif self.state == "mapping":
+            self._mapping_done.wait(timeout_s)
+        return self.state == "mapped"
+
+    def start_mapping(self, connect: Connect, give_back: GiveBack) -> None:
+        """Map the node's pool on a thread of its own, unless asked already (design note 1)."""
+        if self._claim_mapping():
+            threading.Thread(target=self._map_pool, args=(connect, give_back, MAP_TIMEOUT_S), name="kvnode-pool-map",
+                             daemon=True).start()
+
+    def _claim_mapping(self) -> bool:
+        with self._lock:
+            if self.state != "unasked" or self._closed or time.monotonic() < self._map_again_at:
+                return False
+            self.state, self._mapping_done = "mapping", threading.Event()
+            return True
+
+    def _map_pool(self, connect: Connect, give_back: GiveBack, timeout_s: float) -> None:
+        """MAP_POOL on a new connection to the Unix socket (`connect`, given back once the pool is
+        mapped): the pool mapped; refused for good when the node or its descriptor says no (design
+        note 1); else asked again after _MAP_RETRY_S."""
+        pool, why, for_good, sock = None, "", False, None
+        deadline = time.monotonic() + timeout_s
+        try:
+            sock = connect(deadline)
+            if sock is None:
+                why = "its unix socket did not take the connection"
+            else:
+                sock.settimeout(None)
+                dw.set_kernel_timeouts(sock, max(0.001, deadline - time.monotonic()))
+                uid = shared_pool.peer_uid(sock)
+                if uid not in (os.geteuid(), 0):  # shared_pool note 2: not the node's socket, or not ours to trust
+                    why, for_good = f"the process on its unix socket runs as user {uid}, not as this one or root", True
+                else:
+                    sock.sendall(dw.request_header(dw.OP_MAP_POOL, 0))
+                    pool = self._receive_pool(sock, deadline)
+        except DataPlaneError as exc:  # FAILED_PRECONDITION: not offered; INVALID_ARGUMENT: a node before the op
+            why = f"{exc.code.name}: {exc.details}"
+            for_good = exc.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+        except ValueError as exc:  # a descriptor not sealed or sized as promised
+            why, for_good = str(exc), True
+        except Exception as exc:  # OSError, MemoryError, ...: this try only
+            why = str(exc) or repr(exc)
+        with self._lock:
+            if pool is not None and not self._closed:
+                self.pool, self.state = pool, "mapped"
+            else:
+                pool = None
+                self.state = "refused" if for_good else "unasked"
+                self._map_again_at = time.monotonic() + _MAP_RETRY_S
+            self._mapping_done.set()
+        if pool is None:
+            log.info("kvnode data plane %s: pages come over the socket, not out of the node's shared pool (%s)%s",
+                     self.address, why, "" if for_good else f"; asked again in {_MAP_RETRY_S:.0f} s")
+        if sock is not None:
+            if pool is not None:
+                give_back(sock)
+            else:
+                sock.close()
+
+    @staticmethod
+    def _receive_pool(sock: socket.socket, deadline: float) -> np.ndarray:
+        """The MAP_POOL reply: its descriptor mapped (shared_pool.map_read_only), or the node's status raised."""
+        data, fds, _, _ = socket.recv_fds(sock, dw.REPLY.size, 1, getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+        try:
+            if not data:
+                raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, "connection closed before a reply")
+            header = memoryview(bytearray(dw.REPLY.size))
+            header[: len(data)] = data
+            receive(sock, header[len(data):], deadline)
+            payload = payload_or_status(sock, header, deadline)
+            if payload != dw.POOL_REPLY.size or len(fds) != 1:
+                raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"a MAP_POOL reply of {payload} bytes and {len(fds)} "
+                                     "descriptors is not one this client reads")
+            body = memoryview(bytearray(dw.POOL_REPLY.size))
+            receive(sock, body, deadline)
+            return shared_pool.map_read_only(fds[0], *dw.POOL_REPLY.unpack(body))
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def pool_for(self, sock) -> np.ndarray | None:
+        """The mapped pool when this connection can fetch out of it (a plain Unix one), else None."""
+        pool = self.pool
+        return pool if pool is not None and getattr(sock, "family", None) == socket.AF_UNIX else None
+
+    def copy_pages(self, sock: socket.socket, pool: np.ndarray, keys: Sequence[bytes],
+                   destination: Callable[[], tuple[list[np.ndarray] | np.ndarray, memoryview]],
+                   deadline: float, reused: bool) -> None:
+        """GET_SLOTS (data_wire note 7): destination() gives (pages, checksums) once the node
+        answered, as out_for does for a GET; page i is copied out of the pool into pages[i] (or
+        received, when the node has it in no slot) and its checksum into `checksums`; then the
+        pages are released."""
+        send_request(sock, [dw.get_request(keys, dw.OP_GET_SLOTS)], deadline, reused, self.address)
+        payload = reply_header(sock, deadline, reused, self.address)
+        table = memoryview(bytearray(len(keys) * _SLOT_ENTRY))
+        if payload < table.nbytes:
+            raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers {payload} bytes to a GET_SLOTS of "
+                                 f"{len(keys)} pages, expected at least {table.nbytes}")
+        receive(sock, table, deadline)
+        slots = [dw.SLOT.unpack_from(table, i * _SLOT_ENTRY + CHECKSUM_BYTES)[0] for i in range(len(keys))]
+        unslotted = [i for i, slot in enumerate(slots) if slot == dw.NO_SLOT]
+        page_bytes = pool.shape[1]
+        if payload != table.nbytes + len(unslotted) * page_bytes or \
+                any(slot >= len(pool) for slot in slots if slot != dw.NO_SLOT):
+            raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers a GET_SLOTS of {len(keys)} pages with "
+                                 f"{payload} bytes, naming slots {sorted(set(slots) - {dw.NO_SLOT})} of a pool of "
+                                 f"{len(pool)}: not one this client reads")
+        pages, checksums = destination()
+        if any(page.nbytes != page_bytes for page in pages):
+            raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"the node's shared pool holds pages of {page_bytes} "
+                                 f"bytes, the caller's of {pages[0].nbytes}")
+        for i in range(len(keys)):
+            checksums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES] = table[i * _SLOT_ENTRY :
+                                                                             i * _SLOT_ENTRY + CHECKSUM_BYTES]
+        if unslotted:
+            receive_scattered(sock, [memoryview(pages[i]) for i in unslotted], deadline)
+        for page, slot in zip(pages, slots):
+            if slot != dw.NO_SLOT:
+                np.copyto(page, pool[slot])
+        try:
+            sock.sendall(dw.RELEASE)
+        except OSError as exc:  # the node unpins them as the connection goes
+            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"connection broke before the release: {exc}") from None
+
+
+def page_arrays(destination: tuple, count: int) -> tuple[list[np.ndarray] | np.ndarray, memoryview]:
+    """out_for's (pages, checksums) with the pages as `count` uint8 arrays, one a page."""
+    out, checksums = destination
+    if isinstance(out, list):
+        return [np.frombuffer(page, dtype=np.uint8) for page in out], checksums
+    return np.frombuffer(out, dtype=np.uint8).reshape(count, -1), checksums
