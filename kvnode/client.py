@@ -16,27 +16,28 @@ to throw that work away on PageRejected).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import grpc
 import numpy as np
 
-from kvnode import data_wire as dw
+from kvnode import stepwise_gets
 from kvnode import wire
-from kvnode.checksum import CHECKSUM_BYTES, first_mismatch, page_checksum, page_digest
+from kvnode.checksum import CHECKSUM_BYTES, page_checksum
+from kvnode.client_types import NodeError, NodeInfo, PageRejected, PutResult, check_keys, verified
 from kvnode.data_client import DataPlaneClient
 from kvnode.data_client_io import DataPlaneError
-from kvnode.store import InvalidRequest, check_key
 from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
 from protos import security
 from protos.methods import method_path
 from protos.observability import traced_channel
+
+# What other parts import from here: NodeClient, what it returns and raises, and the checksum of a page.
+__all__ = ["NodeClient", "NodeError", "NodeInfo", "PageRejected", "PutResult", "page_checksum"]
 
 log = logging.getLogger("kvnode.client")
 
@@ -45,70 +46,6 @@ _GET_PAGES = method_path("KVStore", "GetPages")
 _PUT_PAGES = method_path("KVStore", "PutPages")
 DEFAULT_TIMEOUT_S = 5.0
 _CLIENT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-
-
-class NodeError(Exception):
-    """A kvnode call failed; `code` is the grpc.StatusCode, `details` the node's message."""
-
-    def __init__(self, address: str, code: grpc.StatusCode, details: str):
-        super().__init__(f"kvnode {address}: {code.name}: {details}")
-        self.address = address
-        self.code = code
-        self.details = details
-
-
-class PageRejected(NodeError):
-    """Page `index` of a get_pages (`key`) does not match its checksum: the node's copy was altered
-    after its put. The pages before it were received intact; it and those after are not to be used."""
-
-    def __init__(self, address: str, index: int, key: bytes):
-        super().__init__(address, grpc.StatusCode.DATA_LOSS,
-                         f"page {key.hex()} (number {index} of the request) does not match its checksum: "
-                         "its bytes changed after its writer computed it (on the node, most likely); "
-                         "compute it instead and have the node drop it")
-        self.index = index
-        self.key = key
-
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    node_id: str
-    version: str
-    page_bytes: int
-    capacity_pages: int
-    used_pages: int
-    leased_pages: int
-    free_pages: int
-    max_keys_per_request: int
-    max_message_bytes: int
-    data_port: int = 0  # 0: the node has no data plane
-    ram_capacity_pages: int = 0
-    ram_used_pages: int = 0
-    disk_capacity_pages: int = 0  # 0: the node has no disk tier
-    disk_used_pages: int = 0
-    dirty_pages: int = 0  # in RAM, not yet written to disk
-    data_host: str = ""  # the data plane's advertised host; "": the host of the gRPC address
-    data_unix: str = ""  # the data plane's abstract unix socket name; "": none (data_client.py note 7)
-
-
-@dataclass(frozen=True)
-class PutResult:
-    """Per page, in request order: 'stored', 'already_present', 'refused_no_parent' or 'refused_no_room'."""
-
-    outcomes: tuple[str, ...]
-
-    @property
-    def stored(self) -> int:
-        return self.outcomes.count("stored")
-
-    @property
-    def already_present(self) -> int:
-        return self.outcomes.count("already_present")
-
-    @property
-    def refused(self) -> int:
-        return sum(1 for o in self.outcomes if o.startswith("refused"))
 
 
 def _byte_view(page, index: int) -> memoryview:
@@ -121,42 +58,12 @@ def _byte_view(page, index: int) -> memoryview:
 _OUTCOME_NAMES = {o: pb.PutReply.Outcome.Name(o).lower() for o in pb.PutReply.Outcome.values()}
 
 
-def _checked_pages(out, count: int, page_bytes: int) -> np.ndarray | list[np.ndarray]:
-    """`out` when it holds `count` pages: a C-contiguous (count, page_bytes) uint8 array, or a list
-    of `count` C-contiguous (page_bytes,) uint8 arrays; ValueError saying what it is otherwise."""
-    if isinstance(out, np.ndarray):
-        shape = (count, page_bytes)
-        if out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
-            raise ValueError(f"out must be a C-contiguous uint8 array of shape {shape}, got {out.dtype} {out.shape}")
-        return out
-    if len(out) != count or any(page.shape != (page_bytes,) or page.dtype != np.uint8 or not page.flags.c_contiguous
-                                for page in out):
-        raise ValueError(f"out must be {count} C-contiguous uint8 arrays of shape ({page_bytes},), one a page")
-    return out
-
-
-def _byte_views(out: np.ndarray | list[np.ndarray]) -> memoryview | list[memoryview]:
-    return memoryview(out).cast("B") if isinstance(out, np.ndarray) else [memoryview(page) for page in out]
-
-
 def _host_of(address: str) -> str | None:
     """The host of a gRPC target "host:port" or "[v6]:port"; None for other target forms."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not host or "/" in host:
         return None
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
-def _check_keys(address: str, keys: Sequence[bytes], parents: Sequence[bytes] = ()) -> None:
-    """The data plane's framing carries 16-byte keys only: refuse others as the node would."""
-    try:
-        for key in keys:
-            check_key(key)
-        for parent in parents:
-            if parent:  # a root's parent is empty
-                check_key(parent, "parent key")
-    except InvalidRequest as exc:
-        raise NodeError(address, grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
 class NodeClient:
@@ -240,16 +147,16 @@ class NodeClient:
         checksums = bytearray(len(keys) * CHECKSUM_BYTES)
         plane = self._data_plane()
         if plane is not None:
-            _check_keys(self.address, keys)
+            check_keys(self.address, keys)
             deadline = time.monotonic() + (timeout or self.timeout)
             try:
                 plane.get_into(keys, memoryview(out).cast("B"), memoryview(checksums), timeout or self.timeout)
-                return self._verified(keys, out, checksums)
+                return verified(self.address, keys, out, checksums)
             except DataPlaneError as exc:
                 self._data_plane_failed(plane, exc)  # returns only to fall back to gRPC
             timeout = self._time_left(deadline)
         self._grpc_get_pages(keys, out, checksums, timeout)
-        return self._verified(keys, out, checksums)
+        return verified(self.address, keys, out, checksums)
 
     def get_pages_in_batches(self, batches: Sequence[Sequence[bytes]],
                              out_for: Callable[[int], np.ndarray | list[np.ndarray]],
@@ -265,46 +172,7 @@ class NodeClient:
         the pages of its batch before it are intact in that batch's array (landed is not called
         for it). Any other failure after some batches landed raises NodeError: those stay the
         caller's."""
-        page_bytes = self._known_info().page_bytes
-        firsts = list(itertools.accumulate((len(keys) for keys in batches), initial=0))  # each batch's first page
-        checksums = [bytearray(len(keys) * CHECKSUM_BYTES) for keys in batches]
-        outs: dict[int, np.ndarray | list[np.ndarray]] = {}
-        done = 0
-
-        def checked(number: int) -> np.ndarray | list[np.ndarray]:
-            if number not in outs:  # asked once, even when a retry or the fallback asks again
-                outs[number] = _checked_pages(out_for(number), len(batches[number]), page_bytes)
-            return outs[number]
-
-        def count(number: int) -> None:
-            nonlocal done
-            self._verified(batches[number], outs.pop(number), checksums[number], first=firsts[number])
-            landed(number)
-            done = number + 1
-
-        if not all(batches):
-            raise ValueError("every batch needs at least one key")
-        plane = self._data_plane() if batches else None
-        deadline = time.monotonic() + (timeout or self.timeout)
-        if plane is not None:
-            for keys in batches:
-                _check_keys(self.address, keys)
-            try:
-                plane.get_batches(batches, lambda i: (_byte_views(checked(i)), memoryview(checksums[i])),
-                                  count, timeout or self.timeout)
-                return
-            except DataPlaneError as exc:
-                if done:
-                    raise NodeError(self.address, exc.code, exc.details) from None
-                self._data_plane_failed(plane, exc)  # returns only to fall back to gRPC
-        for number in range(len(batches)):  # nothing landed over the data plane
-            out = checked(number)
-            rows = out if isinstance(out, np.ndarray) else np.empty((len(out), page_bytes), dtype=np.uint8)
-            self._grpc_get_pages(batches[number], rows, checksums[number], self._time_left(deadline))
-            if rows is not out:
-                for page, row in zip(out, rows):
-                    np.copyto(page, row)
-            count(number)
+        stepwise_gets.get_pages_in_batches(self, batches, out_for, landed, timeout)
 
     def get_pages_in_bands(self, keys: Sequence[bytes], outs: Sequence[np.ndarray], band_bytes: int,
                            landed: Callable[[int], None], timeout: float | None = None) -> None:
@@ -314,68 +182,7 @@ class NodeClient:
         once its last band did: PageRejected names the first that fails, after every landed call
         (the bands handed over must then be thrown away). Over gRPC, or from a node whose data
         plane predates the op, the pages come whole and every band lands at the end."""
-        page_bytes = self._known_info().page_bytes
-        if len(outs) != len(keys):
-            raise ValueError(f"{len(outs)} page buffers for {len(keys)} keys: give one per key")
-        for out in outs:
-            if out.shape != (page_bytes,) or out.dtype != np.uint8 or not out.flags.c_contiguous:
-                raise ValueError(f"each page buffer must be a C-contiguous uint8 array of shape ({page_bytes},), "
-                                 f"got {out.dtype} {out.shape}")
-        bands = dw.caller_band_bounds(page_bytes, band_bytes)
-        if not keys:
-            return
-        deadline = time.monotonic() + (timeout or self.timeout)
-        plane = self._data_plane() if not self._bands_refused else None
-        if plane is not None:
-            _check_keys(self.address, keys)
-            checksums = bytearray(len(keys) * CHECKSUM_BYTES)
-            digests = [page_digest(k) for k in keys]  # fed band by band
-            done = 0
-
-            def hashed(band: int) -> None:
-                nonlocal done
-                start, end = bands[band]
-                for digest, out in zip(digests, outs):
-                    digest.update(out[start:end])
-                done = band + 1
-                landed(band)
-
-            try:
-                plane.get_bands(keys, [memoryview(out) for out in outs], memoryview(checksums), band_bytes, hashed,
-                                timeout or self.timeout)
-            except DataPlaneError as exc:
-                if done:
-                    raise NodeError(self.address, exc.code, exc.details) from None
-                if dw.is_unknown_op(exc.code, exc.details):
-                    log.info("kvnode %s: its data plane predates banded GETs; fetching whole pages", self.address)
-                    self._bands_refused = True
-                else:
-                    self._data_plane_failed(plane, exc)  # returns only to fall back to a plain GET
-            else:
-                for index, (key, digest) in enumerate(zip(keys, digests)):
-                    if digest.digest() != bytes(checksums[index * CHECKSUM_BYTES : (index + 1) * CHECKSUM_BYTES]):
-                        raise PageRejected(self.address, index, bytes(key))
-                return
-        whole = np.empty((len(keys), page_bytes), dtype=np.uint8)
-        try:
-            self.get_pages(keys, out=whole, timeout=self._time_left(deadline))
-        except PageRejected as exc:  # the pages before it are intact: theirs as a banded GET would leave them
-            for out, page in zip(outs[: exc.index], whole):
-                np.copyto(out, page)
-            raise
-        for out, page in zip(outs, whole):
-            np.copyto(out, page)
-        for band in range(len(bands)):
-            landed(band)
-
-    def _verified(self, keys: Sequence[bytes], out: np.ndarray, checksums: bytearray, first: int = 0) -> np.ndarray:
-        """`out` when every page matches its checksum; else PageRejected for the first that does not,
-        numbered from `first` (where these keys begin in the caller's request)."""
-        sums = [bytes(checksums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES]) for i in range(len(keys))]
-        index = first_mismatch(keys, out, sums)
-        if index is not None:
-            raise PageRejected(self.address, first + index, bytes(keys[index]))
-        return out
+        stepwise_gets.get_pages_in_bands(self, keys, outs, band_bytes, landed, timeout)
 
     def _grpc_get_pages(self, keys: Sequence[bytes], out: np.ndarray, checksums: bytearray,
                         timeout: float | None) -> None:
@@ -430,7 +237,7 @@ class NodeClient:
         plane = self._data_plane() if items else None
         if plane is not None:
             keys, parents, views = zip(*items)
-            _check_keys(self.address, keys, parents)
+            check_keys(self.address, keys, parents)
             for key, view in zip(keys, views):
                 if view.nbytes != info.page_bytes:
                     raise NodeError(self.address, grpc.StatusCode.INVALID_ARGUMENT,
