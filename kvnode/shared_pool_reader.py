@@ -7,7 +7,8 @@ Design notes
 1. Over the Unix socket of a plaintext node the client maps the node's page pool read-only
    (kvnode/shared_pool.py; shared_pool_serving.py note 1) and fetches by slot: GET_SLOTS pins the
    pages and tells where they are, the client copies them out of the mapping and releases them
-   (data_wire design note 7); a page the node has on disk only comes by GET after. The mapping
+   (data_wire design note 7); a page the node has in no slot (on disk only, no RAM slot to be
+   had) comes with the reply, after its table. The mapping
    is made by a thread of its own, started by the first call (or NodeClient.prepare_data_plane),
    so no request waits for it; until it is there, pages come over the socket as before: for good
    once the node refused it (TLS, another user, --no-shared-pool, a node before the op) or its
