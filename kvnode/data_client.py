@@ -274,7 +274,7 @@ class DataPlaneClient:
                          "is gone" if gone else "cannot be used from this process", exc)
                 self.unix_name = ""
                 self.unix_gone = gone
-                self._shared.pool = None  # a gone node's memory is freed once no reader maps it (shared_pool note 2)
+                self._shared.close()  # a gone node's memory is freed once no reader maps it (shared_pool note 2)
             else:
                 (log.debug if self._told_unix_busy else log.info)(
                     "kvnode data plane %s: its unix socket @%s did not take a connection (%s); that connection "

@@ -66,6 +66,8 @@ class SharedPoolReader:
         with self._lock:
             self._closed = True
             self.pool = None
+            if self.state == "mapped":
+                self.state = "refused"
 
     def map_now(self, connect: Connect, give_back: GiveBack, timeout_s: float) -> bool:
         """Map the node's pool now, on this thread (or wait for the thread mapping it), unless it

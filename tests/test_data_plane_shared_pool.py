@@ -311,7 +311,7 @@ def test_a_node_stopped_and_restarted_is_read_out_of_its_new_pool(tmp_path):
         with node_process(tmp_path, *ARGS, *ports):
             newer = pages(3, first=7)
             assert client.put_pages(keys, [b"", *keys[:-1]], newer).stored == 3  # the old name is gone: TCP
-            assert old._pool is None, "the dead node's pool is still mapped"
+            assert old.pool_state == "refused" and old.transport == "tcp", "the dead node's pool is still mapped"
             assert client.map_shared_pool(timeout=10), "the restarted node's pool was not mapped"
             assert np.array_equal(client.get_pages(keys), newer)
             assert client.data_plane_transport() == "shared memory" and client._data is not old
