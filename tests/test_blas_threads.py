@@ -1,6 +1,7 @@
 """Workers that share a machine cap their BLAS threads (`--blas-threads`; the local cluster gives
 each cores / workers)."""
 
+import os
 import subprocess
 import sys
 
@@ -75,3 +76,17 @@ def test_forced_threads_hold_for_small_forwards_too(restore_blas_threads):
     assert _blas_threads() == {1}
     with blas.threads_for_rows(1):
         assert _blas_threads() == {1}
+
+
+def test_the_command_line_quiets_openblas_idle_threads_before_numpy_loads():
+    """`kvcache` sets OpenBLAS's thread timeout for itself and the daemons it starts (a value
+    given in the environment wins), and numpy is not loaded before it does."""
+    probe = ("import os, sys\nfrom kvcache import cli\nassert 'numpy' not in sys.modules\n"
+             "try:\n    cli.main(['--version'])\nexcept SystemExit:\n    pass\n"
+             "print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    quiet = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
+    given = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                           env={**env, "OPENBLAS_THREAD_TIMEOUT": "20"})
+    assert quiet.returncode == 0 and given.returncode == 0, quiet.stderr + given.stderr
+    assert quiet.stdout.split()[-1] == "4" and given.stdout.split()[-1] == "20"
