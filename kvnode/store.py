@@ -67,6 +67,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from kvnode import store_invariants
 from kvnode.checksum import CHECKSUM_BYTES, page_checksum
 from kvnode.disk_tier import DiskTier
 from kvnode.eviction import PREFIX_AWARE, EvictionPolicy, EvictionQueue, get_policy
@@ -519,39 +520,7 @@ class PageStore:
     # ---- invariants (tests call this after every step) -----------------------
 
     def check_invariants(self) -> None:
+        """AssertionError unless the index, its counts, the leases, the queues and the slots of
+        every tier agree (kvnode/store_invariants.py)."""
         with self._lock:
-            self._check_tiers()
-            children: dict[bytes, int] = {}
-            orphans: dict[bytes, int] = {}
-            for key, page in self._index.items():
-                if page.parent in self._index:
-                    children[page.parent] = children.get(page.parent, 0) + 1
-                elif page.parent:
-                    assert not self.policy.requires_parent, f"page {key.hex()} is cached, its parent not"
-                    orphans[page.parent] = orphans.get(page.parent, 0) + 1
-            for key, page in self._index.items():
-                assert page.children == children.get(key, 0), f"page {key.hex()} child count is off"
-            assert orphans == self._orphans_by_parent, "orphan counts per missing parent are off"
-            assert self._num_orphans == sum(orphans.values()), f"orphan count {self._num_orphans} is off"
-            self._leases.check()
-            self._queue.check()
-            if self._tiers is not None:
-                self._tiers.check()
-
-    def _check_tiers(self) -> None:
-        """used + free = capacity on every tier (slots of condemned pages are used); no slot both
-        free and used, or used twice."""
-        pages = [*self._index.values(), *self._condemned.values()]
-        assert all(p.pins for p in self._condemned.values()), "an unpinned dropped page still holds its slots"
-        assert not self._condemned.keys() & self._index.keys(), "a dropped page is in the index"
-        ram = [p.slot for p in pages if p.slot is not None]
-        tiers = [("RAM", ram, self._free_slots, self.ram_capacity_pages)]
-        if self._tiers is None:
-            assert len(ram) == len(pages), "a page is not in RAM, and there is no disk tier"
-        else:
-            tiers.append(("disk", [p.disk_slot for p in pages], self._tiers.free_disk_slots, self.capacity_pages))
-        for name, used, free, capacity in tiers:
-            assert len(used) + len(free) == capacity, f"{name}: used {len(used)} + free {len(free)} != {capacity}"
-            assert len(set(used)) == len(used), f"{name}: two pages share a slot"
-            assert not set(used) & set(free), f"{name}: a slot is both free and used"
-            assert len(set(free)) == len(free), f"{name}: a slot is free twice"
+            store_invariants.check(self)
