@@ -1,6 +1,9 @@
 """The page store: a preallocated page pool, a content-addressed index, eviction in the
 caller's chosen policy (prefix-aware LRU by default) and short leases. Plain Python over
-NumPy; knows nothing of gRPC.
+NumPy; knows nothing of gRPC. Its parts have modules of their own: leases (kvnode/leases.py),
+the disk tier's copies (kvnode/tiers.py), the victims' order (kvnode/eviction/), dropping pages
+(kvnode/store_drops.py), the invariants' checks (kvnode/store_invariants.py), and its errors,
+page record and counters (kvnode/store_types.py).
 
 Design notes
 1. The policy (kvnode/eviction.py) picks victims and says whether a put needs its
@@ -40,27 +43,23 @@ Design notes
    header checked (and its bytes, with the disk check `always`: kvnode/disk_tier.py note 6);
    when no RAM slot is free or unpinned it is served from a buffer of its own, not promoted. Moving copies between the tiers, and the disk's I/O
    errors, are kvnode/tiers.py's.
-7. A page whose slot fails its check, or cannot be read, is never served: it is dropped with
-   its descendants (unreachable without it). At start the index is rebuilt from the slots, each
-   checked whole (kvnode/recovery.py); afterwards a read checks the slot's header only, unless
-   the disk check is `always`, and a page altered on disk since is caught by its reader (note 9).
-8. A page dropped while pinned (note 7: a descendant being sent, or flushed) leaves the index at
-   once, so no lookup counts it and no fetch pins it again; only its slots wait, in
-   `_condemned`, for its last unpin (a sender is still reading them). Until then its key
-   cannot be stored again (REFUSED_NO_ROOM), so an unpin by key always finds the right page.
+7. A page whose slot fails its check, or cannot be read, is dropped with its descendants:
+   kvnode/store_drops.py note 1.
+8. A page dropped while pinned leaves the index at once, its slots waiting for its last unpin:
+   kvnode/store_drops.py note 2.
 9. Every page keeps its writer's checksum (kvnode/checksum.py) beside it, on both tiers, and
    the node sends it with the page: the reader checks the bytes, not the node. The node does
    not recompute it on a put (one xxh3 pass per page, the writer's, keeps puts fast): a page
    whose checksum is wrong from the start is refused by its first reader, like one altered
    later. A put without one (an older client) gets one computed here. A reader that finds a
    page altered reports it (drop_reported): the node checks its own copy, and only when that
-   fails too does the page go with its descendants, as in notes 7-8; an intact copy stays (the
-   bytes were altered on the reader's side), so a report cannot delete good pages.
+   fails too does the page go with its descendants, as in notes 7-8 (kvnode/store_drops.py);
+   an intact copy stays (the bytes were altered on the reader's side), so a report cannot
+   delete good pages.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from typing import Callable, Iterable, Sequence
@@ -74,15 +73,14 @@ from kvnode.eviction import PREFIX_AWARE, EvictionPolicy, EvictionQueue, get_pol
 from kvnode.leases import Leases
 from kvnode.recovery import Recovered, recover
 from kvnode.shared_pool import make_pool
+from kvnode.store_drops import PageDrops
 from kvnode.store_types import (MAX_LEASE_MS, InvalidRequest, LeaseRefused, PageNotFound, PutOutcome,
                                  StoreStats, _Page, check_key)
 from kvnode.tiers import Tiers
 from protos.pages import KEY_BYTES
 
-log = logging.getLogger("kvnode")
 
-
-class PageStore:
+class PageStore(PageDrops):
     """A fixed pool of `capacity_pages` pages of `page_bytes` each, safe to share between threads.
 
     `policy` is an eviction policy's name ("prefix-aware", "lru", "fifo"; kvnode/eviction.py).
@@ -90,6 +88,7 @@ class PageStore:
     With a `disk` tier (design notes 6 and 7) the node holds `disk.capacity_pages` pages, RAM a
     copy of up to `capacity_pages` of them; its pages are recovered from it at once.
     `shared_pool` puts the RAM pool in shared memory (`self.shared_pool`) for readers on this host.
+    Dropping pages is PageDrops' (kvnode/store_drops.py).
     """
 
     def __init__(self, capacity_pages: int, page_bytes: int, clock: Callable[[], float] = time.monotonic,
@@ -125,7 +124,7 @@ class PageStore:
         self.disk = disk
         self._tiers = (Tiers(disk, self._pool, self._free_slots, self._index, self.stats, self._drop_lost,
                              write_through) if disk is not None else None)
-        self._condemned: dict[bytes, _Page] = {}  # dropped while pinned, slots held (design note 8)
+        self._condemned: dict[bytes, _Page] = {}  # dropped while pinned, slots held (store_drops note 2)
         self._orphans_by_parent: dict[bytes, int] = {}  # missing parent key -> cached pages naming it
         self._num_orphans = 0
         self._leases = Leases(self._index, self.max_leased_pages)
@@ -248,7 +247,7 @@ class PageStore:
     def pin_pages(self, keys: Sequence[bytes]) -> list[memoryview]:
         """Read-only views of the pages' bytes in the pool, pinned until unpin_pages(keys);
         touches them and counts them as sent. Nothing is pinned when a key is not cached
-        (or its bytes on disk turn out corrupted: design note 7)."""
+        (or its bytes on disk turn out corrupted: kvnode/store_drops.py note 1)."""
         with self._lock:
             return self._pin(keys)
 
@@ -271,27 +270,6 @@ class PageStore:
                 return [self._index[key].checksum for key in keys]
             except KeyError as exc:
                 raise PageNotFound(exc.args[0]) from None
-
-    def drop_reported(self, key: bytes) -> int:
-        """A reader found page `key`'s bytes do not match its checksum: drop it and its descendants
-        (design note 9) when the node's own bytes fail it too; how many went, 0 when it is not
-        cached or is intact here (so a reader cannot drop good pages, only report bad ones)."""
-        check_key(key)
-        with self._lock:
-            page = self._index.get(key)
-            if page is None:
-                return 0
-            view = self._view(page.slot) if self._tiers is None else self._tiers.bytes_of(key, page)
-            if view is not None and self._index.get(key) is page and page_checksum(key, view) == page.checksum:
-                self.stats.reported_kept += 1  # the node's copy is intact: the reader's was altered on the way
-                if self._tiers is not None:
-                    self._tiers.ram_queue.offer(key, page)  # promoted just now: its RAM copy may make room
-                return 0
-            if self._index.get(key) is not page:  # lost on disk meanwhile, with its descendants
-                return 0
-            dropped = self._drop_subtree(key)
-            self.stats.reported_dropped += dropped
-            return dropped
 
     def num_pinned(self) -> int:
         with self._lock:
@@ -433,7 +411,7 @@ class PageStore:
         index, condemned, offer = self._index, self._condemned, self._queue.offer
         ram_offer = self._tiers.ram_queue.offer if self._tiers is not None else None
         for key in keys:
-            page = index.get(key) or condemned[key]  # a pinned page is never evicted (note 8)
+            page = index.get(key) or condemned[key]  # a pinned page is never evicted (store_drops note 2)
             assert page.pins > 0, f"page {key.hex()} unpinned more often than pinned"
             page.pins -= 1
             if page.pins:
@@ -446,27 +424,6 @@ class PageStore:
                 offer(key, page)
             if ram_offer is not None:
                 ram_offer(key, page)
-
-    def _drop_lost(self, key: bytes, why: str, corrupted: bool) -> None:
-        """The disk lost `key` (design note 7): drop it and its descendants, with one log line."""
-        dropped = self._drop_subtree(key)
-        self.stats.corrupted_dropped += corrupted
-        self.stats.orphans_dropped += dropped - 1
-        log.warning("page %s %s: dropped it and %d descendants", key.hex(), why, dropped - 1)
-
-    def _drop_subtree(self, key: bytes) -> int:
-        """Drop `key` and its descendants from the node at once (a pinned one's slots wait for its
-        last unpin: design note 8); how many."""
-        children: dict[bytes, list[bytes]] = {}
-        for k, p in self._index.items():
-            if p.parent:
-                children.setdefault(p.parent, []).append(k)
-        order = [key]
-        for k in order:
-            order.extend(children.get(k, ()))
-        for k in reversed(order):  # leaves first
-            self._evict(k, counted=False)
-        return len(order)
 
     def _retire_leases(self, now: float) -> None:
         self._leases.retire(now, self._lease_ended)
@@ -485,37 +442,6 @@ class PageStore:
                 return None
             self._evict(victim)
         return free.pop()
-
-    def _evict(self, key: bytes, counted: bool = True) -> None:
-        """Drop `key` from the node, its slots back to the free lists (once unpinned: note 8)."""
-        page = self._index.pop(key)
-        self._leases.dropped(page)  # only a page dropped with a lost ancestor can be leased (note 7)
-        self.stats.evictions += counted
-        parent = self._index.get(page.parent) if page.parent else None
-        if parent is not None:
-            parent.children -= 1
-            if parent.children == 0:
-                self._queue.lost_last_child(page.parent, parent)
-        elif page.parent:  # an orphan goes
-            left = self._orphans_by_parent.pop(page.parent) - 1
-            if left:
-                self._orphans_by_parent[page.parent] = left
-            self._num_orphans -= 1
-        if page.children:  # only lru and fifo evict a page with cached children: they become orphans
-            self._orphans_by_parent[key] = page.children
-            self._num_orphans += page.children
-        if self._tiers is not None:
-            self._tiers.dropped(key)
-        if page.pins:
-            self._condemned[key] = page
-        else:
-            self._release_slots(key, page)
-
-    def _release_slots(self, key: bytes, page: _Page) -> None:
-        if page.slot is not None:
-            self._free_slots.append(page.slot)
-        if self._tiers is not None:
-            self._tiers.forget(key, page)
 
     # ---- invariants (tests call this after every step) -----------------------
 

@@ -1,9 +1,9 @@
 """With a disk tier: where a page's copies are, and moving them between RAM and disk (the
-store's design notes 6-8). The store (kvnode/store.py) indexes pages and decides which leave the
-node; this module keeps their RAM copies and disk slots: a put landing in RAM dirty (or written
-through), the flush's bookkeeping, a RAM copy dropped to make room (demotion), a page read back
-from disk and checked (promotion), and the disk's I/O errors. Callers hold the store's lock, but
-for write_batch.
+store's design note 6, kvnode/store_drops.py notes 1-2). The store (kvnode/store.py) indexes
+pages and decides which leave the node; this module keeps their RAM copies and disk slots: a
+put landing in RAM dirty (or written through), the flush's bookkeeping, a RAM copy dropped to
+make room (demotion), a page read back from disk and checked (promotion), and the disk's I/O
+errors. Callers hold the store's lock, but for write_batch.
 
 Design notes
 1. Dirty pages wait in `dirty`, in the order stored. A flush takes them into `flushing` and
