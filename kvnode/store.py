@@ -1,9 +1,9 @@
 """The page store: a preallocated page pool, a content-addressed index, eviction in the
 caller's chosen policy (prefix-aware LRU by default) and short leases. Plain Python over
 NumPy; knows nothing of gRPC. Its parts have modules of their own: leases (kvnode/leases.py),
-the disk tier's copies (kvnode/tiers.py), the victims' order (kvnode/eviction/), dropping pages
-(kvnode/store_drops.py), the invariants' checks (kvnode/store_invariants.py), and its errors,
-page record and counters (kvnode/store_types.py).
+the disk tier's copies (kvnode/tiers.py), the victims' order (kvnode/eviction/), pins
+(kvnode/store_pins.py), dropping pages (kvnode/store_drops.py), the invariants' checks
+(kvnode/store_invariants.py), and its errors, page record and counters (kvnode/store_types.py).
 
 Design notes
 1. The policy (kvnode/eviction.py) picks victims and says whether a put needs its
@@ -19,9 +19,7 @@ Design notes
    evicted, under every policy. A renewal leaves its old entry behind, stale; when stale
    entries outnumber live leases (2x + 64), the heap is rebuilt from its live entries, so
    a client renewing in a loop cannot grow it without bound (amortized O(1) per lease).
-4. Pins are for the data plane, which sends pages straight from the pool: a pinned page
-   is never evicted, so its slot is not overwritten while its bytes are on their way.
-   Unlike a lease a pin does not expire: the pinner releases it in a `finally`.
+4. Pins, for the data plane, which sends pages straight from the pool: kvnode/store_pins.py note 1.
 5. Leases are bounded, so no client can hold the pool and starve eviction: a lookup may ask
    to lease at most `max_leases_per_call` keys (more is refused, LeaseRefused: the caller
    sent a request too large), and at most `max_leased_pages` pages are leased at once (the
@@ -74,13 +72,14 @@ from kvnode.leases import Leases
 from kvnode.recovery import Recovered, recover
 from kvnode.shared_pool import make_pool
 from kvnode.store_drops import PageDrops
+from kvnode.store_pins import PagePins
 from kvnode.store_types import (MAX_LEASE_MS, InvalidRequest, LeaseRefused, PageNotFound, PutOutcome,
                                  StoreStats, _Page, check_key)
 from kvnode.tiers import Tiers
 from protos.pages import KEY_BYTES
 
 
-class PageStore(PageDrops):
+class PageStore(PagePins, PageDrops):
     """A fixed pool of `capacity_pages` pages of `page_bytes` each, safe to share between threads.
 
     `policy` is an eviction policy's name ("prefix-aware", "lru", "fifo"; kvnode/eviction.py).
@@ -88,7 +87,7 @@ class PageStore(PageDrops):
     With a `disk` tier (design notes 6 and 7) the node holds `disk.capacity_pages` pages, RAM a
     copy of up to `capacity_pages` of them; its pages are recovered from it at once.
     `shared_pool` puts the RAM pool in shared memory (`self.shared_pool`) for readers on this host.
-    Dropping pages is PageDrops' (kvnode/store_drops.py).
+    Pins are PagePins' (kvnode/store_pins.py), dropping pages PageDrops' (kvnode/store_drops.py).
     """
 
     def __init__(self, capacity_pages: int, page_bytes: int, clock: Callable[[], float] = time.monotonic,
@@ -231,38 +230,6 @@ class PageStore(PageDrops):
                 if key not in self._index:
                     raise PageNotFound(key)
 
-    def read(self, keys: Sequence[bytes], prefix: bytes = b"") -> bytes:
-        """`prefix` followed by the pages' bytes, back to back, in one copy; touches the pages.
-
-        The prefix lets a caller frame the pages for the wire without copying them twice.
-        """
-        with self._lock:
-            views = self._pin(keys)
-            try:
-                return b"".join([prefix, *views])
-            finally:
-                del views
-                self._unpin(keys)
-
-    def pin_pages(self, keys: Sequence[bytes]) -> list[memoryview]:
-        """Read-only views of the pages' bytes in the pool, pinned until unpin_pages(keys);
-        touches them and counts them as sent. Nothing is pinned when a key is not cached
-        (or its bytes on disk turn out corrupted: kvnode/store_drops.py note 1)."""
-        with self._lock:
-            return self._pin(keys)
-
-    def pin_slots(self, keys: Sequence[bytes]) -> tuple[list[int | None], list[memoryview]]:
-        """pin_pages for a reader of the shared pool (kvnode/shared_pool.py): each page's RAM slot,
-        or None for one served from a buffer of its own (on disk only, no RAM slot to be had),
-        whose bytes the reader must be sent, and pin_pages' views. Pinned until unpin_pages(keys)."""
-        with self._lock:
-            views = self._pin(keys)
-            return [self._index[key].slot for key in keys], views
-
-    def unpin_pages(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            self._unpin(keys)
-
     def checksums(self, keys: Sequence[bytes]) -> list[bytes]:
         """The pages' checksums (design note 9), in order; PageNotFound for a key not cached."""
         with self._lock:
@@ -270,10 +237,6 @@ class PageStore(PageDrops):
                 return [self._index[key].checksum for key in keys]
             except KeyError as exc:
                 raise PageNotFound(exc.args[0]) from None
-
-    def num_pinned(self) -> int:
-        with self._lock:
-            return sum(1 for page in self._index.values() if page.pins)
 
     def put(self, key: bytes, parent: bytes, data, checksum: bytes | None = None) -> PutOutcome:
         """Store one page whose parent is `parent` (b"" for a root page). `checksum`: its writer's,
@@ -380,50 +343,6 @@ class PageStore(PageDrops):
         """RAM slot `slot`'s bytes, read-only."""
         start = slot * self.page_bytes
         return self._pool_bytes[start : start + self.page_bytes]
-
-    def _pin(self, keys: Sequence[bytes]) -> list[memoryview]:
-        """Read-only views of the pages' bytes, each pinned (read from disk first when it is there
-        only); all or nothing: PageNotFound unpins what it pinned. A page is pinned before it is
-        touched, so the touch queues nothing: its last unpin queues it (eviction's note 2)."""
-        pages = []
-        for key in keys:
-            page = self._index.get(key)
-            if page is None:
-                raise PageNotFound(key)
-            pages.append(page)
-        views: list[memoryview] = []
-        tiers, index, touched = self._tiers, self._index, self._queue.touched
-        for key, page in zip(keys, pages):
-            view = self._view(page.slot) if tiers is None else tiers.bytes_of(key, page)
-            if view is None or index.get(key) is not page:  # lost on disk, or dropped with a lost page
-                self._unpin(keys[: len(views)])
-                raise PageNotFound(key)
-            views.append(view)
-            page.pins += 1
-            self._tick += 1  # _touch, but for the RAM queue: the last unpin queues the page
-            page.tick = self._tick
-            touched(key, page)
-        self.stats.get_pages += len(keys)
-        self.stats.bytes_out += self.page_bytes * len(keys)
-        return views
-
-    def _unpin(self, keys: Sequence[bytes]) -> None:
-        index, condemned, offer = self._index, self._condemned, self._queue.offer
-        ram_offer = self._tiers.ram_queue.offer if self._tiers is not None else None
-        for key in keys:
-            page = index.get(key) or condemned[key]  # a pinned page is never evicted (store_drops note 2)
-            assert page.pins > 0, f"page {key.hex()} unpinned more often than pinned"
-            page.pins -= 1
-            if page.pins:
-                continue
-            if condemned and condemned.get(key) is page:
-                del condemned[key]
-                self._release_slots(key, page)
-                continue
-            if page.lease_until == 0.0:
-                offer(key, page)
-            if ram_offer is not None:
-                ram_offer(key, page)
 
     def _retire_leases(self, now: float) -> None:
         self._leases.retire(now, self._lease_ended)
