@@ -6,7 +6,7 @@ the disk tier's copies (kvnode/tiers.py), the victims' order (kvnode/eviction/),
 (kvnode/store_invariants.py), and its errors, page record and counters (kvnode/store_types.py).
 
 Design notes
-1. The policy (kvnode/eviction.py) picks victims and says whether a put needs its
+1. The policy (kvnode/eviction/) picks victims and says whether a put needs its
    parent cached; the store carries it out. Under prefix-aware, the node's policy, only
    leaves are evicted, least recently used first, and a put whose parent is not cached
    is refused: so every cached page's whole prefix is cached. Under lru and fifo any
@@ -82,7 +82,7 @@ from protos.pages import KEY_BYTES
 class PageStore(PagePins, PageDrops):
     """A fixed pool of `capacity_pages` pages of `page_bytes` each, safe to share between threads.
 
-    `policy` is an eviction policy's name ("prefix-aware", "lru", "fifo"; kvnode/eviction.py).
+    `policy` is an eviction policy's name ("prefix-aware", "lru", "fifo"; kvnode/eviction/).
     `max_leased_pages` and `max_leases_per_call` bound leases (design note 5); None: no bound.
     With a `disk` tier (design notes 6 and 7) the node holds `disk.capacity_pages` pages, RAM a
     copy of up to `capacity_pages` of them; its pages are recovered from it at once.
