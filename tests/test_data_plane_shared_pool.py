@@ -72,6 +72,9 @@ def test_a_client_on_the_nodes_host_copies_pages_out_of_the_shared_pool(tmp_path
         assert client.put_pages(keys, [b"", *keys[:-1]], data).stored == 3
         assert client.map_shared_pool(timeout=10)
         assert client.data_plane_transport() == "shared memory" and unix.data_plane_transport() == "unix"
+        pool_reader, copied = client._data._shared, []  # counts the fetches copied out of the pool, not a fallback
+        copy_pages = pool_reader.copy_pages
+        pool_reader.copy_pages = lambda sock, pool, keys, *rest: copied.append(len(keys)) or copy_pages(sock, pool, keys, *rest)
         assert client.get_pages(keys).tobytes() == unix.get_pages(keys).tobytes() == \
             grpc_client.get_pages(keys).tobytes() == data.tobytes()
         landed = []
@@ -88,6 +91,7 @@ def test_a_client_on_the_nodes_host_copies_pages_out_of_the_shared_pool(tmp_path
         client.get_pages_in_bands(keys, outs, NODE_PAGE_BYTES // 4, bands.append)
         assert landed == [0, 1] and bands == [0, 1, 2, 3] and np.array_equal(np.stack(outs), data)
         assert client.data_plane_transport() == "shared memory", "fell back to the socket"
+        assert copied == [3, 1, 2, 2, 1, 3], "the fetches did not all come out of the shared pool"
         assert client.stats()["get_pages"] >= 3 * 8
     assert "Traceback" not in read_log(tmp_path)
 
