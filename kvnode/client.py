@@ -11,7 +11,9 @@ caller did once for several nodes), get_pages checks every page it received agai
 before returning, and raises PageRejected at the first that does not match; get_pages_in_batches
 checks each batch so before handing it over; get_pages_in_bands hands each band over as it
 lands and checks the pages once their last band did (so a caller that used a band must be able
-to throw that work away on PageRejected).
+to throw that work away on PageRejected). pin_pages leaves pages pinned in the node's shared
+pool for a caller that reads them in place, through its own mapping of shared_pool_file's
+descriptor, and releases them itself (kvnode/shared_pool_pins.py).
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from typing import Callable, Sequence
 import grpc
 import numpy as np
 
-from kvnode import stepwise_gets
+from kvnode import shared_pool_pins, stepwise_gets
 from kvnode import wire
 from kvnode.checksum import CHECKSUM_BYTES, page_checksum
 from kvnode.client_types import NodeError, NodeInfo, PageRejected, PutResult, check_keys, verified
 from kvnode.data_client import DataPlaneClient
 from kvnode.data_client_io import DataPlaneError
+from kvnode.shared_pool_pins import PinnedPages
+from kvnode.shared_pool_reader import SharedPoolFile
 from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
 from protos import security
@@ -37,7 +41,8 @@ from protos.methods import method_path
 from protos.observability import traced_channel
 
 # What other parts import from here: NodeClient, what it returns and raises, and the checksum of a page.
-__all__ = ["NodeClient", "NodeError", "NodeInfo", "PageRejected", "PutResult", "page_checksum"]
+__all__ = ["NodeClient", "NodeError", "NodeInfo", "PageRejected", "PinnedPages", "PutResult", "SharedPoolFile",
+           "page_checksum"]
 
 log = logging.getLogger("kvnode.client")
 
@@ -183,6 +188,21 @@ class NodeClient:
         (the bands handed over must then be thrown away). Over gRPC, or from a node whose data
         plane predates the op, the pages come whole and every band lands at the end."""
         stepwise_gets.get_pages_in_bands(self, keys, outs, band_bytes, landed, timeout)
+
+    def pin_pages(self, keys: Sequence[bytes], timeout: float | None = None) -> PinnedPages | None:
+        """The pages pinned in the node's shared pool, to read in place through shared_pool_file's
+        mapping of the same generation and release() soon: the node drops unreleased pins after its
+        data plane timeout (60 s by default). Checked first: PageRejected, or NodeError NOT_FOUND,
+        with nothing left pinned. None, nothing pinned, when they cannot be read in place: get_pages
+        them then. `timeout` bounds the call. kvnode/shared_pool_pins.py notes 3-5."""
+        return shared_pool_pins.pin_pages(self, keys, timeout)
+
+    def shared_pool_file(self) -> SharedPoolFile | None:
+        """While this client has the node's pool mapped: a new descriptor of it (the caller's to close),
+        its shape and the mapping's generation, which a remapped pool (a restarted node's) changes
+        (shared_pool_reader.py note 2). None while nothing is mapped. Asks the node nothing."""
+        plane = self._data
+        return plane.shared_pool_file() if plane is not None else None
 
     def _grpc_get_pages(self, keys: Sequence[bytes], out: np.ndarray, checksums: bytearray,
                         timeout: float | None) -> None:

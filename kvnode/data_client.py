@@ -54,7 +54,7 @@ from kvnode import data_wire as dw
 from kvnode.checksum import CHECKSUM_BYTES
 from kvnode.data_client_io import (DataPlaneError, StaleConnection, receive, receive_scattered, reply_header,
                                   send_request)
-from kvnode.shared_pool_reader import MAP_TIMEOUT_S, SharedPoolReader, page_arrays
+from kvnode.shared_pool_reader import MAP_TIMEOUT_S, SharedPoolFile, SharedPoolReader, page_arrays
 
 _MAX_IDLE = 4
 _UNIX_GONE = (errno.ECONNREFUSED, errno.ENOENT)  # nobody listens on the name: the node exited or restarted
@@ -208,6 +208,10 @@ class DataPlaneClient:
     def start_mapping(self) -> None:
         """Map the node's pool on a thread of its own, unless asked already (shared_pool_reader.py note 1)."""
         self._shared.start_mapping(self._connect_unix, self._give_back)
+
+    def shared_pool_file(self) -> SharedPoolFile | None:
+        """The mapped pool as a descriptor of the caller's own (shared_pool_reader.py note 2), or None."""
+        return self._shared.pool_file()
 
     # ---- plumbing ----------------------------------------------------------------
 

@@ -16,15 +16,23 @@ Design notes
    mapping is tried again after _MAP_RETRY_S. Each batch costs a round trip of its own (the
    request, then the release). The caller checks the checksums as always. A socket name found
    gone drops the mapping with it.
+2. A caller that reads pages in place (NodeClient.pin_pages, kvnode/shared_pool_pins.py) maps the
+   pool itself from a descriptor of its own (shared_pool_file): the reader keeps the memfd's
+   descriptor open while the pool is mapped, to dup it, and closes it as the mapping is dropped,
+   under its lock, so a dup never meets a closed (or reused) descriptor. Each mapping gets a
+   generation, unique in the process, so the caller tells a remapped pool (a restarted node's)
+   from the one its slots index.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import grpc
@@ -46,6 +54,18 @@ Connect = Callable[[float], "socket.socket | None"]
 GiveBack = Callable[[socket.socket], None]
 
 log = logging.getLogger("kvnode.client")
+_GENERATIONS = itertools.count(1)  # of every mapping made in this process (design note 2)
+
+
+@dataclass(frozen=True)
+class SharedPoolFile:
+    """The node's pool as the caller may map it (design note 2): `fd` is the caller's own descriptor
+    of the sealed memfd (it closes it), `pages` x `page_bytes` its shape, `generation` the mapping's."""
+
+    fd: int
+    pages: int
+    page_bytes: int
+    generation: int
 
 
 class SharedPoolReader:
@@ -56,6 +76,8 @@ class SharedPoolReader:
         self.address = address  # the node's data plane, for log lines and errors
         self.state = "unasked" if enabled else "refused"
         self.pool: np.ndarray | None = None
+        self.generation = 0  # of the mapping in `pool` (design note 2); 0: none yet
+        self._fd: int | None = None  # the mapped memfd's, kept to dup (design note 2)
         self._lock = threading.Lock()
         self._closed = False
         self._mapping_done = threading.Event()  # a new one each time a mapping is begun
@@ -66,8 +88,25 @@ class SharedPoolReader:
         with self._lock:
             self._closed = True
             self.pool = None
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
             if self.state == "mapped":
                 self.state = "refused"
+
+    def mapping(self) -> tuple[np.ndarray | None, int]:
+        """The mapped pool and its generation, read together (design note 2); (None, 0) when unmapped."""
+        with self._lock:
+            return (self.pool, self.generation) if self.pool is not None else (None, 0)
+
+    def pool_file(self) -> SharedPoolFile | None:
+        """A new descriptor of the mapped pool's memfd, for the caller to map and close (design note 2);
+        None while nothing is mapped."""
+        with self._lock:
+            if self.pool is None or self._fd is None:
+                return None
+            pages, page_bytes = self.pool.shape
+            return SharedPoolFile(os.dup(self._fd), pages, page_bytes, self.generation)
 
     def map_now(self, connect: Connect, give_back: GiveBack, timeout_s: float) -> bool:
         """Map the node's pool now, on this thread (or wait for the thread mapping it), unless it
@@ -95,7 +134,7 @@ class SharedPoolReader:
         """MAP_POOL on a new connection to the Unix socket (`connect`, given back once the pool is
         mapped): the pool mapped; refused for good when the node or its descriptor says no (design
         note 1); else asked again after _MAP_RETRY_S."""
-        pool, why, for_good, sock = None, "", False, None
+        pool, fd, why, for_good, sock = None, None, "", False, None
         deadline = time.monotonic() + timeout_s
         try:
             sock = connect(deadline)
@@ -109,7 +148,7 @@ class SharedPoolReader:
                     why, for_good = f"the process on its unix socket runs as user {uid}, not as this one or root", True
                 else:
                     sock.sendall(dw.request_header(dw.OP_MAP_POOL, 0))
-                    pool = self._receive_pool(sock, deadline)
+                    pool, fd = self._receive_pool(sock, deadline)
         except DataPlaneError as exc:  # FAILED_PRECONDITION: not offered; INVALID_ARGUMENT: a node before the op
             why = f"{exc.code.name}: {exc.details}"
             for_good = exc.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
@@ -119,8 +158,10 @@ class SharedPoolReader:
             why = str(exc) or repr(exc)
         with self._lock:
             if pool is not None and not self._closed:
-                self.pool, self.state = pool, "mapped"
+                self.pool, self.state, self._fd, self.generation = pool, "mapped", fd, next(_GENERATIONS)
             else:
+                if fd is not None:
+                    os.close(fd)
                 pool = None
                 self.state = "refused" if for_good else "unasked"
                 self._map_again_at = time.monotonic() + _MAP_RETRY_S
@@ -135,9 +176,11 @@ class SharedPoolReader:
                 sock.close()
 
     @staticmethod
-    def _receive_pool(sock: socket.socket, deadline: float) -> np.ndarray:
-        """The MAP_POOL reply: its descriptor mapped (shared_pool.map_read_only), or the node's status raised."""
+    def _receive_pool(sock: socket.socket, deadline: float) -> tuple[np.ndarray, int]:
+        """The MAP_POOL reply: its descriptor mapped (shared_pool.map_read_only), and the descriptor, kept
+        open (design note 2); or the node's status raised."""
         data, fds, _, _ = socket.recv_fds(sock, dw.REPLY.size, 1, getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+        kept = None
         try:
             if not data:
                 raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, "connection closed before a reply")
@@ -150,10 +193,13 @@ class SharedPoolReader:
                                      "descriptors is not one this client reads")
             body = memoryview(bytearray(dw.POOL_REPLY.size))
             receive(sock, body, deadline)
-            return shared_pool.map_read_only(fds[0], *dw.POOL_REPLY.unpack(body))
+            pool = shared_pool.map_read_only(fds[0], *dw.POOL_REPLY.unpack(body))
+            kept = fds[0]
+            return pool, kept
         finally:
             for fd in fds:
-                os.close(fd)
+                if fd != kept:
+                    os.close(fd)
 
     def pool_for(self, sock) -> np.ndarray | None:
         """The mapped pool when this connection can fetch out of it (a plain Unix one), else None."""

@@ -1,0 +1,221 @@
+"""Pages pinned in the node's shared pool for a caller that reads them in place
+(NodeClient.pin_pages): GET_SLOTS (data_wire design note 7) without the copy and without the
+release, which is the caller's to send once it is done with the pages (PinnedPages.release).
+The reader's side of the pool: kvnode/shared_pool_reader.py; the node's: shared_pool_serving.py.
+
+Design notes
+1. Why: a worker that reads fetched pages straight out of the node's pool for one engine step
+   copies each page once (into its own blocks), not twice (out of the pool, then into its
+   blocks). It maps the pool itself (NodeClient.shared_pool_file) and reads slot s of the
+   mapping of generation g, as PinnedPages says (shared_pool_reader.py note 2).
+2. The node reads one request at a time on a connection and answers the next only after the
+   release, so each request holds a connection of its own while pinned: up to MAX_REQUESTS,
+   each of at most the node's per-request key limit, taken from the data plane client's idle
+   pool (or new) and given back by the release; all are sent before the first table is read,
+   so the node serves them side by side. More keys than that: None, and nothing is sent.
+3. Release soon: the node keeps the pins only while it waits for the release byte, which must
+   come within its data plane timeout (DataPlaneServer's timeout_s, DEFAULT_TIMEOUT_S = 60 s
+   unless the node was started otherwise); past that it drops the connection and the pins, and
+   the slots may then be reused for other pages while the caller still reads them. Pins also
+   hold RAM that eviction cannot take back: a page pinned is a page the node cannot evict.
+4. The pages are checked against their checksums in the client's own mapping of the same
+   generation before they are handed over (kvnode/checksum.py): the node's bytes, not a
+   copy's, so the caller need not check them again while they stay pinned (the pool is sealed
+   against writes by anyone but the node, which does not write a pinned slot).
+5. None, with nothing left pinned, whenever the pages cannot be read in place and a normal fetch
+   (get_pages) should be made instead: no mapping (yet, or refused: TLS, another user,
+   --no-shared-pool), a connection that is not the Unix socket's, a page the node has in no
+   slot (on disk only, no RAM slot to be had; that connection is closed, so its unread bytes
+   are never read), a busy node (RESOURCE_EXHAUSTED, a connection closed unanswered), or more
+   keys than note 2 allows.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from typing import Sequence
+
+import grpc
+import numpy as np
+
+from kvnode import data_wire as dw
+from kvnode.checksum import CHECKSUM_BYTES, first_mismatch
+from kvnode.client_types import NodeError, PageRejected, check_keys
+from kvnode.data_client_io import DataPlaneError, StaleConnection, receive, reply_header, send_request
+
+MAX_REQUESTS = 4  # GET_SLOTS requests (connections) a pin_pages may hold (design note 2)
+_SLOT_ENTRY = CHECKSUM_BYTES + dw.SLOT.size
+
+log = logging.getLogger("kvnode.client")
+
+
+class PinnedPages:
+    """Pages pinned by the node in its shared pool: page i of the request is `slots[i]` of the
+    pool's mapping of `generation` (NodeClient.shared_pool_file), `page_bytes` long, unchanged
+    until release(). Release soon (design note 3). Safe to release from any thread."""
+
+    def __init__(self, slots: list[int], generation: int, page_bytes: int, held: list, give_back):
+        self.slots = slots
+        self.generation = generation
+        self.page_bytes = page_bytes
+        self._lock = threading.Lock()
+        # Collected unreleased: the connections are closed (the node unpins as they go), not leaked.
+        self._finalizer = weakref.finalize(self, _close_all, held)
+        self._give_back = give_back
+
+    def release(self) -> None:
+        """Tell the node the pages may go (RELEASE on each connection, then back to the idle pool;
+        a connection that cannot take it is closed, which unpins them as well). Idempotent; never raises."""
+        with self._lock:
+            taken = self._finalizer.detach()  # None once released (or collected)
+        if taken is None:
+            return
+        _, _, (socks,), _ = taken  # (self, _close_all, args, kwargs)
+        for sock in socks:
+            try:
+                sock.sendall(dw.RELEASE)
+            except Exception:  # the node unpins as the connection goes
+                _close_all([sock])
+                continue
+            try:
+                self._give_back(sock)
+            except Exception:
+                _close_all([sock])
+
+    @property
+    def released(self) -> bool:
+        return not self._finalizer.alive
+
+    def __repr__(self) -> str:
+        return (f"PinnedPages({len(self.slots)} pages, generation {self.generation}, "
+                f"{'released' if self.released else 'pinned'})")
+
+
+def _close_all(socks: list) -> None:
+    for sock in socks:
+        try:
+            sock.close()
+        except Exception:
+            pass
+
+
+def pin_pages(client, keys: Sequence[bytes], timeout: float | None) -> PinnedPages | None:
+    """NodeClient.pin_pages for `client` (a NodeClient)."""
+    keys = [bytes(key) for key in keys]
+    check_keys(client.address, keys)
+    info = client._known_info()
+    plane = client._data_plane()
+    if plane is None:
+        return None
+    if plane.pool_state == "unasked":
+        plane.start_mapping()  # for the next call: this one does not wait for it (shared_pool_reader.py note 1)
+    deadline = time.monotonic() + (timeout or client.timeout)
+    try:
+        taken = _take_pins(plane, keys, max(1, info.max_keys_per_request), deadline)
+    except DataPlaneError as exc:
+        if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED or exc.closed_unanswered:
+            return None  # busy: the caller fetches as usual (design note 5)
+        raise NodeError(client.address, exc.code, exc.details) from None
+    if taken is None:
+        return None
+    pinned, pool, checksums = taken
+    try:
+        index = first_mismatch(keys, (pool[slot] for slot in pinned.slots), checksums)
+    except BaseException:
+        pinned.release()
+        raise
+    if index is not None:
+        pinned.release()
+        raise PageRejected(client.address, index, keys[index])
+    return pinned
+
+
+def _take_pins(plane, keys: list[bytes], max_keys: int, deadline: float):
+    """(PinnedPages, the mapped pool, the checksums) for `keys`, or None (design note 5) with
+    nothing left pinned; DataPlaneError for anything else, with every connection it opened closed."""
+    pool, generation = plane._shared.mapping()
+    batches = [keys[i : i + max_keys] for i in range(0, len(keys), max_keys)]
+    if pool is None or len(batches) > MAX_REQUESTS:
+        return None
+    held: list = []  # [socket, reused] per batch, in order
+    slots: list[int] = []
+    checksums: list[bytes] = []
+    unslotted: list[int] = []  # batches with a page in no slot
+    try:
+        for batch in batches:
+            sent = _send(plane, batch, deadline, fresh=False)
+            if sent is None:
+                return _give_up(plane, held, ())
+            held.append(sent)
+        for number, batch in enumerate(batches):
+            try:
+                table, payload = _table(plane, held[number], batch, deadline)
+            except StaleConnection:  # an idle connection the node had closed (data_client.py note 3)
+                held[number][0].close()
+                plane._drop_idle()
+                held[number] = _send(plane, batch, deadline, fresh=True)
+                if held[number] is None:
+                    return _give_up(plane, held, range(number))
+                table, payload = _table(plane, held[number], batch, deadline)
+            batch_slots = [dw.SLOT.unpack_from(table, i * _SLOT_ENTRY + CHECKSUM_BYTES)[0] for i in range(len(batch))]
+            checksums += [bytes(table[i * _SLOT_ENTRY : i * _SLOT_ENTRY + CHECKSUM_BYTES]) for i in range(len(batch))]
+            slots += batch_slots
+            if dw.NO_SLOT in batch_slots:
+                unslotted.append(number)
+            elif payload != table.nbytes or any(slot >= len(pool) for slot in batch_slots):
+                raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers a GET_SLOTS of {len(batch)} pages with "
+                                     f"{payload} bytes, naming slots {sorted(set(batch_slots))} of a pool of "
+                                     f"{len(pool)}: not one this client reads")
+    except BaseException:
+        _close_all([sock for sock, _ in filter(None, held)])
+        raise
+    if unslotted:
+        return _give_up(plane, held, [number for number in range(len(held)) if number not in unslotted])
+    return PinnedPages(slots, generation, pool.shape[1], [sock for sock, _ in held], plane._give_back), pool, checksums
+
+
+def _send(plane, batch: list[bytes], deadline: float, fresh: bool) -> list | None:
+    """[connection, reused] with a GET_SLOTS of `batch` sent on it; None (the connection given back)
+    when it is not one that reads the shared pool (a Unix one). A stale pooled one is retried once."""
+    for attempt in range(2):
+        sock, reused = plane._take(deadline, fresh=fresh or attempt > 0)
+        if plane._shared.pool_for(sock) is None:
+            plane._give_back(sock)
+            return None
+        try:
+            dw.set_kernel_timeouts(sock, max(0.001, deadline - time.monotonic()))
+            send_request(sock, [dw.get_request(batch, dw.OP_GET_SLOTS)], deadline, reused, plane.address)
+            return [sock, reused]
+        except StaleConnection:
+            sock.close()
+            plane._drop_idle()
+        except BaseException:
+            sock.close()
+            raise
+    raise AssertionError("a retried GET_SLOTS asked for another retry")
+
+
+def _table(plane, held: list, batch: list[bytes], deadline: float) -> tuple[memoryview, int]:
+    """The GET_SLOTS reply's table and its whole payload's length; the pages stay pinned."""
+    sock, reused = held
+    payload = reply_header(sock, deadline, reused, plane.address)
+    table = memoryview(bytearray(len(batch) * _SLOT_ENTRY))
+    if payload < table.nbytes:
+        raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers {payload} bytes to a GET_SLOTS of "
+                             f"{len(batch)} pages, expected at least {table.nbytes}")
+    receive(sock, table, deadline)
+    held[1] = False  # answered: no longer a stale one to retry
+    return table, payload
+
+
+def _give_up(plane, held: list, answered) -> None:
+    """None for pin_pages (design note 5): the pins of the connections numbered in `answered` (their
+    replies read in full) released and those given back; the others closed (a reply not read in full
+    must not meet the next request), which unpins theirs."""
+    answered = set(answered)
+    _close_all([entry[0] for number, entry in enumerate(held) if entry is not None and number not in answered])
+    PinnedPages([], 0, 0, [held[number][0] for number in sorted(answered)], plane._give_back).release()
+    return None
