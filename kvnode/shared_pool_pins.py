@@ -42,7 +42,7 @@ import grpc
 import numpy as np
 
 from kvnode import data_wire as dw
-from kvnode.checksum import CHECKSUM_BYTES, first_mismatch
+from kvnode.checksum import CHECKSUM_BYTES, first_mismatch_in_two
 from kvnode.client_types import NodeError, PageRejected, check_keys
 from kvnode.data_client_io import DataPlaneError, StaleConnection, receive, reply_header, send_request
 
@@ -123,7 +123,7 @@ def pin_pages(client, keys: Sequence[bytes], timeout: float | None) -> PinnedPag
         return None
     pinned, pool, checksums = taken
     try:
-        index = first_mismatch(keys, (pool[slot] for slot in pinned.slots), checksums)
+        index = first_mismatch_in_two(keys, [pool[slot] for slot in pinned.slots], checksums)
     except BaseException:
         pinned.release()
         raise

@@ -99,9 +99,10 @@ def test_unix_and_tcp_connections_share_the_nodes_connection_bound(tmp_path):
                 assert dw.parse_reply_header(header)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-@pytest.mark.parametrize("node_args,transport", [(("--no-shared-pool",), "unix"), ((), "shared memory")],
-                         ids=["unix socket", "shared pool"])
-def test_tokens_from_pages_fetched_on_the_same_host_equal_the_cold_ones(tmp_path, node_args, transport):
+@pytest.mark.parametrize("node_args,transport,in_place", [(("--no-shared-pool",), "unix", False),
+                                                          ((), "shared memory", False), ((), "shared memory", True)],
+                         ids=["unix socket", "shared pool", "read in place"])
+def test_tokens_from_pages_fetched_on_the_same_host_equal_the_cold_ones(tmp_path, node_args, transport, in_place):
     model = load_model("tiny")
     prompt = "You are a helpful assistant. Answer briefly, and cite what you read. " * 2 + "What is a page?"
 
@@ -114,7 +115,7 @@ def test_tokens_from_pages_fetched_on_the_same_host_equal_the_cold_ones(tmp_path
     with Daemon("node", ["--port", "0", "--page-bytes", str(page_bytes), "--capacity", "4MiB", *node_args],
                 log_path=tmp_path / "node.log") as daemon:
         placement = Placement([daemon.address])
-        tiers = [RemoteTier(writer.kv_pool, "float16"), RemoteTier(reader.kv_pool, "float16")]
+        tiers = [RemoteTier(writer.kv_pool, "float16"), RemoteTier(reader.kv_pool, "float16", read_in_place=in_place)]
         try:
             writer.attach_remote_tier(tiers[0])
             reader.attach_remote_tier(tiers[1])
@@ -123,14 +124,21 @@ def test_tokens_from_pages_fetched_on_the_same_host_equal_the_cold_ones(tmp_path
             with tiers[1].nodes.use([daemon.address]) as nodes:  # the reader meets the node, maps its pool
                 assert tiers[1].lookup([bytes(16)], placement) == 0
                 nodes[0].client.map_shared_pool(timeout=10)
+                if in_place:  # the node's pool mapped into the reader's block arena (worker/pages_in_place.py)
+                    assert tiers[1].in_place.attach_now(nodes[0])
             warm = reader.generate([prompt], max_new_tokens=12, ignore_eos=True,
                                    tier_context=Placement([daemon.address]))[0]
             with tiers[1].nodes.use([daemon.address]) as nodes:
                 assert nodes[0].client.data_plane_transport() == transport
+                window = tiers[1].in_place._windows.get(daemon.address) if in_place else None
+                pinned = window.pins if window is not None else 0
         finally:
             for tier in tiers:
                 tier.close()
-        assert tiers[1].stats.pages_fetched >= 8 and tiers[1].stats.pages_rejected == 0
+        fetched = tiers[1].stats.pages_in_place if in_place else tiers[1].stats.pages_fetched
+        assert fetched >= 8 and tiers[1].stats.pages_rejected == 0
+        assert tiers[1].stats.pages_fetched == 0 if in_place else tiers[1].stats.pages_fetched >= 8
+        assert pinned == 0 and not reader.scheduler._in_place, "the pages read in place were not given back"
         assert warm.usage.cached_tokens_remote >= 8 * 16
         assert warm.token_ids == cold.token_ids
 

@@ -30,6 +30,8 @@ from typing import Sequence
 
 import numpy as np
 
+from worker.block_arena import BlockArena
+
 
 class BlockPool:
     """`num_blocks` blocks of `block_shape` values, one array: `kv[block_id]` is one page.
@@ -38,7 +40,7 @@ class BlockPool:
     (docs/architecture.md), in half the memory, and a fetched page lands in it as it came.
     """
 
-    def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype=np.float32):
+    def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype=np.float32, arena: bool = False):
         if num_blocks < 1:
             raise ValueError(f"the pool needs at least one block, got {num_blocks}")
         if np.dtype(dtype) not in (np.float32, np.float16):
@@ -47,7 +49,10 @@ class BlockPool:
         # Written once now, not lazily zero-mapped (np.zeros): the first write into an untouched
         # block page-faults, and a warm fetch filling 1,024 tokens of gpt2-small-shape paid
         # 100-150 ms of faults inside the request's time to first token.
-        self.kv = np.empty((num_blocks, *block_shape), dtype=dtype)
+        # With `arena`, the blocks open a range that windows onto same-host kvnodes' pools follow
+        # (worker/block_arena.py), so fetched pages can be read where they lie.
+        self.arena = BlockArena.make(num_blocks, block_shape, dtype) if arena else None
+        self.kv = self.arena.local if self.arena is not None else np.empty((num_blocks, *block_shape), dtype=dtype)
         self.kv.fill(0.0)
         self.ref_counts = [0] * num_blocks
         self.block_keys: list[bytes | None] = [None] * num_blocks

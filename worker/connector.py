@@ -38,6 +38,11 @@ Design notes
    After the forward `settle_layerwise` says whether every page arrived intact (the tier checks
    them only at the end, waited for at most `settle_timeout_s`); on any failure the scheduler
    throws the step's work away.
+8. Pages read in place (worker/pages_in_place.py): with a tier that offers `fill_in_place`, a
+   load first asks it to pin the pages where they lie in a same-host node's pool; when it can,
+   the load's result is that `PagesInPlace` instead of a count (the pages are not in the blocks
+   yet: the scheduler lets the request read them where they lie for one step, then copies and
+   releases them). A load given up that ends with pages in place releases them at once.
 """
 
 from __future__ import annotations
@@ -102,7 +107,8 @@ class _Load:
 
 @dataclass
 class FinishedLoads:
-    landed: list[tuple[Any, int]] = field(default_factory=list)  # (request, leading pages that arrived)
+    landed: list[tuple[Any, Any]] = field(default_factory=list)  # (request, leading pages that arrived, or
+    #                                                                 PagesInPlace: design note 8)
     released: list[list[int]] = field(default_factory=list)  # blocks of loads given up, the loader done with them
     overdue: list[Any] = field(default_factory=list)  # requests whose load ran past timeout_s
 
@@ -162,6 +168,8 @@ class KVConnector:
         self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         self._loader.shutdown(wait=False, cancel_futures=True)
         _, not_done = wait(running, timeout=timeout_s)
+        for load in [*self._loads.values(), *self._detached]:  # pages pinned in place nobody will read (note 8)
+            _release_in_place(load.future)
         if not_done:
             log.warning("KV connector closed with %d remote calls still running after %.1fs; "
                         "they end with the remote tier's deadlines", len(not_done), timeout_s)
@@ -290,6 +298,7 @@ class KVConnector:
         for load in list(self._detached):
             if load.future.done():
                 self._detached.remove(load)
+                _release_in_place(load.future)
                 finished.released.append(load.blocks)
         return finished
 
@@ -368,10 +377,29 @@ class KVConnector:
             filled = 0
         return max(0, min(filled, len(keys)))
 
-    def _fill(self, keys: list[bytes], block_ids: list[int], context: Any) -> int:
+    def _fill(self, keys: list[bytes], block_ids: list[int], context: Any):
+        """How many leading pages landed in `block_ids`, or the pages pinned in place (design note 8)."""
+        if hasattr(self.tier, "fill_in_place"):
+            try:
+                pages = self.tier.fill_in_place(keys, block_ids, context)
+            except Exception:
+                log.exception("remote tier fill in place failed; fetching the pages instead")
+                pages = None
+            if pages is not None:
+                if len(pages) == len(keys):
+                    return pages
+                pages.release()
         try:
             filled = int(self.tier.fill(keys, block_ids, context))
         except Exception:
             log.exception("remote tier fill failed; computing instead")
             filled = 0
         return max(0, min(filled, len(keys)))
+
+
+def _release_in_place(future: Future) -> None:
+    """A given-up load's pages pinned in place go back to the node (design note 8)."""
+    if future.done() and not future.cancelled() and future.exception() is None:
+        result = future.result()
+        if hasattr(result, "release"):
+            result.release()

@@ -60,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fetch a request's remote pages layer by layer and compute each layer of its suffix "
                              "as soon as that layer landed (issue 19; off by default: it pays only with a core "
                              "to spare, see docs/benchmarks.md)")
+    parser.add_argument("--read-in-place", action=argparse.BooleanOptionalAction, default=True,
+                        help="read a request's fetched pages where they lie in the shared pool of a kvnode on this "
+                             "host for its first step, and copy them into its blocks after its first token "
+                             "(default on; needs the node's shared pool and --kv-dtype as the pages')")
     parser.add_argument("--worker-id", default=None, help="name shown in Info and logs (default: random)")
     parser.add_argument(
         "--blas-threads", type=int, default=None,
@@ -124,10 +128,11 @@ def run(args: argparse.Namespace) -> int:
         tracing = observability.setup_tracing(args, "kvcache-worker")
         if tracing or args.metrics_port is not None:
             tier = ObservedRemoteTier(engine.kv_pool, args.kv_dtype, lease_ms=args.lease_ms, tracing=tracing,
-                                      credentials=credentials, layerwise_fill=args.layerwise_fill)
+                                      credentials=credentials, layerwise_fill=args.layerwise_fill,
+                                      read_in_place=args.read_in_place)
         else:
             tier = RemoteTier(engine.kv_pool, args.kv_dtype, lease_ms=args.lease_ms, credentials=credentials,
-                              layerwise_fill=args.layerwise_fill)
+                              layerwise_fill=args.layerwise_fill, read_in_place=args.read_in_place)
         engine.attach_remote_tier(tier)
         step_log = None
         if args.step_log:

@@ -93,7 +93,7 @@ class Engine(StepRunner):
         dtype = np.dtype(kv_dtype)  # the pool holds KV as stored and sent (design note 9)
         if num_blocks is None:
             num_blocks = max(1, kv_cache_bytes // (int(np.prod(block_shape)) * dtype.itemsize))
-        self.pool = BlockPool(num_blocks, block_shape, dtype)
+        self.pool = BlockPool(num_blocks, block_shape, dtype, arena=True)  # arena: remote.py design note 8
         self._work = threading.Event()  # set by add_request, cancel and the connector's finished work
         self.scheduler = Scheduler(self.pool, page_tokens, max_num_seqs, max_num_batched_tokens,
                                    self._connector_for(remote_tier), max_prefill_tokens=max_prefill_tokens,

@@ -57,6 +57,21 @@ class ObservedRemoteTier(RemoteTier):
         return self._observed(lambda *args: super(ObservedRemoteTier, self).fill_layerwise(*args, landed),
                               keys, block_ids, placement)
 
+    def fill_in_place(self, keys: Sequence[bytes], block_ids: Sequence[int], placement: Placement):
+        """Pinning in place observed as a fetch when it succeeds (when not, the fill that follows is)."""
+        started = time.perf_counter()
+        if not self.tracing or placement.trace is None:
+            pages = super().fill_in_place(keys, block_ids, placement)
+        else:
+            with tracer().start_as_current_span("worker.remote_fetch", context=placement.trace) as span:
+                pages = super().fill_in_place(keys, block_ids, placement)
+                span.set_attribute("kvcache.pages", len(keys))
+                span.set_attribute("kvcache.fetched_pages", 0 if pages is None else len(pages))
+                span.set_attribute("kvcache.in_place", pages is not None)
+        if pages is not None and self.on_fetch is not None:
+            self.on_fetch(time.perf_counter() - started)
+        return pages
+
     def _observed(self, fill: Callable[..., int], keys: Sequence[bytes], block_ids: Sequence[int],
                   placement: Placement) -> int:
         """A fill (either kind) in a span, its time to `on_fetch`."""

@@ -36,6 +36,12 @@ Design notes
    error, every page being part-way), and when it is short the caller throws away what it
    computed with them. No replica is tried. More pages than the node takes in one request are
    fetched whole (`fill`), every layer landing at the end.
+8. Pages read in place (`fill_in_place`, worker/pages_in_place.py): with a block arena and a pool
+   in the wire dtype, the pages of a node on this host whose pool its client maps are pinned
+   there and read where they lie for the request's first step, instead of copied into its
+   blocks first; only from the node that answered the lookup, and only all the pages or none (a
+   failure of any kind answers None, and `fill` fetches them as before). Not with the layer-wise
+   fill, which this replaces where it applies.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvnode.client import NodeError, PageRejected, page_checksum
+from worker.block_arena import arena_of
+from worker.pages_in_place import InPlaceReader, PagesInPlace
 from worker.remote_fetch import PageFetcher, transfer_timeout
 from worker.remote_nodes import Node, NodeTable
 
@@ -87,6 +95,7 @@ class TierStats:
     pages_dropped: int = 0
     pages_rejected: int = 0  # fetched pages whose bytes did not match their checksums (design note 6)
     drops_reported: int = 0  # DropPages calls a node answered
+    pages_in_place: int = 0  # fetched pages read where they lay in a same-host node's pool (design note 8)
 
 
 class RemoteTier:
@@ -112,6 +121,7 @@ class RemoteTier:
         min_batch_bytes: int = 2 * 2**20,
         credentials=None,
         layerwise_fill: bool = False,
+        read_in_place: bool = True,
     ):
         self.pool = pool
         self.wire_dtype = np.dtype(kv_dtype)
@@ -133,6 +143,10 @@ class RemoteTier:
         self._outbox: queue.Queue = queue.Queue(maxsize=max(16, queue_bytes // pool[0].nbytes))
         self.fetcher = PageFetcher(pool, self.wire_dtype, fetch_batch_bytes, min_batch_bytes, self._count)
         self.fetch_batch_pages, self.min_batch_pages = self.fetcher.fetch_batch_pages, self.fetcher.min_batch_pages
+        # Design note 8: needs a pool that opens a block arena, and pages that are blocks as they lie.
+        arena = arena_of(pool)
+        self.in_place = (InPlaceReader(arena) if read_in_place and not layerwise_fill and arena is not None
+                         and pool.dtype == self.wire_dtype else None)
         self._sender = threading.Thread(target=self._send_loop, name="kv-writeback", daemon=True)
         self._stopping = threading.Event()
         self._sender.start()
@@ -188,6 +202,33 @@ class RemoteTier:
         started = time.perf_counter()
         try:
             return self._fill(keys, block_ids, placement)
+        finally:
+            self._count("fill_ms", (time.perf_counter() - started) * 1000.0)
+
+    def fill_in_place(self, keys: Sequence[bytes], block_ids: Sequence[int], placement: Placement) -> PagesInPlace | None:
+        """`keys` pinned where they lie in the pool of the node that answered the lookup, readable
+        in the arena until released (design note 8); None when they cannot be, `fill` then fetches them."""
+        if self.in_place is None or not keys or not placement.source:
+            return None
+        started = time.perf_counter()
+        try:
+            with self.nodes.use([placement.source]) as nodes:
+                if not nodes or not self.nodes.ready(nodes[0], 0.0):
+                    return None
+                node = nodes[0]
+                try:
+                    pages = self.in_place.pin(node, keys, block_ids, self._fetch_timeout(len(keys)))
+                except PageRejected:  # fill fetches the pages before it, and reports it (design note 6)
+                    self.nodes.succeeded(node)
+                    return None
+                except NodeError as exc:
+                    self._count("fetch_failures", 1)
+                    self.nodes.failed(node, exc)
+                    return None
+                self.nodes.succeeded(node)
+                if pages is not None:
+                    self._count("pages_in_place", len(pages))
+                return pages
         finally:
             self._count("fill_ms", (time.perf_counter() - started) * 1000.0)
 
@@ -369,4 +410,6 @@ class RemoteTier:
         self._stopping.set()
         self._sender.join(timeout=5.0)
         self.fetcher.close()
+        if self.in_place is not None:
+            self.in_place.close()
         self.nodes.close()

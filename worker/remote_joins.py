@@ -20,6 +20,14 @@ Design notes
    A layer that is late cuts the forward short and sends the request back to the parked ones
    (`repark`), to join when its load ended as any. A step that finds no blocks for its first
    chunk leaves it parked.
+2. Pages read in place (connector design note 8): a load that ends with its pages pinned in a
+   same-host node's pool joins like any, its pages counted as computed, but they are not in its
+   blocks yet: its first step reads them where they lie (`forward_table` points its table
+   there), and the next `schedule` copies them into its blocks, indexes them and lets the node
+   have them back (`_land_in_place`), so the copy follows the first token instead of preceding
+   it, and the pins last one step. A request that lost its blocks meanwhile (finished after one
+   token, preempted, aborted: `_drop_in_place`) gives the pages back uncopied: its blocks never
+   held them and were never indexed.
 """
 
 from __future__ import annotations
@@ -60,15 +68,20 @@ class RemoteJoins:
         for request, filled in finished.landed:
             self._join(request, filled)
 
-    def _join(self, request: Request, filled: int) -> None:
-        """Index the pages that landed in a parked request's blocks; it runs from the next step."""
+    def _join(self, request: Request, filled) -> None:
+        """Index the pages that landed in a parked request's blocks (or, read in place, note 2, once
+        its first step read them); it runs from the next step."""
         P = self.page_tokens
         num_hits = request.num_cached_pages
-        filled = max(0, min(filled, len(request.block_table) - num_hits))
-        keys = request.page_keys(num_hits + filled)
-        for page in range(num_hits, num_hits + filled):
-            parent = keys[page - 1] if page else None
-            request.block_table[page] = self.pool.cache_full_block(request.block_table[page], keys[page], parent)
+        if isinstance(filled, int):
+            filled = max(0, min(filled, len(request.block_table) - num_hits))
+            self._index_pages(request, num_hits, num_hits + filled)
+        elif request.block_table[num_hits : num_hits + len(filled)] == filled.blocks:
+            self._in_place[id(request)] = (request, filled, num_hits)
+            filled = len(filled)
+        else:  # not the blocks it was fetched for: nothing read in place
+            filled.release()
+            filled = 0
         request.num_cached_pages = num_hits + filled
         request.num_computed_tokens = min((num_hits + filled) * P, request.num_tokens - 1)   # scheduler design note 5
         if request.cached_tokens_local is None:
@@ -77,6 +90,42 @@ class RemoteJoins:
         self.parked.remove(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+
+    def _index_pages(self, request: Request, start: int, end: int) -> None:
+        """Index pages start..end of a request's blocks in the local prefix cache."""
+        keys = request.page_keys(end)
+        for page in range(start, end):
+            parent = keys[page - 1] if page else None
+            request.block_table[page] = self.pool.cache_full_block(request.block_table[page], keys[page], parent)
+
+    def _land_in_place(self) -> None:
+        """Copy the pages the last step read in place into their blocks, index them, give them back (note 2)."""
+        while self._in_place:
+            _, (request, pages, num_hits) = self._in_place.popitem()
+            try:
+                if request.status is RequestStatus.RUNNING and \
+                        request.block_table[num_hits : num_hits + len(pages)] == pages.blocks:
+                    pages.land(self.pool.arena.all_blocks)
+                    self._index_pages(request, num_hits, num_hits + len(pages))
+            finally:
+                pages.release()
+
+    def _drop_in_place(self, request: Request) -> None:
+        """A request giving up its blocks gives its pages read in place back uncopied (note 2)."""
+        entry = self._in_place.pop(id(request), None)
+        if entry is not None:
+            entry[1].release()
+
+    def forward_table(self, request: Request) -> tuple[list[int], bool]:
+        """The block table a forward reads for `request`: its own, with pages read in place pointing
+        where they lie (note 2); and whether any do (the forward then reads the arena's blocks)."""
+        entry = self._in_place.get(id(request))
+        if entry is None:
+            return request.block_table, False
+        _, pages, num_hits = entry
+        table = list(request.block_table)
+        table[num_hits : num_hits + len(pages)] = pages.arena_blocks
+        return table, True
 
     def _join_early(self) -> ScheduledBatch | None:
         """A parked request whose layer-wise load is under way, in a step of its own (design note 1)."""

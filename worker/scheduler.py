@@ -138,6 +138,7 @@ class Scheduler(PriorityPolicy, RemoteJoins):
         self.parked: list[Request] = []  # waiting for remote KV (design note 5): blocks held, not scheduled
         self._remote_given_up: set[int] = set()  # ids of requests whose load was given up: they compute
         self._early: dict[int, tuple[int, int, bool]] = {}  # id -> (local hits, remote pages, usage set here): note 10
+        self._in_place: dict[int, tuple] = {}  # id -> (request, PagesInPlace, local hits): remote_joins.py note 2
         self.num_layerwise_discarded = 0  # early-joined steps thrown away (remote_joins.py note 1)
         self.num_preemptions = 0
         self.num_steps = 0
@@ -158,6 +159,7 @@ class Scheduler(PriorityPolicy, RemoteJoins):
 
     def schedule(self) -> ScheduledBatch:
         self.num_steps += 1
+        self._land_in_place()  # before anything may take blocks (remote_joins.py note 2)
         self._take_finished_loads()
         early = self._join_early()
         if early is not None:
@@ -274,6 +276,7 @@ class Scheduler(PriorityPolicy, RemoteJoins):
         request.block_table += self.pool.allocate(self._blocks_needed(request, num_new))
 
     def _release(self, request: Request) -> None:
+        self._drop_in_place(request)
         self.pool.release(request.held_blocks())
         request.block_table = []
         request.num_released_blocks = 0

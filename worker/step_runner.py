@@ -25,6 +25,10 @@ Design notes
    ends the forward at once and the request waits for its load as any parked one; pages that
    turn out not all intact after the forward throw the step's work away (no token), and the
    request computes its prompt without them.
+4. A request whose fetched pages are read in place (worker/remote_joins.py note 2) has them in
+   its table as blocks of the pool's arena (worker/block_arena.py), past the pool's own: the
+   forward is given the arena's whole range then. Those pages are cached ones, never written
+   (the forward writes only the K/V of the positions it computes).
 """
 
 from __future__ import annotations
@@ -118,6 +122,7 @@ class StepRunner:
         # For on_step only: what each request had computed, and when it arrived (a finished one leaves _live).
         before = None if self.on_step is None else [
             (r.num_computed_tokens, self._live[r.request_id].arrival) for r in batch.requests]
+        tables = [self.scheduler.forward_table(r) for r in batch.requests]
         token_ids, positions, starts = [], [], [0]
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             start = request.num_computed_tokens
@@ -130,10 +135,12 @@ class StepRunner:
             query_starts=np.asarray(starts, dtype=np.int64),
             context_lens=np.asarray([r.num_computed_tokens + n for r, n in zip(batch.requests, batch.num_new_tokens)],
                                     dtype=np.int64),
-            block_tables=[np.asarray(r.block_table, dtype=np.int32) for r in batch.requests],
+            block_tables=[np.asarray(table, dtype=np.int32) for table, _ in tables],
             cached_lens=self._cached_lens(batch),
         )
-        logits = self.model.forward(forward_batch, self.pool.kv, self.kv_dtype, between_layers=between_layers)
+        # Pages read in place lie in the arena's windows, past the pool's own blocks (design note 4).
+        kv = self.pool.arena.all_blocks if any(in_place for _, in_place in tables) else self.pool.kv
+        logits = self.model.forward(forward_batch, kv, self.kv_dtype, between_layers=between_layers)
         forwarded = time.monotonic()
         if settle is not None and not settle():
             return []

@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layerwise-fill", action=argparse.BooleanOptionalAction, default=False,
                         help="the reader computes each layer of the suffix once that layer of its pages landed "
                              "(issue 19; off by default, as in the worker)")
+    parser.add_argument("--read-in-place", action=argparse.BooleanOptionalAction, default=True,
+                        help="the reader's first step reads fetched pages where they lie in a same-host node's pool, "
+                             "copying them into its blocks after the first token (on by default, as in the worker)")
     parser.add_argument("--node", default=None, metavar="HOST:PORT",
                         help="measure against this running kvnode (on another machine, say; its pages must be "
                              "the model's in --kv-dtype, and it needs room for the prompts) instead of starting one")
@@ -81,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     pages_needed = (args.prompt_tokens // engines[0].page_tokens + 1) * (2 * args.repeats + 2)
     capacity = str(page_bytes * pages_needed)
     with _node(args.node, page_bytes, capacity) as node:
-        tiers = [_TimedTier(RemoteTier(engine.kv_pool, args.kv_dtype, layerwise_fill=args.layerwise_fill))
+        tiers = [_TimedTier(RemoteTier(engine.kv_pool, args.kv_dtype, layerwise_fill=args.layerwise_fill,
+                                       read_in_place=args.read_in_place))
                  for engine in engines]
         steps: list[dict] = []
         for engine, tier in zip(engines, tiers):
@@ -95,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         phases: dict[str, list[dict[str, float]]] = {"warm_remote": [], "warm_local": []}
         fills = []  # ms the reader's tier spent in fill() during each warm-remote run
         fetched = []
+        in_place = []  # pages the reader read where they lay in the node's pool, each warm-remote run
         try:
             _first_contact(tiers[1], placement)
             for _ in range(args.repeats):
@@ -103,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
                 writer.generate(prompt, max_new_tokens=1, tier_context=placement)
                 if not tiers[0].flush(timeout_s=60.0):
                     raise RuntimeError("write-back to the node did not finish within 60 s")
-                bytes_before, fill_before = tiers[1].stats.bytes_fetched, tiers[1].stats.fill_ms
+                bytes_before, fill_before = _bytes_fetched(tiers[1]), tiers[1].stats.fill_ms
+                in_place_before = tiers[1].stats.pages_in_place
                 warm = {}
                 for name in ("warm_remote", "warm_local")[::1 if len(fills) % 2 == 0 else -1]:
                     engine, tier = (reader, tiers[1]) if name == "warm_remote" else (writer, tiers[0])
@@ -112,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
                     warm[name] = engine.generate(prompt, max_new_tokens=1, tier_context=placement)[0]
                     phases[name].append(_phases(warm[name], steps, tier.calls))
                 remote, local = warm["warm_remote"], warm["warm_local"]
-                fetch_bytes = tiers[1].stats.bytes_fetched - bytes_before
+                fetch_bytes = _bytes_fetched(tiers[1]) - bytes_before
+                in_place.append(tiers[1].stats.pages_in_place - in_place_before)
                 fills.append(tiers[1].stats.fill_ms - fill_before)
                 if local.usage.cached_tokens_local != remote.usage.cached_tokens_remote:
                     raise RuntimeError(f"warm-local reused {local.usage.cached_tokens_local} tokens, warm-remote fetched "
@@ -153,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         "phases_samples_ms": phases,
         # Layer-wise fills (issue 19): warm-remote runs that began their forward before the fill ended,
         # those sent back to wait for it (a layer late), and the layers the forward had to wait for.
+        "pages_in_place": in_place,
         "layerwise": {"early_joins": reader.connector.num_early_joins, "unjoined": reader.connector.num_unjoined,
                       "layer_waits": reader.connector.num_layer_waits,
                       "discarded": reader.scheduler.num_layerwise_discarded},
@@ -173,6 +181,9 @@ def run(args: argparse.Namespace) -> int:
           f">= {result['fetch_gb_per_s_lower_bound']:.2f} GB/s (whole warm TTFT counted as transfer)")
     print(f"of the warm-from-kvnode TTFT, fetching the pages and writing them into the pool took "
           f"{result['fill_ms']:.1f} ms ({result['fill_gb_per_s']:.2f} GB/s); the rest computes the last page")
+    print(f"read in place (the node's pool mapped into the worker's block arena): "
+          f"{sum(1 for n in in_place if n)} of {args.repeats} warm-remote runs"
+          f"{'' if args.read_in_place else ' (off: --no-read-in-place)'}")
     layerwise = result["layerwise"]
     print(f"layer-wise fill {'on' if args.layerwise_fill else 'off'}: {layerwise['early_joins']} of {args.repeats} "
           f"warm-remote forwards began before their fill ended ({layerwise['unjoined']} sent back to wait, "
@@ -187,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
 _PHASES = [  # (key, label) in the order they happen
     ("lookup", "arrival -> the kvnode answered the lookup"),
     ("to_fill", "-> the fill began (the request parked)"),
-    ("fill", "the fill (transfer, check, into the pool)"),
+    ("fill", "the fill (transfer or pins, check, into the pool)"),
     ("to_forward", "-> the forward began"),
     ("forward", "the forward of the last tokens"),
     ("to_token", "-> the first token"),
@@ -216,6 +227,9 @@ class _TimedTier:
     def fill_layerwise(self, keys, block_ids, context, landed) -> int:
         return self._timed("fill", self.tier.fill_layerwise, keys, block_ids, context, landed)
 
+    def fill_in_place(self, keys, block_ids, context):
+        return self._timed("fill", self.tier.fill_in_place, keys, block_ids, context)
+
     def _timed(self, what: str, call, *args):
         started = time.monotonic()
         try:
@@ -230,7 +244,13 @@ def _first_contact(tier, placement) -> None:
     tier.lookup([bytes(16)], placement)
     with tier.nodes.use(placement.addresses) as nodes:
         for node in nodes:
-            node.client.map_shared_pool(timeout=30.0)
+            if node.client.map_shared_pool(timeout=30.0) and tier.in_place is not None:
+                tier.in_place.attach_now(node)
+
+
+def _bytes_fetched(tier) -> int:
+    """Page bytes the tier fetched, those read in place included."""
+    return tier.stats.bytes_fetched + tier.stats.pages_in_place * tier.page_bytes
 
 
 def _phases(completion, steps: list[dict], calls: list[tuple[str, float, float]]) -> dict[str, float]:
@@ -245,7 +265,7 @@ def _phases(completion, steps: list[dict], calls: list[tuple[str, float, float]]
     phases = {"lookup": (marks["lookup"] - arrived) * 1000.0}
     before_forward = marks["lookup"]
     if fills:
-        fill_start, fill_end = fills[-1]
+        fill_start, fill_end = fills[0][0], fills[-1][1]  # pinning in place, and the fetch when it could not
         phases.update(to_fill=(fill_start - marks["lookup"]) * 1000.0, fill=(fill_end - fill_start) * 1000.0)
         before_forward = fill_end
     phases.update(to_forward=(forward_start - before_forward) * 1000.0, forward=record["forward_ms"],

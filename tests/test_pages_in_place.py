@@ -1,0 +1,167 @@
+"""Fetched pages read where they lie (worker/pages_in_place.py, remote_joins.py note 2): a request's
+first step reads its prefix out of a node's pool mapped into the engine's block arena, the next
+step copies it into the request's blocks and gives the pins back.
+
+These tests use a tier of their own whose "node pool" is a memfd in this process: the engine's
+side (arena, connector, scheduler, forward) is what they test; tests/test_data_plane_shared_pool.py
+runs the whole path against a real kvnode."""
+
+import mmap
+import os
+
+import numpy as np
+import pytest
+
+from worker.block_arena import BlockArena
+from worker.engine import Engine
+from worker.model import load_model
+from worker.pages_in_place import PagesInPlace
+
+PROMPT = "You are a helpful assistant. Answer briefly, and cite what you read. What does a kvnode store?"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+class PoolTier:
+    """A remote tier whose pages lie in a memfd "pool" (slots in reverse order of arrival), read in
+    place through the reader's arena; `fill` copies, for the writer and the fallback."""
+
+    def __init__(self, pages=32):
+        self.pages = {}  # key -> slot
+        self.slots = pages
+        self.fd = None
+        self.window = None
+        self.released = 0
+        self.fills = 0
+        self.in_place = True
+
+    def pool_of(self, page_bytes):
+        if self.fd is None:
+            self.fd = os.memfd_create("test-pool")
+            os.ftruncate(self.fd, self.slots * page_bytes)
+            self.map = mmap.mmap(self.fd, self.slots * page_bytes)
+            self.array = np.frombuffer(self.map, dtype=np.uint8).reshape(self.slots, page_bytes)
+        return self.array
+
+    def on_page_full(self, key, parent, block_id, context):
+        engine = context
+        pool = self.pool_of(engine.kv_pool[0].nbytes)
+        if key not in self.pages:
+            slot = self.slots - 1 - len(self.pages)
+            pool[slot] = engine.kv_pool[block_id].reshape(-1).view(np.uint8)
+            self.pages[key] = slot
+
+    def lookup(self, keys, context):
+        count = 0
+        for key in keys:
+            if key not in self.pages:
+                break
+            count += 1
+        return count
+
+    def fill(self, keys, block_ids, context):
+        self.fills += 1
+        for key, block in zip(keys, block_ids):
+            context.kv_pool[block].reshape(-1).view(np.uint8)[:] = self.array[self.pages[key]]
+        return len(keys)
+
+    def fill_in_place(self, keys, block_ids, context):
+        if not self.in_place:
+            return None
+        arena = context.pool.arena
+        if self.window is None:
+            self.window = arena.attach(self.fd, self.slots, self.array.shape[1], generation=1)
+        arena.pin(self.window)
+
+        def release():
+            self.released += 1
+            arena.unpin(self.window)
+
+        return PagesInPlace(block_ids, [self.window.first_block + self.pages[key] for key in keys], release)
+
+
+class Reader:
+    """An engine reading through a PoolTier; its tier context is itself, so the tier finds its arena."""
+
+    def __init__(self, model, tier):
+        self.engine = Engine(model, num_blocks=64, page_tokens=16, max_num_batched_tokens=256, seed=0)
+        self.engine.attach_remote_tier(tier)
+
+    def generate(self, prompt, **options):
+        return self.engine.generate(prompt, tier_context=self.engine, **options)[0]
+
+
+def test_the_first_step_reads_the_pages_in_place_and_the_next_copies_them_in(tiny):
+    tier = PoolTier()
+    writer = Reader(tiny, tier)
+    cold = writer.generate(PROMPT, max_new_tokens=6, ignore_eos=True)
+    assert len(tier.pages) >= 4
+    reader = Reader(tiny, tier)
+    warm = reader.generate(PROMPT, max_new_tokens=6, ignore_eos=True)
+    assert warm.token_ids == cold.token_ids
+    prompt_pages = warm.usage.prompt_tokens // 16
+    assert prompt_pages >= 4 and warm.usage.cached_tokens_remote == prompt_pages * 16
+    assert tier.fills == 0 and tier.released == 1
+    keys = list(tier.pages)[:prompt_pages]  # the prompt's, in order (the writer's decode filled one more)
+    blocks = reader.engine.pool.lookup(keys)
+    assert len(blocks) == len(keys), "the pages were indexed in the local cache once copied in"
+    for key, block in zip(keys, blocks):
+        assert np.array_equal(reader.engine.kv_pool[block].reshape(-1).view(np.uint8), tier.array[tier.pages[key]])
+    assert tier.window.pins == 0
+
+
+def test_a_request_done_in_its_first_step_read_only_the_window(tiny):
+    """One token: the request ends in the step that read its pages in place, so nothing copies them
+    into its blocks: the token can only be right if the forward read the window."""
+    tier = PoolTier()
+    writer = Reader(tiny, tier)
+    cold = writer.generate(PROMPT, max_new_tokens=1)
+    reader = Reader(tiny, tier)
+    reader.engine.kv_pool.fill(np.nan)  # whatever the forward read from the pool's own blocks would show
+    warm = reader.generate(PROMPT, max_new_tokens=1)
+    assert warm.token_ids == cold.token_ids
+    assert tier.released == 1 and tier.window.pins == 0
+    assert reader.engine.pool.lookup(list(tier.pages)) == [], "pages never copied in are not indexed"
+    assert warm.usage.cached_tokens_remote > 0
+    again = reader.generate(PROMPT, max_new_tokens=1)  # read in place again
+    assert again.token_ids == cold.token_ids and tier.released == 2
+
+
+def test_without_pages_in_place_the_pages_are_fetched_as_before(tiny):
+    tier = PoolTier()
+    writer = Reader(tiny, tier)
+    cold = writer.generate(PROMPT, max_new_tokens=4, ignore_eos=True)
+    tier.in_place = False
+    reader = Reader(tiny, tier)
+    assert reader.generate(PROMPT, max_new_tokens=4, ignore_eos=True).token_ids == cold.token_ids
+    assert tier.fills == 1 and tier.released == 0
+
+
+def test_the_arena_maps_a_pool_after_the_blocks_and_unmaps_it_once_unread():
+    shape = (2, 2, 1, 16, 8)
+    arena = BlockArena(3, shape, np.float32)
+    page_bytes = arena.block_bytes
+    fd = os.memfd_create("test-pool")
+    try:
+        os.ftruncate(fd, 4 * page_bytes)
+        with mmap.mmap(fd, 4 * page_bytes) as pool:
+            pool[2 * page_bytes : 3 * page_bytes] = np.full(page_bytes // 4, 7.0, dtype=np.float32).tobytes()
+            window = arena.attach(fd, 4, page_bytes, generation=1)
+            assert window.first_block >= 3
+            assert (arena.all_blocks[window.first_block + 2] == 7.0).all()
+            arena.local[:] = 1.0
+            assert (arena.all_blocks[:3] == 1.0).all() and (arena.all_blocks[window.first_block + 2] == 7.0).all()
+            with pytest.raises(ValueError, match="bytes"):
+                arena.attach(fd, 4, page_bytes // 2, generation=2)
+            assert arena.pin(window)
+            arena.detach(window)
+            assert (arena.all_blocks[window.first_block + 2] == 7.0).all(), "a pinned window stays mapped"
+            assert not arena.pin(window)
+            arena.unpin(window)
+            again = arena.attach(fd, 4, page_bytes, generation=2)
+            assert again.first_block == window.first_block, "the space of an unmapped window is used again"
+    finally:
+        os.close(fd)
