@@ -189,13 +189,14 @@ class NodeClient:
         plane predates the op, the pages come whole and every band lands at the end."""
         stepwise_gets.get_pages_in_bands(self, keys, outs, band_bytes, landed, timeout)
 
-    def pin_pages(self, keys: Sequence[bytes], timeout: float | None = None) -> PinnedPages | None:
+    def pin_pages(self, keys: Sequence[bytes], timeout: float | None = None, check: bool = True) -> PinnedPages | None:
         """The pages pinned in the node's shared pool, to read in place through shared_pool_file's
         mapping of the same generation and release() soon: the node drops unreleased pins after its
-        data plane timeout (60 s by default). Checked first: PageRejected, or NodeError NOT_FOUND,
-        with nothing left pinned. None, nothing pinned, when they cannot be read in place: get_pages
-        them then. `timeout` bounds the call. kvnode/shared_pool_pins.py notes 3-5."""
-        return shared_pool_pins.pin_pages(self, keys, timeout)
+        data plane timeout (60 s by default). Checked first (unless `check` is False: then the
+        caller checks them with first_altered() before it trusts them): PageRejected, or NodeError
+        NOT_FOUND, with nothing left pinned. None, nothing pinned, when they cannot be read in
+        place: get_pages them then. `timeout` bounds the call. kvnode/shared_pool_pins.py notes 3-5."""
+        return shared_pool_pins.pin_pages(self, keys, timeout, check)
 
     def shared_pool_file(self) -> SharedPoolFile | None:
         """While this client has the node's pool mapped: a new descriptor of it (the caller's to close),

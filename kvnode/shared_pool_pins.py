@@ -21,7 +21,9 @@ Design notes
 4. The pages are checked against their checksums in the client's own mapping of the same
    generation before they are handed over (kvnode/checksum.py): the node's bytes, not a
    copy's, so the caller need not check them again while they stay pinned (the pool is sealed
-   against writes by anyone but the node, which does not write a pinned slot).
+   against writes by anyone but the node, which does not write a pinned slot). A caller that
+   would rather check them while it already computes with them (the worker, which throws such
+   work away if they fail) asks `check=False` and calls `first_altered()` itself, before release.
 5. None, with nothing left pinned, whenever the pages cannot be read in place and a normal fetch
    (get_pages) should be made instead: no mapping (yet, or refused: TLS, another user,
    --no-shared-pool), a connection that is not the Unix socket's, a page the node has in no
@@ -42,7 +44,7 @@ import grpc
 import numpy as np
 
 from kvnode import data_wire as dw
-from kvnode.checksum import CHECKSUM_BYTES, first_mismatch_in_two
+from kvnode.checksum import CHECKSUM_BYTES, first_mismatch, first_mismatch_in_two
 from kvnode.client_types import NodeError, PageRejected, check_keys
 from kvnode.data_client_io import DataPlaneError, StaleConnection, receive, reply_header, send_request
 
@@ -65,6 +67,18 @@ class PinnedPages:
         # Collected unreleased: the connections are closed (the node unpins as they go), not leaked.
         self._finalizer = weakref.finalize(self, _close_all, held)
         self._give_back = give_back
+        self._check: tuple | None = None  # (keys, the mapped pool, checksums) with check=False (note 4)
+
+    def first_altered(self) -> int | None:
+        """Index of the first page whose bytes in the pool do not match its checksum, None when all
+        do (design note 4); only meaningful while pinned. Every page is checked when pin_pages
+        was asked to (the default), and this answers None then."""
+        if self._check is None:
+            return None
+        if self.released:
+            raise RuntimeError("pages checked after their release may have been reused: check them before")
+        keys, pool, checksums = self._check
+        return first_mismatch(keys, [pool[slot] for slot in self.slots], checksums)
 
     def release(self) -> None:
         """Tell the node the pages may go (RELEASE on each connection, then back to the idle pool;
@@ -102,7 +116,7 @@ def _close_all(socks: list) -> None:
             pass
 
 
-def pin_pages(client, keys: Sequence[bytes], timeout: float | None) -> PinnedPages | None:
+def pin_pages(client, keys: Sequence[bytes], timeout: float | None, check: bool = True) -> PinnedPages | None:
     """NodeClient.pin_pages for `client` (a NodeClient)."""
     keys = [bytes(key) for key in keys]
     check_keys(client.address, keys)
@@ -122,6 +136,9 @@ def pin_pages(client, keys: Sequence[bytes], timeout: float | None) -> PinnedPag
     if taken is None:
         return None
     pinned, pool, checksums = taken
+    if not check:  # design note 4: the caller calls first_altered()
+        pinned._check = (keys, pool, checksums)
+        return pinned
     try:
         index = first_mismatch_in_two(keys, [pool[slot] for slot in pinned.slots], checksums)
     except BaseException:

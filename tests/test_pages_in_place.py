@@ -8,6 +8,7 @@ runs the whole path against a real kvnode."""
 
 import mmap
 import os
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -37,6 +38,7 @@ class PoolTier:
         self.released = 0
         self.fills = 0
         self.in_place = True
+        self.altered = None  # index of the page the check finds altered, or None
 
     def pool_of(self, page_bytes):
         if self.fd is None:
@@ -80,7 +82,9 @@ class PoolTier:
             self.released += 1
             arena.unpin(self.window)
 
-        return PagesInPlace(block_ids, [self.window.first_block + self.pages[key] for key in keys], release)
+        checked = Future()
+        checked.set_result(self.altered)
+        return PagesInPlace(block_ids, [self.window.first_block + self.pages[key] for key in keys], release, checked)
 
 
 class Reader:
@@ -165,3 +169,24 @@ def test_the_arena_maps_a_pool_after_the_blocks_and_unmaps_it_once_unread():
             assert again.first_block == window.first_block, "the space of an unmapped window is used again"
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("altered", [0, 2])
+def test_pages_that_fail_their_check_throw_the_step_away_and_the_prompt_is_computed(tiny, altered):
+    """The check runs beside the first forward; when page `altered` fails it, that forward's token
+    is not used: the request computes its prompt again, reusing only the pages before that one
+    (copied in first), and its answer is a cold run's."""
+    tier = PoolTier()
+    writer = Reader(tiny, tier)
+    cold = writer.generate(PROMPT, max_new_tokens=6, ignore_eos=True)
+    reader = Reader(tiny, tier)
+    tier.altered = altered
+    keys = list(tier.pages)[:5]
+    slot = tier.pages[keys[altered]]
+    tier.array[slot] ^= 1  # the page the check names, really altered: a forward that used it would show
+    warm = reader.generate(PROMPT, max_new_tokens=6, ignore_eos=True)
+    assert warm.token_ids == cold.token_ids
+    assert reader.engine.scheduler.num_in_place_discarded == 1
+    assert tier.released == 1 and tier.window.pins == 0
+    assert warm.usage.cached_tokens_remote == altered * 16
+    assert warm.usage.computed_tokens == warm.usage.prompt_tokens - altered * 16

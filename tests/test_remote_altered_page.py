@@ -6,6 +6,7 @@ its descendants, then stores the page computed in its place (good bytes again)."
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -22,6 +23,7 @@ FAULTS = Path(__file__).parent / "fault_injection"
 PAGE_TOKENS = 16
 PROMPT = "You are a careful assistant. Answer briefly and precisely, citing the page you used. Why?"
 ALTERED = 2  # the third page of the prompt
+_ATTEMPTS = itertools.count()  # prompts that let the reader meet a node's pool, each new
 
 
 def altering_env(key: bytes) -> dict:
@@ -31,7 +33,7 @@ def altering_env(key: bytes) -> dict:
     return env
 
 
-@pytest.mark.parametrize("wire", ["data plane", "gRPC"])
+@pytest.mark.parametrize("wire", ["data plane", "gRPC", "read in place"])
 def test_a_page_altered_on_the_node_is_refused_and_the_answer_is_still_exact(tmp_path, wire):
     worker_args = ("--model", "tiny", "--kv-cache", "8MiB", "--grace", "5")
     with started(tmp_path, "worker", "writer", *worker_args) as writer, \
@@ -47,6 +49,9 @@ def test_a_page_altered_on_the_node_is_refused_and_the_answer_is_still_exact(tmp
                 assert wait_for(lambda: node_client.lookup(keys) == len(keys), timeout_s=10.0)
 
                 cold, _ = collect(client_b.generate(PROMPT, max_tokens=8, no_cache=True))
+                if wire == "read in place":  # the reader maps the node's pool at its first fetch from it
+                    assert wait_for(lambda: _reads_in_place(client_a, client_b, reader, node, node_client, root),
+                                    timeout_s=30.0), "the reader never read pages in place"
                 warm, done = collect(client_b.generate(PROMPT, max_tokens=8, placement=[node.address]))
 
                 assert warm == cold and len(warm) == 8
@@ -62,6 +67,17 @@ def test_a_page_altered_on_the_node_is_refused_and_the_answer_is_still_exact(tmp
                 assert node_client.get_pages(keys).shape == (len(keys), node_client.info().page_bytes)  # checked
     for name in ("writer", "reader", "node"):
         assert "Traceback" not in (tmp_path / f"{name}.log").read_text()
+
+
+def _reads_in_place(writer, reader_client, reader, node, node_client, root) -> bool:
+    """One more prompt written to the node by the writer and fetched by the reader: whether the
+    reader read its pages in place (it maps the node's pool into its arena after a first fetch)."""
+    prompt = f"Prompt {next(_ATTEMPTS)} of those that let the reader meet the node's pool before the test."
+    collect(writer.generate(prompt, max_tokens=1, placement=[node.address]))
+    keys = page_keys(root, list(prompt.encode()), PAGE_TOKENS)
+    assert wait_for(lambda: node_client.lookup(keys) == len(keys), timeout_s=10.0)
+    collect(reader_client.generate(prompt, max_tokens=1, placement=[node.address]))
+    return scrape(reader.metrics_url).value("kvcache_worker_remote_in_place_pages_total") > 0
 
 
 def test_a_page_altered_in_a_kvnodes_slot_file_is_refused_by_the_worker_and_dropped_by_the_node(tmp_path):

@@ -164,6 +164,20 @@ def test_an_altered_page_is_rejected_and_nothing_stays_pinned():
         assert wait_for(lambda: node.store.num_pinned() == 0, timeout_s=2.0)
 
 
+def test_pages_pinned_unchecked_are_checked_by_the_caller_before_the_release():
+    with shared_node() as (node, server), node.client() as client:
+        assert client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3
+        assert client.map_shared_pool(timeout=5)
+        pinned = client.pin_pages(GOOD, check=False)
+        assert pinned.first_altered() is None
+        flip_byte_in_pool(node, GOOD[2])
+        assert pinned.first_altered() == 2 and node.store.num_pinned() == 3, "still the caller's to release"
+        pinned.release()
+        with pytest.raises(RuntimeError, match="release"):
+            pinned.first_altered()
+        assert wait_for(lambda: node.store.num_pinned() == 0, timeout_s=2.0)
+
+
 def test_an_unknown_key_is_not_found_and_nothing_stays_pinned():
     with shared_node() as (node, server), node.client() as client:
         assert client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3

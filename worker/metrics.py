@@ -121,6 +121,8 @@ class _EngineCollector(Collector):
             ("kvcache_worker_remote_lookups", stats.lookups, "Lookups of a request's pages on kvnodes"),
             ("kvcache_worker_remote_fetched_pages", stats.pages_fetched, "Pages fetched from kvnodes"),
             ("kvcache_worker_remote_fetched_bytes", stats.bytes_fetched, "Bytes fetched from kvnodes"),
+            ("kvcache_worker_remote_in_place_pages", stats.pages_in_place, "Pages read where they lay in the "
+                                                                             "shared pool of a kvnode on this host"),
             ("kvcache_worker_remote_written_pages", stats.pages_written, "Pages written back to kvnodes (stored or "
                                                                           "already there)"),
             ("kvcache_worker_remote_refused_pages", stats.pages_refused, "Pages kvnodes refused to store"),

@@ -8,16 +8,19 @@ cached locally; read in place, the fetch is a round trip and the checksums.
 
 Design notes
 1. `InPlaceReader.pin` asks the node (NodeClient.pin_pages) to pin the pages and say their
-   slots; the node's client checks every page's checksum in its own mapping of the pool, as for
-   any fetch. The pages then stay pinned (the node neither evicts nor rewrites them) until
+   slots. The pages then stay pinned (the node neither evicts nor rewrites them) until
    `PagesInPlace.release`, which the scheduler calls after the request's first step, once it has
    copied them into the request's blocks (`land`) and indexed them in the local prefix cache.
-2. A node's pool is mapped into the arena once per mapping of the node's client (its
+2. Every page is checked against its checksum where it lies, as any fetched page is, but on a
+   thread of its own that starts as the pages are pinned, so the check (~3 ms for 72 MiB) runs
+   beside the request's first forward instead of before it: the scheduler asks `intact()`
+   after that forward and throws its work away if they are not (remote_joins.py note 2).
+3. A node's pool is mapped into the arena once per mapping of the node's client (its
    generation), on a thread of its own, so no request waits for it (populating the page tables
    costs ~90 ms a GiB): until the window is there, and whenever pinning is not possible (another
    host, TLS, a page on disk only, another generation than the window's), `pin` answers None and
    the pages are fetched into the blocks as before.
-3. The window of a node's previous mapping (the node restarted) is detached when its successor
+4. The window of a node's previous mapping (the node restarted) is detached when its successor
    is attached; readers still holding its pages keep it mapped until they release them.
 """
 
@@ -27,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import numpy as np
@@ -37,27 +40,48 @@ from worker.block_arena import BlockArena, Window
 log = logging.getLogger("worker.remote")
 
 _ATTACH_RETRY_S = 30.0  # after a window could not be made (no room, a failed mapping)
+CHECK_TIMEOUT_S = 5.0  # the wait for a check (design note 2); ~3 ms for 72 MiB here
 
 
 class PagesInPlace:
     """`len(blocks)` pages meant for `blocks`, lying in arena blocks `arena_blocks` while pinned."""
 
-    def __init__(self, blocks: Sequence[int], arena_blocks: Sequence[int], release: Callable[[], None]):
+    def __init__(self, blocks: Sequence[int], arena_blocks: Sequence[int], release: Callable[[], None],
+                 checked: Future | None = None):
         self.blocks = list(blocks)
         self.arena_blocks = list(arena_blocks)
         self._release = release
         self._released = False
         self._lock = threading.Lock()
+        self._checked = checked  # of the first altered page's index, or None (design note 2)
 
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def land(self, all_blocks: np.ndarray) -> None:
-        """Copy the pages into their blocks (before release: the node may reuse the slots after)."""
+    def intact(self, timeout_s: float = CHECK_TIMEOUT_S) -> bool:
+        """Whether every page matched its checksum (design note 2), waiting for the check at most
+        `timeout_s`."""
+        return self.num_intact(timeout_s) == len(self.blocks)
+
+    def num_intact(self, timeout_s: float = CHECK_TIMEOUT_S) -> int:
+        """How many leading pages matched their checksums (all, or those before the first altered
+        one); a check that fails to answer in `timeout_s` trusts none."""
+        if self._checked is None:
+            return len(self.blocks)
+        try:
+            altered = self._checked.result(timeout=timeout_s)
+        except Exception:  # a timeout, a cancelled or failed check: not trusted
+            return 0
+        return len(self.blocks) if altered is None else altered
+
+    def land(self, all_blocks: np.ndarray, count: int | None = None) -> None:
+        """Copy the first `count` pages (all by default) into their blocks (before release: the
+        node may reuse the slots after)."""
+        count = len(self.blocks) if count is None else count
         start = 0
-        while start < len(self.blocks):
+        while start < count:
             end = start + 1
-            while (end < len(self.blocks) and self.blocks[end] == self.blocks[end - 1] + 1
+            while (end < count and self.blocks[end] == self.blocks[end - 1] + 1
                    and self.arena_blocks[end] == self.arena_blocks[end - 1] + 1):
                 end += 1
             into, out_of = self.blocks[start], self.arena_blocks[start]
@@ -79,26 +103,28 @@ class PagesInPlace:
 class InPlaceReader:
     """Pins pages in same-host nodes' pools and reads them through windows in `arena` (design notes)."""
 
-    def __init__(self, arena: BlockArena):
+    def __init__(self, arena: BlockArena, on_altered: Callable[[str, int, bytes], None] = lambda *_: None):
         self.arena = arena
+        self._on_altered = on_altered  # (node address, index, key) of an altered page found by a check
         self._windows: dict[str, Window] = {}  # node address -> the window of its client's current mapping
         self._attaching: set[str] = set()
         self._retry_at: dict[str, float] = {}
         self._lock = threading.Lock()
         self._attacher = ThreadPoolExecutor(1, thread_name_prefix="kv-window")
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="kv-check")  # design note 2
 
     def pin(self, node, keys: Sequence[bytes], block_ids: Sequence[int], timeout: float) -> PagesInPlace | None:
         """`keys`, meant for `block_ids`, pinned in `node`'s pool and readable in the arena; None when
-        they cannot be (design note 2). Raises what NodeClient.pin_pages raises."""
+        they cannot be (design note 3). Raises what NodeClient.pin_pages raises."""
         window = self._window(node)
         if window is None:
             return None
-        pinned = node.client.pin_pages(keys, timeout=timeout)
+        pinned = node.client.pin_pages(keys, timeout=timeout, check=False)  # checked below (design note 2)
         if pinned is None:
             return None
         if pinned.generation != window.generation or not self.arena.pin(window):
             pinned.release()
-            self._start_attach(node)  # the node's client mapped another pool (design note 3)
+            self._start_attach(node)  # the node's client mapped another pool (design note 4)
             return None
 
         def release() -> None:
@@ -107,7 +133,18 @@ class InPlaceReader:
             finally:
                 self.arena.unpin(window)
 
-        return PagesInPlace(block_ids, [window.first_block + slot for slot in pinned.slots], release)
+        try:
+            checked = self._checker.submit(self._check, node.address, pinned, list(keys))
+        except RuntimeError:  # closed
+            release()
+            return None
+        return PagesInPlace(block_ids, [window.first_block + slot for slot in pinned.slots], release, checked)
+
+    def _check(self, address: str, pinned, keys: list[bytes]) -> int | None:
+        altered = pinned.first_altered()
+        if altered is not None:
+            self._on_altered(address, altered, keys[altered])
+        return altered
 
     def attach_now(self, node) -> bool:
         """Map `node`'s pool into the arena on this thread (a bench, before its timed runs); whether it is."""
@@ -166,9 +203,11 @@ class InPlaceReader:
                 self._attaching.discard(node.address)
 
     def close(self) -> None:
-        """Stop attaching; windows stay mapped while pages in them are held (design note 3)."""
+        """Stop attaching; windows stay mapped while pages in them are held (design note 4)."""
         self._attacher.shutdown(wait=True, cancel_futures=True)
+        self._checker.shutdown(wait=True)
         with self._lock:
             windows, self._windows = list(self._windows.values()), {}
         for window in windows:
             self.arena.detach(window)
+

@@ -145,7 +145,7 @@ class RemoteTier:
         self.fetch_batch_pages, self.min_batch_pages = self.fetcher.fetch_batch_pages, self.fetcher.min_batch_pages
         # Design note 8: needs a pool that opens a block arena, and pages that are blocks as they lie.
         arena = arena_of(pool)
-        self.in_place = (InPlaceReader(arena) if read_in_place and not layerwise_fill and arena is not None
+        self.in_place = (InPlaceReader(arena, self._altered_in_place) if read_in_place and not layerwise_fill and arena is not None
                          and pool.dtype == self.wire_dtype else None)
         self._sender = threading.Thread(target=self._send_loop, name="kv-writeback", daemon=True)
         self._stopping = threading.Event()
@@ -309,6 +309,10 @@ class RemoteTier:
             self._outbox.put_nowait(_Drop(address, rejected.key))
         except queue.Full:
             pass  # the next reader that meets the page reports it again
+
+    def _altered_in_place(self, address: str, index: int, key: bytes) -> None:
+        """A page read in place failed its check (pages_in_place.py note 2): reported as a fetched one."""
+        self._reject(address, PageRejected(address, index, key))
 
     def on_page_full(self, key: bytes, parent: bytes, block_id: int, placement: Placement) -> None:
         """Queue a copy of a newly full page for every placed node; never blocks (a full queue drops it)."""

@@ -27,7 +27,12 @@ Design notes
    have them back (`_land_in_place`), so the copy follows the first token instead of preceding
    it, and the pins last one step. A request that lost its blocks meanwhile (finished after one
    token, preempted, aborted: `_drop_in_place`) gives the pages back uncopied: its blocks never
-   held them and were never indexed.
+   held them and were never indexed. The pages' checksums are checked beside that first forward
+   (worker/pages_in_place.py note 2): after it, `settle_in_place` waits for the check, and a
+   request whose pages failed it loses the step's work (no token), gives its blocks and the pages
+   back and waits to compute its prompt without them, as after a layer-wise load that failed
+   (the pages before the altered one copied in and cached first, so it reuses those); a request
+   not in that step has its pages checked before they are copied.
 """
 
 from __future__ import annotations
@@ -100,15 +105,49 @@ class RemoteJoins:
 
     def _land_in_place(self) -> None:
         """Copy the pages the last step read in place into their blocks, index them, give them back (note 2)."""
-        while self._in_place:
-            _, (request, pages, num_hits) = self._in_place.popitem()
-            try:
-                if request.status is RequestStatus.RUNNING and \
-                        request.block_table[num_hits : num_hits + len(pages)] == pages.blocks:
+        for request, pages, num_hits in list(self._in_place.values()):
+            if request.status is not RequestStatus.RUNNING or \
+                    request.block_table[num_hits : num_hits + len(pages)] != pages.blocks:
+                self._drop_in_place(request)  # its blocks went back meanwhile: they never held them
+            elif not pages.intact():  # not in the last step, or it would have been settled
+                self._discard_in_place(request)
+            else:
+                try:
                     pages.land(self.pool.arena.all_blocks)
                     self._index_pages(request, num_hits, num_hits + len(pages))
-            finally:
-                pages.release()
+                finally:
+                    self._drop_in_place(request)
+
+    def settle_in_place(self, requests) -> set[int]:
+        """After a forward: the ids of those of `requests` whose pages read in place turned out
+        altered, their step's work to be thrown away (note 2); the others' were intact."""
+        failed = set()
+        for request in requests:
+            entry = self._in_place.get(id(request))
+            if entry is not None and not entry[1].intact():
+                self._discard_in_place(request)
+                failed.add(id(request))
+        return failed
+
+    def _discard_in_place(self, request: Request) -> None:
+        """A request whose pages read in place are altered computes its prompt without them,
+        reusing those before the altered one (note 2)."""
+        _, pages, num_hits = self._in_place[id(request)]
+        intact = pages.num_intact()
+        log.warning("page %d of the %d of request %s read in place did not match its checksum; computing its "
+                    "prompt without it and those after it", intact, len(pages), request.request_id)
+        if intact:  # cached, so the recompute reuses them
+            pages.land(self.pool.arena.all_blocks, intact)
+            self._index_pages(request, num_hits, num_hits + intact)
+        self.running.remove(request)
+        self._release(request)  # and the pages (_drop_in_place)
+        request.status = RequestStatus.WAITING
+        self._remote_given_up.add(id(request))
+        if request.cached_tokens_remote:  # set by the join: what it will reuse, as a layer-wise discard says
+            request.cached_tokens_local, request.cached_tokens_remote = (
+                (num_hits * self.page_tokens, intact * self.page_tokens) if intact else (None, None))
+        self.num_in_place_discarded += 1
+        self.waiting.appendleft(request)
 
     def _drop_in_place(self, request: Request) -> None:
         """A request giving up its blocks gives its pages read in place back uncopied (note 2)."""

@@ -139,6 +139,7 @@ class Scheduler(PriorityPolicy, RemoteJoins):
         self._remote_given_up: set[int] = set()  # ids of requests whose load was given up: they compute
         self._early: dict[int, tuple[int, int, bool]] = {}  # id -> (local hits, remote pages, usage set here): note 10
         self._in_place: dict[int, tuple] = {}  # id -> (request, PagesInPlace, local hits): remote_joins.py note 2
+        self.num_in_place_discarded = 0  # steps thrown away: pages read in place were altered (same note)
         self.num_layerwise_discarded = 0  # early-joined steps thrown away (remote_joins.py note 1)
         self.num_preemptions = 0
         self.num_steps = 0

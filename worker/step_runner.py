@@ -28,7 +28,9 @@ Design notes
 4. A request whose fetched pages are read in place (worker/remote_joins.py note 2) has them in
    its table as blocks of the pool's arena (worker/block_arena.py), past the pool's own: the
    forward is given the arena's whole range then. Those pages are cached ones, never written
-   (the forward writes only the K/V of the positions it computes).
+   (the forward writes only the K/V of the positions it computes). Their checksums are checked
+   beside the forward; a request whose pages fail gets no token from the step and computes its
+   prompt again (worker/remote_joins.py note 2).
 """
 
 from __future__ import annotations
@@ -144,8 +146,11 @@ class StepRunner:
         forwarded = time.monotonic()
         if settle is not None and not settle():
             return []
+        altered = self.scheduler.settle_in_place(batch.requests) if any(in_place for _, in_place in tables) else ()
         deltas = []
         for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            if id(request) in altered:
+                continue  # its pages read in place were altered: it computes its prompt again (design note 4)
             live = self._live[request.request_id]
             try:
                 self.scheduler.on_computed(request, num_new)
