@@ -130,7 +130,7 @@ def test_tokens_from_pages_fetched_on_the_same_host_equal_the_cold_ones(tmp_path
                                    tier_context=Placement([daemon.address]))[0]
             with tiers[1].nodes.use([daemon.address]) as nodes:
                 assert nodes[0].client.data_plane_transport() == transport
-                window = tiers[1].in_place._windows.get(daemon.address) if in_place else None
+                window = tiers[1].in_place._window(nodes[0]) if in_place else None
                 pinned = window.pins if window is not None else 0
         finally:
             for tier in tiers:

@@ -10,12 +10,14 @@ import mmap
 import os
 from concurrent.futures import Future
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from worker.block_arena import BlockArena
 from worker.engine import Engine
-from worker.model import load_model
+from worker.model import ARCH_MODULES, PRESET_SEEDS, Model, load_model, random_tensors
 from worker.pages_in_place import PagesInPlace
 
 PROMPT = "You are a helpful assistant. Answer briefly, and cite what you read. What does a kvnode store?"
@@ -117,21 +119,48 @@ def test_the_first_step_reads_the_pages_in_place_and_the_next_copies_them_in(tin
     assert tier.window.pins == 0
 
 
-def test_a_request_done_in_its_first_step_read_only_the_window(tiny):
-    """One token: the request ends in the step that read its pages in place, so nothing copies them
-    into its blocks: the token can only be right if the forward read the window."""
+def test_a_request_done_in_its_first_step_read_the_window_and_its_pages_are_cached_after(tiny):
+    """One token: the request ends in the step that read its pages in place, its blocks still NaN
+    then (the token can only be right if the forward read the window); the step after copies the
+    pages into those blocks and caches them, so the same prompt is then a local hit."""
     tier = PoolTier()
     writer = Reader(tiny, tier)
     cold = writer.generate(PROMPT, max_new_tokens=1)
     reader = Reader(tiny, tier)
     reader.engine.kv_pool.fill(np.nan)  # whatever the forward read from the pool's own blocks would show
     warm = reader.generate(PROMPT, max_new_tokens=1)
-    assert warm.token_ids == cold.token_ids
+    assert warm.token_ids == cold.token_ids and warm.usage.cached_tokens_remote > 0
     assert tier.released == 1 and tier.window.pins == 0
-    assert reader.engine.pool.lookup(list(tier.pages)) == [], "pages never copied in are not indexed"
-    assert warm.usage.cached_tokens_remote > 0
-    again = reader.generate(PROMPT, max_new_tokens=1)  # read in place again
-    assert again.token_ids == cold.token_ids and tier.released == 2
+    keys = list(tier.pages)[: warm.usage.cached_tokens_remote // 16]
+    blocks = reader.engine.pool.lookup(keys)
+    assert len(blocks) == len(keys)
+    for key, block in zip(keys, blocks):
+        assert np.array_equal(reader.engine.kv_pool[block].reshape(-1).view(np.uint8), tier.array[tier.pages[key]])
+    again = reader.generate(PROMPT, max_new_tokens=1)
+    assert again.token_ids == cold.token_ids and tier.released == 1
+    assert again.usage.cached_tokens_local == warm.usage.cached_tokens_remote
+    reader.engine.pool.check_invariants()
+
+
+def test_pages_held_too_long_are_not_copied_in(tiny, monkeypatch):
+    """The node drops pins a reader holds past its timeout and may reuse the slots: pages read in
+    place whose pins are older than LAND_WITHIN_S are given back uncopied, and a request that
+    still needed them computes its prompt again."""
+    import worker.pages_in_place as in_place
+
+    tier = PoolTier()
+    writer = Reader(tiny, tier)
+    cold = writer.generate(PROMPT, max_new_tokens=4, ignore_eos=True)
+    reader = Reader(tiny, tier)
+    handle = reader.engine.add_request(PROMPT, max_new_tokens=4, ignore_eos=True, tier_context=reader.engine)
+    while not reader.engine.scheduler._in_place:  # until its pages are read in place
+        reader.engine.step()
+    monkeypatch.setattr(in_place, "LAND_WITHIN_S", 0.0)  # as if the engine had not stepped for that long
+    while handle.completion is None:
+        reader.engine.step()
+    assert handle.completion.token_ids == cold.token_ids
+    assert tier.released == 1 and reader.engine.scheduler.num_in_place_discarded == 1
+    reader.engine.pool.check_invariants()
 
 
 def test_without_pages_in_place_the_pages_are_fetched_as_before(tiny):
@@ -190,3 +219,65 @@ def test_pages_that_fail_their_check_throw_the_step_away_and_the_prompt_is_compu
     assert tier.released == 1 and tier.window.pins == 0
     assert warm.usage.cached_tokens_remote == altered * 16
     assert warm.usage.computed_tokens == warm.usage.prompt_tokens - altered * 16
+
+
+def test_the_pages_a_first_step_filled_after_pages_read_in_place_are_cached_too(tiny):
+    """The step that read pages in place also filled pages after them, which could not be indexed
+    before their parent: they are indexed once the pages are copied in, so the same prompt again
+    is a local hit on every full page."""
+    tier = PoolTier()
+    long_prompt = PROMPT * 2
+    writer = Reader(tiny, tier)
+    cold = writer.generate(long_prompt[:100], max_new_tokens=2)  # the node holds only the first pages
+    reader = Reader(tiny, tier)
+    warm = reader.generate(long_prompt, max_new_tokens=4, ignore_eos=True)
+    assert 0 < warm.usage.cached_tokens_remote < warm.usage.prompt_tokens - 16
+    again = reader.generate(long_prompt, max_new_tokens=1)
+    assert again.usage.cached_tokens_local == (again.usage.prompt_tokens // 16) * 16
+    assert tier.released == 1
+    reader.engine.pool.check_invariants()
+
+
+def test_a_model_with_a_sliding_window_copies_its_pages_in_at_the_join(tiny):
+    """Its steps release the blocks behind the window, those of pages read in place among them, so
+    its pages are copied in before its first step instead: the answer is a cold run's."""
+    config = dataclasses.replace(tiny.config, sliding_window=40)
+    windowed = Model("tiny-windowed", config, random_tensors(ARCH_MODULES[config.arch].tensor_shapes(config), config,
+                                                             PRESET_SEEDS["tiny"]), tiny.tokenizer)
+    tier = PoolTier()
+    cold = Reader(windowed, tier).generate(PROMPT * 2, max_new_tokens=8, ignore_eos=True)
+    reader = Reader(windowed, tier)
+    warm = reader.generate(PROMPT * 2, max_new_tokens=8, ignore_eos=True)  # read in place, pages 9-10 went wrong
+    assert warm.usage.cached_tokens_remote >= 10 * 16
+    assert warm.token_ids == cold.token_ids
+    assert tier.released == 1 and not reader.engine.scheduler._in_place
+
+
+def test_the_window_of_a_node_whose_client_let_its_pool_go_is_unmapped():
+    """A node that stopped (its client dropped the mapping) or a client closed: the sweep unmaps
+    the window too, so the node's memory is freed as the client's own mapping would free it."""
+    from types import SimpleNamespace
+
+    from kvnode.client import SharedPoolFile
+    from worker.pages_in_place import InPlaceReader
+
+    shape = (2, 2, 1, 16, 8)
+    arena = BlockArena(3, shape, np.float32)
+    fd = os.memfd_create("test-pool")
+    try:
+        os.ftruncate(fd, 4 * arena.block_bytes)
+        client = SimpleNamespace(generation=5)
+        client.shared_pool_file = lambda: (SharedPoolFile(os.dup(fd), 4, arena.block_bytes, client.generation)
+                                           if client.generation else None)
+        node = SimpleNamespace(address="127.0.0.1:1", client=client)
+        reader = InPlaceReader(arena)
+        assert reader.attach_now(node)
+        window = reader._window(node)
+        reader.sweep()
+        assert reader._window(node) is window and not window.detached, "a live mapping keeps its window"
+        client.generation = None  # the client let the pool go
+        reader.sweep()
+        assert window.detached and reader._windows == {}
+        reader.close()
+    finally:
+        os.close(fd)

@@ -17,7 +17,8 @@ Design notes
 4. Where the range cannot be reserved (not Linux, a limit on address space), there is no arena:
    the pool is a plain array and pages are copied into blocks as before.
 5. The mappings live as long as the arrays over them: the range is unmapped when the last array
-   viewing it is collected (a finalizer on the buffer they share).
+   viewing it is collected (a finalizer on the buffer they share), and not at the interpreter's
+   exit, when a daemon thread may still be reading it (the kernel unmaps it with the process).
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ class BlockArena:
         # Huge pages where the kernel gives them on request, as NumPy asks for its large arrays.
         _LIBC.madvise(self._base, _round_up(num_blocks * self.block_bytes, _PAGE), _MADV_HUGEPAGE)
         buffer = (ctypes.c_char * self._size).from_address(self._base)
-        weakref.finalize(buffer, _LIBC.munmap, self._base, self._size)  # design note 5
+        # Design note 5; not at exit, when a daemon thread may still be reading a window.
+        weakref.finalize(buffer, _LIBC.munmap, self._base, self._size).atexit = False
         self.all_blocks = np.frombuffer(buffer, dtype=dtype).reshape(self._size // self.block_bytes, *block_shape)
         self.local = self.all_blocks[:num_blocks]
         _ARENAS[id(self.local)] = self
@@ -150,17 +152,21 @@ class BlockArena:
         if page_bytes != self.block_bytes:
             raise ValueError(f"the node's pages are {page_bytes} bytes, these blocks {self.block_bytes}")
         length = _round_up(pages * page_bytes, self._align)
-        with self._lock:
+        with self._lock:  # the space is claimed here, mapped below without the lock (populating takes a while)
             offset = self._free_offset(length)
             if offset is None:
                 raise ValueError(f"no room left for a window of {length} bytes in the arena's "
                                  f"{self._size - self._windows_start} bytes of window space")
-            flags = mmap.MAP_SHARED | _MAP_FIXED | (_MAP_POPULATE if length <= _POPULATE_MAX_BYTES else 0)
-            _mmap(self._base + offset, _round_up(pages * page_bytes, _PAGE), mmap.PROT_READ, flags, fd)
             window = Window(offset // self.block_bytes, pages, generation, offset, length)
             self._windows.append(window)
             self._windows.sort(key=lambda w: w._offset)
-            return window
+        flags = mmap.MAP_SHARED | _MAP_FIXED | (_MAP_POPULATE if length <= _POPULATE_MAX_BYTES else 0)
+        try:
+            _mmap(self._base + offset, _round_up(pages * page_bytes, _PAGE), mmap.PROT_READ, flags, fd)
+        except OSError:
+            self._unmap(window)  # the space reserved again: a failed MAP_FIXED may have unmapped it
+            raise
+        return window
 
     def pin(self, window: Window) -> bool:
         """Count one more reader of `window`; False when it is detached (design note 3)."""

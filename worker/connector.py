@@ -168,8 +168,8 @@ class KVConnector:
         self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         self._loader.shutdown(wait=False, cancel_futures=True)
         _, not_done = wait(running, timeout=timeout_s)
-        for load in [*self._loads.values(), *self._detached]:  # pages pinned in place nobody will read (note 8)
-            _release_in_place(load.future)
+        for load in [*list(self._loads.values()), *list(self._detached)]:  # pages pinned in place (note 8):
+            _release_in_place(load.future)  # a join of released ones computes them (in_place_joins.py)
         if not_done:
             log.warning("KV connector closed with %d remote calls still running after %.1fs; "
                         "they end with the remote tier's deadlines", len(not_done), timeout_s)

@@ -213,7 +213,8 @@ class Engine(StepRunner):
             return list(self._live)
 
     def has_unfinished(self) -> bool:
-        return bool(self._live) or not self._inbox.empty()
+        """Requests to run, or pages read in place still to cache (the next step does it)."""
+        return bool(self._live) or not self._inbox.empty() or self.scheduler.has_landings()
 
     def get_num_free_blocks(self) -> int:
         return self.pool.get_num_free_blocks()
@@ -260,6 +261,8 @@ class Engine(StepRunner):
                 self.abort(handle.request_id)
             raise
         while any(h.completion is None for h in handles):
+            self.step()
+        while self.scheduler.has_landings():  # pages read in place, cached now rather than at the next call
             self.step()
         return [h.completion for h in handles]
 

@@ -14,7 +14,7 @@ Design notes
 2. Every page is checked against its checksum where it lies, as any fetched page is, but on a
    thread of its own that starts as the pages are pinned, so the check (~3 ms for 72 MiB) runs
    beside the request's first forward instead of before it: the scheduler asks `intact()`
-   after that forward and throws its work away if they are not (remote_joins.py note 2).
+   after that forward and throws its work away if they are not (in_place_joins.py note 2).
 3. A node's pool is mapped into the arena once per mapping of the node's client (its
    generation), on a thread of its own, so no request waits for it (populating the page tables
    costs ~90 ms a GiB): until the window is there, and whenever pinning is not possible (another
@@ -41,6 +41,9 @@ log = logging.getLogger("worker.remote")
 
 _ATTACH_RETRY_S = 30.0  # after a window could not be made (no room, a failed mapping)
 CHECK_TIMEOUT_S = 5.0  # the wait for a check (design note 2); ~3 ms for 72 MiB here
+# Pages are copied in only this soon after they were pinned: a node drops pins a reader holds past its
+# data plane timeout (60 s by default), and the slots may hold other pages after that.
+LAND_WITHIN_S = 20.0
 
 
 class PagesInPlace:
@@ -54,6 +57,11 @@ class PagesInPlace:
         self._released = False
         self._lock = threading.Lock()
         self._checked = checked  # of the first altered page's index, or None (design note 2)
+        self.pinned_at = time.monotonic()
+
+    def fresh(self) -> bool:
+        """Whether the pins are surely still held (LAND_WITHIN_S)."""
+        return time.monotonic() - self.pinned_at < LAND_WITHIN_S
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -88,6 +96,10 @@ class PagesInPlace:
             np.copyto(all_blocks[into : into + end - start], all_blocks[out_of : out_of + end - start])
             start = end
 
+    @property
+    def released(self) -> bool:
+        return self._released
+
     def release(self) -> None:
         """Let the node have its pages back (idempotent; never raises)."""
         with self._lock:
@@ -106,7 +118,7 @@ class InPlaceReader:
     def __init__(self, arena: BlockArena, on_altered: Callable[[str, int, bytes], None] = lambda *_: None):
         self.arena = arena
         self._on_altered = on_altered  # (node address, index, key) of an altered page found by a check
-        self._windows: dict[str, Window] = {}  # node address -> the window of its client's current mapping
+        self._windows: dict[str, tuple] = {}  # node address -> (node, the window of its client's mapping)
         self._attaching: set[str] = set()
         self._retry_at: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -142,7 +154,7 @@ class InPlaceReader:
 
     def _check(self, address: str, pinned, keys: list[bytes]) -> int | None:
         altered = pinned.first_altered()
-        if altered is not None:
+        if altered is not None and not pinned.released:  # released meanwhile: the slot may hold another page
             self._on_altered(address, altered, keys[altered])
         return altered
 
@@ -152,12 +164,27 @@ class InPlaceReader:
             self._attaching.add(node.address)
         self._attach(node)
         with self._lock:
-            window = self._windows.get(node.address)
+            window = self._windows.get(node.address, (None, None))[1]
         return window is not None and not window.detached
+
+    def sweep(self) -> None:
+        """Unmap the windows of nodes whose client no longer maps that pool (the node stopped, or
+        its client was dropped), so a gone node's memory is freed as its client's mapping is."""
+        with self._lock:
+            windows = list(self._windows.items())
+        for address, (node, window) in windows:
+            shared = node.client.shared_pool_file()
+            if shared is not None:
+                os.close(shared.fd)
+            if shared is None or shared.generation != window.generation:
+                with self._lock:
+                    if self._windows.get(address, (None, None))[1] is window:
+                        del self._windows[address]
+                self.arena.detach(window)
 
     def _window(self, node) -> Window | None:
         with self._lock:
-            window = self._windows.get(node.address)
+            window = self._windows.get(node.address, (None, None))[1]
         if window is None or window.detached:
             self._start_attach(node)
             return None
@@ -176,7 +203,8 @@ class InPlaceReader:
 
     def _attach(self, node) -> None:
         try:
-            current = self._windows.get(node.address)
+            with self._lock:
+                current = self._windows.get(node.address, (None, None))[1]
             shared = node.client.shared_pool_file()
             if shared is None or (current is not None and not current.detached
                                   and current.generation == shared.generation):
@@ -188,7 +216,8 @@ class InPlaceReader:
             finally:
                 os.close(shared.fd)
             with self._lock:
-                old, self._windows[node.address] = self._windows.get(node.address), window
+                old = self._windows.get(node.address, (None, None))[1]
+                self._windows[node.address] = (node, window)
             if old is not None:
                 self.arena.detach(old)  # design note 3
         except (OSError, ValueError) as exc:
@@ -207,7 +236,7 @@ class InPlaceReader:
         self._attacher.shutdown(wait=True, cancel_futures=True)
         self._checker.shutdown(wait=True)
         with self._lock:
-            windows, self._windows = list(self._windows.values()), {}
+            windows, self._windows = [window for _, window in self._windows.values()], {}
         for window in windows:
             self.arena.detach(window)
 

@@ -63,6 +63,8 @@ from worker.remote_nodes import Node, NodeTable
 
 log = logging.getLogger("worker.remote")
 
+_SWEEP_EVERY_S = 5.0  # how often windows onto gone nodes' pools are looked for (design note 8)
+
 
 @dataclass
 class Placement:
@@ -337,7 +339,14 @@ class RemoteTier:
     # ---- write-back ------------------------------------------------------------
 
     def _send_loop(self) -> None:
+        swept = time.monotonic()
         while not self._stopping.is_set():
+            if self.in_place is not None and time.monotonic() - swept > _SWEEP_EVERY_S:
+                swept = time.monotonic()
+                try:
+                    self.in_place.sweep()  # windows of gone nodes (pages_in_place.py)
+                except Exception:
+                    log.exception("unmapping the windows of gone kvnodes failed")
             try:
                 first = self._outbox.get(timeout=0.2)
             except queue.Empty:

@@ -20,19 +20,7 @@ Design notes
    A layer that is late cuts the forward short and sends the request back to the parked ones
    (`repark`), to join when its load ended as any. A step that finds no blocks for its first
    chunk leaves it parked.
-2. Pages read in place (connector design note 8): a load that ends with its pages pinned in a
-   same-host node's pool joins like any, its pages counted as computed, but they are not in its
-   blocks yet: its first step reads them where they lie (`forward_table` points its table
-   there), and the next `schedule` copies them into its blocks, indexes them and lets the node
-   have them back (`_land_in_place`), so the copy follows the first token instead of preceding
-   it, and the pins last one step. A request that lost its blocks meanwhile (finished after one
-   token, preempted, aborted: `_drop_in_place`) gives the pages back uncopied: its blocks never
-   held them and were never indexed. The pages' checksums are checked beside that first forward
-   (worker/pages_in_place.py note 2): after it, `settle_in_place` waits for the check, and a
-   request whose pages failed it loses the step's work (no token), gives its blocks and the pages
-   back and waits to compute its prompt without them, as after a layer-wise load that failed
-   (the pages before the altered one copied in and cached first, so it reuses those); a request
-   not in that step has its pages checked before they are copied.
+2. Pages read in place (connector design note 8) join through `_join` too: worker/in_place_joins.py.
 """
 
 from __future__ import annotations
@@ -74,19 +62,15 @@ class RemoteJoins:
             self._join(request, filled)
 
     def _join(self, request: Request, filled) -> None:
-        """Index the pages that landed in a parked request's blocks (or, read in place, note 2, once
-        its first step read them); it runs from the next step."""
+        """Index the pages that landed in a parked request's blocks (or, read in place, once its first
+        step read them: note 2); it runs from the next step."""
         P = self.page_tokens
         num_hits = request.num_cached_pages
-        if isinstance(filled, int):
+        if not isinstance(filled, int):  # pages read in place (worker/in_place_joins.py)
+            filled = self._join_in_place(request, filled)
+        else:
             filled = max(0, min(filled, len(request.block_table) - num_hits))
             self._index_pages(request, num_hits, num_hits + filled)
-        elif request.block_table[num_hits : num_hits + len(filled)] == filled.blocks:
-            self._in_place[id(request)] = (request, filled, num_hits)
-            filled = len(filled)
-        else:  # not the blocks it was fetched for: nothing read in place
-            filled.release()
-            filled = 0
         request.num_cached_pages = num_hits + filled
         request.num_computed_tokens = min((num_hits + filled) * P, request.num_tokens - 1)   # scheduler design note 5
         if request.cached_tokens_local is None:
@@ -102,69 +86,6 @@ class RemoteJoins:
         for page in range(start, end):
             parent = keys[page - 1] if page else None
             request.block_table[page] = self.pool.cache_full_block(request.block_table[page], keys[page], parent)
-
-    def _land_in_place(self) -> None:
-        """Copy the pages the last step read in place into their blocks, index them, give them back (note 2)."""
-        for request, pages, num_hits in list(self._in_place.values()):
-            if request.status is not RequestStatus.RUNNING or \
-                    request.block_table[num_hits : num_hits + len(pages)] != pages.blocks:
-                self._drop_in_place(request)  # its blocks went back meanwhile: they never held them
-            elif not pages.intact():  # not in the last step, or it would have been settled
-                self._discard_in_place(request)
-            else:
-                try:
-                    pages.land(self.pool.arena.all_blocks)
-                    self._index_pages(request, num_hits, num_hits + len(pages))
-                finally:
-                    self._drop_in_place(request)
-
-    def settle_in_place(self, requests) -> set[int]:
-        """After a forward: the ids of those of `requests` whose pages read in place turned out
-        altered, their step's work to be thrown away (note 2); the others' were intact."""
-        failed = set()
-        for request in requests:
-            entry = self._in_place.get(id(request))
-            if entry is not None and not entry[1].intact():
-                self._discard_in_place(request)
-                failed.add(id(request))
-        return failed
-
-    def _discard_in_place(self, request: Request) -> None:
-        """A request whose pages read in place are altered computes its prompt without them,
-        reusing those before the altered one (note 2)."""
-        _, pages, num_hits = self._in_place[id(request)]
-        intact = pages.num_intact()
-        log.warning("page %d of the %d of request %s read in place did not match its checksum; computing its "
-                    "prompt without it and those after it", intact, len(pages), request.request_id)
-        if intact:  # cached, so the recompute reuses them
-            pages.land(self.pool.arena.all_blocks, intact)
-            self._index_pages(request, num_hits, num_hits + intact)
-        self.running.remove(request)
-        self._release(request)  # and the pages (_drop_in_place)
-        request.status = RequestStatus.WAITING
-        self._remote_given_up.add(id(request))
-        if request.cached_tokens_remote:  # set by the join: what it will reuse, as a layer-wise discard says
-            request.cached_tokens_local, request.cached_tokens_remote = (
-                (num_hits * self.page_tokens, intact * self.page_tokens) if intact else (None, None))
-        self.num_in_place_discarded += 1
-        self.waiting.appendleft(request)
-
-    def _drop_in_place(self, request: Request) -> None:
-        """A request giving up its blocks gives its pages read in place back uncopied (note 2)."""
-        entry = self._in_place.pop(id(request), None)
-        if entry is not None:
-            entry[1].release()
-
-    def forward_table(self, request: Request) -> tuple[list[int], bool]:
-        """The block table a forward reads for `request`: its own, with pages read in place pointing
-        where they lie (note 2); and whether any do (the forward then reads the arena's blocks)."""
-        entry = self._in_place.get(id(request))
-        if entry is None:
-            return request.block_table, False
-        _, pages, num_hits = entry
-        table = list(request.block_table)
-        table[num_hits : num_hits + len(pages)] = pages.arena_blocks
-        return table, True
 
     def _join_early(self) -> ScheduledBatch | None:
         """A parked request whose layer-wise load is under way, in a step of its own (design note 1)."""

@@ -69,6 +69,7 @@ from typing import Any, Protocol, Sequence
 
 from worker.block_pool import BlockPool
 from worker.connector import KVConnector
+from worker.in_place_joins import InPlaceJoins
 from worker.priority import PriorityPolicy
 from worker.remote_joins import RemoteJoins
 from worker.request import Request, RequestStatus
@@ -111,7 +112,7 @@ _LOOKUP_PENDING = -1  # _admit: the connector's lookup has not answered yet
 _PARKED = -2          # _admit: blocks given, remote pages on their way (design note 5)
 
 
-class Scheduler(PriorityPolicy, RemoteJoins):
+class Scheduler(PriorityPolicy, RemoteJoins, InPlaceJoins):
     def __init__(self, pool: BlockPool, page_tokens: int, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 1024, connector: KVConnector | None = None,
                  max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP, aging_steps: int = AGING_STEPS,
@@ -138,8 +139,9 @@ class Scheduler(PriorityPolicy, RemoteJoins):
         self.parked: list[Request] = []  # waiting for remote KV (design note 5): blocks held, not scheduled
         self._remote_given_up: set[int] = set()  # ids of requests whose load was given up: they compute
         self._early: dict[int, tuple[int, int, bool]] = {}  # id -> (local hits, remote pages, usage set here): note 10
-        self._in_place: dict[int, tuple] = {}  # id -> (request, PagesInPlace, local hits): remote_joins.py note 2
-        self.num_in_place_discarded = 0  # steps thrown away: pages read in place were altered (same note)
+        self._in_place: dict[int, tuple] = {}  # id -> (request, PagesInPlace, local hits): in_place_joins.py
+        self._landing: list[tuple] = []  # (pages, blocks, keys, key before) of requests gone: in_place_joins.py note 3
+        self.num_in_place_discarded = 0  # steps thrown away: pages read in place were altered (its note 2)
         self.num_layerwise_discarded = 0  # early-joined steps thrown away (remote_joins.py note 1)
         self.num_preemptions = 0
         self.num_steps = 0
@@ -160,7 +162,7 @@ class Scheduler(PriorityPolicy, RemoteJoins):
 
     def schedule(self) -> ScheduledBatch:
         self.num_steps += 1
-        self._land_in_place()  # before anything may take blocks (remote_joins.py note 2)
+        self._land_in_place()  # before anything may take blocks (in_place_joins.py note 1)
         self._take_finished_loads()
         early = self._join_early()
         if early is not None:
@@ -277,7 +279,7 @@ class Scheduler(PriorityPolicy, RemoteJoins):
         request.block_table += self.pool.allocate(self._blocks_needed(request, num_new))
 
     def _release(self, request: Request) -> None:
-        self._drop_in_place(request)
+        self._stash_in_place(request)  # its pages read in place, cached by the next step (in_place_joins.py note 3)
         self.pool.release(request.held_blocks())
         request.block_table = []
         request.num_released_blocks = 0

@@ -25,12 +25,13 @@ Design notes
    ends the forward at once and the request waits for its load as any parked one; pages that
    turn out not all intact after the forward throw the step's work away (no token), and the
    request computes its prompt without them.
-4. A request whose fetched pages are read in place (worker/remote_joins.py note 2) has them in
+4. A request whose fetched pages are read in place (worker/in_place_joins.py notes 1, 2) has them in
    its table as blocks of the pool's arena (worker/block_arena.py), past the pool's own: the
-   forward is given the arena's whole range then. Those pages are cached ones, never written
-   (the forward writes only the K/V of the positions it computes). Their checksums are checked
+   forward is given the arena's whole range then. Those pages are cached ones, never written:
+   the forward writes only the K/V of the positions it computes, and a prompt whose every page
+   is cached computes its last token without writing it (`_cached_lens`). Their checksums are checked
    beside the forward; a request whose pages fail gets no token from the step and computes its
-   prompt again (worker/remote_joins.py note 2).
+   prompt again (worker/in_place_joins.py notes 1, 2).
 """
 
 from __future__ import annotations

@@ -1,0 +1,177 @@
+"""Requests whose fetched pages are read in place (worker/pages_in_place.py): how they join, what
+their first forward reads, and how the pages end up in their blocks.
+
+`InPlaceJoins` is a part of the Scheduler (worker/scheduler.py), as RemoteJoins is. It works on
+the scheduler's state: `running`, `waiting`, the pool, `_in_place` (request id -> (request,
+PagesInPlace, local hits)), `_landing` and `_remote_given_up`, and its `_release` and
+`_index_pages`.
+
+Design notes
+1. A load that ends with its pages pinned in a same-host node's pool (connector design note 8)
+   joins like any, its pages counted as computed, but they are not in its blocks yet: its first
+   step reads them where they lie (`forward_table` points its table there), and the next
+   `schedule` copies them into its blocks, indexes them (and the pages its first step filled
+   after them, which could not be indexed before their parent) and gives them back to the node
+   (`_land_in_place`), so the copy follows the first token instead of preceding it and the pins
+   last one step.
+2. Their checksums are checked beside that first forward (worker/pages_in_place.py note 2):
+   after it, `settle_in_place` waits for the check, and a request whose pages failed it loses
+   the step's work (no token), keeps the pages before the altered one (copied in and cached) and
+   waits to compute the rest, as after a layer-wise load that failed. A request not in that step
+   has its pages checked before they are copied.
+3. A request that gives its blocks up before its pages are copied (finished after its first
+   token, preempted, aborted) leaves them to the next step (`_landing`, its blocks held by a
+   reference of their own): they are copied and cached all the same, so a prompt answered in one
+   token still warms the local cache. The engine steps once more while any are pending.
+4. Pins are trusted only LAND_WITHIN_S after they were taken (the node drops pins held past its
+   data plane timeout, 60 s by default, and may reuse their slots): older pages are never read or
+   copied; a request that needed them computes its prompt again.
+5. Models with a sliding window release the blocks behind the window after every step, those of
+   pages read in place among them: their pages are copied in at the join instead (after the check),
+   as fetched ones.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from worker.pages_in_place import LAND_WITHIN_S, PagesInPlace
+from worker.request import Request, RequestStatus
+
+log = logging.getLogger("worker.scheduler")  # its messages are the scheduler's
+
+
+class InPlaceJoins:
+    """The Scheduler's handling of pages read in place (a mixin)."""
+
+    def _join_in_place(self, request: Request, pages: PagesInPlace) -> int:
+        """How many of a joining request's pages count as computed: all, read in place from its next
+        step (note 1); or, for a windowed model or pins too old, those copied in now (notes 4, 5)."""
+        num_hits = request.num_cached_pages
+        if pages.released or request.block_table[num_hits : num_hits + len(pages)] != pages.blocks:
+            pages.release()  # given up meanwhile (the connector closed), or not its blocks: computed
+            return 0
+        if self.release_window is None and pages.fresh():
+            self._in_place[id(request)] = (request, pages, num_hits)
+            return len(pages)
+        try:
+            intact = pages.num_intact() if pages.fresh() else 0
+            if intact:
+                pages.land(self.pool.arena.all_blocks, intact)
+                self._index_pages(request, num_hits, num_hits + intact)
+            return intact
+        finally:
+            pages.release()
+
+    def forward_table(self, request: Request) -> tuple[list[int], bool]:
+        """The block table a forward reads for `request`: its own, with pages read in place pointing
+        where they lie (note 1); and whether any do (the forward then reads the arena's blocks)."""
+        entry = self._in_place.get(id(request))
+        if entry is None:
+            return request.block_table, False
+        _, pages, num_hits = entry
+        table = list(request.block_table)
+        table[num_hits : num_hits + len(pages)] = pages.arena_blocks
+        return table, True
+
+    def settle_in_place(self, requests) -> set[int]:
+        """After a forward: the ids of those of `requests` whose pages read in place turned out
+        altered, their step's work to be thrown away (note 2); the others' were intact."""
+        failed = set()
+        for request in requests:
+            entry = self._in_place.get(id(request))
+            if entry is not None and not entry[1].intact():
+                self._discard_in_place(request)
+                failed.add(id(request))
+        return failed
+
+    def has_landings(self) -> bool:
+        """Pages read in place still to copy in and give back: the next step does it (note 3)."""
+        return bool(self._landing or self._in_place)
+
+    def _land_in_place(self) -> None:
+        """Copy the pages the last step read in place into their blocks, index them, give them back (note 1)."""
+        landing, self._landing = self._landing, []
+        for pages, blocks, keys, parent in landing:  # of requests that gave their blocks up (note 3)
+            try:
+                copied = pages.fresh() and pages.intact()
+                if copied:
+                    pages.land(self.pool.arena.all_blocks)
+                held = self._index_blocks(blocks if copied else blocks[len(pages):],
+                                          keys if copied else keys[len(pages):], parent if copied else None)
+                self.pool.release(held + ([] if copied else blocks[: len(pages)]))
+            finally:
+                pages.release()
+        for request, pages, num_hits in list(self._in_place.values()):
+            if not pages.fresh() or request.block_table[num_hits : num_hits + len(pages)] != pages.blocks:
+                self._discard_in_place(request, reuse=False)  # note 4 (the table check: a safeguard)
+            elif not pages.intact():  # not in the last step, or it would have been settled
+                self._discard_in_place(request)
+            else:
+                try:
+                    pages.land(self.pool.arena.all_blocks)
+                    end = max(num_hits + len(pages), request.num_cached_pages)
+                    keys = request.page_keys(end)
+                    request.block_table[num_hits:end] = self._index_blocks(
+                        request.block_table[num_hits:end], keys[num_hits:], keys[num_hits - 1] if num_hits else None)
+                finally:
+                    self._drop_in_place(request)
+
+    def _index_blocks(self, blocks: list[int], keys: list[bytes], parent: bytes | None) -> list[int]:
+        """Index full blocks under their keys, in order, those not indexed yet (the pages a step
+        filled after pages read in place: note 1); the blocks that hold the keys."""
+        held = []
+        for block, key in zip(blocks, keys):
+            if self.pool.block_keys[block] is None:
+                block = self.pool.cache_full_block(block, key, parent)
+            held.append(block)
+            parent = key
+        return held
+
+    def _discard_in_place(self, request: Request, reuse: bool = True) -> None:
+        """A request whose pages read in place are altered computes its prompt without them,
+        reusing those before the altered one (note 2); with `reuse` False (their pins too old:
+        note 4), none of them."""
+        _, pages, num_hits = self._in_place[id(request)]
+        intact = pages.num_intact() if reuse else 0
+        if not reuse:
+            log.warning("pages of request %s read in place were held past %.0f s; computing its prompt without "
+                        "them", request.request_id, LAND_WITHIN_S)
+        else:
+            log.warning("pages of request %s read in place failed their check at page %d of %d (altered, or not "
+                        "checked in time); computing its prompt from there", request.request_id, intact, len(pages))
+        if intact:  # cached, so the recompute reuses them
+            pages.land(self.pool.arena.all_blocks, intact)
+            self._index_pages(request, num_hits, num_hits + intact)
+        self._drop_in_place(request)
+        self.running.remove(request)
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        self._remote_given_up.add(id(request))
+        if request.cached_tokens_remote:  # set by the join: what it will reuse, as a layer-wise discard says
+            request.cached_tokens_local, request.cached_tokens_remote = (
+                (num_hits * self.page_tokens, intact * self.page_tokens) if intact else (None, None))
+        self.num_in_place_discarded += 1
+        self.waiting.appendleft(request)
+
+    def _drop_in_place(self, request: Request) -> None:
+        """Give a request's pages read in place back to the node, uncopied."""
+        entry = self._in_place.pop(id(request), None)
+        if entry is not None:
+            entry[1].release()
+
+    def _stash_in_place(self, request: Request) -> None:
+        """A request giving its blocks up leaves its pages read in place, and those its step filled
+        after them, to the next step (note 3)."""
+        entry = self._in_place.pop(id(request), None)
+        if entry is None:
+            return
+        _, pages, num_hits = entry
+        end = max(num_hits + len(pages), request.num_cached_pages)
+        blocks = request.block_table[num_hits:end]
+        if num_hits < request.num_released_blocks or blocks[: len(pages)] != pages.blocks:
+            pages.release()  # not the request's blocks any more (never so: a safeguard)
+            return
+        keys = request.page_keys(end)
+        self.pool.ref(blocks)  # the landing's own references, dropped once the pages are cached
+        self._landing.append((pages, blocks, keys[num_hits:], keys[num_hits - 1] if num_hits else None))
