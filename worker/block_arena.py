@@ -91,7 +91,7 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-@dataclass
+@dataclass(eq=False)  # a window is itself, whatever its fields say
 class Window:
     """A node's pool mapped into the arena: its slot s is block `first_block + s` (design note 1)."""
 

@@ -21,7 +21,11 @@ Design notes
    host, TLS, a page on disk only, another generation than the window's), `pin` answers None and
    the pages are fetched into the blocks as before.
 4. The window of a node's previous mapping (the node restarted) is detached when its successor
-   is attached; readers still holding its pages keep it mapped until they release them.
+   is attached, and that of a node whose client let its pool go (the node's socket gone, the
+   client dropped from the tier's table) by `sweep`, which the tier calls every few seconds;
+   readers still holding its pages keep it mapped until they release them.
+5. Pins are trusted for LAND_WITHIN_S: the node drops a reader's pins once its data plane timeout
+   (60 s by default) passes without the release, and may reuse the slots after.
 """
 
 from __future__ import annotations
@@ -41,9 +45,7 @@ log = logging.getLogger("worker.remote")
 
 _ATTACH_RETRY_S = 30.0  # after a window could not be made (no room, a failed mapping)
 CHECK_TIMEOUT_S = 5.0  # the wait for a check (design note 2); ~3 ms for 72 MiB here
-# Pages are copied in only this soon after they were pinned: a node drops pins a reader holds past its
-# data plane timeout (60 s by default), and the slots may hold other pages after that.
-LAND_WITHIN_S = 20.0
+LAND_WITHIN_S = 20.0  # pins are read or copied from only this soon after they were taken (design note 5)
 
 
 class PagesInPlace:
@@ -60,7 +62,7 @@ class PagesInPlace:
         self.pinned_at = time.monotonic()
 
     def fresh(self) -> bool:
-        """Whether the pins are surely still held (LAND_WITHIN_S)."""
+        """Whether the pins are surely still held (design note 5)."""
         return time.monotonic() - self.pinned_at < LAND_WITHIN_S
 
     def __len__(self) -> int:
@@ -219,10 +221,12 @@ class InPlaceReader:
                 old = self._windows.get(node.address, (None, None))[1]
                 self._windows[node.address] = (node, window)
             if old is not None:
-                self.arena.detach(old)  # design note 3
+                self.arena.detach(old)  # design note 4
         except (OSError, ValueError) as exc:
             with self._lock:
-                self._retry_at[node.address] = time.monotonic() + _ATTACH_RETRY_S
+                now = time.monotonic()
+                self._retry_at = {a: t for a, t in self._retry_at.items() if t > now}  # bounded: due ones go
+                self._retry_at[node.address] = now + _ATTACH_RETRY_S
             log.info("pages of kvnode %s are copied, not read in place (%s); tried again in %.0f s",
                      node.address, exc, _ATTACH_RETRY_S)
         except Exception:  # a node client that fails here must not stop later attaches

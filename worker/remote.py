@@ -147,8 +147,8 @@ class RemoteTier:
         self.fetch_batch_pages, self.min_batch_pages = self.fetcher.fetch_batch_pages, self.fetcher.min_batch_pages
         # Design note 8: needs a pool that opens a block arena, and pages that are blocks as they lie.
         arena = arena_of(pool)
-        self.in_place = (InPlaceReader(arena, self._altered_in_place) if read_in_place and not layerwise_fill and arena is not None
-                         and pool.dtype == self.wire_dtype else None)
+        in_place = read_in_place and not layerwise_fill and arena is not None and pool.dtype == self.wire_dtype
+        self.in_place = InPlaceReader(arena, self._altered_in_place) if in_place else None
         self._sender = threading.Thread(target=self._send_loop, name="kv-writeback", daemon=True)
         self._stopping = threading.Event()
         self._sender.start()
