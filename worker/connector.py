@@ -27,17 +27,9 @@ Design notes
    (the tier's own deadlines end them sooner), and what is asked of a closed connector is
    answered at once as a miss, so a step that races the close never waits for it.
 7. Layer-wise loads (issue 19): with a tier that offers `fill_layerwise` and has `layerwise_fill`
-   on, a load reports each layer of its pages as it lands in the pool. Once its first layer
-   landed (the node answered and is sending; it wakes the engine), the scheduler may let the
-   request join a step of its own before the load ends (`join_early`, once a load); the engine
-   waits before computing layer l until layer l landed (`wait_layer`). That wait holds up the
-   whole engine, so it is short (`layer_wait_s`, 0.1 s a layer, and `step_wait_s`, 0.3 s of such
-   waits in all a step, the compute between them not counted, so a node trickling its layers
-   just in time cannot hold the engine for layers x 0.1 s): a layer later than that, or a load that ended without it, sends
-   the request back to wait for its load as any parked one (`unjoin`).
-   After the forward `settle_layerwise` says whether every page arrived intact (the tier checks
-   them only at the end, waited for at most `settle_timeout_s`); on any failure the scheduler
-   throws the step's work away.
+   on, a load reports each layer of its pages as it lands in the pool, and the scheduler may let
+   the request join a step of its own before the load ends, the engine waiting briefly for each
+   layer: `LayerwiseLoads` (worker/connector_layers.py, its note 1).
 8. Pages read in place (worker/pages_in_place.py): with a tier that offers `fill_in_place`, a
    load first asks it to pin the pages where they lie in a same-host node's pool; when it can,
    the load's result is that `PagesInPlace` instead of a count (the pages are not in the blocks
@@ -50,9 +42,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, TimeoutError, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
+
+from worker.connector_layers import Layers, LayerwiseLoads
 
 log = logging.getLogger("worker.connector")
 
@@ -61,29 +55,6 @@ DEFAULT_CLOSE_TIMEOUT_S = 5.0
 DEFAULT_LAYER_WAIT_S = 0.1  # the engine's wait for one layer of a layer-wise load (design note 7)
 DEFAULT_STEP_WAIT_S = 0.3  # ... and for all the layers of its early step together
 DEFAULT_SETTLE_TIMEOUT_S = 1.0  # ... and for its outcome once its last layer landed
-
-
-class _Layers:
-    """How many layers of a layer-wise load landed, and whether it ended (design note 7)."""
-
-    def __init__(self, wake: Callable[[], None]):
-        self.cond = threading.Condition()
-        self.landed = 0
-        self.done = False
-        self._wake = wake
-
-    def land(self, layer: int) -> None:
-        with self.cond:
-            first = self.landed == 0
-            self.landed = max(self.landed, layer + 1)
-            self.cond.notify_all()
-        if first:
-            self._wake()  # the request may join a step now
-
-    def end(self) -> None:
-        with self.cond:
-            self.done = True
-            self.cond.notify_all()
 
 
 @dataclass
@@ -99,7 +70,7 @@ class _Load:
     future: Future
     started: float
     blocks: list[int] = field(default_factory=list)  # once given up: to release when the loader is done
-    layers: _Layers | None = None  # a layer-wise load (design note 7)
+    layers: Layers | None = None  # a layer-wise load (design note 7)
     joined: bool = False  # its request joined a step before the load ended (design note 7)
     tried_early: bool = False  # it did once: never again
     waited_s: float = 0.0  # once joined: what its step waited for layers so far (step_wait_s bounds it)
@@ -116,7 +87,7 @@ class FinishedLoads:
         return bool(self.landed or self.released or self.overdue)
 
 
-class KVConnector:
+class KVConnector(LayerwiseLoads):
     def __init__(self, tier, lookup_threads: int = 4, timeout_s: float = DEFAULT_TIMEOUT_S,
                  wake: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic,
                  layer_wait_s: float = DEFAULT_LAYER_WAIT_S, settle_timeout_s: float = DEFAULT_SETTLE_TIMEOUT_S,
@@ -221,7 +192,7 @@ class KVConnector:
     def start_load(self, request, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Fetch `keys` into `block_ids` (allocated by the scheduler, not scheduled until the load ends)."""
         if self.layerwise:  # design note 7
-            layers = _Layers(self.wake)
+            layers = Layers(self.wake)
             future = self._submit(self._loader, 0, self._fill_layerwise, list(keys), list(block_ids),
                                   request.tier_context, layers)
             future.add_done_callback(lambda _: layers.end())  # also when closed or cancelled
@@ -229,59 +200,6 @@ class KVConnector:
             layers = None
             future = self._submit(self._loader, 0, self._fill, list(keys), list(block_ids), request.tier_context)
         self._loads[id(request)] = _Load(request, future, self.clock(), layers=layers)
-
-    def can_join_early(self, request) -> bool:
-        """Whether a parked request's load is layer-wise, under way (its first layer landed) and not
-        over, not overdue, and never joined early before (design note 7)."""
-        load = self._loads.get(id(request))
-        return (load is not None and load.layers is not None and not load.tried_early and load.layers.landed > 0
-                and not load.future.done() and self.clock() - load.started < self.timeout_s)
-
-    def join_early(self, request) -> None:
-        """The request runs before its load ended; it is no longer reported by take_finished_loads."""
-        load = self._loads[id(request)]
-        load.joined = load.tried_early = True
-        self.num_early_joins += 1
-
-    def unjoin(self, request) -> None:
-        """The request waits for its load again, reported by take_finished_loads as any (design note 7)."""
-        self._loads[id(request)].joined = False
-        self.num_unjoined += 1
-
-    def wait_layer(self, request, layer: int) -> bool:
-        """Wait until layer `layer` of the request's early-joined load is in the pool: True; False
-        after layer_wait_s, once the step's layer waits reached step_wait_s in all, or at once when
-        the load ended without it (design note 7)."""
-        load = self._loads.get(id(request))
-        if load is None or load.layers is None:
-            return False
-        layers, started = load.layers, time.monotonic()
-        deadline = started + min(self.layer_wait_s, self.step_wait_s - load.waited_s)  # only waits count
-        with layers.cond:
-            if layers.landed <= layer and not layers.done:
-                self.num_layer_waits += 1
-            while layers.landed <= layer and not layers.done:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                layers.cond.wait(left)
-            load.waited_s += time.monotonic() - started
-            return layers.landed > layer
-
-    def settle_layerwise(self, request, blocks: Sequence[int], wait_s: float | None = None) -> int | None:
-        """An early-joined load's outcome: the pages that arrived intact (the tier's count), waiting for
-        it at most wait_s (settle_timeout_s when None); None when it still runs: it is given up and
-        `blocks` come back in `released` once the loader let go of them."""
-        load = self._loads[id(request)]
-        try:
-            filled = load.future.result(timeout=self.settle_timeout_s if wait_s is None else wait_s)
-        except TimeoutError:
-            self.give_up_load(request, blocks)
-            return None
-        except CancelledError:
-            filled = 0
-        del self._loads[id(request)]
-        return filled
 
     def take_finished_loads(self) -> FinishedLoads:
         """Loads that ended since the last call, those that let go of blocks given up before,
@@ -368,14 +286,6 @@ class KVConnector:
             log.exception("remote tier lookup failed; computing instead")
             found = 0
         return max(0, min(found, len(keys))), self.clock()
-
-    def _fill_layerwise(self, keys: list[bytes], block_ids: list[int], context: Any, layers: _Layers) -> int:
-        try:
-            filled = int(self.tier.fill_layerwise(keys, block_ids, context, layers.land))
-        except Exception:
-            log.exception("remote tier layer-wise fill failed; computing instead")
-            filled = 0
-        return max(0, min(filled, len(keys)))
 
     def _fill(self, keys: list[bytes], block_ids: list[int], context: Any):
         """How many leading pages landed in `block_ids`, or the pages pinned in place (design note 8)."""

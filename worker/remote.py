@@ -15,16 +15,15 @@ Design notes
    into the pool; a PageFetcher (worker/remote_fetch.py, its notes 1 and 2) does the receiving
    and the writing, the tier chooses the node and counts what arrived.
 5. Write-back runs on one background thread with a bounded queue; what cannot be sent is
-   counted and dropped. That thread waits for first contacts up to `lookup_timeout_s` a batch.
-   Each page's checksum (kvnode/checksum.py) is computed once there, after the cast to the
-   wire dtype, and sent to every placed node.
+   counted and dropped. A `WriteBack` (worker/remote_writeback.py, its notes 1 to 3) does the
+   queueing and the sending, the tier hands it the pages and counts what it sent.
 6. A fetched page is used only once its bytes match its checksum (NodeClient checks them as
    they arrive). At the first that does not, the fill stops: the pages before it are kept,
    it and every page after it are computed (a page's KV depends on its whole prefix, and its
    children are keys the node may hold intact, but they would follow a page we do not have).
    The rejection is counted, logged once, and the node is told to drop the page (DropPages:
    it goes with its descendants) through the write-back queue, so the drop reaches the node
-   before the write-back of the page computed in its place.
+   before the write-back of the page computed in its place (remote_writeback.py note 2).
 7. Layer-wise fill (issue 19, `fill_layerwise`): the pages come from the node that answered the
    lookup in one banded GET, a band per layer (a page is laid out layer-major, so layer l of
    every page is one contiguous range on the wire), and `landed(l)` is called once layer l of
@@ -47,7 +46,6 @@ Design notes
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -55,15 +53,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvnode.client import NodeError, PageRejected, page_checksum
+from kvnode.client import NodeError, PageRejected
 from worker.block_arena import arena_of
 from worker.pages_in_place import InPlaceReader, PagesInPlace
 from worker.remote_fetch import PageFetcher, transfer_timeout
 from worker.remote_nodes import Node, NodeTable
+from worker.remote_writeback import WriteBack
 
 log = logging.getLogger("worker.remote")
-
-_SWEEP_EVERY_S = 5.0  # how often windows onto gone nodes' pools are looked for (design note 8)
 
 
 @dataclass
@@ -74,14 +71,6 @@ class Placement:
     source: str | None = None
     source_hits: int = 0
     trace: object = None  # the request's trace context, parent of its tier spans (worker/observe.py)
-
-
-@dataclass
-class _Drop:
-    """A write-back queue entry that asks `address` to drop an altered page (design note 6)."""
-
-    address: str
-    key: bytes
 
 
 @dataclass
@@ -141,17 +130,18 @@ class RemoteTier:
         self.nodes = NodeTable(self.page_bytes, lookup_timeout_s, retry_after_s, max_retry_after_s, max_nodes,
                                max_probes, on_failure=lambda: self._count("node_failures", 1),
                                credentials=credentials)
-        # Copies of blocks (a float32 one cast when sent): bounded in bytes (1,024 gpt2-small pages would be 1.2 GB).
-        self._outbox: queue.Queue = queue.Queue(maxsize=max(16, queue_bytes // pool[0].nbytes))
         self.fetcher = PageFetcher(pool, self.wire_dtype, fetch_batch_bytes, min_batch_bytes, self._count)
         self.fetch_batch_pages, self.min_batch_pages = self.fetcher.fetch_batch_pages, self.fetcher.min_batch_pages
         # Design note 8: needs a pool that opens a block arena, and pages that are blocks as they lie.
         arena = arena_of(pool)
         in_place = read_in_place and not layerwise_fill and arena is not None and pool.dtype == self.wire_dtype
         self.in_place = InPlaceReader(arena, self._altered_in_place) if in_place else None
-        self._sender = threading.Thread(target=self._send_loop, name="kv-writeback", daemon=True)
-        self._stopping = threading.Event()
-        self._sender.start()
+        # Copies of blocks (a float32 one cast when sent): bounded in bytes (1,024 gpt2-small pages would be 1.2 GB).
+        # Its thread also sweeps the windows onto gone nodes' pools (remote_writeback.py note 3).
+        self.writeback = WriteBack(self.nodes, self.wire_dtype, self.page_bytes,
+                                   max(16, queue_bytes // pool[0].nbytes), lookup_timeout_s, self._count,
+                                   send=self._send, sweep=self.in_place.sweep if self.in_place is not None else None)
+        self._outbox = self.writeback.outbox  # its queue (tests look at its bound)
 
     # ---- the engine's hook -----------------------------------------------------
 
@@ -307,10 +297,7 @@ class RemoteTier:
         self._count("pages_rejected", 1)
         log.warning("kvnode %s sent page %s whose bytes do not match its checksum; computing it and the pages "
                     "after it, and asking the node to drop it", address, rejected.key.hex())
-        try:
-            self._outbox.put_nowait(_Drop(address, rejected.key))
-        except queue.Full:
-            pass  # the next reader that meets the page reports it again
+        self.writeback.queue_drop(address, rejected.key)
 
     def _altered_in_place(self, address: str, index: int, key: bytes) -> None:
         """A page read in place failed its check (pages_in_place.py note 2): reported as a fetched one."""
@@ -318,16 +305,7 @@ class RemoteTier:
 
     def on_page_full(self, key: bytes, parent: bytes, block_id: int, placement: Placement) -> None:
         """Queue a copy of a newly full page for every placed node; never blocks (a full queue drops it)."""
-        if not any(self.nodes.may_be_usable(a) for a in placement.addresses):
-            self._count("pages_dropped", len(placement.addresses))
-            return
-        # A plain copy (the block may be reused); the sender casts a float32 one to the wire dtype,
-        # because NumPy's float32 -> float16 cast (~2-10 ms a gpt2-small page here) would delay the token.
-        data = self.pool[block_id].copy()
-        try:
-            self._outbox.put_nowait((tuple(placement.addresses), key, parent, data))
-        except queue.Full:
-            self._count("pages_dropped", 1)
+        self.writeback.queue_page(placement.addresses, key, parent, self.pool[block_id])
 
     def _count(self, name: str, amount: int) -> None:
         with self._stats_lock:
@@ -336,92 +314,18 @@ class RemoteTier:
     def _fetch_timeout(self, pages: int) -> float:
         return transfer_timeout(pages, self.page_bytes)
 
-    # ---- write-back ------------------------------------------------------------
-
-    def _send_loop(self) -> None:
-        swept = time.monotonic()
-        while not self._stopping.is_set():
-            if self.in_place is not None and time.monotonic() - swept > _SWEEP_EVERY_S:
-                swept = time.monotonic()
-                try:
-                    self.in_place.sweep()  # windows of gone nodes (pages_in_place.py)
-                except Exception:
-                    log.exception("unmapping the windows of gone kvnodes failed")
-            try:
-                first = self._outbox.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            batch = [first]
-            while len(batch) < 64:
-                try:
-                    batch.append(self._outbox.get_nowait())
-                except queue.Empty:
-                    break
-            try:
-                self._send_drops([item for item in batch if isinstance(item, _Drop)])
-                self._send([item for item in batch if not isinstance(item, _Drop)])
-            except Exception as exc:  # a bug of ours must not end write-back for the life of the process
-                log.exception("write-back of %d pages failed: %r; dropping them", len(batch), exc)
-                self._count("pages_dropped", len(batch))
-            finally:
-                for _ in batch:
-                    self._outbox.task_done()
-
-    def _send_drops(self, drops: list[_Drop]) -> None:
-        """Before the batch's puts, so a page computed in place of a dropped one is stored after the drop."""
-        for drop in drops:
-            with self.nodes.use([drop.address]) as nodes:
-                if not nodes or not self.nodes.ready(nodes[0], time.monotonic() + self.lookup_timeout_s):
-                    continue
-                try:
-                    nodes[0].client.drop_pages([drop.key], timeout=self.lookup_timeout_s)
-                except NodeError as exc:
-                    log.info("kvnode %s: could not have it drop page %s: %s", drop.address, drop.key.hex(), exc)
-                    continue
-                self._count("drops_reported", 1)
+    # ---- write-back (worker/remote_writeback.py) -------------------------------------
 
     def _send(self, batch: list) -> None:
-        by_node: dict[str, list] = {}
-        for addresses, key, parent, data in batch:
-            wire = data.astype(self.wire_dtype, copy=False)
-            checksum = page_checksum(key, wire)  # once per page, for every placed node (design note 5)
-            for address in addresses:
-                by_node.setdefault(address, []).append((key, parent, wire, checksum))
-        self.nodes.contact(list(by_node))  # first contacts at once, then one wait for all of them
-        until = time.monotonic() + self.lookup_timeout_s
-        for address, items in by_node.items():
-            self._write(address, items, until)
-
-    def _write(self, address: str, items: list, contact_until: float) -> None:
-        with self.nodes.use([address]) as nodes:
-            if not nodes or not self.nodes.ready(nodes[0], contact_until):
-                self._count("pages_dropped", len(items))
-                return
-            node = nodes[0]
-            for start in range(0, len(items), node.max_keys):  # parents first: in order, each within the limit
-                part = items[start : start + node.max_keys]
-                keys, parents, pages, checksums = zip(*part)
-                try:
-                    result = node.client.put_pages(keys, parents, pages, timeout=self._fetch_timeout(len(part)),
-                                                   checksums=checksums)
-                except NodeError as exc:
-                    self._count("pages_dropped", len(items) - start)
-                    self.nodes.failed(node, exc)
-                    return
-                self.nodes.succeeded(node)
-                self._count("pages_written", result.stored + result.already_present)
-                self._count("pages_refused", result.refused)
+        """One batch of queued pages to their nodes, on the write-back thread (a subclass may wrap it)."""
+        self.writeback.send(batch)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued page was sent or dropped (tests, shutdown); False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while self._outbox.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return not self._outbox.unfinished_tasks
+        return self.writeback.flush(timeout_s)
 
     def close(self) -> None:
-        self._stopping.set()
-        self._sender.join(timeout=5.0)
+        self.writeback.close()
         self.fetcher.close()
         if self.in_place is not None:
             self.in_place.close()
