@@ -12,7 +12,7 @@ from kvcache import __version__
 def build_parser() -> argparse.ArgumentParser:
     from coordinator import daemon as coordinator_daemon
     from gateway import daemon as gateway_daemon
-    from kvcache import certs, cluster, generate, health, status
+    from kvcache import certs, cluster_cli, generate, health, status
     from kvcache.bench import cli as bench_cli
     from kvnode import daemon as node_daemon
     from worker import daemon as worker_daemon
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     command("worker", worker_daemon, "start an inference worker")
     command("coordinator", coordinator_daemon, "start a coordinator (membership, ring, routing)")
     command("gateway", gateway_daemon, "serve an OpenAI-compatible HTTP API in front of the coordinators")
-    command("cluster", cluster, "start or stop a local multi-process cluster")
+    command("cluster", cluster_cli, "start or stop a local multi-process cluster")
     command("generate", generate, "send a prompt and stream the answer")
     command("status", status, "show the cluster: members, pages, load")
     command("bench", bench_cli, "measure a part of the service")

@@ -43,6 +43,7 @@ import uuid
 from pathlib import Path
 
 from kvcache.bench import workload as wl
+from kvcache.bench.loadoptions import check_positions
 from kvcache.bench.loadrun import PassRun, run_pass, warm_up
 from kvcache.bench.report import dump_json, machine, versions
 from kvcache.bench.stats import summarize_pass
@@ -156,11 +157,11 @@ def _side_by_side_pair(clusters: dict, args: argparse.Namespace, config, levels:
                        number: int, say) -> dict:
     """One pair with both arms at once: each pass starts on both clusters together (the same
     prompts, a fresh tag each pair so no pass finds an earlier pair's pages)."""
-    from kvcache.bench.load import _check_positions, _members
+    from kvcache.bench.load import _members
 
     members = {arm: _members(clusters[arm].coordinator_addresses) for arm in ARMS}
     for arm in ARMS:
-        _check_positions(config, args, members[arm]["worker_limits"])
+        check_positions(config, args, members[arm]["worker_limits"])
     run_id = uuid.uuid4().hex[:6]
     load = os.getloadavg()[0]
     cpu_before = {arm: cpu_seconds(clusters[arm].daemons) for arm in ARMS}

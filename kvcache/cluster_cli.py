@@ -1,0 +1,240 @@
+"""`kvcache cluster up|down|prometheus-config`: a local multi-process cluster on free loopback ports.
+
+`up` starts coordinators, then kvnodes and workers registered with them, waits until
+every coordinator sees every member alive, writes the cluster file (JSON: each member's
+role, address, pid and log), and stays in the foreground until Ctrl-C (or --detach).
+`down` reads the cluster file and stops every process in it. No process outlives either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from kvcache import prometheus
+from kvcache.cluster import LocalCluster, client_tls, disk_tier_args, start_cluster, stop_members, wait_healthy
+from kvcache.cluster_file import ClusterFileError, read_cluster_file
+from kvcache.launch import Daemon, DaemonFailed
+from kvcache.model_pages import model_page_bytes
+from kvnode.disk_tier import CHECK_AT_START, DISK_CHECKS
+from kvnode.flusher import DEFAULT_FLUSH_INTERVAL_S
+from protos import tokens
+from protos.units import parse_size
+from worker.model.named import DEFAULT_MODEL
+
+DEFAULT_RUN_DIR = ".kvcache"
+CLUSTER_FILE = "cluster.json"
+MONITOR_TOKEN_FILE = "monitor.token"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+    up = actions.add_parser("up", help="start a local cluster", description=__doc__)
+    up.add_argument("--nodes", type=int, default=3, help="kvnodes (default 3)")
+    up.add_argument("--workers", type=int, default=2, help="workers (default 2)")
+    up.add_argument("--coordinators", type=int, default=2, help="coordinators (default 2)")
+    up.add_argument("--replicas", type=int, default=2, help="kvnodes per sequence (default 2)")
+    up.add_argument("--model", default=DEFAULT_MODEL,
+                    help=f"{DEFAULT_MODEL}, tiny, gpt2-small-shape, a .gguf file or a checkpoint folder (default {DEFAULT_MODEL})")
+    up.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32", help="KV dtype (default float32)")
+    up.add_argument("--node-capacity", default="64MiB", help="page pool per kvnode (default 64MiB)")
+    up.add_argument("--data-dir", default=None, metavar="DIR",
+                    help="keep each kvnode's pages in DIR/node-N (its --data-dir), so a cluster started again on "
+                         "DIR finds them (default: none, RAM only)")
+    up.add_argument("--flush-interval", type=float, default=None, metavar="SECONDS",
+                    help="with --data-dir: each kvnode's --flush-interval, seconds between writes of new pages to "
+                         "disk, 0 before each put is answered "
+                         f"(default: the kvnode's, {DEFAULT_FLUSH_INTERVAL_S:g})")
+    up.add_argument("--disk-check", choices=DISK_CHECKS, default=None,
+                    help="with --data-dir: each kvnode's --disk-check, when a page read from disk has its bytes "
+                         "checked: start (each slot once a process) or always "
+                         f"(default: the kvnode's, {CHECK_AT_START})")
+    up.add_argument("--worker-kv-cache", default="64MiB", help="local KV pool per worker (default 64MiB)")
+    up.add_argument("--blas-threads", type=int, default=None,
+                    help="BLAS threads per worker (default: cores / workers, at least 1, so workers do not "
+                         "fight over the cores)")
+    up.add_argument("--max-prefill-tokens", type=int, default=None,
+                    help="prompt tokens a worker computes per step, in chunks (default: the worker's, 128)")
+    up.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help=f"cluster file and logs (default ./{DEFAULT_RUN_DIR})")
+    up.add_argument("--detach", action="store_true", help="return once healthy; stop later with `kvcache cluster down`")
+    up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a healthy cluster (default 120)")
+    up.add_argument("--secure", action="store_true",
+                    help="mutual TLS between every member (a development CA and certificates made into RUN_DIR/tls "
+                         "by `kvcache certs`) and a client token (RUN_DIR/tokens, printed); `generate` and "
+                         "`status` then need the printed options")
+    up.add_argument("--gateway-port", type=int, default=0,
+                    help="port of the OpenAI-compatible HTTP gateway in front of the coordinators (default 0: a "
+                         "free one; its URL is printed and in the cluster file as `gateway`)")
+    up.add_argument("--no-gateway", action="store_true", help="start no HTTP gateway")
+    up.add_argument("--no-metrics", action="store_true",
+                    help="no --metrics-port on the members (default: each serves Prometheus metrics on a free "
+                         "port, recorded in the cluster file as `metrics`)")
+    up.set_defaults(run=run_up)
+    down = actions.add_parser("down", help="stop the cluster in the run directory")
+    down.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help=f"where `up` wrote its cluster file (default ./{DEFAULT_RUN_DIR})")
+    down.set_defaults(run=run_down)
+    scrape = actions.add_parser("prometheus-config", help="print how Prometheus scrapes the cluster's metrics",
+                                description=prometheus.__doc__)
+    prometheus.add_arguments(scrape, DEFAULT_RUN_DIR)
+    scrape.set_defaults(run=run_prometheus_config)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    try:
+        _check_counts(args)
+        disk_tier_args(args.data_dir, args.flush_interval, args.disk_check)
+        model_page_bytes(args.model, args.kv_dtype)
+        parse_size(args.node_capacity), parse_size(args.worker_kv_cache)
+    except ValueError as exc:
+        print(f"kvcache cluster up: error: {exc}", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir).resolve()
+    cluster_file = run_dir / CLUSTER_FILE
+    if cluster_file.exists():
+        print(f"kvcache cluster up: error: {cluster_file} exists: a cluster may be running; "
+              f"run `kvcache cluster down --run-dir {args.run_dir}` first", file=sys.stderr)
+        return 2
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+
+    tls_dir, tokens_file, token = _secure_files(run_dir) if args.secure else (None, None, None)
+    client_options = {**client_tls(tls_dir), "token": token} if args.secure else {}
+    scrape_secrets = _scrape_secrets(run_dir, tls_dir)
+
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    cluster = LocalCluster()
+    try:
+        start_cluster(logs, args.nodes, args.workers, args.coordinators, args.replicas, args.model, args.kv_dtype,
+                      args.node_capacity, args.worker_kv_cache, blas_threads=args.blas_threads,
+                      max_prefill_tokens=args.max_prefill_tokens, cluster=cluster, metrics=not args.no_metrics,
+                      data_dir=Path(args.data_dir).resolve() if args.data_dir else None,
+                      flush_interval=args.flush_interval, disk_check=args.disk_check,
+                      tls_dir=tls_dir, tokens_file=tokens_file,
+                      gateway_port=None if args.no_gateway else args.gateway_port,
+                      on_start=lambda c: _write_cluster_file(cluster_file, args, c.daemons, scrape_secrets))
+        coordinators = cluster.coordinator_addresses
+        wait_healthy(coordinators, args.nodes, args.workers, args.timeout, stopping, client_options)
+    except (DaemonFailed, TimeoutError, InterruptedError, ValueError) as exc:
+        print(f"kvcache cluster up: error: {exc}", file=sys.stderr)
+        cluster.stop()
+        cluster_file.unlink(missing_ok=True)
+        return 1
+    print(f"cluster up: {args.coordinators} coordinators, {args.nodes} kvnodes, {args.workers} workers, model {args.model}")
+    print(f"coordinators: {','.join(coordinators)}")
+    if cluster.gateway_url:
+        print(f"gateway: {cluster.gateway_url} (OpenAI API at {cluster.gateway_url}/v1)")
+    print(f"logs: {logs}")
+    print(f"cluster file: {cluster_file}")
+    if args.secure:
+        tls = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in client_tls(tls_dir).items())
+        print(f"mutual TLS: certificates in {tls_dir}; tokens file {tokens_file}")
+        print(f"token: {token}")
+        if not args.no_metrics:
+            print(f"metrics: HTTPS for the kvcache-monitor certificate ({tls_dir}/monitor.pem), the gateway's with "
+                  f"the monitor token; `kvcache cluster prometheus-config --scrape-config` prints a Prometheus config")
+        print(f"try: KVCACHE_TOKEN={token} kvcache generate --coordinators {','.join(coordinators)} {tls} \"Hello\"",
+              flush=True)
+    else:
+        print(f"try: kvcache generate --coordinators {','.join(coordinators)} \"Hello\"", flush=True)
+    if args.detach:
+        return 0
+    print("Ctrl-C stops the cluster.", flush=True)
+    reported: set[int] = set()
+    while not stopping.wait(1.0):
+        for daemon in cluster.daemons:
+            if not daemon.alive() and daemon.pid not in reported:
+                reported.add(daemon.pid)
+                print(f"{daemon.role} {daemon.address} exited (code {daemon.process.returncode}); see {daemon.log_path}",
+                      flush=True)
+    print("stopping the cluster ...", flush=True)
+    cluster.stop()
+    cluster_file.unlink(missing_ok=True)
+    print("cluster stopped", flush=True)
+    return 0
+
+
+def _secure_files(run_dir: Path) -> tuple[Path, Path, str]:
+    """Certificates in RUN_DIR/tls and a tokens file of two tenants: `default`, with a new token
+    for clients, and `monitor`, whose token (alone in RUN_DIR/monitor.token) a Prometheus sends
+    to the gateway's /metrics (kvcache/prometheus.py)."""
+    from kvcache.certs import make_certs
+
+    tls_dir = run_dir / "tls"
+    make_certs(tls_dir, force=True)
+    token = tokens.new_token()
+    monitor_token = tokens.new_token()
+    tokens_file = run_dir / "tokens"
+    _write_private(tokens_file, f"default {token}\nmonitor {monitor_token}\n")
+    _write_private(run_dir / MONITOR_TOKEN_FILE, f"{monitor_token}\n")
+    return tls_dir, tokens_file, token
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+
+
+def _scrape_secrets(run_dir: Path, tls_dir: Path | None) -> dict | None:
+    """What a Prometheus needs to scrape a secure cluster, for the cluster file; None for plaintext."""
+    if tls_dir is None:
+        return None
+    return {"ca_file": str(tls_dir / "ca.pem"), "cert_file": str(tls_dir / "monitor.pem"),
+            "key_file": str(tls_dir / "monitor.key"), "token_file": str(run_dir / MONITOR_TOKEN_FILE)}
+
+
+def run_prometheus_config(args: argparse.Namespace) -> int:
+    return prometheus.run(args, Path(args.run_dir).resolve() / CLUSTER_FILE)
+
+
+def run_down(args: argparse.Namespace) -> int:
+    cluster_file = Path(args.run_dir).resolve() / CLUSTER_FILE
+    try:
+        cluster = read_cluster_file(cluster_file, "nothing to stop")
+    except ClusterFileError as exc:
+        print(f"kvcache cluster down: {exc}", file=sys.stderr)
+        return exc.exit_code
+    members = cluster.get("members", [])
+    stop_members(members)
+    cluster_file.unlink(missing_ok=True)
+    print(f"stopped {len(members)} processes")
+    return 0
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    for name in ("nodes", "workers", "coordinators", "replicas"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.blas_threads is not None and args.blas_threads < 1:
+        raise ValueError(f"--blas-threads must be at least 1, got {args.blas_threads}")
+    if args.max_prefill_tokens is not None and args.max_prefill_tokens < 1:
+        raise ValueError(f"--max-prefill-tokens must be at least 1, got {args.max_prefill_tokens}")
+    if not 0 <= args.gateway_port <= 65535:
+        raise ValueError(f"--gateway-port must be between 0 and 65535, got {args.gateway_port}")
+    if args.replicas > args.nodes:
+        raise ValueError(f"--replicas {args.replicas} exceeds --nodes {args.nodes}: each replica needs its own kvnode")
+
+
+def _write_cluster_file(path: Path, args, started: list[Daemon], secure: dict | None = None) -> None:
+    gateway = next((d.address for d in started if d.role == "gateway"), None)
+    cluster = {
+        "model": args.model,
+        **({"gateway": gateway} if gateway else {}),
+        **({"secure": secure} if secure else {}),
+        "replicas": args.replicas,
+        "members": [
+            {"role": d.role, "address": d.address, "pid": d.pid, "log": str(d.log_path),
+             **({"metrics": d.metrics_url} if d.metrics_url else {})} for d in started
+        ],
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cluster, indent=2))
+    tmp.replace(path)
