@@ -29,7 +29,8 @@ import numpy as np
 from kvnode import shared_pool_pins, stepwise_gets
 from kvnode import wire
 from kvnode.checksum import CHECKSUM_BYTES, page_checksum
-from kvnode.client_types import NodeError, NodeInfo, PageRejected, PutResult, check_keys, verified
+from kvnode.client_types import (NodeError, NodeInfo, PageRejected, PutResult, check_keys, checked_array, time_left,
+                                 verified)
 from kvnode.data_client import DataPlaneClient
 from kvnode.data_client_io import DataPlaneError
 from kvnode.shared_pool_pins import PinnedPages
@@ -89,7 +90,7 @@ class NodeClient:
         self.use_data_plane = use_data_plane
         self._data: DataPlaneClient | None = None
         self._told_busy = False
-        self._bands_refused = False  # the node's data plane predates GET_BANDS: plain GETs instead
+        self._bands_refused = threading.Event()  # the node's data plane predates GET_BANDS: plain GETs instead
         self._data_lock = threading.Lock()
         self._channel = traced_channel(security.channel(
             address, credentials,
@@ -141,12 +142,8 @@ class NodeClient:
     def get_pages(self, keys: Sequence[bytes], out: np.ndarray | None = None, timeout: float | None = None) -> np.ndarray:
         """The pages' bytes as a (len(keys), page_bytes) uint8 array, written into `out` when given,
         each checked against its checksum: PageRejected names the first that fails (design above)."""
-        page_bytes = self._known_info().page_bytes
-        shape = (len(keys), page_bytes)
-        if out is None:
-            out = np.empty(shape, dtype=np.uint8)
-        elif out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
-            raise ValueError(f"out must be a C-contiguous uint8 array of shape {shape}, got {out.dtype} {out.shape}")
+        shape = (len(keys), self._known_info().page_bytes)
+        out = np.empty(shape, dtype=np.uint8) if out is None else checked_array(out, *shape)
         if not keys:
             return out  # nothing to fetch: (0, page_bytes), no call
         checksums = bytearray(len(keys) * CHECKSUM_BYTES)
@@ -159,7 +156,7 @@ class NodeClient:
                 return verified(self.address, keys, out, checksums)
             except DataPlaneError as exc:
                 self._data_plane_failed(plane, exc)  # returns only to fall back to gRPC
-            timeout = self._time_left(deadline)
+            timeout = time_left(self.address, deadline)
         self._grpc_get_pages(keys, out, checksums, timeout)
         return verified(self.address, keys, out, checksums)
 
@@ -177,7 +174,7 @@ class NodeClient:
         the pages of its batch before it are intact in that batch's array (landed is not called
         for it). Any other failure after some batches landed raises NodeError: those stay the
         caller's."""
-        stepwise_gets.get_pages_in_batches(self, batches, out_for, landed, timeout)
+        self._stepwise().get_pages_in_batches(batches, out_for, landed, timeout)
 
     def get_pages_in_bands(self, keys: Sequence[bytes], outs: Sequence[np.ndarray], band_bytes: int,
                            landed: Callable[[int], None], timeout: float | None = None) -> None:
@@ -187,7 +184,7 @@ class NodeClient:
         once its last band did: PageRejected names the first that fails, after every landed call
         (the bands handed over must then be thrown away). Over gRPC, or from a node whose data
         plane predates the op, the pages come whole and every band lands at the end."""
-        stepwise_gets.get_pages_in_bands(self, keys, outs, band_bytes, landed, timeout)
+        self._stepwise().get_pages_in_bands(keys, outs, band_bytes, landed, timeout)
 
     def pin_pages(self, keys: Sequence[bytes], timeout: float | None = None, check: bool = True) -> PinnedPages | None:
         """The pages pinned in the node's shared pool, to read in place through shared_pool_file's
@@ -196,7 +193,8 @@ class NodeClient:
         caller checks them with first_altered() before it trusts them): PageRejected, or NodeError
         NOT_FOUND, with nothing left pinned. None, nothing pinned, when they cannot be read in
         place: get_pages them then. `timeout` bounds the call. kvnode/shared_pool_pins.py notes 3-5."""
-        return shared_pool_pins.pin_pages(self, keys, timeout, check)
+        return shared_pool_pins.pin_pages(self.address, self._known_info, self._data_plane, keys,
+                                          timeout or self.timeout, check)
 
     def shared_pool_file(self) -> SharedPoolFile | None:
         """While this client has the node's pool mapped: a new descriptor of it (the caller's to close),
@@ -270,7 +268,7 @@ class NodeClient:
                 return PutResult(tuple(_OUTCOME_NAMES.get(o, "unknown") for o in outcomes))
             except DataPlaneError as exc:
                 self._data_plane_failed(plane, exc)  # returns only to fall back to gRPC
-            timeout = self._time_left(deadline)
+            timeout = time_left(self.address, deadline)
         chunk = info.max_message_bytes - 64
 
         def messages():
@@ -368,13 +366,11 @@ class NodeClient:
             self._node_info = None  # a restarted node may listen on another data port: ask Info again
         raise NodeError(self.address, exc.code, exc.details) from None
 
-    def _time_left(self, deadline: float) -> float:
-        """What a gRPC fallback may still take of the call's timeout (the data plane's try counts)."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise NodeError(self.address, grpc.StatusCode.DEADLINE_EXCEEDED,
-                            "the call's timeout ran out on the data plane, before the gRPC fallback")
-        return left
+    def _stepwise(self) -> stepwise_gets.StepwiseGets:
+        """What get_pages_in_batches and _in_bands use of this client, for one call (stepwise_gets.py)."""
+        return stepwise_gets.StepwiseGets(self.address, self.timeout, self._known_info, self._data_plane,
+                                          self._data_plane_failed, self._grpc_get_pages, self.get_pages,
+                                          self._bands_refused)
 
     def _call(self, method, request, timeout: float | None):
         try:

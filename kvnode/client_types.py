@@ -1,10 +1,13 @@
 """What NodeClient (kvnode/client.py) returns (NodeInfo, PutResult) and raises (NodeError,
-PageRejected), and what it checks: the keys it sends over the data plane, and the pages it
-received against their checksums. Other parts import these names from kvnode.client.
+PageRejected), and what it checks: the keys it sends over the data plane, the arrays pages are
+received into, the pages it received against their checksums, and what is left of a call's
+timeout for a gRPC fallback. Here so that its calls kept in other modules (kvnode/stepwise_gets.py)
+check as it does. Other parts import these names from kvnode.client.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -98,3 +101,31 @@ def verified(address: str, keys: Sequence[bytes], out: np.ndarray, checksums: by
     if index is not None:
         raise PageRejected(address, first + index, bytes(keys[index]))
     return out
+
+
+def checked_array(out: np.ndarray, count: int, page_bytes: int) -> np.ndarray:
+    """`out` when it is a C-contiguous (count, page_bytes) uint8 array; ValueError otherwise."""
+    shape = (count, page_bytes)
+    if out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous uint8 array of shape {shape}, got {out.dtype} {out.shape}")
+    return out
+
+
+def checked_pages(out, count: int, page_bytes: int) -> np.ndarray | list[np.ndarray]:
+    """`out` when it holds `count` pages: a checked_array, or a list of `count` C-contiguous
+    (page_bytes,) uint8 arrays; ValueError saying what it is otherwise."""
+    if isinstance(out, np.ndarray):
+        return checked_array(out, count, page_bytes)
+    if len(out) != count or any(page.shape != (page_bytes,) or page.dtype != np.uint8 or not page.flags.c_contiguous
+                                for page in out):
+        raise ValueError(f"out must be {count} C-contiguous uint8 arrays of shape ({page_bytes},), one a page")
+    return out
+
+
+def time_left(address: str, deadline: float) -> float:
+    """What a gRPC fallback may still take of the call's timeout (the data plane's try counts)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise NodeError(address, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        "the call's timeout ran out on the data plane, before the gRPC fallback")
+    return left

@@ -1,7 +1,8 @@
 """The kvnode's data plane: GET and PUT of whole pages over plain TCP, beside the gRPC
 service and on the same PageStore. Framing in kvnode/data_wire.py; Info advertises the port.
-One connection's I/O, and the answer to a refused request: kvnode/data_plane_connection.py; the
-shared pool's requests (MAP_POOL, GET_SLOTS): kvnode/shared_pool_serving.py.
+One connection's I/O, and the answer to a refused request: kvnode/data_plane_connection.py; PUT,
+and the bound on the bytes of puts in flight: kvnode/data_plane_puts.py; the shared pool's
+requests (MAP_POOL, GET_SLOTS): kvnode/shared_pool_serving.py.
 
 Design notes
 1. One thread per connection, at most `max_connections`; one over the bound is answered
@@ -18,14 +19,8 @@ Design notes
    589,824 bytes: ~0.9-1.06 GB/s pinned against ~0.6 GB/s copying the pages under the store
    lock into a reused buffer first, on a loaded machine: the copy (~2 ms) held the GIL's
    turn and the lock as long as a good part of the send.
-3. PUT reads the keys and parents first, then the pages with recv_into into the connection's
-   buffer (reused while small, bounded in total: kvnode/recv_buffers.py), checks every page
-   as PutPages does, and stores only once the whole request arrived and passed: a request
-   cut short stores nothing. Each page keeps the checksum sent with it, unchecked here (the
-   readers check it: kvnode/store.py note 9). One outcome per page, as PutPages.
-   The bytes of puts being received at once, over all connections, are bounded
-   (`max_put_bytes_in_flight`); a put beyond it is refused RESOURCE_EXHAUSTED, unless it is
-   the only one (pages of a large model may make one request larger than the bound).
+3. PUT: received whole, checked, then stored, within a bound on the bytes of puts in flight
+   (`max_put_bytes_in_flight`): kvnode/data_plane_puts.py, its design note 1.
 4. drain() (the node's SIGTERM) stops accepting, closes the connections idle between requests
    at once, and lets the requests being served finish within its timeout, then cuts the rest.
    A request is being served once its header is read and taken under the lock; a header read
@@ -72,15 +67,15 @@ from kvnode import data_wire as dw
 from kvnode.checksum import CHECKSUM_BYTES
 from protos import security
 from kvnode.data_plane_connection import Connection, Dropped, Idle, refuse, shutdown_all, unix_listener
+from kvnode.data_plane_puts import DEFAULT_MAX_PUT_BYTES_IN_FLIGHT, PutReceiver
 from kvnode.recv_buffers import DEFAULT_KEEP_PER_CONNECTION, DEFAULT_KEEP_TOTAL, BufferBudget, ReceiveBuffer
 from kvnode.shared_pool_serving import send_pool, send_slots
-from kvnode.store import KEY_BYTES, InvalidRequest, PageNotFound, PageStore, PutOutcome
+from kvnode.store import KEY_BYTES, PageNotFound, PageStore
 
 log = logging.getLogger("kvnode")
 
 DEFAULT_MAX_CONNECTIONS = 64
 DEFAULT_TIMEOUT_S = 60.0
-DEFAULT_MAX_PUT_BYTES_IN_FLIGHT = 512 * 2**20  # PUT pages received at once, over all connections
 
 
 class DataPlaneServer:
@@ -97,9 +92,8 @@ class DataPlaneServer:
         self.max_keys = max_keys
         self.max_connections = max_connections
         self.timeout_s = timeout_s
-        self.max_put_bytes_in_flight = max_put_bytes_in_flight
+        self.puts = PutReceiver(store, max_put_bytes_in_flight)  # design note 3
         self.metrics = None  # kvnode.metrics.NodeMetrics with --metrics-port: one call per request
-        self._put_bytes_in_flight = 0
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=128)
         self._listener.settimeout(0.2)  # the accept loop wakes to see stop()
@@ -130,8 +124,7 @@ class DataPlaneServer:
 
     def put_bytes_in_flight(self) -> int:
         """Bytes of PUT pages being received right now, over all connections."""
-        with self._lock:
-            return self._put_bytes_in_flight
+        return self.puts.bytes_in_flight()
 
     def kept_buffer_bytes(self) -> int:
         """Bytes of PUT buffers connections keep between requests, over all connections."""
@@ -306,7 +299,7 @@ class DataPlaneServer:
         elif header.op == dw.OP_GET_SLOTS:
             self._get_slots(connection, header)
         else:
-            self._put(connection, header)
+            self.puts.serve(connection, header, self.metrics)
         connection.pending = 0
         return True
 
@@ -363,44 +356,3 @@ class DataPlaneServer:
             self.pages_by_slot += by_slot
         if self.metrics is not None:
             self.metrics.data_get(header.count * self.store.page_bytes, time.perf_counter() - started)
-
-    def _put(self, connection: Connection, header: dw.RequestHeader) -> None:
-        page_bytes = self.store.page_bytes
-        if header.page_bytes != page_bytes:
-            raise dw.FrameError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"pages of {header.page_bytes} bytes; this node stores pages of {page_bytes} bytes")
-        size = header.count * page_bytes
-        with self._lock:
-            # One request is always taken when no other is being received, however large its pages.
-            if self._put_bytes_in_flight and self._put_bytes_in_flight + size > self.max_put_bytes_in_flight:
-                raise dw.FrameError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"this node is receiving {self._put_bytes_in_flight} bytes of puts already and "
-                                    f"takes {self.max_put_bytes_in_flight} at once; retry later or send fewer pages")
-            self._put_bytes_in_flight += size
-        try:
-            self._receive_and_store(connection, header)
-        finally:
-            with self._lock:
-                self._put_bytes_in_flight -= size
-
-    def _receive_and_store(self, connection: Connection, header: dw.RequestHeader) -> None:
-        started = time.perf_counter()
-        page_bytes = self.store.page_bytes
-        entry_block = connection.receive(header.count * dw.put_entry_bytes(KEY_BYTES, header.checksums))
-        connection.pending -= len(entry_block)
-        entries = dw.parse_put_entries(entry_block, header.count, KEY_BYTES, header.checksums)
-        data = connection.receive(header.count * page_bytes, into_buffer=True)
-        connection.pending = 0
-        pages = [data[i * page_bytes : (i + 1) * page_bytes] for i in range(header.count)]
-        try:
-            for (key, parent, checksum), page in zip(entries, pages):
-                self.store.validate_put(key, parent, page, checksum)
-        except InvalidRequest as exc:
-            raise dw.FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; nothing stored") from None
-        outcomes = [self.store.put(key, parent, page, checksum) for (key, parent, checksum), page in zip(entries, pages)]
-        refused = sum(1 for o in outcomes if o in (PutOutcome.REFUSED_NO_PARENT, PutOutcome.REFUSED_NO_ROOM))
-        if refused:
-            log.info("put refused %d of %d pages (no parent or no room)", refused, len(outcomes))
-        connection.send(dw.ok_reply(len(outcomes)) + bytes(outcomes))
-        if self.metrics is not None:
-            self.metrics.data_put(header.count * page_bytes, outcomes, time.perf_counter() - started)

@@ -38,15 +38,18 @@ import logging
 import threading
 import time
 import weakref
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import grpc
 import numpy as np
 
 from kvnode import data_wire as dw
 from kvnode.checksum import CHECKSUM_BYTES, first_mismatch, first_mismatch_in_two
-from kvnode.client_types import NodeError, PageRejected, check_keys
+from kvnode.client_types import NodeError, NodeInfo, PageRejected, check_keys
 from kvnode.data_client_io import DataPlaneError, StaleConnection, receive, reply_header, send_request
+
+if TYPE_CHECKING:
+    from kvnode.data_client import DataPlaneClient
 
 MAX_REQUESTS = 4  # GET_SLOTS requests (connections) a pin_pages may hold (design note 2)
 _SLOT_ENTRY = CHECKSUM_BYTES + dw.SLOT.size
@@ -116,23 +119,25 @@ def _close_all(socks: list) -> None:
             pass
 
 
-def pin_pages(client, keys: Sequence[bytes], timeout: float | None, check: bool = True) -> PinnedPages | None:
-    """NodeClient.pin_pages for `client` (a NodeClient)."""
+def pin_pages(address: str, known_info: Callable[[], NodeInfo], data_plane: Callable[[], DataPlaneClient | None],
+              keys: Sequence[bytes], timeout: float, check: bool = True) -> PinnedPages | None:
+    """NodeClient.pin_pages for the node at `address`, given what it uses of that NodeClient: its
+    Info and its data plane (None: gRPC only), asked for as the call needs them."""
     keys = [bytes(key) for key in keys]
-    check_keys(client.address, keys)
-    info = client._known_info()
-    plane = client._data_plane()
+    check_keys(address, keys)
+    info = known_info()
+    plane = data_plane()
     if plane is None:
         return None
     if plane.pool_state == "unasked":
         plane.start_mapping()  # for the next call: this one does not wait for it (shared_pool_reader.py note 1)
-    deadline = time.monotonic() + (timeout or client.timeout)
+    deadline = time.monotonic() + timeout
     try:
         taken = _take_pins(plane, keys, max(1, info.max_keys_per_request), deadline)
     except DataPlaneError as exc:
         if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED or exc.closed_unanswered:
             return None  # busy: the caller fetches as usual (design note 5)
-        raise NodeError(client.address, exc.code, exc.details) from None
+        raise NodeError(address, exc.code, exc.details) from None
     if taken is None:
         return None
     pinned, pool, checksums = taken
@@ -146,7 +151,7 @@ def pin_pages(client, keys: Sequence[bytes], timeout: float | None, check: bool 
         raise
     if index is not None:
         pinned.release()
-        raise PageRejected(client.address, index, keys[index])
+        raise PageRejected(address, index, keys[index])
     return pinned
 
 
