@@ -41,18 +41,17 @@ import weakref
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import grpc
-import numpy as np
 
 from kvnode import data_wire as dw
-from kvnode.checksum import CHECKSUM_BYTES, first_mismatch, first_mismatch_in_two
+from kvnode.checksum import first_mismatch, first_mismatch_in_two
 from kvnode.client_types import NodeError, NodeInfo, PageRejected, check_keys
-from kvnode.data_client_io import DataPlaneError, StaleConnection, receive, reply_header, send_request
+from kvnode.data_client_io import DataPlaneError, StaleConnection, send_request
+from kvnode.shared_pool_reader import receive_slot_table, table_checksum
 
 if TYPE_CHECKING:
     from kvnode.data_client import DataPlaneClient
 
 MAX_REQUESTS = 4  # GET_SLOTS requests (connections) a pin_pages may hold (design note 2)
-_SLOT_ENTRY = CHECKSUM_BYTES + dw.SLOT.size
 
 log = logging.getLogger("kvnode.client")
 
@@ -174,16 +173,15 @@ def _take_pins(plane, keys: list[bytes], max_keys: int, deadline: float):
             held.append(sent)
         for number, batch in enumerate(batches):
             try:
-                table, payload = _table(plane, held[number], batch, deadline)
+                table, payload, batch_slots = _table(plane, held[number], batch, deadline)
             except StaleConnection:  # an idle connection the node had closed (data_client.py note 3)
                 held[number][0].close()
                 plane._drop_idle()
                 held[number] = _send(plane, batch, deadline, fresh=True)
                 if held[number] is None:
                     return _give_up(plane, held, range(number))
-                table, payload = _table(plane, held[number], batch, deadline)
-            batch_slots = [dw.SLOT.unpack_from(table, i * _SLOT_ENTRY + CHECKSUM_BYTES)[0] for i in range(len(batch))]
-            checksums += [bytes(table[i * _SLOT_ENTRY : i * _SLOT_ENTRY + CHECKSUM_BYTES]) for i in range(len(batch))]
+                table, payload, batch_slots = _table(plane, held[number], batch, deadline)
+            checksums += [bytes(table_checksum(table, i)) for i in range(len(batch))]
             slots += batch_slots
             if dw.NO_SLOT in batch_slots:
                 unslotted.append(number)
@@ -220,17 +218,12 @@ def _send(plane, batch: list[bytes], deadline: float, fresh: bool) -> list | Non
     raise AssertionError("a retried GET_SLOTS asked for another retry")
 
 
-def _table(plane, held: list, batch: list[bytes], deadline: float) -> tuple[memoryview, int]:
-    """The GET_SLOTS reply's table and its whole payload's length; the pages stay pinned."""
+def _table(plane, held: list, batch: list[bytes], deadline: float) -> tuple[memoryview, int, list[int]]:
+    """The GET_SLOTS reply's table, its whole payload's length and the slots; the pages stay pinned."""
     sock, reused = held
-    payload = reply_header(sock, deadline, reused, plane.address)
-    table = memoryview(bytearray(len(batch) * _SLOT_ENTRY))
-    if payload < table.nbytes:
-        raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers {payload} bytes to a GET_SLOTS of "
-                             f"{len(batch)} pages, expected at least {table.nbytes}")
-    receive(sock, table, deadline)
+    answer = receive_slot_table(sock, len(batch), deadline, reused, plane.address)
     held[1] = False  # answered: no longer a stale one to retry
-    return table, payload
+    return answer
 
 
 def _give_up(plane, held: list, answered) -> None:

@@ -214,13 +214,7 @@ class SharedPoolReader:
         received, when the node has it in no slot) and its checksum into `checksums`; then the
         pages are released."""
         send_request(sock, [dw.get_request(keys, dw.OP_GET_SLOTS)], deadline, reused, self.address)
-        payload = reply_header(sock, deadline, reused, self.address)
-        table = memoryview(bytearray(len(keys) * _SLOT_ENTRY))
-        if payload < table.nbytes:
-            raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers {payload} bytes to a GET_SLOTS of "
-                                 f"{len(keys)} pages, expected at least {table.nbytes}")
-        receive(sock, table, deadline)
-        slots = [dw.SLOT.unpack_from(table, i * _SLOT_ENTRY + CHECKSUM_BYTES)[0] for i in range(len(keys))]
+        table, payload, slots = receive_slot_table(sock, len(keys), deadline, reused, self.address)
         unslotted = [i for i, slot in enumerate(slots) if slot == dw.NO_SLOT]
         page_bytes = pool.shape[1]
         if payload != table.nbytes + len(unslotted) * page_bytes or \
@@ -233,8 +227,7 @@ class SharedPoolReader:
             raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"the node's shared pool holds pages of {page_bytes} "
                                  f"bytes, the caller's of {pages[0].nbytes}")
         for i in range(len(keys)):
-            checksums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES] = table[i * _SLOT_ENTRY :
-                                                                             i * _SLOT_ENTRY + CHECKSUM_BYTES]
+            checksums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES] = table_checksum(table, i)
         if unslotted:
             receive_scattered(sock, [memoryview(pages[i]) for i in unslotted], deadline)
         for page, slot in zip(pages, slots):
@@ -244,6 +237,25 @@ class SharedPoolReader:
             sock.sendall(dw.RELEASE)
         except OSError as exc:  # the node unpins them as the connection goes
             raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"connection broke before the release: {exc}") from None
+
+
+def receive_slot_table(sock: socket.socket, count: int, deadline: float, reused: bool,
+                       address: str) -> tuple[memoryview, int, list[int]]:
+    """A GET_SLOTS reply's header and table (data_wire note 7): the table, the whole payload's
+    length (the table, then the pages without a slot), and each page's slot; the pages stay
+    pinned until the RELEASE."""
+    payload = reply_header(sock, deadline, reused, address)
+    table = memoryview(bytearray(count * _SLOT_ENTRY))
+    if payload < table.nbytes:
+        raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers {payload} bytes to a GET_SLOTS of "
+                             f"{count} pages, expected at least {table.nbytes}")
+    receive(sock, table, deadline)
+    return table, payload, [dw.SLOT.unpack_from(table, i * _SLOT_ENTRY + CHECKSUM_BYTES)[0] for i in range(count)]
+
+
+def table_checksum(table: memoryview, index: int) -> memoryview:
+    """Page `index`'s checksum in a GET_SLOTS table."""
+    return table[index * _SLOT_ENTRY : index * _SLOT_ENTRY + CHECKSUM_BYTES]
 
 
 def page_arrays(destination: tuple, count: int) -> tuple[list[np.ndarray] | np.ndarray, memoryview]:
