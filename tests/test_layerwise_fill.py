@@ -106,7 +106,9 @@ def written(model, kv_dtype, node_factory):
 
 def warm_engine(model, kv_dtype, **slow):
     reader = engine(model, kv_dtype)
-    tier = RemoteTier(reader.kv_pool, kv_dtype, layerwise_fill=True)
+    # First contact may wait for the node's probe: these tests are not about it, and on a loaded
+    # machine the default 0.1 s sometimes made the warm run a miss.
+    tier = RemoteTier(reader.kv_pool, kv_dtype, layerwise_fill=True, first_contact_wait_s=5.0, lookup_timeout_s=5.0)
     SlowLayers(tier, **slow)
     reader.attach_remote_tier(tier)
     return reader, tier
