@@ -58,7 +58,8 @@ class ObservedRemoteTier(RemoteTier):
                               keys, block_ids, placement)
 
     def fill_in_place(self, keys: Sequence[bytes], block_ids: Sequence[int], placement: Placement):
-        """Pinning in place observed as a fetch when it succeeds (when not, the fill that follows is)."""
+        """Pinning in place in a span of its own (saying whether it pinned: when not, the fill that
+        follows has its span too), its time to `on_fetch` only when it pinned."""
         started = time.perf_counter()
         if not self.tracing or placement.trace is None:
             pages = super().fill_in_place(keys, block_ids, placement)
