@@ -96,7 +96,6 @@ class Window:
     """A node's pool mapped into the arena: its slot s is block `first_block + s` (design note 1)."""
 
     first_block: int
-    blocks: int
     generation: int  # of the node client's mapping it mirrors: slots of another generation are not its
     _offset: int
     _length: int
@@ -114,7 +113,6 @@ class BlockArena:
             raise OSError(0, "no arena on this platform (design note 4)")
         dtype = np.dtype(dtype)
         self.block_bytes = int(np.prod(block_shape)) * dtype.itemsize
-        self.num_blocks = num_blocks
         self._align = math.lcm(self.block_bytes, _PAGE)  # windows start on a block and on a page
         self._windows_start = _round_up(num_blocks * self.block_bytes, self._align)
         self._size = self._windows_start + _round_up(window_space, self._align)
@@ -157,7 +155,7 @@ class BlockArena:
             if offset is None:
                 raise ValueError(f"no room left for a window of {length} bytes in the arena's "
                                  f"{self._size - self._windows_start} bytes of window space")
-            window = Window(offset // self.block_bytes, pages, generation, offset, length)
+            window = Window(offset // self.block_bytes, generation, offset, length)
             self._windows.append(window)
             self._windows.sort(key=lambda w: w._offset)
         flags = mmap.MAP_SHARED | _MAP_FIXED | (_MAP_POPULATE if length <= _POPULATE_MAX_BYTES else 0)

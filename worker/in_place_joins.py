@@ -3,8 +3,8 @@ their first forward reads, and how the pages end up in their blocks.
 
 `InPlaceJoins` is a part of the Scheduler (worker/scheduler.py), as RemoteJoins is. It works on
 the scheduler's state: `running`, `waiting`, the pool, `_in_place` (request id -> (request,
-PagesInPlace, local hits)), `_landing` and `_remote_given_up`, and its `_release` and
-`_index_pages`.
+PagesInPlace, local hits)), `_landing` and `_remote_given_up`, and its `_release`, `_index_pages` and
+`_index_blocks` (worker/remote_joins.py).
 
 Design notes
 1. A load that ends with its pages pinned in a same-host node's pool (connector design note 8)
@@ -116,17 +116,6 @@ class InPlaceJoins:
                         request.block_table[num_hits:end], keys[num_hits:], keys[num_hits - 1] if num_hits else None)
                 finally:
                     self._drop_in_place(request)
-
-    def _index_blocks(self, blocks: list[int], keys: list[bytes], parent: bytes | None) -> list[int]:
-        """Index full blocks under their keys, in order, those not indexed yet (the pages a step
-        filled after pages read in place: note 1); the blocks that hold the keys."""
-        held = []
-        for block, key in zip(blocks, keys):
-            if self.pool.block_keys[block] is None:
-                block = self.pool.cache_full_block(block, key, parent)
-            held.append(block)
-            parent = key
-        return held
 
     def _discard_in_place(self, request: Request, reuse: bool = True) -> None:
         """A request whose pages read in place are altered computes its prompt without them,

@@ -210,9 +210,6 @@ class RemoteTier:
                 node = nodes[0]
                 try:
                     pages = self.in_place.pin(node, keys, block_ids, self._fetch_timeout(len(keys)))
-                except PageRejected:  # fill fetches the pages before it, and reports it (design note 6)
-                    self.nodes.succeeded(node)
-                    return None
                 except NodeError as exc:
                     self._count("fetch_failures", 1)
                     self.nodes.failed(node, exc)

@@ -83,9 +83,19 @@ class RemoteJoins:
     def _index_pages(self, request: Request, start: int, end: int) -> None:
         """Index pages start..end of a request's blocks in the local prefix cache."""
         keys = request.page_keys(end)
-        for page in range(start, end):
-            parent = keys[page - 1] if page else None
-            request.block_table[page] = self.pool.cache_full_block(request.block_table[page], keys[page], parent)
+        request.block_table[start:end] = self._index_blocks(request.block_table[start:end], keys[start:],
+                                                            keys[start - 1] if start else None)
+
+    def _index_blocks(self, blocks: list[int], keys: list[bytes], parent: bytes | None) -> list[int]:
+        """Index full blocks under their keys, in order, those not indexed yet (pages a step filled
+        after pages read in place are: worker/in_place_joins.py note 1); the blocks that hold the keys."""
+        held = []
+        for block, key in zip(blocks, keys):
+            if self.pool.block_keys[block] is None:
+                block = self.pool.cache_full_block(block, key, parent)
+            held.append(block)
+            parent = key
+        return held
 
     def _join_early(self) -> ScheduledBatch | None:
         """A parked request whose layer-wise load is under way, in a step of its own (design note 1)."""
