@@ -29,6 +29,9 @@ class Daemon:
 
     Its stdout and stderr go to `log_path` (a temporary file when not given), never to a
     pipe, so the child keeps running safely after this process is gone (cluster --detach).
+    A temporary log is removed once the daemon was stopped and exited cleanly, and kept (its
+    path in the error) when the daemon failed to start or exited with an error: a bench that
+    starts a node per run leaves nothing behind unless there is something to read.
     """
 
     def __init__(self, role: str, args: Sequence[str], log_path: Path | None = None, timeout_s: float = 60.0, env=None,
@@ -37,6 +40,7 @@ class Daemon:
         exec NAME`, so a member runs on a host address of its own)."""
         self.role = role
         self.args = list(args)  # so a member can be started again as it was (LocalCluster.restart)
+        self._temporary_log = log_path is None
         if log_path is None:
             handle, name = tempfile.mkstemp(prefix=f"kvcache-{role}-", suffix=".log")
             os.close(handle)
@@ -72,6 +76,7 @@ class Daemon:
                 self.metrics_url = metrics.group(1) if metrics else None
                 return match.group(1)
             if self.process.poll() is not None or time.monotonic() > deadline:
+                self._temporary_log = False  # the error below sends the reader to it
                 self.stop()
                 tail = " | ".join(text.strip().splitlines()[-3:])
                 raise DaemonFailed(
@@ -94,6 +99,8 @@ class Daemon:
                 self.process.wait(5.0)
             except ProcessLookupError:
                 pass
+        if self.process.returncode == 0:
+            self._remove_temporary_log()
         return self.process.returncode
 
     def kill(self) -> None:
@@ -101,6 +108,12 @@ class Daemon:
         if self.process.poll() is None:
             os.kill(self.pid, signal.SIGKILL)
             self.process.wait(5.0)
+            self._remove_temporary_log()  # killed on purpose: nothing went wrong to read about
+
+    def _remove_temporary_log(self) -> None:
+        if self._temporary_log:
+            self._temporary_log = False
+            self.log_path.unlink(missing_ok=True)
 
     def __enter__(self) -> "Daemon":
         return self
