@@ -18,9 +18,10 @@ Design notes
    client, or finds the node's socket gone (a restarted node has a new memfd; the old one's
    memory is freed once no reader maps it). Before mapping, the reader checks that the peer on the
    socket runs as its own user or root, and that the descriptor is sealed as note 1 says and as
-   large as the node said. Populating the page tables costs ~90 ms a GiB here, so it is done while
-   mapping (MAP_POPULATE), off the request path (kvnode/shared_pool_reader.py note 1), for pools up
-   to POPULATE_MAX_BYTES; a larger pool is mapped lazily, each page's first copy paying its faults.
+   large as the node said. Populating the page tables costs ~80 ms a GiB here, so it is done once
+   mapped, off the request path (kvnode/shared_pool_reader.py note 1), for pools up to
+   POPULATE_MAX_BYTES; a larger pool, or a kernel before 5.14, maps lazily, each page's first copy
+   paying its faults (protos/mappings.py: how, without stalling the reader's other threads).
 3. Linux only (memfd_create, SO_PEERCRED, SCM_RIGHTS); elsewhere the pool is a plain array and
    nothing is shared.
 """
@@ -35,6 +36,8 @@ import socket
 import struct
 
 import numpy as np
+
+from protos import mappings
 
 POPULATE_MAX_BYTES = 8 << 30  # design note 2
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
@@ -103,6 +106,10 @@ def map_read_only(fd: int, pages: int, page_bytes: int) -> np.ndarray:
         raise ValueError(f"the pool's descriptor is not sealed against resizing and writes (seals {seals:#x})")
     if os.fstat(fd).st_size < size:
         raise ValueError(f"the pool's descriptor holds {os.fstat(fd).st_size} bytes, not the {size} announced")
-    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if size <= POPULATE_MAX_BYTES else 0)
-    mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
-    return np.frombuffer(mapping, dtype=np.uint8).reshape(pages, page_bytes)
+    mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    array = np.frombuffer(mapping, dtype=np.uint8).reshape(pages, page_bytes)
+    if size <= POPULATE_MAX_BYTES:
+        mappings.populate(array.ctypes.data, array.nbytes)
+    return array
+
+

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from protos import mappings
+
 log = logging.getLogger("worker.arena")
 
 WINDOW_SPACE_BYTES = 64 << 30  # address space (not memory) for windows onto node pools; a bigger pool is copied from
@@ -42,7 +44,6 @@ _PAGE = mmap.PAGESIZE
 _PROT_NONE = 0
 _MAP_FIXED = 0x10
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 _POPULATE_MAX_BYTES = 8 << 30
 _MADV_HUGEPAGE = 14
 _FAILED = ctypes.c_void_p(-1).value
@@ -158,12 +159,14 @@ class BlockArena:
             window = Window(offset // self.block_bytes, generation, offset, length)
             self._windows.append(window)
             self._windows.sort(key=lambda w: w._offset)
-        flags = mmap.MAP_SHARED | _MAP_FIXED | (_MAP_POPULATE if length <= _POPULATE_MAX_BYTES else 0)
+        mapped = _round_up(pages * page_bytes, _PAGE)
         try:
-            _mmap(self._base + offset, _round_up(pages * page_bytes, _PAGE), mmap.PROT_READ, flags, fd)
+            _mmap(self._base + offset, mapped, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_FIXED, fd)
         except OSError:
             self._unmap(window)  # the space reserved again: a failed MAP_FIXED may have unmapped it
             raise
+        if mapped <= _POPULATE_MAX_BYTES:  # no forward then faults on the window's pages
+            mappings.populate(self._base + offset, mapped)
         return window
 
     def pin(self, window: Window) -> bool:

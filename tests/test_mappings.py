@@ -1,0 +1,77 @@
+"""protos/mappings.py: a reader of a kvnode's shared pool (the node's client, the worker's block
+arena) fills its mapping's page tables before it returns, while the process's other threads go on:
+Python's mmap held the GIL through MAP_POPULATE and one madvise over the whole range held the
+memory-map lock, so a worker's engine step (which allocates arrays) stalled ~80 ms a GiB of the
+node's pool whenever it met a node."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvnode import shared_pool
+from worker.block_arena import BlockArena
+
+pytestmark = pytest.mark.skipif(not shared_pool.supported(), reason="the shared pool needs Linux (memfd, SO_PEERCRED)")
+PAGES, PAGE_BYTES = 256, 4 << 20  # 1 GiB: populating takes tens of ms at least
+
+
+def resident_bytes(address: int) -> int:
+    """Rss of this process's mapping that starts at `address` (/proc/self/smaps)."""
+    lines = iter(Path("/proc/self/smaps").read_text().splitlines())
+    for line in lines:
+        if line.split("-", 1)[0] == f"{address:x}":
+            for field in lines:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1]) * 1024
+    raise AssertionError(f"no mapping starts at {address:#x}")
+
+
+def runs_of_an_allocating_thread_during(call):
+    """(what `call` returned, how many times another thread allocated an 8 MiB array (an mmap of
+    its own) and slept 1 ms while `call` ran)."""
+    runs, done = [], threading.Event()
+
+    def allocate():
+        while not done.is_set():
+            np.ones(1 << 20)
+            runs.append(time.monotonic())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=allocate, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.02)
+        started = time.monotonic()
+        result = call()
+        ended = time.monotonic()
+    finally:
+        done.set()
+        thread.join(5.0)
+    return result, sum(started < t < ended for t in runs)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return shared_pool.SharedPool(PAGES, PAGE_BYTES)
+
+
+def test_the_nodes_client_maps_a_pool_populated_without_stalling_other_threads(pool):
+    array, runs = runs_of_an_allocating_thread_during(lambda: shared_pool.map_read_only(pool.fd, PAGES, PAGE_BYTES))
+    assert array.shape == (PAGES, PAGE_BYTES)
+    assert resident_bytes(array.ctypes.data) == PAGES * PAGE_BYTES
+    assert runs >= 3, f"another thread ran {runs} times while the pool was mapped"
+
+
+def test_the_arena_maps_a_window_populated_without_stalling_other_threads(pool):
+    arena = BlockArena.make(4, (PAGE_BYTES,), np.uint8)
+    assert arena is not None
+    window, runs = runs_of_an_allocating_thread_during(lambda: arena.attach(pool.fd, PAGES, PAGE_BYTES, 1))
+    address = arena.all_blocks[window.first_block:].ctypes.data
+    assert resident_bytes(address) == PAGES * PAGE_BYTES
+    assert runs >= 3, f"another thread ran {runs} times while the window was mapped"
+    arena.detach(window)
