@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
-from cluster_helpers import NODE_PAGE_BYTES, free_port, node_process, read_log
+from cluster_helpers import NODE_PAGE_BYTES, free_port, node_process, read_log, wait_for
 from kvcache.launch import Daemon
 from kvnode import data_client
 from kvnode import data_wire as dw
@@ -123,9 +123,10 @@ def test_tokens_from_pages_fetched_on_the_same_host_equal_the_cold_ones(tmp_path
             assert tiers[0].flush(timeout_s=10.0) and tiers[0].stats.pages_written >= 8
             with tiers[1].nodes.use([daemon.address]) as nodes:  # the reader meets the node, maps its pool
                 assert tiers[1].lookup([bytes(16)], placement) == 0
-                nodes[0].client.map_shared_pool(timeout=10)
-                if in_place:  # the node's pool mapped into the reader's block arena (worker/pages_in_place.py)
-                    assert tiers[1].in_place.attach_now(nodes[0])
+                if in_place:  # first contact maps it into the reader's block arena too (pages_in_place.py note 3)
+                    assert wait_for(lambda: tiers[1].in_place.attached(daemon.address), timeout_s=20.0)
+                else:
+                    nodes[0].client.map_shared_pool(timeout=10)
             warm = reader.generate([prompt], max_new_tokens=12, ignore_eos=True,
                                    tier_context=Placement([daemon.address]))[0]
             with tiers[1].nodes.use([daemon.address]) as nodes:

@@ -17,9 +17,10 @@ Design notes
    after that forward and throws its work away if they are not (in_place_joins.py note 2).
 3. A node's pool is mapped into the arena once per mapping of the node's client (its
    generation), on a thread of its own, so no request waits for it (populating the page tables
-   costs ~90 ms a GiB): until the window is there, and whenever pinning is not possible (another
-   host, TLS, a page on disk only, another generation than the window's), `pin` answers None and
-   the pages are fetched into the blocks as before.
+   costs ~80 ms a GiB): from the tier's first contact with the node (`prepare`, once its client
+   has mapped the pool), or else at the first pin. Until the window is there, and whenever
+   pinning is not possible (another host, TLS, a page on disk only, another generation than the
+   window's), `pin` answers None and the pages are fetched into the blocks as before.
 4. The window of a node's previous mapping (the node restarted) is detached when its successor
    is attached, and that of a node whose client let its pool go (the node's socket gone, the
    client dropped from the tier's table) by `sweep`, which the tier calls every few seconds;
@@ -44,6 +45,7 @@ from worker.block_arena import BlockArena, Window
 log = logging.getLogger("worker.remote")
 
 _ATTACH_RETRY_S = 30.0  # after a window could not be made (no room, a failed mapping)
+_MAPPING_WAIT_S = 10.0  # how long `prepare` waits for the node's client to map the pool
 CHECK_TIMEOUT_S = 5.0  # the wait for a check (design note 2); ~3 ms for 72 MiB here
 LAND_WITHIN_S = 20.0  # pins are read or copied from only this soon after they were taken (design note 5)
 
@@ -160,6 +162,17 @@ class InPlaceReader:
             self._on_altered(address, altered, keys[altered])
         return altered
 
+    def prepare(self, node) -> None:
+        """Map `node`'s pool into the arena as soon as its client has mapped it, on the attaching
+        thread (design note 3): called at first contact, so no request has to pin to begin it."""
+        self._start_attach(node, wait_for_mapping=True)
+
+    def attached(self, address: str) -> bool:
+        """Whether the pool of the node at `address` is mapped into the arena (for tests and benches)."""
+        with self._lock:
+            window = self._windows.get(address, (None, None))[1]
+        return window is not None and not window.detached
+
     def attach_now(self, node) -> bool:
         """Map `node`'s pool into the arena on this thread (a bench, before its timed runs); whether it is."""
         with self._lock:
@@ -192,19 +205,21 @@ class InPlaceReader:
             return None
         return window
 
-    def _start_attach(self, node) -> None:
+    def _start_attach(self, node, wait_for_mapping: bool = False) -> None:
         with self._lock:
             if node.address in self._attaching or time.monotonic() < self._retry_at.get(node.address, 0.0):
                 return
             self._attaching.add(node.address)
         try:
-            self._attacher.submit(self._attach, node)
+            self._attacher.submit(self._attach, node, wait_for_mapping)
         except RuntimeError:  # closed
             with self._lock:
                 self._attaching.discard(node.address)
 
-    def _attach(self, node) -> None:
+    def _attach(self, node, wait_for_mapping: bool = False) -> None:
         try:
+            if wait_for_mapping and not self._client_mapped(node):
+                return
             with self._lock:
                 current = self._windows.get(node.address, (None, None))[1]
             shared = node.client.shared_pool_file()
@@ -234,6 +249,15 @@ class InPlaceReader:
         finally:
             with self._lock:
                 self._attaching.discard(node.address)
+
+    @staticmethod
+    def _client_mapped(node) -> bool:
+        """Whether `node`'s client maps its pool, waiting for the mapping it began at first contact."""
+        try:
+            return node.client.map_shared_pool(timeout=_MAPPING_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - a node gone meanwhile: the first pin tries again
+            log.info("kvnode %s: its pool is not mapped into the block arena yet (%s)", node.address, exc)
+            return False
 
     def close(self) -> None:
         """Stop attaching; windows stay mapped while pages in them are held (design note 4)."""

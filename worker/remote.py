@@ -127,15 +127,16 @@ class RemoteTier:
         self.num_layers = self.block_shape[0]
         self.stats = TierStats()
         self._stats_lock = threading.Lock()  # counted from the engine thread and the sender thread
-        self.nodes = NodeTable(self.page_bytes, lookup_timeout_s, retry_after_s, max_retry_after_s, max_nodes,
-                               max_probes, on_failure=lambda: self._count("node_failures", 1),
-                               credentials=credentials)
-        self.fetcher = PageFetcher(pool, self.wire_dtype, fetch_batch_bytes, min_batch_bytes, self._count)
-        self.fetch_batch_pages, self.min_batch_pages = self.fetcher.fetch_batch_pages, self.fetcher.min_batch_pages
         # Design note 8: needs a pool that opens a block arena, and pages that are blocks as they lie.
         arena = arena_of(pool)
         in_place = read_in_place and not layerwise_fill and arena is not None and pool.dtype == self.wire_dtype
         self.in_place = InPlaceReader(arena, self._altered_in_place) if in_place else None
+        self.nodes = NodeTable(self.page_bytes, lookup_timeout_s, retry_after_s, max_retry_after_s, max_nodes,
+                               max_probes, on_failure=lambda: self._count("node_failures", 1),
+                               credentials=credentials,
+                               on_answered=self.in_place.prepare if self.in_place is not None else lambda node: None)
+        self.fetcher = PageFetcher(pool, self.wire_dtype, fetch_batch_bytes, min_batch_bytes, self._count)
+        self.fetch_batch_pages, self.min_batch_pages = self.fetcher.fetch_batch_pages, self.fetcher.min_batch_pages
         # Copies of blocks (a float32 one cast when sent): bounded in bytes (1,024 gpt2-small pages would be 1.2 GB).
         # Its thread also sweeps the windows onto gone nodes' pools (remote_writeback.py note 3).
         self.writeback = WriteBack(self.nodes, self.wire_dtype, self.page_bytes,

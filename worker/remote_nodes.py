@@ -61,6 +61,7 @@ class NodeTable:
         max_probes: int,
         on_failure: Callable[[], None] = lambda: None,
         credentials=None,
+        on_answered: Callable[[Node], None] = lambda node: None,
     ):
         if max_nodes < 1 or max_probes < 1:
             raise ValueError(f"max_nodes and max_probes must be positive, got {max_nodes} and {max_probes}")
@@ -71,6 +72,7 @@ class NodeTable:
         self.max_nodes = max_nodes
         self.max_probes = max_probes
         self.on_failure = on_failure
+        self.on_answered = on_answered  # after a node's first answer, on the probe thread
         self.credentials = credentials  # protos.security.Credentials: mutual TLS to kvnodes
         self._nodes: OrderedDict[str, Node] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
@@ -220,3 +222,4 @@ class NodeTable:
             log.info("kvnode %s: could not begin mapping its shared pool now (%s); the first fetch will", node.address,
                      exc)
         node.answered = True
+        self.on_answered(node)
