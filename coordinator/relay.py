@@ -119,7 +119,8 @@ class Relay:
         failure = "no live worker"
         while failures < MAX_FAILURES and len(skipped) < MAX_WORKERS_TRIED:
             timeout, client_bound = self._timeout(call, len(sent))
-            worker = self.router.choose(key, [m.address for m in self.membership.live(WORKER)], exclude=skipped)
+            worker = self.router.choose(key, [m.address for m in self.membership.live(WORKER)], exclude=skipped,
+                                        cached=not request.no_cache)
             if worker is None:
                 break
             attempt = _copy(forward)

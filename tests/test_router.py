@@ -1,4 +1,5 @@
-"""Routing: least outstanding first, sticky to the warm worker while loads are close."""
+"""Routing: least outstanding first, sticky to the warm worker while loads are close; a request that
+bypasses the cache neither follows nor sets that preference."""
 
 from coordinator.router import Router
 
@@ -28,3 +29,28 @@ def test_excluded_and_missing_workers_are_skipped():
     assert router.choose("k", ["w1"], exclude=["w1"]) is None
     warm = router.choose("k2", ["w1", "w2"])
     assert router.choose("k2", [w for w in ["w1", "w2"] if w != warm]) != warm
+
+
+def test_a_request_that_bypasses_the_cache_leaves_no_preference_behind():
+    """An uncached request warms no worker: the next cached request of its key goes to the least
+    loaded worker, not to where the uncached one ran (which piled a family's first cached requests
+    onto one worker after a burst of uncached ones)."""
+    router = Router(close_load=2)
+    uncached = router.choose("system-prompt", WORKERS, cached=False)
+    assert uncached == "w1"  # the least loaded (ties: the first)
+    router.choose("other", WORKERS)  # w2
+    router.done("w1")
+    router.done("w2")
+    assert router.choose("busy", ["w1"]) == "w1"  # w1 now carries one
+    assert router.choose("system-prompt", WORKERS) == "w2", "followed the uncached request's worker"
+
+
+def test_an_uncached_request_ignores_the_warm_worker_and_counts_where_it_went():
+    router = Router(close_load=2)
+    warm = router.choose("system-prompt", WORKERS)
+    router.done(warm)
+    router.choose("filler", [warm])  # the warm worker carries one now, the others none
+    uncached = router.choose("system-prompt", WORKERS, cached=False)
+    assert uncached != warm
+    assert router.outstanding(uncached) == 1
+    assert router.choose("system-prompt", WORKERS) == warm, "the cached preference was changed by an uncached request"
