@@ -187,6 +187,9 @@ def test_a_late_layer_sends_the_request_back_to_wait_for_its_load(models, node):
     assert reader.scheduler.num_layerwise_discarded == 0
 
 
+OTHER_TOKENS = 40
+
+
 def test_a_request_decoding_meanwhile_gets_its_own_tokens(models, node):
     model = models["tiny"]
     other = "A request of its own, decoding while the other one's pages land."
@@ -194,7 +197,7 @@ def test_a_request_decoding_meanwhile_gets_its_own_tokens(models, node):
     placement = Placement([written(model, "float32", node).address])
     reader, tier = warm_engine(model, "float32")
     try:
-        decoding = reader.add_request(other, max_new_tokens=40, ignore_eos=True, tier_context=Placement([]))
+        decoding = reader.add_request(other, max_new_tokens=OTHER_TOKENS, ignore_eos=True, tier_context=Placement([]))
         for _ in range(4):  # its prompt, then a few tokens
             reader.step()
         assert len(reader.scheduler.running) == 1 and decoding.completion is None
@@ -202,7 +205,8 @@ def test_a_request_decoding_meanwhile_gets_its_own_tokens(models, node):
         decoded = []  # the other's tokens so far, at each step until the warm request ends
         while warm.completion is None:
             reader.step()
-            decoded.append(len(reader._live[decoding.request_id].request.output_token_ids))
+            live = reader._live.get(decoding.request_id)  # gone once it has all its tokens (a slow load)
+            decoded.append(len(live.request.output_token_ids) if live is not None else OTHER_TOKENS)
         while decoding.completion is None:
             reader.step()
     finally:
