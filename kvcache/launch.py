@@ -30,8 +30,9 @@ class Daemon:
     Its stdout and stderr go to `log_path` (a temporary file when not given), never to a
     pipe, so the child keeps running safely after this process is gone (cluster --detach).
     A temporary log is removed once the daemon was stopped and exited cleanly, and kept (its
-    path in the error) when the daemon failed to start or exited with an error: a bench that
-    starts a node per run leaves nothing behind unless there is something to read.
+    path in the error) when the daemon failed to start, exited with an error, or the `with`
+    block around it raised: a bench that starts a node per run leaves nothing behind unless
+    there is something to read.
     """
 
     def __init__(self, role: str, args: Sequence[str], log_path: Path | None = None, timeout_s: float = 60.0, env=None,
@@ -118,5 +119,9 @@ class Daemon:
     def __enter__(self) -> "Daemon":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc is not None and self._temporary_log:  # whatever failed, its log may say why: kept, and named
+            self._temporary_log = False
+            if hasattr(exc, "add_note"):  # Python 3.11
+                exc.add_note(f"kvcache {self.role}'s log: {self.log_path}")
         self.stop()

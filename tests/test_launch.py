@@ -35,6 +35,19 @@ def test_a_temporary_log_is_kept_and_named_when_the_daemon_cannot_start():
         log.unlink(missing_ok=True)
 
 
+def test_a_temporary_log_is_kept_when_the_work_around_the_daemon_failed():
+    with pytest.raises(RuntimeError) as failed:
+        with Daemon("node", ["--host", "127.0.0.1", "--port", "0", "--page-bytes", "1024",
+                             "--capacity", "64KiB"]) as daemon:
+            raise RuntimeError("the bench failed")
+    try:
+        assert daemon.log_path.exists() and "listening on" in daemon.log_path.read_text()
+        if hasattr(failed.value, "__notes__"):
+            assert str(daemon.log_path) in " ".join(failed.value.__notes__)
+    finally:
+        daemon.log_path.unlink(missing_ok=True)
+
+
 def test_a_log_the_caller_named_is_left_to_the_caller(tmp_path):
     log = tmp_path / "node.log"
     with Daemon("node", ["--host", "127.0.0.1", "--port", "0", "--page-bytes", "1024", "--capacity", "64KiB"],
