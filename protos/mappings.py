@@ -7,16 +7,24 @@ Python's mmap holds the GIL through the call, and the kernel holds the process's
 for the whole range, so every thread that allocates a large array or starts a thread waits as
 long (a worker's engine step stalled ~260 ms when it met a node with a 1 GiB pool).
 madvise(MADV_POPULATE_READ) through ctypes runs without the GIL, and in 32 MiB steps the lock is
-let go between them: other threads wait ~3 ms at most.
+let go between them: other threads wait ~3 ms at most. A kernel without that advice (before
+5.14) has the pages read once instead, a byte a page, by NumPy (which lets the GIL go too).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import mmap
+import os
 import sys
+
+import numpy as np
 
 POPULATE_STEP_BYTES = 32 << 20
 _MADV_POPULATE_READ = 22  # Linux 5.14
+
+log = logging.getLogger("kvcache.mappings")
 
 
 def _libc():
@@ -32,15 +40,25 @@ def _libc():
 
 
 _LIBC = _libc()
+_advice_works = _LIBC is not None  # until the kernel says otherwise
 
 
-def populate(address: int, length: int) -> bool:
-    """Fill the page tables of the mapped range [address, address + length) for reading, in
-    steps (module docstring); whether the kernel did (False: a kernel before 5.14, or not Linux,
-    and each page then faults in at its first read)."""
-    if _LIBC is None:
-        return False
+def populate(address: int, length: int) -> None:
+    """Fill the page tables of the readable mapped range [address, address + length) (page
+    aligned), in steps (module docstring)."""
+    global _advice_works
     for offset in range(0, length, POPULATE_STEP_BYTES):
-        if _LIBC.madvise(address + offset, min(POPULATE_STEP_BYTES, length - offset), _MADV_POPULATE_READ) != 0:
-            return False
-    return True
+        step = min(POPULATE_STEP_BYTES, length - offset)
+        if _advice_works and _LIBC.madvise(address + offset, step, _MADV_POPULATE_READ) == 0:
+            continue
+        if _advice_works:
+            _advice_works = False
+            errno = ctypes.get_errno()
+            log.info("madvise(MADV_POPULATE_READ) refused (%s): mappings are populated by reading them",
+                     os.strerror(errno))
+        _read_a_byte_a_page(address + offset, step)
+
+
+def _read_a_byte_a_page(address: int, length: int) -> None:
+    pages = np.frombuffer((ctypes.c_uint8 * length).from_address(address), dtype=np.uint8)
+    pages[:: mmap.PAGESIZE].max()
