@@ -8,6 +8,7 @@ runs the whole path against a real kvnode."""
 
 import mmap
 import os
+import time
 from concurrent.futures import Future
 
 import dataclasses
@@ -278,6 +279,49 @@ def test_the_window_of_a_node_whose_client_let_its_pool_go_is_unmapped():
         client.generation = None  # the client let the pool go
         reader.sweep()
         assert window.detached and reader._windows == {}
+        reader.close()
+    finally:
+        os.close(fd)
+
+
+def test_a_node_met_while_a_pins_attach_runs_is_still_mapped_once_its_client_maps_the_pool():
+    """First contact asks for the node's pool in the arena (prepare) while an attach that a pin
+    began is still running, and that one finds the pool not mapped yet: the prepare is not lost,
+    it runs once that attach ends and maps the pool when the client has (pages_in_place note 3)."""
+    import threading
+    from types import SimpleNamespace
+
+    from kvnode.client import SharedPoolFile
+    from worker.pages_in_place import InPlaceReader
+
+    shape = (2, 2, 1, 16, 8)
+    arena = BlockArena(3, shape, np.float32)
+    fd = os.memfd_create("test-pool")
+    asked, go_on = threading.Event(), threading.Event()
+    try:
+        os.ftruncate(fd, 4 * arena.block_bytes)
+        client = SimpleNamespace(mapped=False)
+
+        def shared_pool_file():
+            asked.set()
+            go_on.wait(10)
+            return SharedPoolFile(os.dup(fd), 4, arena.block_bytes, 7) if client.mapped else None
+
+        def map_shared_pool(timeout):
+            client.mapped = True  # the client's own mapping, done
+            return True
+
+        client.shared_pool_file, client.map_shared_pool = shared_pool_file, map_shared_pool
+        node = SimpleNamespace(address="127.0.0.1:1", client=client)
+        reader = InPlaceReader(arena)
+        assert reader._window(node) is None  # a pin finds no window: an attach begins
+        assert asked.wait(10)
+        reader.prepare(node)  # first contact, while that attach runs
+        go_on.set()  # it finds the pool unmapped and ends; the prepare then runs
+        deadline = time.monotonic() + 10
+        while not reader.attached(node.address) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reader.attached(node.address), "the prepare asked for during another attach was lost"
         reader.close()
     finally:
         os.close(fd)

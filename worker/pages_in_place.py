@@ -46,6 +46,7 @@ log = logging.getLogger("worker.remote")
 
 _ATTACH_RETRY_S = 30.0  # after a window could not be made (no room, a failed mapping)
 _MAPPING_WAIT_S = 10.0  # how long `prepare` waits for the node's client to map the pool
+_MAPPING_SLICE_S = 0.1  # ... in waits this long, so that close() is not held up
 CHECK_TIMEOUT_S = 5.0  # the wait for a check (design note 2); ~3 ms for 72 MiB here
 LAND_WITHIN_S = 20.0  # pins are read or copied from only this soon after they were taken (design note 5)
 
@@ -125,6 +126,8 @@ class InPlaceReader:
         self._windows: dict[str, tuple] = {}  # node address -> (node, the window of its client's mapping)
         self._attaching: set[str] = set()
         self._retry_at: dict[str, float] = {}
+        self._prepare_again: set[str] = set()  # prepared while another attach ran: once it ends
+        self._closing = threading.Event()
         self._lock = threading.Lock()
         self._attacher = ThreadPoolExecutor(1, thread_name_prefix="kv-window")
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="kv-check")  # design note 2
@@ -174,13 +177,13 @@ class InPlaceReader:
         return window is not None and not window.detached
 
     def attach_now(self, node) -> bool:
-        """Map `node`'s pool into the arena on this thread (a bench, before its timed runs); whether it is."""
-        with self._lock:
-            self._attaching.add(node.address)
-        self._attach(node)
-        with self._lock:
-            window = self._windows.get(node.address, (None, None))[1]
-        return window is not None and not window.detached
+        """Map `node`'s pool into the arena now (a bench, before its timed runs), on the attaching
+        thread after any attach already asked for; whether it is."""
+        try:
+            self._attacher.submit(self._attach, node).result()
+        except RuntimeError:  # closed
+            return False
+        return self.attached(node.address)
 
     def sweep(self) -> None:
         """Unmap the windows of nodes whose client no longer maps that pool (the node stopped, or
@@ -207,7 +210,11 @@ class InPlaceReader:
 
     def _start_attach(self, node, wait_for_mapping: bool = False) -> None:
         with self._lock:
-            if node.address in self._attaching or time.monotonic() < self._retry_at.get(node.address, 0.0):
+            if time.monotonic() < self._retry_at.get(node.address, 0.0):
+                return
+            if node.address in self._attaching:  # a pin's attach may end before the client's mapping: prepare after it
+                if wait_for_mapping:
+                    self._prepare_again.add(node.address)
                 return
             self._attaching.add(node.address)
         try:
@@ -249,18 +256,30 @@ class InPlaceReader:
         finally:
             with self._lock:
                 self._attaching.discard(node.address)
+                again = node.address in self._prepare_again
+                self._prepare_again.discard(node.address)
+            if again:
+                self._start_attach(node, wait_for_mapping=True)
 
-    @staticmethod
-    def _client_mapped(node) -> bool:
-        """Whether `node`'s client maps its pool, waiting for the mapping it began at first contact."""
-        try:
-            return node.client.map_shared_pool(timeout=_MAPPING_WAIT_S)
-        except Exception as exc:  # noqa: BLE001 - a node gone meanwhile: the first pin tries again
-            log.info("kvnode %s: its pool is not mapped into the block arena yet (%s)", node.address, exc)
-            return False
+    def _client_mapped(self, node) -> bool:
+        """Whether `node`'s client maps its pool, waiting for the mapping it began at first contact
+        (at most _MAPPING_WAIT_S, and not past close())."""
+        deadline = time.monotonic() + _MAPPING_WAIT_S
+        while True:
+            asked = time.monotonic()
+            try:
+                if node.client.map_shared_pool(timeout=_MAPPING_SLICE_S):
+                    return True
+            except Exception as exc:  # noqa: BLE001 - a node gone meanwhile: the first pin tries again
+                log.info("kvnode %s: its pool is not mapped into the block arena yet (%s)", node.address, exc)
+                return False
+            now = time.monotonic()
+            if self._closing.is_set() or now >= deadline or now - asked < _MAPPING_SLICE_S / 2:
+                return False  # closing, waited enough, or nothing being mapped (refused, or asked again later)
 
     def close(self) -> None:
         """Stop attaching; windows stay mapped while pages in them are held (design note 4)."""
+        self._closing.set()
         self._attacher.shutdown(wait=True, cancel_futures=True)
         self._checker.shutdown(wait=True)
         with self._lock:
