@@ -28,10 +28,17 @@ log = logging.getLogger("kvcache.mappings")
 
 
 def _libc():
+    """libc's mmap, munmap and madvise through ctypes (Python's mmap cannot map at an address or
+    populate without the GIL), or None where there is no such libc (not Linux)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)  # a CDLL call releases the GIL for its duration
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.munmap.restype = ctypes.c_int
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.madvise.restype = ctypes.c_int
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         return libc
@@ -39,8 +46,8 @@ def _libc():
         return None
 
 
-_LIBC = _libc()
-_advice_works = _LIBC is not None  # until the kernel says otherwise
+LIBC = _libc()
+_advice_works = LIBC is not None  # until the kernel says otherwise
 
 
 def populate(address: int, length: int) -> None:
@@ -49,7 +56,7 @@ def populate(address: int, length: int) -> None:
     global _advice_works
     for offset in range(0, length, POPULATE_STEP_BYTES):
         step = min(POPULATE_STEP_BYTES, length - offset)
-        if _advice_works and _LIBC.madvise(address + offset, step, _MADV_POPULATE_READ) == 0:
+        if _advice_works and LIBC.madvise(address + offset, step, _MADV_POPULATE_READ) == 0:
             continue
         if _advice_works:
             _advice_works = False

@@ -28,7 +28,6 @@ import logging
 import math
 import mmap
 import os
-import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -47,26 +46,7 @@ _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 _POPULATE_MAX_BYTES = 8 << 30
 _MADV_HUGEPAGE = 14
 _FAILED = ctypes.c_void_p(-1).value
-
-
-def _libc():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
-        libc.munmap.restype = ctypes.c_int
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.madvise.restype = ctypes.c_int
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = _libc()
+_LIBC = mappings.LIBC  # None where there is no arena (design note 4)
 
 
 def _mmap(address: int | None, length: int, prot: int, flags: int, fd: int = -1) -> int:
