@@ -1,8 +1,9 @@
 """NodeClient: the one way other parts talk to a kvnode.
 
 Every call has a deadline; failures raise NodeError, which keeps the gRPC status code.
-get_pages and put_pages go over the node's data plane (kvnode/data_plane.py) when its
-Info advertises one, else over gRPC; a data plane that cannot be reached at all (a
+get_pages, put_pages and lookup go over the node's data plane (kvnode/data_plane.py) when its
+Info advertises one, else over gRPC (lookup also from a node whose data plane predates its op,
+kvnode/data_wire.py note 8); a data plane that cannot be reached at all (a
 firewall, say) makes this client use gRPC from then on, with one log line. When the node's
 same-host Unix socket name has nobody listening (kvnode/data_client.py note 7), the next call
 reads Info again first: a node restarted since gives its new name.
@@ -26,6 +27,7 @@ from typing import Callable, Sequence
 import grpc
 import numpy as np
 
+from kvnode import data_wire as dw
 from kvnode import shared_pool_pins, stepwise_gets
 from kvnode import wire
 from kvnode.checksum import CHECKSUM_BYTES, page_checksum
@@ -91,6 +93,7 @@ class NodeClient:
         self._data: DataPlaneClient | None = None
         self._told_busy = False
         self._bands_refused = threading.Event()  # the node's data plane predates GET_BANDS: plain GETs instead
+        self._lookups_refused = False  # the node's data plane predates LOOKUP: lookups over gRPC instead
         self._data_lock = threading.Lock()
         self._channel = traced_channel(security.channel(
             address, credentials,
@@ -136,7 +139,27 @@ class NodeClient:
         return self._node_info
 
     def lookup(self, keys: Sequence[bytes], lease_ms: int = 0, timeout: float | None = None) -> int:
-        """How many of `keys`, from the first, are cached; leases them for lease_ms when > 0."""
+        """How many of `keys`, from the first, are cached; leases them for lease_ms when > 0. Over the
+        data plane when the client uses one (kvnode/data_wire.py note 8), else over gRPC."""
+        deadline = time.monotonic() + (timeout or self.timeout)
+        plane = None
+        if keys and not self._lookups_refused and isinstance(lease_ms, int) and 0 <= lease_ms < 2**32:
+            if self.use_data_plane and self._node_info is None:
+                self.info(timeout or self.timeout)  # asked within the lookup's own timeout
+            plane = self._data_plane()
+        if plane is not None:  # no keys, or a lease_ms gRPC's uint32 refuses: over gRPC, as ever
+            check_keys(self.address, keys)
+            try:
+                return plane.lookup(keys, lease_ms, time_left(self.address, deadline))
+            except DataPlaneError as exc:
+                if dw.is_unknown_op(exc.code, exc.details):
+                    log.info("kvnode %s: its data plane predates LOOKUP; lookups go over gRPC", self.address)
+                    self._lookups_refused = True
+                elif dw.is_lease_refusal(exc.code, exc.details):
+                    raise NodeError(self.address, exc.code, exc.details) from None  # as gRPC would refuse it
+                else:
+                    self._data_plane_failed(plane, exc)  # returns only to fall back to gRPC
+            timeout = time_left(self.address, deadline)
         return self._call(self._lookup, pb.LookupRequest(keys=keys, lease_ms=lease_ms), timeout).hits
 
     def get_pages(self, keys: Sequence[bytes], out: np.ndarray | None = None, timeout: float | None = None) -> np.ndarray:

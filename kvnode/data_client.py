@@ -1,5 +1,5 @@
 """The client side of a kvnode's data plane (framing in kvnode/data_wire.py): GET into the
-caller's buffer with recv_into, PUT straight from the caller's pages. NodeClient uses it;
+caller's buffer with recv_into, PUT straight from the caller's pages, LOOKUP (data_wire note 8). NodeClient uses it;
 nothing else should. One request's socket I/O: kvnode/data_client_io.py; pages copied out of the
 node's shared pool: kvnode/shared_pool_reader.py.
 
@@ -11,7 +11,7 @@ Design notes
    (no poll before each recv); the deadline is also checked after every recv.
 3. A pooled connection may have been closed by the node while idle: a call that fails on
    a reused connection before any byte of its reply arrived is sent once more on a new
-   connection (GET and PUT are both idempotent), and the other idle connections, closed by
+   connection (GET, PUT and LOOKUP are all idempotent), and the other idle connections, closed by
    the node alike, are dropped.
 4. Several GETs can share one connection's round trip (`get_batches`): every request is sent
    before the first reply is read, and the node, which reads a connection's requests one at a
@@ -184,6 +184,27 @@ class DataPlaneClient:
             outcomes = memoryview(bytearray(count))
             receive(sock, outcomes, deadline)
             return list(outcomes)
+
+        return self._call(exchange, timeout_s)
+
+    def lookup(self, keys: Sequence[bytes], lease_ms: int, timeout_s: float) -> int:
+        """How many of `keys`, from the first, the node holds, leased for lease_ms when > 0 (data_wire
+        design note 8). A node that predates the op raises DataPlaneError(INVALID_ARGUMENT) that
+        data_wire.is_unknown_op tells."""
+        request = dw.lookup_request(keys, lease_ms)
+
+        def exchange(sock: socket.socket, deadline: float, reused: bool) -> int:
+            send_request(sock, [request], deadline, reused, self.address)
+            payload = reply_header(sock, deadline, reused, self.address)
+            if payload != dw.HITS.size:
+                raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers a LOOKUP with {payload} bytes, "
+                                     f"expected {dw.HITS.size}")
+            reply = memoryview(bytearray(dw.HITS.size))
+            receive(sock, reply, deadline)
+            (hits,) = dw.HITS.unpack(reply)
+            if hits > len(keys):
+                raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers {hits} hits to {len(keys)} keys")
+            return hits
 
         return self._call(exchange, timeout_s)
 

@@ -1,5 +1,5 @@
-"""The kvnode's data plane: GET and PUT of whole pages over plain TCP, beside the gRPC
-service and on the same PageStore. Framing in kvnode/data_wire.py; Info advertises the port.
+"""The kvnode's data plane: GET and PUT of whole pages, and LOOKUP (note 8), over plain TCP,
+beside the gRPC service and on the same PageStore. Framing in kvnode/data_wire.py; Info advertises the port.
 One connection's I/O, and the answer to a refused request: kvnode/data_plane_connection.py; PUT,
 and the bound on the bytes of puts in flight: kvnode/data_plane_puts.py; the shared pool's
 requests (MAP_POOL, GET_SLOTS): kvnode/shared_pool_serving.py.
@@ -43,6 +43,9 @@ Design notes
    (firewall rules on the TCP port do not apply to it; `--no-data-unix` turns it off);
    and its connections are served exactly as TCP ones: the same connection bound (shared),
    kernel timeouts, deadlines and, with `credentials`, the same mutual TLS.
+8. LOOKUP (data_wire design note 8) is the gRPC Lookup's store call (lookup_and_lease) and its
+   refusals, answered with the hits; a lookup the leased-pages bound cut short is logged as the
+   gRPC path logs it.
    The name is random, not derived from the port or node id: a predictable name could be bound
    by another local process before the node starts. A node restarted gets a new one, and its
    clients learn it from Info once the old name has nobody listening (data_client.py note 7).
@@ -70,7 +73,7 @@ from kvnode.data_plane_connection import Connection, Dropped, Idle, refuse, shut
 from kvnode.data_plane_puts import DEFAULT_MAX_PUT_BYTES_IN_FLIGHT, PutReceiver
 from kvnode.recv_buffers import DEFAULT_KEEP_PER_CONNECTION, DEFAULT_KEEP_TOTAL, BufferBudget, ReceiveBuffer
 from kvnode.shared_pool_serving import send_pool, send_slots
-from kvnode.store import KEY_BYTES, PageNotFound, PageStore
+from kvnode.store import KEY_BYTES, InvalidRequest, LeaseRefused, PageNotFound, PageStore
 
 log = logging.getLogger("kvnode")
 
@@ -79,7 +82,7 @@ DEFAULT_TIMEOUT_S = 60.0
 
 
 class DataPlaneServer:
-    """Serves GET and PUT on `host:port` (0 picks a free port) until stop()."""
+    """Serves GET, PUT and LOOKUP on `host:port` (0 picks a free port) until stop()."""
 
     def __init__(self, store: PageStore, host: str = "127.0.0.1", port: int = 0, max_keys: int = 256,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -298,6 +301,8 @@ class DataPlaneServer:
             self._get(connection, header)
         elif header.op == dw.OP_GET_SLOTS:
             self._get_slots(connection, header)
+        elif header.op == dw.OP_LOOKUP:
+            self._lookup(connection, header)
         else:
             self.puts.serve(connection, header, self.metrics)
         connection.pending = 0
@@ -307,6 +312,8 @@ class DataPlaneServer:
         """What the peer will still send after this header (for draining after a refusal)."""
         if header.op in (dw.OP_GET, dw.OP_GET_BANDS, dw.OP_GET_SLOTS):
             return header.count * header.key_bytes
+        if header.op == dw.OP_LOOKUP:
+            return header.count * header.key_bytes + dw.LEASE.size
         return header.count * (dw.put_entry_bytes(header.key_bytes, header.checksums) + header.page_bytes)
 
     @staticmethod
@@ -356,3 +363,25 @@ class DataPlaneServer:
             self.pages_by_slot += by_slot
         if self.metrics is not None:
             self.metrics.data_get(header.count * self.store.page_bytes, time.perf_counter() - started)
+
+    def _lookup(self, connection: Connection, header: dw.RequestHeader) -> None:
+        """LOOKUP (design note 8): the hits among the keys, leased for lease_ms when > 0."""
+        started = time.perf_counter()
+        keys_bytes = header.count * KEY_BYTES
+        raw = connection.receive(keys_bytes + dw.LEASE.size)
+        connection.pending = 0
+        keys = [bytes(raw[i * KEY_BYTES : (i + 1) * KEY_BYTES]) for i in range(header.count)]
+        (lease_ms,) = dw.LEASE.unpack_from(raw, keys_bytes)
+        try:
+            hits, cut = self.store.lookup_and_lease(keys, lease_ms)
+        except InvalidRequest as exc:
+            raise dw.FrameError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except LeaseRefused as exc:
+            raise dw.FrameError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+        if cut:
+            log.info("lookup cut short: %d hits: this node leases at most %d pages at once and that many are "
+                     "leased; later pages were neither leased nor counted", hits, self.store.max_leased_pages)
+        connection.send_parts([dw.ok_reply(dw.HITS.size) + dw.HITS.pack(hits)],
+                              deadline=time.monotonic() + self.timeout_s)
+        if self.metrics is not None:
+            self.metrics.data_lookup(time.perf_counter() - started)

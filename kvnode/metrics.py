@@ -30,14 +30,15 @@ class NodeMetrics:
         self.received = Counter("kvcache_node_received_bytes", "Page bytes received in puts, by wire", ["wire"],
                                 registry=self.registry)
         self.durations = Histogram("kvcache_node_request_duration_seconds",
-                                   "Seconds a request took, by method (gRPC methods; DataGet and DataPut on the "
-                                   "data plane)", ["method"], registry=self.registry, buckets=DURATION_BUCKETS)
+                                   "Seconds a request took, by method (gRPC methods; DataGet, DataPut and "
+                                   "DataLookup on the data plane)", ["method"], registry=self.registry, buckets=DURATION_BUCKETS)
         for outcome in OUTCOMES.values():
             self.puts.labels(outcome)
         for wire in (GRPC, DATA_PLANE):  # every series present from the first scrape
             self.sent.labels(wire), self.received.labels(wire)
         self._data_get = self.durations.labels("DataGet")
         self._data_put = self.durations.labels("DataPut")
+        self._data_lookup = self.durations.labels("DataLookup")
 
     def pages_sent(self, wire: str, nbytes: int) -> None:
         self.sent.labels(wire).inc(nbytes)
@@ -57,6 +58,9 @@ class NodeMetrics:
     def data_put(self, nbytes: int, outcomes: Iterable[PutOutcome], seconds: float) -> None:
         self.pages_put(DATA_PLANE, nbytes, outcomes)
         self._data_put.observe(seconds)
+
+    def data_lookup(self, seconds: float) -> None:
+        self._data_lookup.observe(seconds)
 
 
 class _StoreCollector(Collector):

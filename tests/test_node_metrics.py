@@ -37,6 +37,7 @@ def test_node_counters_move_by_exactly_what_the_client_did(tmp_path):
             assert (result.stored, result.already_present) == (1, 3)
             assert slow.put_pages([key(99)], [key(98)], pages(1)).refused == 1  # its parent is not cached
             assert fast.lookup(chain + [key(5), key(6)], lease_ms=1000) == 4  # 4 hits, 2 misses, 4 leased
+            assert slow.lookup([key(5)]) == 0  # 1 miss, over gRPC
             fast.get_pages(chain[:2])
             slow.get_pages(chain[:3])
             after = scrape(url)
@@ -50,7 +51,7 @@ def test_node_counters_move_by_exactly_what_the_client_did(tmp_path):
         assert delta(after, before, "kvcache_node_sent_bytes_total", wire="data_plane") == 2 * page
         assert delta(after, before, "kvcache_node_sent_bytes_total", wire="grpc") == 3 * page
         assert delta(after, before, "kvcache_node_lookup_pages_total", result="hit") == 4
-        assert delta(after, before, "kvcache_node_lookup_pages_total", result="miss") == 2
+        assert delta(after, before, "kvcache_node_lookup_pages_total", result="miss") == 3
         assert after.value("kvcache_node_pages_used") == 4
         assert after.value("kvcache_node_pages_leased") == 4
         assert delta(after, before, "kvcache_node_evicted_pages_total") == 0
@@ -61,6 +62,7 @@ def test_node_counters_move_by_exactly_what_the_client_did(tmp_path):
         assert delta(after, before, count, method="DataGet") == 1
         assert delta(after, before, count, method="GetPages") == 1
         assert delta(after, before, count, method="Lookup") == 1
+        assert delta(after, before, count, method="DataLookup") == 1
         assert after.value("kvcache_node_request_duration_seconds_bucket", method="Lookup", le="60.0") >= 1
     log = read_log(tmp_path)
     assert log.count(f"metrics on {url}") == 1
