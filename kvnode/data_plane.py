@@ -43,9 +43,6 @@ Design notes
    (firewall rules on the TCP port do not apply to it; `--no-data-unix` turns it off);
    and its connections are served exactly as TCP ones: the same connection bound (shared),
    kernel timeouts, deadlines and, with `credentials`, the same mutual TLS.
-8. LOOKUP (data_wire design note 8) is the gRPC Lookup's store call (lookup_and_lease) and its
-   refusals, answered with the hits; a lookup the leased-pages bound cut short is logged as the
-   gRPC path logs it.
    The name is random, not derived from the port or node id: a predictable name could be bound
    by another local process before the node starts. A node restarted gets a new one, and its
    clients learn it from Info once the old name has nobody listening (data_client.py note 7).
@@ -54,6 +51,9 @@ Design notes
    binds it gets the connections of clients still holding the old Info, as one that binds a
    freed TCP port would: without TLS any process here could reach the node's data plane anyway;
    with `credentials` it cannot complete the handshake (the client checks the node's certificate).
+8. LOOKUP (data_wire design note 8) is the gRPC Lookup's store call (lookup_and_lease) and its
+   refusals, answered with the hits; a lookup the leased-pages bound cut short is logged as the
+   gRPC path logs it.
 """
 
 from __future__ import annotations
