@@ -28,8 +28,7 @@ import grpc
 import numpy as np
 
 from kvnode import data_wire as dw
-from kvnode import shared_pool_pins, stepwise_gets
-from kvnode import wire
+from kvnode import grpc_pages, shared_pool_pins, stepwise_gets
 from kvnode.checksum import CHECKSUM_BYTES, page_checksum
 from kvnode.client_types import (NodeError, NodeInfo, PageRejected, PutResult, check_keys, checked_array, time_left,
                                  verified)
@@ -228,36 +227,11 @@ class NodeClient:
 
     def _grpc_get_pages(self, keys: Sequence[bytes], out: np.ndarray, checksums: bytearray,
                         timeout: float | None) -> None:
-        page_bytes = out.shape[1]
-        received = 0
-        summed = [False] * len(keys)
         try:
             stream = self._get_pages(pb.GetPagesRequest(keys=keys), timeout=timeout or self.timeout)
-            flat = out.reshape(-1)
-            for message in stream:
-                index, offset, data, sums = wire.parse_page_chunk(message)
-                start = index * page_bytes + offset
-                if index >= len(keys) or start + data.nbytes > flat.size:
-                    raise NodeError(self.address, grpc.StatusCode.DATA_LOSS, f"chunk out of range: page {index}")
-                flat[start : start + data.nbytes] = np.frombuffer(data, dtype=np.uint8)
-                received += data.nbytes
-                starting = -(-data.nbytes // page_bytes) if offset == 0 else 0  # pages that begin in this chunk
-                if sums.nbytes == starting * CHECKSUM_BYTES:
-                    checksums[index * CHECKSUM_BYTES : (index + starting) * CHECKSUM_BYTES] = sums
-                    summed[index : index + starting] = [True] * starting
+            grpc_pages.receive_pages(stream, keys, out, checksums, self.address)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
-        except wire.MalformedMessage as exc:
-            raise NodeError(self.address, grpc.StatusCode.DATA_LOSS, f"PageChunk does not parse: {exc}") from None
-        if received != out.nbytes:
-            raise NodeError(
-                self.address, grpc.StatusCode.DATA_LOSS, f"received {received} of {out.nbytes} bytes of pages"
-            )
-        if not all(summed):
-            key = bytes(keys[summed.index(False)])
-            raise NodeError(self.address, grpc.StatusCode.DATA_LOSS,
-                            f"the node sent page {key.hex()} without its checksum (a node older than this client?): "
-                            "upgrade the node; its pages cannot be used unchecked")
 
     def put_pages(
         self, keys: Sequence[bytes], parents: Sequence[bytes], pages, timeout: float | None = None,
@@ -292,16 +266,8 @@ class NodeClient:
             except DataPlaneError as exc:
                 self._data_plane_failed(plane, exc)  # returns only to fall back to gRPC
             timeout = time_left(self.address, deadline)
-        chunk = info.max_message_bytes - 64
-
-        def messages():
-            for number, ((key, parent, view), checksum) in enumerate(zip(items, checksums), start=1):
-                for offset in range(0, max(view.nbytes, 1), chunk):
-                    first, last = offset == 0, number == len(keys) and offset + chunk >= view.nbytes
-                    yield wire.put_item(key if first else b"", parent if first else b"", view[offset : offset + chunk],
-                                        last, checksum if first else b"")
-
-        reply = self._call(self._put_pages, messages(), timeout)
+        messages = grpc_pages.put_messages(items, checksums, info.max_message_bytes - 64)
+        reply = self._call(self._put_pages, messages, timeout)
         return PutResult(tuple(_OUTCOME_NAMES.get(o, "unknown") for o in reply.outcomes))
 
     def drop_pages(self, keys: Sequence[bytes], timeout: float | None = None) -> int:
