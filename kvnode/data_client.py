@@ -82,7 +82,7 @@ class DataPlaneClient:
         self._lock = threading.Lock()
         self._closed = False
         # The node's pool, mapped read-only (shared_pool_reader.py note 1).
-        self._shared = SharedPoolReader(self.address, bool(shared_memory and self.unix_name and tls is None))
+        self.shared_pool = SharedPoolReader(self.address, bool(shared_memory and self.unix_name and tls is None))
 
     @property
     def address(self) -> str:
@@ -104,10 +104,10 @@ class DataPlaneClient:
         requests = [dw.get_request(keys) for keys in batches]
 
         def exchange(sock: socket.socket, deadline: float, reused: bool) -> None:
-            pool = self._shared.pool_for(sock)
+            pool = self.shared_pool.pool_for(sock)
             if pool is not None:  # shared_pool_reader.py note 1: one batch at a time, each copied out of the pool
                 for number, keys in enumerate(batches):
-                    self._shared.copy_pages(sock, pool, keys, lambda: page_arrays(out_for(number), len(keys)),
+                    self.shared_pool.copy_pages(sock, pool, keys, lambda: page_arrays(out_for(number), len(keys)),
                                             deadline, reused and number == 0)
                     landed(number)
                 return
@@ -151,9 +151,9 @@ class DataPlaneClient:
         outs = [memoryview(out).cast("B") for out in outs]
 
         def exchange(sock: socket.socket, deadline: float, reused: bool) -> None:
-            pool = self._shared.pool_for(sock)
+            pool = self.shared_pool.pool_for(sock)
             if pool is not None:  # shared_pool_reader.py note 1: whole pages out of the pool, then every band at once
-                self._shared.copy_pages(
+                self.shared_pool.copy_pages(
                     sock, pool, keys, lambda: ([np.frombuffer(out, dtype=np.uint8) for out in outs], checksums),
                     deadline, reused)
                 for band in range(len(bands)):
@@ -209,30 +209,30 @@ class DataPlaneClient:
         return self._call(exchange, timeout_s)
 
     def close(self) -> None:
-        self._shared.close()  # the mapping goes with the last array that uses it
+        self.shared_pool.close()  # the mapping goes with the last array that uses it
         with self._lock:
             self._closed = True
-        self._drop_idle()
+        self.drop_idle()
 
     # ---- the shared pool (kvnode/shared_pool_reader.py) ---------------------------
 
     @property
     def pool_state(self) -> str:
         """The node's pool, mapped read-only: "unasked", "mapping", "mapped" or "refused"."""
-        return self._shared.state
+        return self.shared_pool.state
 
     def map_pool(self, timeout_s: float = MAP_TIMEOUT_S) -> bool:
         """Map the node's pool now, on this thread (or wait for the thread mapping it), unless it
         was refused; whether it is mapped."""
-        return self._shared.map_now(self._connect_unix, self._give_back, timeout_s)
+        return self.shared_pool.map_now(self._connect_unix, self.give_back, timeout_s)
 
     def start_mapping(self) -> None:
         """Map the node's pool on a thread of its own, unless asked already (shared_pool_reader.py note 1)."""
-        self._shared.start_mapping(self._connect_unix, self._give_back)
+        self.shared_pool.start_mapping(self._connect_unix, self.give_back)
 
     def shared_pool_file(self) -> SharedPoolFile | None:
         """The mapped pool as a descriptor of the caller's own (shared_pool_reader.py note 2), or None."""
-        return self._shared.pool_file()
+        return self.shared_pool.pool_file()
 
     # ---- plumbing ----------------------------------------------------------------
 
@@ -241,22 +241,24 @@ class DataPlaneClient:
             self.start_mapping()  # shared_pool_reader.py note 1
         deadline = time.monotonic() + timeout_s
         for attempt in range(2):
-            sock, reused = self._take(deadline, fresh=attempt > 0)
+            sock, reused = self.take_connection(deadline, fresh=attempt > 0)
             try:
                 dw.set_kernel_timeouts(sock, max(0.001, deadline - time.monotonic()))
                 result = exchange(sock, deadline, reused and attempt == 0)
             except StaleConnection:
                 sock.close()
-                self._drop_idle()  # the node closed idle connections: the others are as stale
+                self.drop_idle()  # the node closed idle connections: the others are as stale
                 continue
             except BaseException:
                 sock.close()
                 raise
-            self._give_back(sock)
+            self.give_back(sock)
             return result
         raise AssertionError("a retried data plane call asked for another retry")
 
-    def _take(self, deadline: float, fresh: bool = False) -> tuple[socket.socket, bool]:
+    def take_connection(self, deadline: float, fresh: bool = False) -> tuple[socket.socket, bool]:
+        """(a connection, whether it was idle in the pool): a pooled one unless `fresh`, else a new
+        one (Unix socket first); the caller gives it back or closes it."""
         with self._lock:
             if self._idle and not fresh:
                 return self._idle.pop(), True
@@ -274,7 +276,7 @@ class DataPlaneClient:
     def transport(self) -> str:
         """"shared memory" once the node's pool is mapped (shared_pool_reader.py note 1), "unix" while
         the node's Unix socket is used (design note 7), else "tcp"."""
-        if self.unix_name and self._shared.pool is not None:
+        if self.unix_name and self.shared_pool.pool is not None:
             return "shared memory"
         return "unix" if self.unix_name else "tcp"
 
@@ -299,7 +301,7 @@ class DataPlaneClient:
                          "is gone" if gone else "cannot be used from this process", exc)
                 self.unix_name = ""
                 self.unix_gone = gone
-                self._shared.close()  # a gone node's memory is freed once no reader maps it (shared_pool note 2)
+                self.shared_pool.close()  # a gone node's memory is freed once no reader maps it (shared_pool note 2)
             else:
                 (log.debug if self._told_unix_busy else log.info)(
                     "kvnode data plane %s: its unix socket @%s did not take a connection (%s); that connection "
@@ -332,13 +334,15 @@ class DataPlaneClient:
             raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"TLS handshake with {self.address} failed: {exc}",
                                  connect_failed=not self.connected_once, closed_unanswered=True) from None
 
-    def _drop_idle(self) -> None:
+    def drop_idle(self) -> None:
+        """Close the idle connections (one was found closed by the node: so are the others, note 3)."""
         with self._lock:
             idle, self._idle = self._idle, []
         for sock in idle:
             sock.close()
 
-    def _give_back(self, sock: socket.socket) -> None:
+    def give_back(self, sock: socket.socket) -> None:
+        """Pool a connection that is between requests (or close it when the pool is full or closed)."""
         with self._lock:
             if not self._closed and len(self._idle) < _MAX_IDLE:
                 self._idle.append(sock)

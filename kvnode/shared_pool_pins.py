@@ -157,7 +157,7 @@ def pin_pages(address: str, known_info: Callable[[], NodeInfo], data_plane: Call
 def _take_pins(plane, keys: list[bytes], max_keys: int, deadline: float):
     """(PinnedPages, the mapped pool, the checksums) for `keys`, or None (design note 5) with
     nothing left pinned; DataPlaneError for anything else, with every connection it opened closed."""
-    pool, generation = plane._shared.mapping()
+    pool, generation = plane.shared_pool.mapping()
     batches = [keys[i : i + max_keys] for i in range(0, len(keys), max_keys)]
     if pool is None or len(batches) > MAX_REQUESTS:
         return None
@@ -176,7 +176,7 @@ def _take_pins(plane, keys: list[bytes], max_keys: int, deadline: float):
                 table, payload, batch_slots = _table(plane, held[number], batch, deadline)
             except StaleConnection:  # an idle connection the node had closed (data_client.py note 3)
                 held[number][0].close()
-                plane._drop_idle()
+                plane.drop_idle()
                 held[number] = _send(plane, batch, deadline, fresh=True)
                 if held[number] is None:
                     return _give_up(plane, held, range(number))
@@ -194,16 +194,16 @@ def _take_pins(plane, keys: list[bytes], max_keys: int, deadline: float):
         raise
     if unslotted:
         return _give_up(plane, held, [number for number in range(len(held)) if number not in unslotted])
-    return PinnedPages(slots, generation, pool.shape[1], [sock for sock, _ in held], plane._give_back), pool, checksums
+    return PinnedPages(slots, generation, pool.shape[1], [sock for sock, _ in held], plane.give_back), pool, checksums
 
 
 def _send(plane, batch: list[bytes], deadline: float, fresh: bool) -> list | None:
     """[connection, reused] with a GET_SLOTS of `batch` sent on it; None (the connection given back)
     when it is not one that reads the shared pool (a Unix one). A stale pooled one is retried once."""
     for attempt in range(2):
-        sock, reused = plane._take(deadline, fresh=fresh or attempt > 0)
-        if plane._shared.pool_for(sock) is None:
-            plane._give_back(sock)
+        sock, reused = plane.take_connection(deadline, fresh=fresh or attempt > 0)
+        if plane.shared_pool.pool_for(sock) is None:
+            plane.give_back(sock)
             return None
         try:
             dw.set_kernel_timeouts(sock, max(0.001, deadline - time.monotonic()))
@@ -211,7 +211,7 @@ def _send(plane, batch: list[bytes], deadline: float, fresh: bool) -> list | Non
             return [sock, reused]
         except StaleConnection:
             sock.close()
-            plane._drop_idle()
+            plane.drop_idle()
         except BaseException:
             sock.close()
             raise
@@ -232,5 +232,5 @@ def _give_up(plane, held: list, answered) -> None:
     must not meet the next request), which unpins theirs."""
     answered = set(answered)
     _close_all([entry[0] for number, entry in enumerate(held) if entry is not None and number not in answered])
-    PinnedPages([], 0, 0, [held[number][0] for number in sorted(answered)], plane._give_back).release()
+    PinnedPages([], 0, 0, [held[number][0] for number in sorted(answered)], plane.give_back).release()
     return None

@@ -173,9 +173,9 @@ def test_when_every_pooled_connection_went_stale_the_call_still_succeeds(make_no
             assert grpc_client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3
         plane_client = DataPlaneClient("127.0.0.1", server.port)
         deadline = time.monotonic() + 5.0
-        opened = [plane_client._take(deadline)[0] for _ in range(3)]  # as three threads' calls would leave them
+        opened = [plane_client.take_connection(deadline)[0] for _ in range(3)]  # as three threads' calls would leave them
         for sock in opened:
-            plane_client._give_back(sock)
+            plane_client.give_back(sock)
         assert wait_for(lambda: server.num_connections() == 0, timeout_s=5.0)  # the node closed all three
         out = np.empty((3, NODE_PAGE_BYTES), dtype=np.uint8)
         plane_client.get_into(GOOD, memoryview(out).cast("B"), memoryview(bytearray(3 * 16)), timeout_s=5.0)

@@ -72,7 +72,7 @@ def test_a_client_on_the_nodes_host_copies_pages_out_of_the_shared_pool(tmp_path
         assert client.put_pages(keys, [b"", *keys[:-1]], data).stored == 3
         assert client.map_shared_pool(timeout=10)
         assert client.data_plane_transport() == "shared memory" and unix.data_plane_transport() == "unix"
-        pool_reader, copied = client._data._shared, []  # counts the fetches copied out of the pool, not a fallback
+        pool_reader, copied = client._data.shared_pool, []  # counts the fetches copied out of the pool, not a fallback
         copy_pages = pool_reader.copy_pages
         pool_reader.copy_pages = lambda sock, pool, keys, *rest: copied.append(len(keys)) or copy_pages(sock, pool, keys, *rest)
         assert client.get_pages(keys).tobytes() == unix.get_pages(keys).tobytes() == \

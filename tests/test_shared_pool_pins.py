@@ -55,7 +55,7 @@ def test_shared_pool_file_is_a_descriptor_of_the_mapped_pool():
         slots = [node.store._index[k].slot for k in GOOD]
         np.testing.assert_array_equal(pool[slots], pages(3))
         np.testing.assert_array_equal(other[slots], pages(3))
-        reader = client._data._shared
+        reader = client._data.shared_pool
         assert reader._fd is not None
     assert reader._fd is None and client.shared_pool_file() is None, "the reader kept the descriptor after close"
 
