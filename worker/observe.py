@@ -4,10 +4,11 @@ Design notes
 1. The service captures each request's trace context when it takes the request (the Generate
    call's server span) and hands it to the placement; everything done for the request later, on
    the engine's thread or the write-back thread, is parented on it.
-2. Remote tier spans wrap its hooks: `prefix_lookup` (the node's Lookup span is its child, the
-   trace context going in the call's metadata), `remote_fetch` (pages over the data plane, or the
-   node's GetPages), `write_back` (one a batch, its writes to every placed node: the nodes'
-   PutPages). A write-back batch mixes requests: its span is parented on the first page's request.
+2. Remote tier spans wrap its hooks: `prefix_lookup` (the lookup over the data plane, or the
+   node's Lookup as its child span, the trace context going in the call's metadata),
+   `remote_fetch` (pages over the data plane, or the node's GetPages), `write_back` (one a batch,
+   its writes to every placed node: the nodes' PutPages). The data plane carries no trace context:
+   what a node does for it has no span of its own, only the worker's around it. A write-back batch mixes requests: its span is parented on the first page's request.
    (A span a node had left the second replica's write without a parent, a trace of its own.)
 3. Queue wait, prefill chunks and decode are read from the engine's step records (`on_step`) and
    the completion (`on_finish`), and written as spans with their measured start and end times:
