@@ -143,9 +143,7 @@ class NodeClient:
         deadline = time.monotonic() + (timeout or self.timeout)
         plane = None
         if keys and not self._lookups_refused and isinstance(lease_ms, int) and 0 <= lease_ms < 2**32:
-            if self.use_data_plane and self._node_info is None:
-                self.info(timeout or self.timeout)  # asked within the lookup's own timeout
-            plane = self._data_plane()
+            plane = self._data_plane(timeout or self.timeout)  # Info, when unknown, within the lookup's timeout
         if plane is not None:  # no keys, or a lease_ms gRPC's uint32 refuses: over gRPC, as ever
             check_keys(self.address, keys)
             try:
@@ -281,14 +279,15 @@ class NodeClient:
 
     # ---- plumbing ------------------------------------------------------------
 
-    def _known_info(self) -> NodeInfo:
+    def _known_info(self, timeout: float | None = None) -> NodeInfo:
+        """The node's Info, asked (within `timeout`, else the client's) only when not known."""
         plane = self._data
         if plane is not None and plane.unix_gone:  # data_client.py note 7: a restarted node has a new name
             with self._data_lock:
                 if plane.unix_gone:
                     plane.unix_gone = False
                     self._node_info = None
-        return self._node_info or self.info()
+        return self._node_info or self.info(timeout)
 
     def data_plane_address(self) -> str | None:
         """host:port of the node's data plane this client uses (or tries first), or None when it uses gRPC."""
@@ -314,10 +313,11 @@ class NodeClient:
         plane = self._data_plane()
         return plane is not None and plane.map_pool(timeout or self.timeout)
 
-    def _data_plane(self) -> DataPlaneClient | None:
+    def _data_plane(self, timeout: float | None = None) -> DataPlaneClient | None:
+        """The data plane client, or None on gRPC; `timeout` bounds the Info asked when unknown."""
         if not self.use_data_plane:
             return None
-        info = self._known_info()
+        info = self._known_info(timeout)
         port = info.data_port
         if not port:
             return None

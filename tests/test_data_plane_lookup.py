@@ -60,6 +60,21 @@ def test_a_lookup_over_the_data_plane_answers_what_grpc_answers(seeded, plane, m
     assert seeded.store.num_leased() == hits
 
 
+def test_a_first_lookup_asks_info_once_within_its_own_timeout(seeded, plane):
+    with seeded.client(timeout=30.0) as fast:
+        grpc_lookup_forbidden(fast)
+        asked, info = [], fast._info
+
+        def timed(request, timeout=None):
+            asked.append(timeout)
+            return info(request, timeout=timeout)
+
+        fast._info = timed
+        assert fast.lookup(GOOD, timeout=2.0) == 3
+        assert fast.lookup(GOOD, timeout=2.0) == 3
+    assert asked == [2.0], "Info is asked once, first, within the lookup's timeout, not the client's"
+
+
 def test_pages_leased_over_the_data_plane_are_not_evicted(seeded, plane):
     with seeded.client() as fast, seeded.client(use_data_plane=False) as slow:
         grpc_lookup_forbidden(fast)
