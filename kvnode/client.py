@@ -152,10 +152,10 @@ class NodeClient:
                 if dw.is_unknown_op(exc.code, exc.details):
                     log.info("kvnode %s: its data plane predates LOOKUP; lookups go over gRPC", self.address)
                     self._lookups_refused = True
-                elif dw.is_lease_refusal(exc.code, exc.details):
-                    raise NodeError(self.address, exc.code, exc.details) from None  # as gRPC would refuse it
-                else:
+                elif exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self._data_plane_failed(plane, exc)  # returns only to fall back to gRPC
+                # else a refused lease or a node at its connection bound (data_wire.py note 8): gRPC's Lookup
+                # refuses the one with the same code and message and serves the other; not a busy sign
             timeout = time_left(self.address, deadline)
         return self._call(self._lookup, pb.LookupRequest(keys=keys, lease_ms=lease_ms), timeout).hits
 

@@ -52,8 +52,10 @@ Design notes
                nothing within the node's timeout, is dropped, and the pins with it.
 8. LOOKUP (op 6): gRPC's Lookup without its per-call cost (~770 us for 63 keys here; a data
    plane round trip 100-200 us). Request: header (count = keys, page_bytes 0), keys, lease_ms
-   (LEASE, u64); OK: the hits (HITS, u64); refusals carry Lookup's codes (is_lease_refusal tells a
-   refused lease from a busy node); a lookup cut short by the lease bound is logged on the node.
+   (LEASE, u64); OK: the hits (HITS, u64); refusals carry Lookup's codes. A refused lease is
+   RESOURCE_EXHAUSTED, as a connection over the node's bound is: the client then asks gRPC's
+   Lookup, which refuses the one alike and serves the other. A lookup cut short by the lease
+   bound is logged on the node.
    Sent again after a stale connection it leases the same pages again. A node older than the op
    answers "unknown data plane op 6" (is_unknown_op): the client then looks up over gRPC.
 """
@@ -167,11 +169,6 @@ def caller_band_bounds(page_bytes: int, band_bytes: int) -> list[tuple[int, int]
 def is_unknown_op(code: grpc.StatusCode, details: str) -> bool:
     """Whether a refusal is a node's that predates an op (design note 6)."""
     return code == grpc.StatusCode.INVALID_ARGUMENT and "unknown data plane op" in details
-
-
-def is_lease_refusal(code: grpc.StatusCode, details: str) -> bool:
-    """Whether a RESOURCE_EXHAUSTED is a LOOKUP's refused lease (design note 8), not a busy node's."""
-    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and "asked to lease" in details
 
 
 def put_request_head(keys: Sequence[bytes], parents: Sequence[bytes], checksums: Sequence[bytes],

@@ -1,19 +1,23 @@
 """LOOKUP, the data plane's lookup (kvnode/data_wire.py note 8): NodeClient.lookup goes over the
 data plane when the client uses one and answers what gRPC's Lookup answers, hits and leases alike;
-its refusals carry gRPC's codes; a refused LOOKUP is read away so its answer arrives and the node
-goes on serving; a node that predates the op is asked over gRPC from then on, and still serves the
-pages over the data plane."""
+its refusals carry gRPC's codes (a RESOURCE_EXHAUSTED, a refused lease or a node at its connection
+bound, is asked over gRPC, which refuses the one and serves the other); a refused LOOKUP is read
+away so its answer arrives and the node goes on serving; a node that predates the op is asked over
+gRPC from then on, and still serves the pages over the data plane."""
 
 from __future__ import annotations
+
+import contextlib
 
 import grpc
 import numpy as np
 import pytest
 
-from cluster_helpers import NODE_CAPACITY_PAGES, NODE_PAGE_BYTES
+from cluster_helpers import NODE_CAPACITY_PAGES, NODE_PAGE_BYTES, wait_for
 from data_plane_helpers import GOOD, INVALID, MAX_KEYS, assert_unharmed, pages, raw_connection
 from kvnode import data_wire as dw
 from kvnode.client import NodeError
+from kvnode.store_types import LeaseRefused
 from store_helpers import key
 from test_data_plane import closed_by_node, read_reply
 
@@ -27,6 +31,18 @@ def grpc_lookup_forbidden(client) -> None:
         raise AssertionError("this lookup was to go over the data plane, not gRPC")
 
     client._lookup = forbidden
+
+
+def counted_grpc_lookups(client) -> list[int]:
+    """The count of keys of each gRPC Lookup `client` makes, appended as it is made."""
+    asked, stub = [], client._lookup
+
+    def counted(request, **kwargs):
+        asked.append(len(request.keys))
+        return stub(request, **kwargs)
+
+    client._lookup = counted
+    return asked
 
 
 def counted_lookups(plane, monkeypatch) -> list[int]:
@@ -105,15 +121,44 @@ def test_refusals_carry_the_codes_grpc_gives(seeded, plane):
         assert fast.lookup([]) == slow.lookup([]) == 0  # no keys: asked over gRPC, as ever
 
         seeded.store.max_leases_per_call = 2  # --max-leases-per-call 2
-        grpc_lookup_forbidden(fast)
+        over_grpc = counted_grpc_lookups(fast)
         for client in (fast, slow):
             with pytest.raises(NodeError) as raised:
                 client.lookup(GOOD, lease_ms=1000)
             assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "asked to lease up to 3 pages; this node leases at most 2 per call" in raised.value.details
+        assert over_grpc == [3], "refused over the data plane, then by gRPC's Lookup, whose answer the caller gets"
+        grpc_lookup_forbidden(fast)
         assert fast.lookup(GOOD[:2], lease_ms=1000) == 2
         assert fast.use_data_plane and not fast._told_busy, "a refused lease is no sign of a busy data plane"
     assert seeded.store.num_leased() == 2
+
+
+def test_a_refused_lease_is_told_by_its_code_not_its_message(seeded, plane, monkeypatch):
+    def refuse(keys, lease_ms=0):
+        raise LeaseRefused("no")  # none of the words the node says today
+
+    monkeypatch.setattr(seeded.store, "lookup_and_lease", refuse)
+    served = counted_lookups(plane, monkeypatch)
+    with seeded.client() as fast:
+        for _ in range(2):
+            with pytest.raises(NodeError) as raised:
+                fast.lookup(GOOD, lease_ms=1000)
+            assert (raised.value.code, raised.value.details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "no")
+        assert served == [3, 3], "asked over the data plane each time"
+        assert fast.use_data_plane and not fast._told_busy, "a refused lease is no sign of a busy data plane"
+
+
+def test_a_lookup_to_a_data_plane_at_its_connection_bound_is_answered_over_grpc(seeded, plane):
+    with contextlib.ExitStack() as stack:
+        for _ in range(plane.max_connections):
+            stack.enter_context(raw_connection(plane))
+        assert wait_for(lambda: plane.num_connections() == plane.max_connections)
+        with seeded.client() as fast:
+            over_grpc = counted_grpc_lookups(fast)
+            assert fast.lookup(GOOD + MISSING, lease_ms=1000) == 3
+            assert over_grpc == [5] and fast.use_data_plane
+    assert seeded.store.num_leased() == 3
 
 
 @pytest.mark.parametrize("request_bytes, fragment", [
@@ -154,15 +199,8 @@ def test_a_lookup_cut_by_the_leased_pages_bound_answers_the_leased_hits_and_says
 
 def test_a_node_that_predates_the_op_is_asked_over_grpc_and_keeps_serving_pages(seeded, plane, monkeypatch, caplog):
     monkeypatch.setattr(dw, "OPS", {op: name for op, name in dw.OPS.items() if op != dw.OP_LOOKUP})
-    grpc_calls = []
     with seeded.client() as client:
-        stub = client._lookup
-
-        def counted(request, **kwargs):
-            grpc_calls.append(len(request.keys))
-            return stub(request, **kwargs)
-
-        client._lookup = counted
+        grpc_calls = counted_grpc_lookups(client)
         for _ in range(3):
             assert client.lookup(GOOD + MISSING, lease_ms=1000) == 3
         assert grpc_calls == [5, 5, 5]
