@@ -223,6 +223,13 @@ class NodeClient:
         plane = self._data
         return plane.shared_pool_file() if plane is not None else None
 
+    def shared_pool_state(self, wait: float = 0.0) -> str | None:
+        """This client's mapping of the node's pool (shared_pool_reader.py note 1): "unasked", "mapping",
+        "mapped" or "refused", once a mapping under way ended or `wait` seconds passed; None while it
+        has no data plane client. Begins no mapping; asks the node nothing."""
+        plane = self._data
+        return plane.pool_state_after(wait) if plane is not None else None
+
     def _grpc_get_pages(self, keys: Sequence[bytes], out: np.ndarray, checksums: bytearray,
                         timeout: float | None) -> None:
         try:

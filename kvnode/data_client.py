@@ -226,6 +226,10 @@ class DataPlaneClient:
         was refused; whether it is mapped."""
         return self.shared_pool.map_now(self._connect_unix, self.give_back, timeout_s)
 
+    def pool_state_after(self, wait_s: float) -> str:
+        """pool_state once the mapping under way (if one is) ended, or after `wait_s`; begins none."""
+        return self.shared_pool.state_after(wait_s)
+
     def start_mapping(self) -> None:
         """Map the node's pool on a thread of its own, unless asked already (shared_pool_reader.py note 1)."""
         self.shared_pool.start_mapping(self._connect_unix, self.give_back)

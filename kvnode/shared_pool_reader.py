@@ -117,6 +117,12 @@ class SharedPoolReader:
             self._mapping_done.wait(timeout_s)
         return self.state == "mapped"
 
+    def state_after(self, wait_s: float) -> str:
+        """`state`, once the mapping under way (if one is) ended or `wait_s` passed; begins none."""
+        if self.state == "mapping":
+            self._mapping_done.wait(wait_s)
+        return self.state
+
     def start_mapping(self, connect: Connect, give_back: GiveBack) -> None:
         """Map the node's pool on a thread of its own, unless asked already (design note 1)."""
         if self._claim_mapping():

@@ -307,11 +307,11 @@ def test_a_node_met_while_a_pins_attach_runs_is_still_mapped_once_its_client_map
             go_on.wait(10)
             return SharedPoolFile(os.dup(fd), 4, arena.block_bytes, 7) if client.mapped else None
 
-        def map_shared_pool(timeout):
+        def shared_pool_state(wait):
             client.mapped = True  # the client's own mapping, done
-            return True
+            return "mapped"
 
-        client.shared_pool_file, client.map_shared_pool = shared_pool_file, map_shared_pool
+        client.shared_pool_file, client.shared_pool_state = shared_pool_file, shared_pool_state
         node = SimpleNamespace(address="127.0.0.1:1", client=client)
         reader = InPlaceReader(arena)
         assert reader._window(node) is None  # a pin finds no window: an attach begins
@@ -325,3 +325,53 @@ def test_a_node_met_while_a_pins_attach_runs_is_still_mapped_once_its_client_map
         reader.close()
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("states, mapped, asked", [
+    (["mapping", "mapping", "mapped"], True, 3),  # waits out the client's mapping, slice by slice
+    (["mapping", "unasked"], False, 2),  # a mapping that failed (asked again later)
+    (["refused"], False, 1),  # never mapped: no wait
+    ([None], False, 1),  # no data plane client
+])
+def test_the_arena_waits_for_the_mapping_its_nodes_client_says_is_under_way(states, mapped, asked):
+    """prepare asks the node's client for its pool's state (NodeClient.shared_pool_state), waiting
+    in slices while it says "mapping" (pages_in_place note 3)."""
+    from types import SimpleNamespace
+
+    from worker.pages_in_place import _MAPPING_SLICE_S, InPlaceReader
+
+    waits = []
+
+    def shared_pool_state(wait):
+        waits.append(wait)
+        return states[min(len(waits), len(states)) - 1]
+
+    client = SimpleNamespace(shared_pool_state=shared_pool_state, shared_pool_file=lambda: None)
+    reader = InPlaceReader(BlockArena(3, (2, 2, 1, 16, 8), np.float32))
+    try:
+        assert reader._client_mapped(SimpleNamespace(address="127.0.0.1:1", client=client)) is mapped
+        assert waits == [_MAPPING_SLICE_S] * asked
+    finally:
+        reader.close()
+
+
+def test_close_ends_the_wait_for_a_nodes_client_still_mapping():
+    import threading
+    from types import SimpleNamespace
+
+    from worker.pages_in_place import _MAPPING_WAIT_S, InPlaceReader
+
+    waiting = threading.Event()
+
+    def shared_pool_state(wait):
+        waiting.set()
+        time.sleep(wait)
+        return "mapping"
+
+    client = SimpleNamespace(shared_pool_state=shared_pool_state, shared_pool_file=lambda: None)
+    reader = InPlaceReader(BlockArena(3, (2, 2, 1, 16, 8), np.float32))
+    reader.prepare(SimpleNamespace(address="127.0.0.1:1", client=client))
+    assert waiting.wait(5)
+    started = time.monotonic()
+    reader.close()  # waits for the attaching thread
+    assert time.monotonic() - started < _MAPPING_WAIT_S / 2

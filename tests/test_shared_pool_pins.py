@@ -60,6 +60,24 @@ def test_shared_pool_file_is_a_descriptor_of_the_mapped_pool():
     assert reader._fd is None and client.shared_pool_file() is None, "the reader kept the descriptor after close"
 
 
+def test_shared_pool_state_says_what_the_client_did_with_the_nodes_pool():
+    with shared_node() as (node, server), node.client() as client:
+        assert client.shared_pool_state() is None, "no data plane client before the first contact"
+        client.prepare_data_plane()  # begins the mapping on a thread of its own
+        assert client.shared_pool_state() in ("mapping", "mapped")
+        assert client.shared_pool_state(wait=10) == "mapped"
+        file = client.shared_pool_file()
+        assert file is not None, "mapped: a descriptor of it to be had"
+        os.close(file.fd)
+    with shared_node(share_pool=False) as (node, server):
+        with node.client() as refused:
+            refused.prepare_data_plane()
+            assert refused.shared_pool_state(wait=10) == "refused"
+        with node.client(unix_socket=False) as tcp:
+            tcp.prepare_data_plane()
+            assert tcp.shared_pool_state() == "refused", "over TCP it is never asked"
+
+
 def test_no_shared_pool_file_nor_pins_with_tls_tcp_or_no_shared_pool():
     with shared_node(share_pool=False) as (node, server), node.client() as client:
         assert client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3

@@ -263,19 +263,14 @@ class InPlaceReader:
 
     def _client_mapped(self, node) -> bool:
         """Whether `node`'s client maps its pool, waiting for the mapping it began at first contact
-        (at most _MAPPING_WAIT_S, and not past close())."""
+        (at most _MAPPING_WAIT_S, and not past close()), as the client's own state of it says."""
         deadline = time.monotonic() + _MAPPING_WAIT_S
         while True:
-            asked = time.monotonic()
-            try:
-                if node.client.map_shared_pool(timeout=_MAPPING_SLICE_S):
-                    return True
-            except Exception as exc:  # noqa: BLE001 - a node gone meanwhile: the first pin tries again
-                log.info("kvnode %s: its pool is not mapped into the block arena yet (%s)", node.address, exc)
-                return False
-            now = time.monotonic()
-            if self._closing.is_set() or now >= deadline or now - asked < _MAPPING_SLICE_S / 2:
-                return False  # closing, waited enough, or nothing being mapped (refused, or asked again later)
+            state = node.client.shared_pool_state(wait=_MAPPING_SLICE_S)
+            if state == "mapped":
+                return True
+            if state != "mapping" or self._closing.is_set() or time.monotonic() >= deadline:
+                return False  # nothing being mapped (refused, or asked again later), closing, or waited enough
 
     def close(self) -> None:
         """Stop attaching; windows stay mapped while pages in them are held (design note 4)."""
