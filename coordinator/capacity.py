@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 import time
 
+from protos.log_limits import CountedEvent
+
 DEFAULT_MAX_STREAMS = 256
 CONTROL_THREADS = 16  # never taken by a stream: membership, status, health, reflection
 REFUSAL_LOG_INTERVAL_S = 10.0
@@ -27,16 +29,14 @@ class StreamSlots:
         if limit < 1:
             raise ValueError(f"the stream limit must be at least 1, got {limit}")
         self.limit = limit
-        self.clock = clock
         self._in_use = 0
-        self._refused_unlogged = 0
-        self._last_refusal_log = float("-inf")
+        self._refusals = CountedEvent(REFUSAL_LOG_INTERVAL_S, clock)
         self._lock = threading.Lock()
 
     def try_acquire(self) -> bool:
         with self._lock:
             if self._in_use >= self.limit:
-                self._refused_unlogged += 1
+                self._refusals.happened()
                 return False
             self._in_use += 1
             return True
@@ -51,9 +51,4 @@ class StreamSlots:
 
     def take_refusals_to_log(self) -> int:
         """Refusals since the last log line, at most one line per REFUSAL_LOG_INTERVAL_S (0: do not log now)."""
-        with self._lock:
-            now = self.clock()
-            if not self._refused_unlogged or now - self._last_refusal_log < REFUSAL_LOG_INTERVAL_S:
-                return 0
-            refused, self._refused_unlogged, self._last_refusal_log = self._refused_unlogged, 0, now
-            return refused
+        return self._refusals.to_log()

@@ -8,7 +8,8 @@ Design notes
 1. One thread per connection, at most `max_connections`; one over the bound is answered
    RESOURCE_EXHAUSTED and closed (NodeClient then makes that call over gRPC; the answer may be
    lost to a reset when the client's request was not read, and NodeClient treats a new
-   connection closed before any reply the same way). Sockets are
+   connection closed before any reply the same way). Those refusals are logged as one line per
+   10 s with their count (protos/log_limits.py): 200 clients wrote 394 lines in two seconds. Sockets are
    blocking (send and recv release the GIL, and no poll runs before each call, as with a socket
    timeout); kernel timeouts (SO_RCVTIMEO, SO_SNDTIMEO) drop a peer that stalls or idles longer
    than `timeout_s`, and a GET's whole reply must be sent within `timeout_s` (its pages stay
@@ -69,6 +70,7 @@ import grpc
 from kvnode import data_wire as dw
 from kvnode.checksum import CHECKSUM_BYTES
 from protos import security
+from protos.log_limits import CountedEvent
 from kvnode.data_plane_connection import Connection, Dropped, Idle, refuse, shutdown_all, unix_listener
 from kvnode.data_plane_puts import DEFAULT_MAX_PUT_BYTES_IN_FLIGHT, PutReceiver
 from kvnode.recv_buffers import DEFAULT_KEEP_PER_CONNECTION, DEFAULT_KEEP_TOTAL, BufferBudget, ReceiveBuffer
@@ -111,6 +113,7 @@ class DataPlaneServer:
         self.pages_by_slot = 0  # pages readers copied out of the shared pool (GET_SLOTS), since start
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._busy: set[socket.socket] = set()  # connections serving a request (design note 4)
+        self._refusals = CountedEvent()  # connections over the bound: a line per interval (design note 1)
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._acceptors = [threading.Thread(target=self._accept_loop, args=(listener,), name="data-plane-accept",
@@ -202,16 +205,24 @@ class DataPlaneServer:
                 if not full:
                     thread = threading.Thread(target=self._serve, args=(conn, peer), name="data-plane-conn", daemon=True)
                     self._connections[conn] = thread
+            if full:
+                self._log_refusal(peer)
             if full and self.credentials is not None:
-                log.info("data plane closed a connection from %s: %d connections open", peer, self.max_connections)
                 conn.close()  # design note 5
                 continue
             if full:
-                log.info("data plane refused a connection from %s: %d connections open", peer, self.max_connections)
                 refuse(conn, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"this node serves at most {self.max_connections} data plane connections: retry later", 0)
                 continue
             thread.start()
+
+    def _log_refusal(self, peer) -> None:
+        self._refusals.happened()
+        count = self._refusals.to_log()
+        if count:
+            how = "closed" if self.credentials is not None else "refused"  # design note 5
+            log.info("data plane %s %d connection(s) since the last such line, the last from %s: %d connections open",
+                     how, count, peer, self.max_connections)
 
     def _serve(self, conn: socket.socket, peer) -> None:
         connection = None

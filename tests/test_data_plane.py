@@ -19,6 +19,7 @@ from kvnode import data_wire as dw
 from kvnode.checksum import page_checksum
 from kvnode.client import NodeError
 from kvnode.data_plane import DataPlaneServer
+from protos.log_limits import CountedEvent
 from store_helpers import key
 
 pytestmark = pytest.mark.usefixtures("no_kvnode_errors_logged")  # a bad peer gets an info line, never an error
@@ -226,6 +227,31 @@ def test_connections_over_the_bound_get_resource_exhausted(seeded, plane):
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 4" in message
         held[0].sendall(dw.get_request(GOOD[:1]))  # the held ones still serve
         assert read_reply(held[0])[0] == grpc.StatusCode.OK
+    assert_unharmed(seeded, plane, set(GOOD))
+
+
+def test_connections_over_the_bound_are_logged_as_one_line_an_interval_with_their_count(seeded, plane, caplog):
+    """A flood of clients over the bound is an operator's one event, not a line per connection."""
+    now = [0.0]
+    plane._refusals = CountedEvent(clock=lambda: now[0])
+
+    def refusal_lines():
+        return [r.getMessage() for r in caplog.records if "since the last such line" in r.getMessage()]
+
+    with contextlib.ExitStack() as stack:
+        for _ in range(plane.max_connections):
+            stack.enter_context(raw_connection(plane))
+        assert wait_for(lambda: plane.num_connections() == plane.max_connections)
+        for _ in range(20):
+            with raw_connection(plane) as extra:
+                assert read_reply(extra)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert wait_for(lambda: len(refusal_lines()) >= 1)
+        assert len(refusal_lines()) == 1 and "refused 1 connection(s)" in refusal_lines()[0]
+        now[0] += 11.0
+        with raw_connection(plane) as extra:
+            assert read_reply(extra)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert wait_for(lambda: len(refusal_lines()) == 2)
+        assert "refused 20 connection(s)" in refusal_lines()[1] and "4 connections open" in refusal_lines()[1]
     assert_unharmed(seeded, plane, set(GOOD))
 
 

@@ -88,7 +88,7 @@ def test_a_busy_data_plane_sends_clients_to_grpc_for_that_call(tmp_path):
                 assert client.get_pages(keys).tobytes() == data.tobytes()
             assert client.data_plane_address() == f"127.0.0.1:{port}", "the data plane stays in use afterwards"
     log = read_log(tmp_path)
-    assert "data plane refused a connection" in log and "Traceback" not in log
+    assert "data plane refused 1 connection(s)" in log and "Traceback" not in log
 
 
 def test_data_max_connections_below_one_is_one_clear_error_line():
