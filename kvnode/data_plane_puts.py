@@ -23,7 +23,8 @@ import grpc
 
 from kvnode import data_wire as dw
 from kvnode.data_plane_connection import Connection
-from kvnode.store import KEY_BYTES, InvalidRequest, PageStore, PutOutcome
+from kvnode.put_refusals import log_refused
+from kvnode.store import KEY_BYTES, InvalidRequest, PageStore
 
 log = logging.getLogger("kvnode")
 
@@ -79,9 +80,7 @@ class PutReceiver:
         except InvalidRequest as exc:
             raise dw.FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; nothing stored") from None
         outcomes = [self.store.put(key, parent, page, checksum) for (key, parent, checksum), page in zip(entries, pages)]
-        refused = sum(1 for o in outcomes if o in (PutOutcome.REFUSED_NO_PARENT, PutOutcome.REFUSED_NO_ROOM))
-        if refused:
-            log.info("put refused %d of %d pages (no parent or no room)", refused, len(outcomes))
+        log_refused(outcomes)
         connection.send(dw.ok_reply(len(outcomes)) + bytes(outcomes))
         if metrics is not None:
             metrics.data_put(header.count * page_bytes, outcomes, time.perf_counter() - started)

@@ -14,7 +14,8 @@ import grpc
 from protos.version import __version__
 from kvnode import wire
 from kvnode.checksum import CHECKSUM_BYTES
-from kvnode.store import InvalidRequest, LeaseRefused, PageNotFound, PageStore, PutOutcome, check_key
+from kvnode.put_refusals import log_refused
+from kvnode.store import InvalidRequest, LeaseRefused, PageNotFound, PageStore, check_key
 from protos import kvcache_pb2 as pb
 from protos import security
 from protos.methods import service_name
@@ -155,9 +156,7 @@ class KVStoreService:
         outcomes = [self.store.put(key, parent, data, checksum) for key, parent, data, checksum in items]
         if self.metrics is not None:
             self.metrics.pages_put("grpc", len(items) * self.store.page_bytes, outcomes)
-        refused = sum(1 for o in outcomes if o in (PutOutcome.REFUSED_NO_PARENT, PutOutcome.REFUSED_NO_ROOM))
-        if refused:
-            log.info("put refused %d of %d pages (no parent or no room)", refused, len(items))
+        log_refused(outcomes)
         return pb.PutReply(outcomes=[int(o) for o in outcomes])
 
     def stats(self, request, context) -> pb.NodeStats:

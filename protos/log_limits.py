@@ -15,8 +15,9 @@ DEFAULT_INTERVAL_S = 10.0
 
 
 class CountedEvent:
-    """Counts an event and says when a line is due: `happened()` on each, `to_log()` for the count
-    to put in a line now (0: stay silent), at most one line per `interval_s`."""
+    """Counts an event and says when a line is due: `happened()` on each (or `happened(n)` for n at
+    once), `to_log()` for the count to put in a line now (0: stay silent), at most one line per
+    `interval_s`."""
 
     def __init__(self, interval_s: float = DEFAULT_INTERVAL_S, clock=time.monotonic):
         self.interval_s = interval_s
@@ -25,9 +26,9 @@ class CountedEvent:
         self._last_line = float("-inf")
         self._lock = threading.Lock()
 
-    def happened(self) -> None:
+    def happened(self, count: int = 1) -> None:
         with self._lock:
-            self._unlogged += 1
+            self._unlogged += count
 
     def to_log(self) -> int:
         """Events since the last line, when a line is due; 0 otherwise (none, or within the interval)."""

@@ -29,6 +29,8 @@ from typing import Iterable
 
 import grpc
 
+from protos.log_limits import CountedEvent
+
 log = logging.getLogger("security")
 
 HEADER = "authorization"
@@ -113,6 +115,7 @@ class TokenCheck(grpc.ServerInterceptor):
     def __init__(self, tokens: Tokens, open_methods: Iterable[str] = ()):
         self.tokens = tokens
         self.open_methods = frozenset(open_methods)
+        self._refusals = CountedEvent()  # anyone can send calls without a token: a line per interval
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
@@ -123,7 +126,10 @@ class TokenCheck(grpc.ServerInterceptor):
         if self.tokens.tenant(token) is not None:
             return handler
         reason = "a known token" if token else "a token"
-        log.info("refused %s: no known token", method)  # never the token itself
+        self._refusals.happened()
+        count = self._refusals.to_log()
+        if count:  # never the token itself
+            log.info("refused %d call(s) without a known token since the last such line, the last to %s", count, method)
         return _refusal(handler, f"this call needs {reason}: send the metadata `authorization: Bearer TOKEN`")
 
 

@@ -20,7 +20,7 @@ from coordinator.ring import placement_key
 from kvcache.cluster import client_tls, start_cluster, wait_healthy
 from kvnode.client import NodeClient
 from protos import security
-from protos.tokens import Tokens, authorization
+from protos.tokens import TokenCheck, Tokens, authorization
 from worker.client import WorkerClient
 from worker.engine import Engine
 from worker.pages import tenant_root
@@ -119,6 +119,24 @@ def test_a_tokens_file_maps_tokens_to_tenants_and_refuses_bad_lines(tmp_path):
         with pytest.raises(ValueError, match=message) as refused:
             Tokens.load(bad)
         assert "secret-token" not in str(refused.value), "a refusal never echoes a token"
+
+
+def test_calls_without_a_known_token_are_logged_as_one_line_an_interval(caplog):
+    """Anyone who reaches the port can send such calls: a flood of them is one line, not one each."""
+    check = TokenCheck(Tokens([("a", "aaaaaaaaaaaaaaaa", False)]))
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: b"")
+
+    class Call:
+        method = "/kvcache.v1.Coordinator/Generate"
+        invocation_metadata = authorization("not-a-known-token-at-all")
+
+    with caplog.at_level("INFO", logger="security"):
+        for _ in range(50):
+            assert check.intercept_service(lambda details: handler, Call) is not handler
+    refusals = [r.getMessage() for r in caplog.records if "without a known token" in r.getMessage()]
+    assert refusals == ["refused 1 call(s) without a known token since the last such line, the last to "
+                        "/kvcache.v1.Coordinator/Generate"]
+    assert all("not-a-known-token" not in r.getMessage() for r in caplog.records)
 
 
 def test_tenants_have_unrelated_key_roots_and_placement_keys():
