@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from cluster_helpers import NODE_CAPACITY_PAGES, NODE_PAGE_BYTES, wait_for
+from cluster_helpers import NODE_CAPACITY_PAGES, wait_for
 from data_plane_helpers import GOOD, INVALID, MAX_KEYS, assert_unharmed, pages, raw_connection
 from kvnode import data_wire as dw
 from kvnode.client import NodeError
