@@ -56,6 +56,29 @@ def test_a_high_priority_request_starts_as_soon_behind_a_queue_of_low_priority_o
     assert results[LOW] > baseline + 5  # without its priority it waits for the queue
 
 
+def test_a_high_priority_request_whose_prefix_is_cached_preempts_for_the_blocks_past_it():
+    """Its idle cached prefix counts among the pool's free blocks but is no room for its chunk:
+    preemption makes room past it (it used to wait 26 steps, until the low one had grown)."""
+    prefix, question, low_prompt = "a shared prefix, cached, ", "q" * 24, "z" * 78
+    lone = make_engine(num_blocks=16)
+    lone.generate([prefix], max_new_tokens=1)
+    baseline = steps_to_first_token(lone, lone.add_request(prefix + question, max_new_tokens=2, priority=HIGH))
+
+    engine = make_engine(num_blocks=16)
+    engine.generate([prefix], max_new_tokens=1)  # its pages stay cached, idle
+    low = engine.add_request(low_prompt, max_new_tokens=30, ignore_eos=True, priority=LOW)
+    for _ in range(3):
+        engine.step()
+    high = engine.add_request(prefix + question, max_new_tokens=2, priority=HIGH)
+    steps = steps_to_first_token(engine, high)
+    assert steps <= baseline + 1 and engine.scheduler.num_preemptions == 1, f"first token after {steps} steps"
+    while engine.has_unfinished():
+        engine.step()
+    engine.pool.check_invariants()
+    assert high.completion.token_ids == alone(prefix + question, max_new_tokens=2).token_ids
+    assert low.completion.token_ids == alone(low_prompt, max_new_tokens=30, ignore_eos=True).token_ids
+
+
 def test_aging_lets_a_low_priority_request_through_a_stream_of_high_priority_ones():
     aging_steps = 8
     engine = make_engine(max_seqs=1)

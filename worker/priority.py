@@ -81,10 +81,13 @@ class PriorityPolicy:
         if request is None or (self.connector is not None and self.connector.is_looking_up(request)):
             return  # it could not be admitted now anyway
         P = self.page_tokens
-        num_local = len(self.pool.lookup(request.page_keys(request.num_reusable_pages())))
+        hits = self.pool.lookup(request.page_keys(request.num_reusable_pages()))
         first_chunk_end = min(request.num_tokens, self._num_cached(request) + self.max_prefill_tokens)
-        needed = _cdiv(first_chunk_end, P) - num_local
-        while (self.num_seats_taken() >= self.max_num_seqs or needed > self.pool.get_num_free_blocks()):
+        needed = _cdiv(first_chunk_end, P) - len(hits)
+        # Its own idle cached prefix counts among the free blocks, but admission takes a reference
+        # on it (the scheduler's _admit): those blocks are not there for its chunk.
+        while (self.num_seats_taken() >= self.max_num_seqs
+               or needed > self.pool.get_num_free_blocks() - self.pool.num_idle(hits)):
             victim = self._lower_victim(request, no_batch)
             if victim is None:
                 return
