@@ -3,8 +3,10 @@
 Every call has a deadline; failures raise NodeError, which keeps the gRPC status code.
 get_pages, put_pages and lookup go over the node's data plane (kvnode/data_plane.py) when its
 Info advertises one, else over gRPC (lookup also from a node whose data plane predates its op,
-kvnode/data_wire.py note 8); a data plane that cannot be reached at all (a
-firewall, say) makes this client use gRPC from then on, with one log line. When the node's
+kvnode/data_wire.py note 8); a data plane never reached (a firewall, or a node that died before
+the first connection) sends calls over gRPC, and Info and the data plane are tried again after
+DATA_PLANE_RETRY_S, doubled at each failure up to MAX_DATA_PLANE_RETRY_S, a log line each (given
+up for good, a node met while it restarted stayed on gRPC for the client's life). When the node's
 same-host Unix socket name has nobody listening (kvnode/data_client.py note 7), the next call
 reads Info again first: a node restarted since gives its new name.
 Pages carry checksums (kvnode/checksum.py): put_pages sends them (computed here unless the
@@ -52,6 +54,7 @@ log = logging.getLogger("kvnode.client")
 _GET_PAGES = method_path("KVStore", "GetPages")
 _PUT_PAGES = method_path("KVStore", "PutPages")
 DEFAULT_TIMEOUT_S = 5.0
+DATA_PLANE_RETRY_S, MAX_DATA_PLANE_RETRY_S = 5.0, 300.0  # a data plane never reached: gRPC meanwhile
 _CLIENT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
@@ -90,6 +93,7 @@ class NodeClient:
         self.timeout = timeout
         self.use_data_plane = use_data_plane
         self._data: DataPlaneClient | None = None
+        self._data_retry_s, self._data_off_until = 0.0, 0.0  # gRPC until then: the data plane never connected
         self._told_busy = False
         self._bands_refused = threading.Event()  # the node's data plane predates GET_BANDS: plain GETs instead
         self._lookups_refused = False  # the node's data plane predates LOOKUP: lookups over gRPC instead
@@ -322,7 +326,7 @@ class NodeClient:
 
     def _data_plane(self, timeout: float | None = None) -> DataPlaneClient | None:
         """The data plane client, or None on gRPC; `timeout` bounds the Info asked when unknown."""
-        if not self.use_data_plane:
+        if not self.use_data_plane or time.monotonic() < self._data_off_until:
             return None
         info = self._known_info(timeout)
         port = info.data_port
@@ -340,17 +344,21 @@ class NodeClient:
                     self._data.close()
                 tls = self.credentials.client_context() if self.credentials is not None else None
                 self._data = DataPlaneClient(host, port, tls, unix, self.shared_memory)
+            if self._data_retry_s and self._data.connected_once:
+                self._data_retry_s = 0.0  # reached: the next one that never connects waits the first delay
             return self._data
 
     def _data_plane_failed(self, plane: DataPlaneClient, exc: DataPlaneError) -> None:
-        """Fall back to gRPC for good when the data plane was never reachable, for this call when
+        """Fall back to gRPC for a while when the data plane was never reachable, for this call when
         it is busy (RESOURCE_EXHAUSTED: all its connections taken, or too many put bytes in
         flight; gRPC has its own bounds) or closed a new connection unanswered (a busy refusal
         can arrive so; a node that is down fails over gRPC too); else raise."""
         if exc.connect_failed and not plane.connected_once:
-            log.warning("kvnode %s: data plane %s unreachable (%s); using gRPC for this client",
-                        self.address, plane.address, exc.details)
-            self.use_data_plane = False
+            self._data_retry_s = min(MAX_DATA_PLANE_RETRY_S, max(DATA_PLANE_RETRY_S, 2 * self._data_retry_s))
+            self._data_off_until = time.monotonic() + self._data_retry_s
+            self._node_info = None  # a node restarted meanwhile advertises another port
+            log.warning("kvnode %s: data plane %s unreachable (%s); using gRPC, trying it again in %gs",
+                        self.address, plane.address, exc.details, self._data_retry_s)
             return
         if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED or exc.closed_unanswered:
             if not self._told_busy:

@@ -18,6 +18,7 @@ import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, wait_for
 from data_plane_helpers import GOOD, GOOD_PARENTS, INVALID, MAX_KEYS, assert_unharmed, pages, raw_connection
+from kvnode import client as client_module
 from kvnode import data_wire as dw
 from kvnode.checksum import page_checksum
 from kvnode.client import NodeError, PageRejected
@@ -116,6 +117,25 @@ def test_an_unreachable_data_plane_falls_back_to_grpc_with_one_log_line(seeded, 
     lines = [r.getMessage() for r in caplog.records if "data plane" in r.getMessage()]
     assert len(lines) == 1 and "using gRPC" in lines[0] and str(closed_port) in lines[0]
     seeded.store.check_invariants()
+
+
+def test_a_data_plane_never_reached_is_tried_again_later_and_used_once_it_answers(seeded, plane, monkeypatch, caplog):
+    """A node met while it restarted, say: its Info named a data port nobody listened on. Given
+    up for good, the client stayed on gRPC for its whole life."""
+    monkeypatch.setattr(client_module, "DATA_PLANE_RETRY_S", 0.3)
+    closed = socket.create_server(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+    seeded.service.data_port = closed_port
+    with caplog.at_level(logging.WARNING, logger="kvnode.client"), seeded.client() as client:
+        np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))  # over gRPC
+        assert client.data_plane_address() is None
+        seeded.service.data_port = plane.port  # back, on the port its new Info gives
+        time.sleep(0.4)
+        np.testing.assert_array_equal(client.get_pages(GOOD), pages(3))
+        assert client.data_plane_address() == f"127.0.0.1:{plane.port}"
+    lines = [r.getMessage() for r in caplog.records if "data plane" in r.getMessage()]
+    assert len(lines) == 1 and "trying it again in 0.3s" in lines[0]
 
 
 def test_a_data_plane_that_goes_away_after_serving_is_unavailable_not_a_silent_fallback(seeded, plane):
