@@ -195,8 +195,11 @@ def test_a_load_that_hangs_is_given_up_and_the_request_computed(tiny):
         assert held == 4  # the hung load's blocks are not reused while the loader may write them
     finally:
         release.set()
-    wait_until(lambda: fresh.step() == [] and fresh.get_num_free_blocks() == fresh.pool.num_blocks, 5.0)
-    assert fresh.connector.num_pending() == 0
+    wait_until(fresh.connector.has_releases, 5.0)
+    # Nothing else is live: only this says a loop thread must step to release them.
+    assert fresh.has_unfinished() and fresh.wait_for_work(timeout=0)
+    assert fresh.step() == [] and fresh.get_num_free_blocks() == fresh.pool.num_blocks
+    assert fresh.connector.num_pending() == 0 and not fresh.has_unfinished()
     fresh.pool.check_invariants()
 
 

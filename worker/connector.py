@@ -237,6 +237,10 @@ class KVConnector(LayerwiseLoads):
         with self._lock:
             return sum(1 for lookup in self._lookups.values() if not lookup.future.done())
 
+    def has_releases(self) -> bool:
+        """Loads given up that let go of their blocks: the next take_finished_loads releases them."""
+        return any(load.future.done() for load in self._detached)
+
     def num_pending(self) -> int:
         """Lookups and loads not yet taken by the scheduler (loads given up included)."""
         return len(self._lookups) + len(self._loads) + len(self._detached)

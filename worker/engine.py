@@ -213,8 +213,11 @@ class Engine(StepRunner):
             return list(self._live)
 
     def has_unfinished(self) -> bool:
-        """Requests to run, or pages read in place still to cache (the next step does it)."""
-        return bool(self._live) or not self._inbox.empty() or self.scheduler.has_landings()
+        """Requests to run, or pages read in place still to cache, or blocks of a given-up load to
+        release (the next step does it: on an idle worker the loader's wake may come before
+        wait_for_work clears the event, and nothing else would step)."""
+        return (bool(self._live) or not self._inbox.empty() or self.scheduler.has_landings()
+                or (self.connector is not None and self.connector.has_releases()))
 
     def get_num_free_blocks(self) -> int:
         return self.pool.get_num_free_blocks()
