@@ -20,6 +20,7 @@ from coordinator.client import Client
 from kvcache.launch import Daemon
 from worker.client import Finished, Piece, WorkerClient, WorkerError
 from worker.engine import Engine
+from worker.service import WorkerService
 
 FAULTS = Path(__file__).parent / "fault_injection"
 POISON, STALL = 7, 8  # control characters: no prompt of these tests holds them by chance
@@ -117,6 +118,30 @@ def test_a_stalled_engine_turns_not_serving_and_ends_its_calls_unavailable(tmp_p
             collect(client.generate(PROMPT, max_tokens=5))
         assert later.value.code == grpc.StatusCode.UNAVAILABLE
     assert "worker cannot serve: an engine step has run for over 2s" in (tmp_path / "worker.log").read_text()
+
+
+def test_stopping_says_whether_the_engine_loop_left_its_step():
+    """The daemon closes the remote tier (unmapping node pools a step may read) only if it did."""
+    class StuckEngine:
+        def __init__(self):
+            self.inside, self.release = threading.Event(), threading.Event()
+
+        def wait_for_work(self, timeout=None):
+            return True
+
+        def step(self):
+            self.inside.set()
+            self.release.wait(30.0)  # bounded; released below
+
+    stuck = StuckEngine()
+    service = WorkerService(stuck)
+    service.start()
+    try:
+        assert stuck.inside.wait(5.0)
+        assert service.stop(timeout_s=0.2) is False
+    finally:
+        stuck.release.set()
+    assert service.stop(timeout_s=5.0) is True
 
 
 def test_through_a_coordinator_requests_on_a_stalled_worker_finish_elsewhere(tmp_path, engine):

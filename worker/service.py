@@ -79,10 +79,12 @@ class WorkerService:
         self._loop.start()
         self._watchdog.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Stop the engine's loop; False if it is still inside a step after `timeout_s` (stalled)."""
         self._stopping.set()
-        self._loop.join(timeout=10.0)
+        self._loop.join(timeout=timeout_s)
         self._watchdog.join(timeout=2.0)
+        return not self._loop.is_alive()
 
     def _run_engine(self) -> None:
         while not self._stopping.is_set() and self.broken is None:
