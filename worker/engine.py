@@ -125,11 +125,17 @@ class Engine(StepRunner):
 
     def attach_remote_tier(self, tier: RemoteTier | None) -> None:
         """Plug in (or, with None, remove) the remote tier; it usually needs `kv_pool`, hence after construction.
-        Before any request uses it: the tier is reached through a KVConnector (worker/connector.py)."""
+        Before any request uses it: the tier is reached through a KVConnector (worker/connector.py),
+        and a request parked on the old one would never be told its pages landed."""
         with self._lock:
+            if self.scheduler.parked or self._connector_busy():
+                raise RuntimeError("a remote tier is attached while no request waits for one: finish them first")
             old, self.scheduler.connector = self.scheduler.connector, self._connector_for(tier)
         if old is not None:
             old.close()
+
+    def _connector_busy(self) -> bool:
+        return self.scheduler.connector is not None and self.scheduler.connector.num_pending() > 0
 
     def _connector_for(self, tier: RemoteTier | None) -> KVConnector | None:
         return None if tier is None else KVConnector(tier, wake=self._work.set)
