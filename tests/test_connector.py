@@ -193,6 +193,8 @@ def test_a_load_that_hangs_is_given_up_and_the_request_computed(tiny):
         assert fresh.connector.num_loads_given_up == 1
         held = fresh.pool.num_blocks - fresh.get_num_free_blocks()
         assert held == 4  # the hung load's blocks are not reused while the loader may write them
+        with pytest.raises(RuntimeError, match="finish them first"):  # its connector still owes them
+            fresh.attach_remote_tier(None)
     finally:
         release.set()
     wait_until(fresh.connector.has_releases, 5.0)
