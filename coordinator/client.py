@@ -7,6 +7,14 @@ is resumed through another without repeating or losing a token.
 A secure cluster: `token` is sent with every call (`authorization: Bearer TOKEN`; it names the
 tenant whose cached pages the requests share), `tls_ca` (the cluster's CA file) checks the
 coordinators, `tls_cert` and `tls_key` (a client certificate of that CA) are presented to them.
+
+Notes
+1. No gRPC object is left for the interpreter's exit. Its last garbage collection runs after
+   grpc's daemon threads were stopped where they stood; a call or channel freed then takes its
+   lock first, and waits forever if a stopped thread held it (seen: a client that had printed its
+   whole answer never exited). So a failed attempt's exception, which is the call itself, loses
+   its traceback at once: kept, it holds a cycle (the call's frame and generate's, with the next
+   attempt's call in it) that only a collection frees. And close() lets go of the channels.
 """
 
 from __future__ import annotations
@@ -121,6 +129,7 @@ class Client:
             stub = pb_grpc.CoordinatorStub(channel)
             self._coordinators.append(_Coordinator(address, channel, stub.Generate, stub.ClusterStatus))
         self._preferred = 0
+        self._closed = False
 
     def generate(self, prompt: str | Sequence[int] | Sequence[Mapping[str, str]], session_id: str = "",
                  cancel: Cancel | None = None, token: str | None = None, **options) -> Iterator[Piece | Finished]:
@@ -148,6 +157,7 @@ class Client:
                         return
                 errors.append(f"{coordinator.address}: stream ended without finishing")
             except grpc.RpcError as exc:
+                exc.__traceback__ = None  # note 1
                 if cancel is not None and cancel.cancelled:
                     raise ClusterError(grpc.StatusCode.CANCELLED, "cancelled by the caller") from None
                 if exc.code() not in TRY_ELSEWHERE:
@@ -173,12 +183,16 @@ class Client:
         raise ClusterError(grpc.StatusCode.UNAVAILABLE, "no coordinator answered: " + "; ".join(errors))
 
     def _in_order(self) -> list[_Coordinator]:
+        if self._closed:
+            raise ValueError("the Client is closed")
         first = self._preferred
         return self._coordinators[first:] + self._coordinators[:first]
 
     def close(self) -> None:
+        self._closed = True
         for coordinator in self._coordinators:
             coordinator.channel.close()
+        self._coordinators = []  # freed now, while grpc's threads still run (note 1)
 
     def __enter__(self) -> "Client":
         return self
