@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -78,7 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in QUIET_BLAS_ENV.items():
         os.environ.setdefault(name, value)
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    finally:
+        # gRPC objects in reference cycles are freed now, while grpc's threads run: left for the
+        # interpreter's exit, freeing one could hang it for good (coordinator/client.py note 1).
+        gc.collect()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from coordinator.client import Client, Finished, Piece
+from worker.client import WorkerClient, WorkerError
 from protos import kvcache_pb2 as pb
 from protos import serving
 
@@ -30,11 +31,11 @@ def finishing(request, context):
 
 
 @contextlib.contextmanager
-def fake_coordinator(generate) -> Iterator[str]:
+def fake_coordinator(generate, service: str = "kvcache.v1.Coordinator") -> Iterator[str]:
     method = grpc.unary_stream_rpc_method_handler(generate, pb.GenerateRequest.FromString,
                                                   pb.GenerateReply.SerializeToString)
-    handler = grpc.method_handlers_generic_handler("kvcache.v1.Coordinator", {"Generate": method})
-    server, health = serving.make_server([handler], ["kvcache.v1.Coordinator"], max_workers=4)
+    handler = grpc.method_handlers_generic_handler(service, {"Generate": method})
+    server, health = serving.make_server([handler], [service], max_workers=4)
     port = serving.bind(server, "127.0.0.1", 0)
     server.start()
     try:
@@ -85,3 +86,16 @@ def test_close_lets_go_of_the_channels_and_a_closed_client_says_so():
             list(client.generate([1]))
         with pytest.raises(ValueError, match="closed"):
             client.status()
+
+
+def test_no_call_outlives_a_worker_stream_that_failed():
+    """`kvcache generate --worker` meets the same exit with WorkerClient's error in hand."""
+    with fake_coordinator(failing, "kvcache.v1.Worker") as worker, WorkerClient(worker, timeout=30.0) as client, \
+            collector_off():
+        before = [o for o in gc.get_objects() if isinstance(o, grpc.Call)]
+        with pytest.raises(WorkerError) as failed:
+            list(client.generate([1, 2, 3], max_tokens=2))
+        assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+        del failed
+        left = made_since(before, grpc.Call)
+    assert left == [], f"{len(left)} gRPC call(s) left for a garbage collection to free"
