@@ -41,6 +41,13 @@ Design notes
    blocks first; only from the node that answered the lookup, and only all the pages or none (a
    failure of any kind answers None, and `fill` fetches them as before). Not with the layer-wise
    fill, which this replaces where it applies.
+9. A fetch the node answers NOT_FOUND (a page evicted or dropped since the lookup: the lookup
+   may be up to half a lease old when the load starts, loads queue behind one another, and a
+   DropPages from any worker removes leased pages too) is a miss for that fetch as any failed
+   fetch is (its pages are computed, a replica asked for the rest), counted in
+   `fetches_not_found`, but the node answered: it is not skipped (remote_nodes.py note 2) and no
+   warning is logged. Every other error is the node's failure (busy is not one: NodeClient sends
+   a call its data plane refuses as busy over gRPC, and a pin it refuses answers None).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import grpc
 import numpy as np
 
 from kvnode.client import NodeError, PageRejected
@@ -87,6 +95,7 @@ class TierStats:
     pages_rejected: int = 0  # fetched pages whose bytes did not match their checksums (design note 6)
     drops_reported: int = 0  # DropPages calls a node answered
     pages_in_place: int = 0  # fetched pages read where they lay in a same-host node's pool (design note 8)
+    fetches_not_found: int = 0  # fetches the node answered NOT_FOUND, its pages gone since the lookup (note 9)
 
 
 class RemoteTier:
@@ -212,8 +221,7 @@ class RemoteTier:
                 try:
                     pages = self.in_place.pin(node, keys, block_ids, self._fetch_timeout(len(keys)))
                 except NodeError as exc:
-                    self._count("fetch_failures", 1)
-                    self.nodes.failed(node, exc)
+                    self._fetch_failed(node, exc)
                     return None
                 self.nodes.succeeded(node)
                 if pages is not None:
@@ -248,8 +256,7 @@ class RemoteTier:
                     self._count("pages_fetched", exc.index)
                     return exc.index
                 except NodeError as exc:
-                    self._count("fetch_failures", 1)
-                    self.nodes.failed(node, exc)
+                    self._fetch_failed(node, exc)
                     return 0
                 self.nodes.succeeded(node)
                 self._count("pages_fetched", len(keys))
@@ -286,9 +293,19 @@ class RemoteTier:
                     self.nodes.succeeded(node)
                     self._reject(node.address, error)
                     return filled
-                self._count("fetch_failures", 1)
-                self.nodes.failed(node, error)
+                self._fetch_failed(node, error)
         return filled
+
+    def _fetch_failed(self, node: Node, exc: NodeError) -> None:
+        """A fetch from `node` failed: counted, and the node skipped for its back-off unless it
+        answered that a page is gone (design note 9)."""
+        self._count("fetch_failures", 1)
+        if exc.code != grpc.StatusCode.NOT_FOUND:
+            self.nodes.failed(node, exc)
+            return
+        self._count("fetches_not_found", 1)
+        self.nodes.succeeded(node)  # it answered
+        log.debug("kvnode %s no longer holds a page of a fetch (%s); computing it", node.address, exc.details)
 
     def _reject(self, address: str, rejected: PageRejected) -> None:
         """A fetched page failed its checksum (design note 6): count it, say so, have the node drop it."""

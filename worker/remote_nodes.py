@@ -9,7 +9,8 @@ Design notes
    probe goes on; later calls use the node once it answered. A node on loopback answers in a few
    ms, so it is used by the very first request that names it.
 2. A node that fails (a probe or a call) is skipped for `retry_after_s`, doubled for every failure
-   in a row up to `max_retry_after_s`; a call that succeeds resets it. A dead address costs one
+   in a row up to `max_retry_after_s`; a call that succeeds resets it (a fetch answered NOT_FOUND
+   is an answer, not a failure: remote.py note 9). A dead address costs one
    probe per back-off, on a probe thread. Only the first failure in a row logs a warning.
 3. At most `max_probes` probes are in flight; past that, an address that needs one is a miss.
 4. At most `max_nodes` nodes are known. A new address evicts the least recently used node not in
