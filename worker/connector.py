@@ -18,9 +18,13 @@ Design notes
    (`start_lookup`, any thread), so by the time the scheduler first considers it the node has
    usually answered. A result the tier gave more than half its lease ago is asked again (its
    pages may have been evicted on the node since the lease lapsed).
-4. Every wait is bounded: a lookup or load that has not finished after `timeout_s` is given
-   up: the scheduler computes the request instead, and the blocks the loader may still write
-   are released only when it does finish (`take_finished_loads` reports it).
+4. Every wait is bounded: a lookup or load that has not finished `timeout_s` after it was asked
+   for is given up: the scheduler computes the request instead. The bound is on the request's
+   wait, so it counts from submission, time queued behind other loads included (counted from
+   the load's start, a request behind several slow loads would wait for all of them). A load
+   given up (overdue, or its request ended) that has not started is cancelled: the loader never
+   runs it, and its blocks come back in the next `take_finished_loads`; the blocks of one that
+   started are released only when it does finish (`take_finished_loads` reports it).
 5. Each finished lookup or load calls `wake` (the engine's loop sleeps on it when nothing else
    can run).
 6. `close(timeout_s)` is bounded: queued work is dropped, running calls get `timeout_s` to end
@@ -113,6 +117,7 @@ class KVConnector(LayerwiseLoads):
         self._pools_lock = threading.Lock()  # guards the two above; taken after _lock, never before
         self.num_lookups_given_up = 0
         self.num_loads_given_up = 0
+        self.num_loads_cancelled = 0  # ... of which had not started: never run (design note 4)
         self.num_early_joins = 0  # requests that joined a step before their layer-wise load ended
         self.num_unjoined = 0  # ... and went back to wait for it, a layer late (design note 7)
         self.num_layer_waits = 0  # times the engine found a layer not landed yet and waited for it
@@ -222,11 +227,14 @@ class KVConnector(LayerwiseLoads):
 
     def give_up_load(self, request, blocks: Sequence[int]) -> None:
         """The request no longer waits for its load (it ended, or the load is overdue); `blocks`
-        (those the loader may write) come back in `released` once the loader let go of them."""
+        (those the loader may write) come back in `released` once the loader let go of them: at
+        the next call when the load had not started, as it is then cancelled (design note 4)."""
         load = self._loads.pop(id(request))
         load.blocks = list(blocks)
         self._detached.append(load)
         self.num_loads_given_up += 1
+        if load.future.cancel():
+            self.num_loads_cancelled += 1
 
     def forget(self, request) -> None:
         """The request ended: drop its lookup (a running one finishes unread)."""
