@@ -129,9 +129,8 @@ class _EngineCollector(Collector):
             ("kvcache_worker_remote_dropped_pages", stats.pages_dropped, "Pages not written back (queue full, node "
                                                                            "down)"),
             ("kvcache_worker_remote_node_failures", stats.node_failures, "Calls to kvnodes that failed"),
-            ("kvcache_worker_remote_fetches_not_found", stats.fetches_not_found, "Fetches a kvnode answered "
-                                                                                 "NOT_FOUND: pages gone since the "
-                                                                                 "lookup (computed instead)"),
+            ("kvcache_worker_remote_fetches_not_found", stats.fetches_not_found,
+             "Fetches a kvnode answered NOT_FOUND: pages gone since the lookup (computed instead)"),
             ("kvcache_worker_remote_rejected_pages", stats.pages_rejected, "Pages fetched from kvnodes whose bytes did "
                                                                              "not match their checksums (computed instead)"),
         ):

@@ -43,11 +43,12 @@ Design notes
    fill, which this replaces where it applies.
 9. A fetch the node answers NOT_FOUND (a page evicted or dropped since the lookup: the lookup
    may be up to half a lease old when the load starts, loads queue behind one another, and a
-   DropPages from any worker removes leased pages too) is a miss for that fetch as any failed
-   fetch is (its pages are computed, a replica asked for the rest), counted in
-   `fetches_not_found`, but the node answered: it is not skipped (remote_nodes.py note 2) and no
-   warning is logged. Every other error is the node's failure (busy is not one: NodeClient sends
-   a call its data plane refuses as busy over gRPC, and a pin it refuses answers None).
+   DropPages from any worker removes leased pages too) fails as any fetch may (`fill` asks a
+   replica for the rest, the others answer as on any failure, and what no node delivers is
+   computed), counted in `fetches_not_found`; but the node answered: it is not skipped
+   (remote_nodes.py note 2) and no warning is logged. Every other error skips the node: a data
+   plane busy never reaches the tier (NodeClient goes over gRPC, a refused pin answers None),
+   and gRPC's RESOURCE_EXHAUSTED (the node's calls in flight at their bound) sheds load from it.
 """
 
 from __future__ import annotations
