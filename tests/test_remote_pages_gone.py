@@ -3,7 +3,6 @@ dropped by another worker's DropPages) is a miss, not a failing node (worker/rem
 the request computes those tokens, and the node is still used by the next request. Each of the
 tier's three fetches: whole pages (`fill`), layer by layer, and read in place."""
 
-import hashlib
 import logging
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 from cluster_helpers import NODE_PAGE_BYTES, serve_node, wait_for
 from kvnode import shared_pool
 from kvnode.store import PageStore
+from test_remote_fill import chain_keys
 from worker.engine import Engine
 from worker.model import load_model
 from worker.remote import Placement, RemoteTier
@@ -24,14 +24,6 @@ def drop(store: PageStore, key: bytes) -> None:
     """What DropPages does to a page (leased or not): it and its descendants leave the node."""
     with store._lock:
         store._drop_subtree(key)
-
-
-def chain_keys(n, salt):
-    keys, parent = [], b"root"
-    for i in range(n):
-        parent = hashlib.blake2b(parent + salt + bytes([i]), digest_size=16).digest()
-        keys.append(parent)
-    return keys
 
 
 def assert_still_used(tier, address):
