@@ -13,6 +13,10 @@ Design notes (numbered 7 and 8 among the store's before they moved here)
    once, so no lookup counts it and no fetch pins it again; only its slots wait, in
    `_condemned`, for its last unpin (a sender is still reading them). Until then its key
    cannot be stored again (REFUSED_NO_ROOM), so an unpin by key always finds the right page.
+3. A page leaves the index here only: evicted (the eviction order popped it) or dropped (notes
+   1 and 2). A dropped page is one the order did not choose, so `_evict` tells it (removed):
+   an order that keeps an entry per page (ARC, S3-FIFO, LFU) would otherwise keep the page's
+   entry and fail on its next read of it (kvnode/eviction/candidates.py note 4).
 """
 
 from __future__ import annotations
@@ -67,14 +71,18 @@ class PageDrops:
         for k in order:
             order.extend(children.get(k, ()))
         for k in reversed(order):  # leaves first
-            self._evict(k, counted=False)
+            self._evict(k, popped=False)
         return len(order)
 
-    def _evict(self, key: bytes, counted: bool = True) -> None:
-        """Drop `key` from the node, its slots back to the free lists (once unpinned: note 2)."""
+    def _evict(self, key: bytes, popped: bool = True) -> None:
+        """Drop `key` from the node, its slots back to the free lists (once unpinned: note 2).
+        `popped`: the eviction order chose it (an eviction; its pop forgot the page); otherwise
+        it is dropped, and the order is told (note 3)."""
         page = self._index.pop(key)
+        if not popped:
+            self._queue.removed(key)
         self._leases.dropped(page)  # only a page dropped with a lost ancestor can be leased (note 1)
-        self.stats.evictions += counted
+        self.stats.evictions += popped
         parent = self._index.get(page.parent) if page.parent else None
         if parent is not None:
             parent.children -= 1

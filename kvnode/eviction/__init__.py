@@ -59,7 +59,8 @@ class EvictionQueue:
 
     offer(key, page): stored, or its lease ended, or its last pin was released;
     touched(key, page); lost_last_child(key, page); pop(now, protect) -> the key to evict
-    (never `protect`) or None; check(): the order's bookkeeping, for tests.
+    (never `protect`) or None; removed(key): it left the index otherwise, dropped
+    (candidates.py note 4); check(): the order's bookkeeping, for tests.
     """
 
     def __init__(self, policy: EvictionPolicy, pages: Mapping[bytes, Page]):
@@ -70,4 +71,5 @@ class EvictionQueue:
         self.touched = self.order.touched
         self.lost_last_child = self.order.lost_last_child
         self.pop = self.order.pop
+        self.removed = self.order.removed
         self.check = self.order.check

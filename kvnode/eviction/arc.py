@@ -41,7 +41,6 @@ class ArcOrder(SegmentedOrder):
     def __init__(self, policy: EvictionPolicy, pages: Mapping[bytes, Page]):
         super().__init__(policy, pages, (T1, T2))
         self._entries: dict[bytes, _Entry] = {}
-        self._sizes = {T1: 0, T2: 0}
         self._ghosts: dict[int, OrderedDict[bytes, None]] = {T1: OrderedDict(), T2: OrderedDict()}  # B1, B2
         self.target_t1 = 0.0  # ARC's p
         self.capacity = 0  # ARC's c (design note 4)

@@ -15,6 +15,12 @@ Design notes
    that touch, so an order that counts uses (ARC, S3-FIFO, LFU) tells the two apart by
    the child count it saw last. Otherwise a chain stored once would count every page but
    the last as used twice.
+4. A page leaves the store's index by the order's pop, or by a drop (kvnode/store_drops.py:
+   lost on disk, or reported altered, with its descendants), which the store tells the order
+   through removed(). An order that keeps an entry per page (ARC, S3-FIFO, LFU) forgets it
+   there, or it would later read a page the index no longer has; the page's heap entries go
+   stale (note 1). A dropped page was not the order's choice and says nothing of its use:
+   it leaves no ghost (ARC, S3-FIFO) and does not age LFU.
 """
 
 from __future__ import annotations
@@ -96,6 +102,10 @@ class Order:
     def lost_last_child(self, key: bytes, page: Page) -> None:
         raise NotImplementedError
 
+    def removed(self, key: bytes) -> None:
+        """`key` left the store's index, not through pop(): dropped (note 4)."""
+        raise NotImplementedError
+
     def pop(self, now: float, protect: bytes) -> bytes | None:
         """The key to evict next (never `protect`); the store evicts it. None when nothing may go."""
         raise NotImplementedError
@@ -120,6 +130,15 @@ class CountingOrder(Order):
         if self.policy.leaves_only:
             self._queue(key, entry, page)
 
+    def removed(self, key: bytes) -> None:
+        """Forget `key`'s entry (note 4); its heap entries go stale."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._forget(entry)
+
+    def _forget(self, entry) -> None:
+        """What an order counts beside its entries, less a removed page's `entry`."""
+
     def _queue(self, key: bytes, entry, page: Page) -> None:
         raise NotImplementedError
 
@@ -135,6 +154,10 @@ class SegmentedOrder(CountingOrder):
     def __init__(self, policy: EvictionPolicy, pages: Mapping[bytes, Page], segments: Iterable[int]):
         super().__init__(policy, pages)
         self._segments = {where: Candidates() for where in segments}
+        self._sizes = {where: 0 for where in self._segments}  # pages in each segment, evictable or not
+
+    def _forget(self, entry) -> None:
+        self._sizes[entry.where] -= 1
 
     def _queue(self, key: bytes, entry, page: Page) -> None:
         if self.may_evict(page):

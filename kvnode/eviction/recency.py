@@ -32,6 +32,9 @@ class RecencyOrder(Order):
         if self.policy.leaves_only:
             self.offer(key, page)
 
+    def removed(self, key: bytes) -> None:
+        """Nothing to forget: its heap entries go stale, `_current` reading the index (candidates.py note 4)."""
+
     def pop(self, now: float, protect: bytes) -> bytes | None:
         found = self._candidates.pop(self._current, now, protect)
         return None if found is None else found[1]

@@ -44,7 +44,6 @@ class S3FifoOrder(SegmentedOrder):
     def __init__(self, policy: EvictionPolicy, pages: Mapping[bytes, Page]):
         super().__init__(policy, pages, (SMALL, MAIN))
         self._entries: dict[bytes, _Entry] = {}
-        self._sizes = {SMALL: 0, MAIN: 0}
         self._ghosts: OrderedDict[bytes, None] = OrderedDict()
         self.capacity = 0
 
@@ -112,7 +111,7 @@ class S3FifoOrder(SegmentedOrder):
 
     def _drop(self, key: bytes, entry: _Entry) -> None:
         del self._entries[key]
-        self._sizes[entry.where] -= 1
+        self._forget(entry)
 
     def check(self) -> None:
         self._check_segments(self._sizes)
