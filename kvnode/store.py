@@ -305,8 +305,10 @@ class PageStore(PagePins, PageDrops):
             written = self._tiers.write_batch(batch)
         finally:
             with self._lock:
-                self._tiers.flushed(batch, written)
-                self._unpin([key for key, _, _ in batch])
+                try:
+                    self._tiers.flushed(batch, written)
+                finally:  # pins never outlive a flush (kvnode/store_pins.py note 2)
+                    self._unpin([key for key, _, _ in batch])
         return written
 
     # ---- internals (callers hold the lock) -----------------------------------

@@ -1,11 +1,14 @@
 """Pins (kvnode/store_pins.py design note 1): a page whose bytes the data plane is sending from the pool is
 never evicted, so its slot is not overwritten mid-send; releasing the last pin makes it
-evictable again."""
+evictable again. Whatever fails partway through a pin, an unpin or a flush, no pin is left
+behind (note 2)."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvnode.disk_tier import DiskTier
+from kvnode.eviction import NODE_POLICIES
 from kvnode.store import PageNotFound, PageStore, PutOutcome
 from store_helpers import key, page
 
@@ -80,3 +83,61 @@ def test_a_lease_ending_on_a_pinned_page_does_not_make_it_evictable():
     store.check_invariants()
     store.unpin_pages([key(1)])
     store.check_invariants()
+
+
+class Failing(Exception):
+    """What an eviction order or a tier raises here: a bug elsewhere, which must not leak pins."""
+
+
+def failing_for(bad: bytes, method):
+    """`method(key, page)`, raising Failing for key `bad`."""
+
+    def call(key_: bytes, page_) -> None:
+        if key_ == bad:
+            raise Failing(key_.hex())
+        method(key_, page_)
+
+    return call
+
+
+@pytest.mark.parametrize("policy", NODE_POLICIES)
+def test_a_pin_that_fails_partway_pins_nothing(policy):
+    store = PageStore(4, PAGE_BYTES, policy=policy)
+    for n in (1, 2, 3):
+        assert store.put(key(n), b"", page(n, PAGE_BYTES)) == PutOutcome.STORED
+    touched = store._queue.touched
+    store._queue.touched = failing_for(key(2), touched)  # after key(2) is pinned
+    with pytest.raises(Failing):
+        store.pin_pages([key(1), key(2), key(3)])
+    assert store.num_pinned() == 0
+    with pytest.raises(Failing):
+        store.read([key(1), key(2), key(3)])
+    assert store.num_pinned() == 0 and store.stats.get_pages == 0
+    store._queue.touched = touched
+    store.check_invariants()
+    assert store.read([key(2)]) == page(2, PAGE_BYTES)
+
+
+@pytest.mark.parametrize("policy", NODE_POLICIES)
+def test_an_unpin_that_fails_for_one_page_unpins_every_other(policy):
+    store = PageStore(4, PAGE_BYTES, policy=policy)
+    for n in (1, 2, 3):
+        assert store.put(key(n), b"", page(n, PAGE_BYTES)) == PutOutcome.STORED
+    store.pin_pages([key(1), key(2), key(3)])
+    store._queue.offer = failing_for(key(1), store._queue.offer)
+    with pytest.raises(Failing):
+        store.unpin_pages([key(1), key(2), key(3)])
+    assert store.num_pinned() == 0
+
+
+def test_a_flush_that_fails_after_its_writes_unpins_its_pages(tmp_path):
+    store = PageStore(2, PAGE_BYTES, disk=DiskTier(tmp_path, 8, PAGE_BYTES))
+    assert store.put(key(1), b"", page(1, PAGE_BYTES)) == PutOutcome.STORED
+
+    def flushed(batch, written):
+        raise Failing("flushed")
+
+    store._tiers.flushed = flushed
+    with pytest.raises(Failing):
+        store.flush()
+    assert store.num_pinned() == 0
