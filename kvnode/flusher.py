@@ -1,6 +1,8 @@
 """Writes a store's dirty pages to its disk tier every `interval_s` seconds, on its own thread,
 so a page put in RAM is on disk (synced) at most about one interval later; stop() writes
-what is left (the node's SIGTERM)."""
+what is left (the node's SIGTERM). A failed flush is retried at the next interval: the disk's
+errors (OSError) are logged each time, any other (a bug) once for each new reason, and the
+thread keeps running: dead, it would leave every later put in RAM only, silently."""
 
 from __future__ import annotations
 
@@ -40,8 +42,15 @@ class Flusher:
         return self.store.flush()
 
     def _run(self) -> None:
+        last_reason = None
         while not self._stopping.wait(self.interval_s):
             try:
                 self.store.flush()
             except OSError:
                 log.exception("writing pages to the disk tier failed; retrying in %.1fs", self.interval_s)
+            except Exception as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+                if reason != last_reason:
+                    log.exception("flushing to the disk tier failed unexpectedly; the flusher keeps running, "
+                                  "retrying every %.1fs, and logs this reason only once", self.interval_s)
+                last_reason = reason
