@@ -120,25 +120,7 @@ class NodeClient:
 
     def info(self, timeout: float | None = None) -> NodeInfo:
         reply = self._call(self._info, pb.InfoRequest(), timeout)
-        self._node_info = NodeInfo(
-            reply.node_id,
-            reply.version,
-            reply.page_bytes,
-            reply.capacity_pages,
-            reply.used_pages,
-            reply.leased_pages,
-            reply.free_pages,
-            reply.max_keys_per_request,
-            reply.max_message_bytes,
-            reply.data_port,
-            reply.ram_capacity_pages,
-            reply.ram_used_pages,
-            reply.disk_capacity_pages,
-            reply.disk_used_pages,
-            reply.dirty_pages,
-            reply.data_host,
-            reply.data_unix,
-        )
+        self._node_info = NodeInfo(**{name: getattr(reply, name) for name in NodeInfo.__dataclass_fields__})
         return self._node_info
 
     def lookup(self, keys: Sequence[bytes], lease_ms: int = 0, timeout: float | None = None) -> int:

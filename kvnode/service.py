@@ -92,6 +92,7 @@ class KVStoreService:
             disk_capacity_pages=store.capacity_pages if store.disk is not None else 0,
             disk_used_pages=store.num_on_disk(),
             dirty_pages=store.num_dirty(),
+            max_leases_per_call=store.max_leases_per_call or 0,
         )
 
     def lookup(self, request, context) -> pb.LookupReply:

@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "version", "page_bytes", "capacity_pages", "used_pages", "leased_pages", "free_pages", "max_keys_per_request", "max_message_bytes", "data_port", "ram_capacity_pages", "ram_used_pages", "disk_capacity_pages", "disk_used_pages", "dirty_pages", "data_host", "data_unix")
+    __slots__ = ("node_id", "version", "page_bytes", "capacity_pages", "used_pages", "leased_pages", "free_pages", "max_keys_per_request", "max_message_bytes", "data_port", "ram_capacity_pages", "ram_used_pages", "disk_capacity_pages", "disk_used_pages", "dirty_pages", "data_host", "data_unix", "max_leases_per_call")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class NodeInfo(_message.Message):
     DIRTY_PAGES_FIELD_NUMBER: _ClassVar[int]
     DATA_HOST_FIELD_NUMBER: _ClassVar[int]
     DATA_UNIX_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEASES_PER_CALL_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     page_bytes: int
@@ -47,7 +48,8 @@ class NodeInfo(_message.Message):
     dirty_pages: int
     data_host: str
     data_unix: str
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., page_bytes: _Optional[int] = ..., capacity_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., leased_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., ram_capacity_pages: _Optional[int] = ..., ram_used_pages: _Optional[int] = ..., disk_capacity_pages: _Optional[int] = ..., disk_used_pages: _Optional[int] = ..., dirty_pages: _Optional[int] = ..., data_host: _Optional[str] = ..., data_unix: _Optional[str] = ...) -> None: ...
+    max_leases_per_call: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., page_bytes: _Optional[int] = ..., capacity_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., leased_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., ram_capacity_pages: _Optional[int] = ..., ram_used_pages: _Optional[int] = ..., disk_capacity_pages: _Optional[int] = ..., disk_used_pages: _Optional[int] = ..., dirty_pages: _Optional[int] = ..., data_host: _Optional[str] = ..., data_unix: _Optional[str] = ..., max_leases_per_call: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("keys", "lease_ms")

@@ -151,6 +151,20 @@ def test_pipelined_fill_writes_what_the_simple_path_writes(make_node, kv_dtype, 
         tier.close()
 
 
+def test_a_lookup_leases_within_the_nodes_lease_bound_per_call(make_node):
+    """A node started with --max-leases-per-call below --max-keys says so in its Info: a lookup
+    of more keys is asked in parts within it (it was refused, and the node skipped as failing)."""
+    keys = chain_keys(PAGES, b"leases")
+    node, _ = stored_node(make_node, "float32", keys)
+    node.store.max_leases_per_call = 4
+    tier = make_tier("float32")
+    try:
+        assert tier.lookup(keys, Placement([node.address])) == PAGES
+        assert tier.stats.node_failures == 0 and node.store.num_leased() == PAGES
+    finally:
+        tier.close()
+
+
 @pytest.mark.parametrize("batch_pages,min_pages", [(3, 1), (64, 64)])
 @pytest.mark.parametrize("targets", sorted(TARGETS))
 def test_a_float16_pool_sends_and_receives_pages_as_the_node_holds_them(make_node, batch_pages, min_pages, targets):

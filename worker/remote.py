@@ -181,13 +181,14 @@ class RemoteTier:
         return 0
 
     def _lookup(self, node: Node, keys: Sequence[bytes], deadline: float) -> int:
-        """The node's hits among `keys`, leased, asked in requests of at most the node's key limit, until `deadline`."""
+        """The node's hits among `keys`, leased, asked in requests of at most the node's key (and
+        lease) limit, until `deadline`."""
         hits = 0
-        for start in range(0, len(keys), node.max_keys):
+        for start in range(0, len(keys), node.max_lookup_keys):
             left = deadline - time.monotonic()
             if left <= 0:
                 break  # the request's lookup time is spent: the hits so far
-            part = keys[start : start + node.max_keys]
+            part = keys[start : start + node.max_lookup_keys]
             found = node.client.lookup(part, lease_ms=self.lease_ms, timeout=min(left, self.lookup_timeout_s))
             self.nodes.succeeded(node)
             hits += found

@@ -43,6 +43,7 @@ class Node:
     address: str
     client: NodeClient
     max_keys: int = 1  # most pages the node takes in one request (from its info)
+    max_lookup_keys: int = 1  # ... in one lookup that leases (its info's max_leases_per_call, if lower)
     answered: bool = False  # its Info answered with our page size, and no call failed since
     refused: bool = False  # page size does not match: never used
     down_until: float = 0.0  # no probe before this (monotonic seconds)
@@ -209,6 +210,7 @@ class NodeTable:
 
     def _answered(self, node: Node, info: NodeInfo) -> None:
         node.max_keys = max(1, info.max_keys_per_request)
+        node.max_lookup_keys = min(node.max_keys, info.max_leases_per_call or node.max_keys)
         if info.page_bytes != self.page_bytes:
             node.refused = True
             log.warning(
