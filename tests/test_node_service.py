@@ -18,7 +18,7 @@ from kvcache import __version__
 from kvnode import wire
 from kvnode.checksum import page_checksum
 from kvnode.client import NodeClient, NodeError
-from kvnode.service import SERVICE_NAME
+from kvnode.service import SERVICE_NAME, KVStoreService
 from kvnode.store import PageStore
 from protos import kvcache_pb2 as pb
 from store_helpers import key
@@ -310,3 +310,21 @@ def test_put_pages_refuses_pages_it_cannot_send_before_sending_anything(node, cl
         client.put_pages(["not bytes"], [b""], random_pages(1, NODE_PAGE_BYTES))
     assert client.stats()["puts"] == 0
     assert node.store.keys() == []
+
+
+def test_a_whole_page_item_with_padding_does_not_keep_its_message_alive():
+    """A PutItem with one whole page and a large unknown field: the call keeps the page, not the
+    whole message (a view would: 256 items of 8 MiB held 2 GiB for 32 MiB of pages); a plain
+    item's page stays a view of its message (no copy)."""
+    page_bytes, padding = 4096, 1 << 20
+    service = KVStoreService(PageStore(8, page_bytes))
+
+    def item(i: int, last: bool, pad: int) -> bytes:
+        unknown = wire._tag(15, wire._LEN) + wire._varint(pad) + bytes(pad) if pad else b""
+        return unknown + wire.put_item(key(i), b"", bytes([i]) * page_bytes, last)
+
+    for pad in (padding, 0):
+        items = service._receive_pages(wire.parse_put_item(item(i, i == 3, pad)) for i in range(4))
+        assert [bytes(page) for _, _, page, _ in items] == [bytes([i]) * page_bytes for i in range(4)]
+        behind = [len(memoryview(page).obj) for _, _, page, _ in items]  # the buffer each page keeps alive
+        assert all(page_bytes <= size < page_bytes + 1024 for size in behind), behind
