@@ -17,7 +17,7 @@ Design notes
    before the first reply is read, and the node, which reads a connection's requests one at a
    time, answers them in order without waiting for us. Across hosts each request asked after
    the previous reply would cost a round trip of its own (one per batch of a fetch).
-5. TLS runs over memory BIOs on the plain socket (data_wire.TlsStream, its design note 5), not
+5. TLS runs over memory BIOs on the plain socket (kvnode/tls_stream.py, its design note 1), not
    an ssl.SSLSocket: one recv takes up to a MiB of records, each decrypted into the caller's
    buffer, and the socket keeps its kernel timeouts (note 2). The context, and so the
    certificate checks and the certificate we present, are the same as wrap_socket's.
@@ -55,6 +55,7 @@ from kvnode.checksum import CHECKSUM_BYTES
 from kvnode.data_client_io import (DataPlaneError, StaleConnection, receive, receive_scattered, reply_header,
                                   send_request)
 from kvnode.shared_pool_reader import MAP_TIMEOUT_S, SharedPoolFile, SharedPoolReader, page_arrays
+from kvnode.tls_stream import TlsStream
 
 _MAX_IDLE = 4
 _UNIX_GONE = (errno.ECONNREFUSED, errno.ENOENT)  # nobody listens on the name: the node exited or restarted
@@ -323,12 +324,12 @@ class DataPlaneClient:
             raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"cannot connect to {self.address}: {exc}",
                                  connect_failed=True) from None
 
-    def _handshake(self, sock: socket.socket, deadline: float) -> dw.TlsStream:
+    def _handshake(self, sock: socket.socket, deadline: float) -> TlsStream:
         """TLS on a new connection. A node that closes it unanswered (at its connection limit) or
         whose certificate fails makes a DataPlaneError; never connected before, `connect_failed`."""
         try:
             dw.set_kernel_timeouts(sock, max(0.001, deadline - time.monotonic()))
-            return dw.TlsStream(sock, self.tls, server_hostname=self.host)
+            return TlsStream(sock, self.tls, server_hostname=self.host)
         except ssl.SSLCertVerificationError as exc:
             sock.close()
             raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"TLS to {self.address}: {exc.verify_message}",

@@ -31,7 +31,7 @@ Design notes
    on the connection's thread within `timeout_s`, with the context current at that moment (a
    SIGHUP may have re-read the files). A connection over the bound is closed without an answer
    (no handshake is spent on it); the client sends that call over gRPC. The session runs over
-   memory BIOs on the blocking socket (data_wire.TlsStream, its design note 5), which keeps its
+   memory BIOs on the blocking socket (kvnode/tls_stream.py, its design note 1), which keeps its
    kernel timeouts: each page is encrypted from its slot whole and sent with one sendall (the
    reply's header with the first page, a banded GET's slices ~256 KiB a sendall).
 6. GET_BANDS (data_wire design note 6) is a GET whose pages are sent band-major: the same pins
@@ -75,6 +75,7 @@ from kvnode.data_plane_connection import Connection, Dropped, Idle, refuse, shut
 from kvnode.data_plane_puts import DEFAULT_MAX_PUT_BYTES_IN_FLIGHT, PutReceiver
 from kvnode.recv_buffers import DEFAULT_KEEP_PER_CONNECTION, DEFAULT_KEEP_TOTAL, BufferBudget, ReceiveBuffer
 from kvnode.shared_pool_serving import send_pool, send_slots
+from kvnode.tls_stream import TlsStream
 from kvnode.store import KEY_BYTES, InvalidRequest, LeaseRefused, PageNotFound, PageStore
 
 log = logging.getLogger("kvnode")
@@ -256,12 +257,12 @@ class DataPlaneServer:
             with self._lock:
                 self._connections.pop(conn, None)
 
-    def _handshake(self, conn: socket.socket, peer) -> dw.TlsStream:
+    def _handshake(self, conn: socket.socket, peer) -> TlsStream:
         """Mutual TLS on an accepted connection (design note 5); it takes the socket's place."""
         raw = conn
         try:
             dw.set_kernel_timeouts(raw, self.timeout_s)
-            conn = dw.TlsStream(raw, self.credentials.server_context(), server_side=True)
+            conn = TlsStream(raw, self.credentials.server_context(), server_side=True)
         except (ssl.SSLError, OSError) as exc:
             raw.close()
             raise Dropped(f"TLS handshake failed: {exc}") from None

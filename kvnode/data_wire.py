@@ -24,15 +24,8 @@ Design notes
 4. Checksums (kvnode/checksum.py) came with version 2. The server still takes version 1
    requests, which carry none: a version 1 PUT's pages get theirs computed by the node, a
    version 1 GET is answered with the pages alone. Clients speak version 2.
-5. Under TLS both ends run the session over memory BIOs on the plain socket (TlsStream), not an
-   ssl.SSLSocket, which reads one 16 KiB record per call in two syscalls, writes each record with
-   a syscall of its own, and needs a socket timeout (a poll before each call) because over a
-   kernel timeout it would retry forever. Measured with 9 MiB GETs between two processes: CPU a
-   batch 4.8-5.6 ms -> 3.1-3.4 ms on the client and 4.8-5.3 -> 3.3-4.3 ms on the node. Each
-   TlsStream keeps a 1 MiB buffer for the records it receives (64 MiB on a node at its default
-   64 connections, all TLS). A receive decrypts every record already there that fits in one
-   call (OpenSSL gives one record a read): ~578 records of a 9 MiB GET cost the caller's loop
-   ~10 rounds, not 578.
+5. Under TLS both ends run the session over memory BIOs on the plain socket, not an
+   ssl.SSLSocket: kvnode/tls_stream.py (TlsStream, its design note 1).
 6. GET_BANDS (op 3, version 2) asks for the pages in bands of `band_bytes` (the header's
    page_bytes field): the reply is the GET's (checksums, then count x page_bytes bytes), but
    band-major: band 0 of every page in request order, then band 1, ..., the last band of each
@@ -63,7 +56,6 @@ Design notes
 from __future__ import annotations
 
 import socket
-import ssl
 import struct
 import time
 from dataclasses import dataclass
@@ -244,7 +236,7 @@ def parse_reply_header(buf) -> tuple[grpc.StatusCode, int, int]:
 def set_kernel_timeouts(sock: socket.socket, timeout_s: float, receive: bool = True) -> None:
     """SO_RCVTIMEO (unless not `receive`) and SO_SNDTIMEO on a blocking socket: a stalled recv
     or send raises BlockingIOError after timeout_s, with no poll before each call. A TlsStream
-    sets them on its socket (design note 5)."""
+    sets them on its socket (kvnode/tls_stream.py)."""
     seconds = int(timeout_s)
     value = struct.pack("ll", seconds, int((timeout_s - seconds) * 1e6))
     if receive:
@@ -257,118 +249,6 @@ def set_no_delay(sock) -> None:
     raw = getattr(sock, "sock", sock)
     if raw.family in (socket.AF_INET, socket.AF_INET6):
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-TLS_READ_CHUNK = 1 << 20  # bytes of TLS records read from the socket at once (design note 5)
-TLS_SEND_BATCH = 256 << 10  # parts after the first are encrypted into one send while below this
-
-
-class TlsStream:
-    """TLS over a plain blocking socket through memory BIOs (design note 5), for both ends: the
-    socket keeps its kernel timeouts, one recv brings up to a MiB of records, each decrypted
-    straight into the caller's buffer, and each part sent (with the small ones after it) is
-    encrypted whole and written with one sendall, not one syscall a 16 KiB record as an
-    ssl.SSLSocket does. The handshake checks
-    certificates as the context says, as wrap_socket would. Offers what the data plane uses of a
-    socket."""
-
-    def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_side: bool = False,
-                 server_hostname: str | None = None):
-        self.sock = sock
-        self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_side=server_side,
-                                     server_hostname=server_hostname)
-        self._chunk = bytearray(TLS_READ_CHUNK)
-        self._chunk_view = memoryview(self._chunk)
-        while True:
-            try:
-                self._tls.do_handshake()  # certificate checks as wrap_socket's (the context's)
-                break
-            except ssl.SSLWantReadError:
-                self._flush()
-                if not self._fill():
-                    raise ConnectionResetError("closed during the TLS handshake") from None
-            except ssl.SSLError:
-                try:
-                    self._flush()  # the alert that tells the peer why
-                except OSError:
-                    pass
-                raise
-        self._flush()
-
-    def _flush(self) -> None:
-        if self._outgoing.pending:
-            self.sock.sendall(self._outgoing.read())
-
-    def _fill(self) -> bool:
-        """More records from the socket; False at its end."""
-        n = self.sock.recv_into(self._chunk)
-        if n == 0:
-            self._incoming.write_eof()
-            return False
-        self._incoming.write(self._chunk_view[:n])
-        return True
-
-    def recv_into(self, buffer, nbytes: int = 0) -> int:
-        """Up to nbytes (all of `buffer` when 0) bytes: every record already received that fits,
-        so one call a socket read, not one a 16 KiB record (design note 5); blocks only when none
-        is there. 0 once the peer closed."""
-        view = memoryview(buffer)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        size = min(nbytes, view.nbytes) if nbytes else view.nbytes
-        read, got = self._tls.read, 0
-        while got < size:
-            try:
-                n = read(size - got, view[got:] if got else view)
-                if n == 0:  # close_notify: the end of the stream
-                    break
-                got += n
-            except ssl.SSLWantReadError:
-                self._flush()  # a post-handshake message may want an answer before we wait
-                if got:
-                    return got
-                if not self._fill():
-                    return 0
-            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                break  # the end of the stream (a later call returns 0)
-        self._flush()
-        return got
-
-    def sendmsg(self, parts) -> int:
-        """The first part encrypted whole, and the next ones while less than TLS_SEND_BATCH bytes
-        are encrypted, sent with one sendall; their size (send_parts then checks its deadline
-        before the next call). So a reply's header goes with its first page, and the small
-        slices of a banded GET go a few hundred KiB a syscall, not one each."""
-        write, sent = self._tls.write, 0
-        for part in parts:
-            sent += write(part)
-            if sent >= TLS_SEND_BATCH:
-                break
-        self._flush()
-        return sent
-
-    def sendall(self, data) -> None:
-        self._tls.write(data)
-        self._flush()
-
-    def getpeercert(self):
-        return self._tls.getpeercert()
-
-    def settimeout(self, timeout: float | None) -> None:
-        self.sock.settimeout(timeout)
-
-    def shutdown(self, how: int) -> None:
-        self.sock.shutdown(how)
-
-    def setsockopt(self, *args) -> None:
-        self.sock.setsockopt(*args)
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 IOV_BATCH = 512  # buffers per sendmsg or recvmsg_into, under the kernel's IOV_MAX (1024)

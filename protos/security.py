@@ -225,7 +225,7 @@ def peer_role(context: grpc.ServicerContext) -> str | None:
 
 def socket_role(conn: socket.socket) -> str | None:
     """`peer_role` for a data plane connection: None when it is not TLS (a plain socket)."""
-    getpeercert = getattr(conn, "getpeercert", None)  # an SSLSocket or kvnode.data_wire.TlsStream
+    getpeercert = getattr(conn, "getpeercert", None)  # an SSLSocket or kvnode.tls_stream.TlsStream
     if getpeercert is None:
         return None
     subject = dict(item for entry in (getpeercert() or {}).get("subject", ()) for item in entry)

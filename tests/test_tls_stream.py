@@ -1,4 +1,4 @@
-"""TlsStream (kvnode/data_wire.py design note 5) on its own, over a socket pair: a receive
+"""TlsStream (kvnode/tls_stream.py design note 1) on its own, over a socket pair: a receive
 takes every record already there, stops short when asked, and a peer that closes, cleanly
 or mid-record, ends the stream without a hang."""
 
@@ -12,6 +12,7 @@ import pytest
 
 from kvnode import data_wire as dw
 from kvnode.data_client_io import DataPlaneError, receive
+from kvnode.tls_stream import TlsStream
 from protos import security
 
 RECORD = 16384  # a TLS record's most plaintext
@@ -26,9 +27,9 @@ def pair(certs):
     server_context = security.Credentials(certs / "ca.pem", certs / "node.pem", certs / "node.key").server_context()
     client_context = security.Credentials(certs / "ca.pem", certs / "worker.pem", certs / "worker.key").client_context()
     made = {}
-    thread = threading.Thread(target=lambda: made.setdefault("server", dw.TlsStream(b, server_context, server_side=True)))
+    thread = threading.Thread(target=lambda: made.setdefault("server", TlsStream(b, server_context, server_side=True)))
     thread.start()
-    client = dw.TlsStream(a, client_context, server_hostname="localhost")
+    client = TlsStream(a, client_context, server_hostname="localhost")
     thread.join(5)
     yield client, made["server"], b
     a.close()
