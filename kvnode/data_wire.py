@@ -233,15 +233,21 @@ def parse_reply_header(buf) -> tuple[grpc.StatusCode, int, int]:
 # ---- sockets ----------------------------------------------------------------------
 
 
-def set_kernel_timeouts(sock: socket.socket, timeout_s: float, receive: bool = True) -> None:
-    """SO_RCVTIMEO (unless not `receive`) and SO_SNDTIMEO on a blocking socket: a stalled recv
-    or send raises BlockingIOError after timeout_s, with no poll before each call. A TlsStream
-    sets them on its socket (kvnode/tls_stream.py)."""
+MIN_KERNEL_TIMEOUT_S = 0.001  # a shorter one could round to 0 microseconds, which is no timeout at all
+
+
+def set_kernel_timeouts(sock: socket.socket, timeout_s: float, receive: bool = True, send: bool = True) -> None:
+    """SO_RCVTIMEO (unless not `receive`) and SO_SNDTIMEO (unless not `send`) on a blocking socket:
+    a stalled recv or send raises BlockingIOError after timeout_s (at least MIN_KERNEL_TIMEOUT_S:
+    the kernel reads 0 as none), with no poll before each call. A TlsStream sets them on its
+    socket (kvnode/tls_stream.py)."""
+    timeout_s = max(timeout_s, MIN_KERNEL_TIMEOUT_S)
     seconds = int(timeout_s)
     value = struct.pack("ll", seconds, int((timeout_s - seconds) * 1e6))
     if receive:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+    if send:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
 def set_no_delay(sock) -> None:

@@ -4,6 +4,7 @@ and a header that is not ours says why."""
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 
 import grpc
@@ -108,3 +109,14 @@ def test_send_parts_sends_every_buffer_back_to_back_in_order():
 def test_send_parts_cuts_long_lists_into_iov_max_calls():
     parts = [bytes([i % 251]) * 7 for i in range(3000)]  # > 2 x the 512 buffers a sendmsg takes
     assert sent_through_a_socketpair(parts) == b"".join(parts)
+
+@pytest.mark.parametrize("timeout_s", [4e-7, 0.0, -1.0])
+def test_a_kernel_timeout_too_short_to_count_is_one_millisecond_not_none(timeout_s):
+    """send_parts sets what is left of its deadline, which may be under a microsecond or past:
+    (0, 0) would be no timeout at all."""
+    a, b = socket.socketpair()
+    with a, b:
+        dw.set_kernel_timeouts(a, timeout_s)
+        for option in (socket.SO_SNDTIMEO, socket.SO_RCVTIMEO):
+            seconds, micros = struct.unpack("ll", a.getsockopt(socket.SOL_SOCKET, option, 16))
+            assert seconds == 0 and 1000 <= micros < 20_000  # the kernel rounds up to its tick
