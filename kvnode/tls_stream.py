@@ -11,12 +11,22 @@ Design notes
    64 connections, all TLS). A receive decrypts every record already there that fits in one
    call (OpenSSL gives one record a read): ~578 records of a 9 MiB GET cost the caller's loop
    ~10 rounds, not 578.
+2. A kernel timeout bounds one socket call, not a loop of them: a peer trickling a byte at a
+   time could stretch a handshake, a record or a send without end. With a `deadline` set
+   (time.monotonic(); the handshake's is an argument) every socket call the stream makes ends
+   by then, or socket.timeout: a recv is given what is left of it as its kernel timeout (so the
+   socket's receive timeout changes: whoever sets a deadline sets it back), a send is
+   data_wire.send_within's (non-blocking, a poll while the socket's buffer is full: a kernel
+   timeout does not bound a whole send call on a Unix socket).
 """
 
 from __future__ import annotations
 
 import socket
 import ssl
+import time
+
+from kvnode.data_wire import send_within, set_kernel_timeouts
 
 TLS_READ_CHUNK = 1 << 20  # bytes of TLS records read from the socket at once (design note 1)
 TLS_SEND_BATCH = 256 << 10  # parts after the first are encrypted into one send while below this
@@ -28,12 +38,13 @@ class TlsStream:
     straight into the caller's buffer, and each part sent (with the small ones after it) is
     encrypted whole and written with one sendall, not one syscall a 16 KiB record as an
     ssl.SSLSocket does. The handshake checks
-    certificates as the context says, as wrap_socket would. Offers what the data plane uses of a
-    socket."""
+    certificates as the context says, as wrap_socket would, within `deadline` (design note 2).
+    Offers what the data plane uses of a socket."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_side: bool = False,
-                 server_hostname: str | None = None):
+                 server_hostname: str | None = None, deadline: float | None = None):
         self.sock = sock
+        self.deadline = deadline  # every socket call ends by then (design note 2); None: kernel timeouts only
         self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._incoming, self._outgoing, server_side=server_side,
                                      server_hostname=server_hostname)
@@ -54,13 +65,29 @@ class TlsStream:
                     pass
                 raise
         self._flush()
+        self.deadline = None
+
+    def _limit(self) -> None:
+        """The next recv's kernel timeout: what is left of the deadline (design note 2)."""
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("the TLS stream's deadline passed")
+            set_kernel_timeouts(self.sock, left, send=False)
 
     def _flush(self) -> None:
-        if self._outgoing.pending:
+        if not self._outgoing.pending:
+            return
+        if self.deadline is None:
             self.sock.sendall(self._outgoing.read())
+            return
+        data = memoryview(self._outgoing.read())
+        while data:  # sendall's loop, within the deadline
+            data = data[send_within(self.sock, [data], self.deadline):]
 
     def _fill(self) -> bool:
         """More records from the socket; False at its end."""
+        self._limit()
         n = self.sock.recv_into(self._chunk)
         if n == 0:
             self._incoming.write_eof()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 
 import grpc
 import pytest
@@ -110,6 +111,7 @@ def test_send_parts_cuts_long_lists_into_iov_max_calls():
     parts = [bytes([i % 251]) * 7 for i in range(3000)]  # > 2 x the 512 buffers a sendmsg takes
     assert sent_through_a_socketpair(parts) == b"".join(parts)
 
+
 @pytest.mark.parametrize("timeout_s", [4e-7, 0.0, -1.0])
 def test_a_kernel_timeout_too_short_to_count_is_one_millisecond_not_none(timeout_s):
     """send_parts sets what is left of its deadline, which may be under a microsecond or past:
@@ -120,3 +122,26 @@ def test_a_kernel_timeout_too_short_to_count_is_one_millisecond_not_none(timeout
         for option in (socket.SO_SNDTIMEO, socket.SO_RCVTIMEO):
             seconds, micros = struct.unpack("ll", a.getsockopt(socket.SOL_SOCKET, option, 16))
             assert seconds == 0 and 1000 <= micros < 20_000  # the kernel rounds up to its tick
+
+
+def test_send_parts_on_a_unix_socket_ends_by_its_deadline_for_a_reader_that_trickles():
+    """A Unix socket's kernel send timeout bounds each buffer a send waits for, not the call: a
+    reader taking 16 KiB every 10 ms kept one send going; the deadline still ends it."""
+    a, b = socket.socketpair()
+    stop = threading.Event()
+
+    def trickle():
+        buffer = bytearray(16384)
+        while not stop.is_set() and a.recv_into(buffer):
+            time.sleep(0.01)
+
+    threading.Thread(target=trickle, daemon=True).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(socket.timeout):
+            dw.send_parts(b, [dw.ok_reply(8 << 20), bytes(8 << 20)], deadline=started + 0.3)
+        assert time.monotonic() - started < 1.5
+    finally:
+        stop.set()
+        a.close()
+        b.close()

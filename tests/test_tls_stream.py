@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
+import time
 
 import pytest
 
@@ -139,3 +140,52 @@ def test_a_small_first_part_goes_in_one_send_with_the_next(pair):
     assert receive_all(client, 6 + len(page)) == b"header" + page
     sender.join(5)
     assert sent == [6 + len(page)]  # the header and the first page, not the second
+
+
+def test_a_reader_that_trickles_cannot_stretch_a_send_past_its_deadline(pair):
+    """send_parts' deadline holds inside the TLS send loop: every partial send makes progress,
+    so no kernel timeout fires, yet the send ends by the deadline (pages stay pinned until then)."""
+    client, server, _ = pair
+    stop = threading.Event()
+
+    def trickle():  # ~1.6 MB/s of ciphertext: 8 MiB would take ~5 s
+        buffer = bytearray(16384)
+        while not stop.is_set() and client.sock.recv_into(buffer):
+            time.sleep(0.01)
+
+    reader = threading.Thread(target=trickle, daemon=True)
+    reader.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(OSError):  # socket.timeout, or BlockingIOError from the kernel timeout
+            dw.send_parts(server, [dw.ok_reply(8 << 20), bytes(8 << 20)], deadline=started + 0.3)
+        assert time.monotonic() - started < 1.5
+        assert server.deadline is None
+    finally:
+        stop.set()
+
+
+def test_a_handshake_trickled_a_byte_at_a_time_ends_at_its_deadline(certs):
+    """A kernel timeout bounds one recv; a ClientHello sent a byte every 20 ms never trips it.
+    The handshake's deadline does (tls_stream design note 2)."""
+    server_context = security.Credentials(certs / "ca.pem", certs / "node.pem", certs / "node.key").server_context()
+    client_context = security.Credentials(certs / "ca.pem", certs / "worker.pem", certs / "worker.key").client_context()
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    with pytest.raises(ssl.SSLWantReadError):
+        client_context.wrap_bio(incoming, outgoing, server_hostname="localhost").do_handshake()
+    hello = outgoing.read()
+    a, b = socket.socketpair()
+    with a, b:
+        def trickle():
+            for byte in hello:
+                time.sleep(0.02)
+                try:
+                    a.sendall(bytes([byte]))
+                except OSError:
+                    return
+
+        threading.Thread(target=trickle, daemon=True).start()
+        started = time.monotonic()
+        with pytest.raises((socket.timeout, BlockingIOError)):  # the deadline, or the recv timed out at it
+            TlsStream(b, server_context, server_side=True, deadline=started + 0.3)
+        assert time.monotonic() - started < 1.5
