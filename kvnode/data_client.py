@@ -329,7 +329,7 @@ class DataPlaneClient:
         whose certificate fails makes a DataPlaneError; never connected before, `connect_failed`."""
         try:
             dw.set_kernel_timeouts(sock, max(0.001, deadline - time.monotonic()))
-            return TlsStream(sock, self.tls, server_hostname=self.host)
+            return TlsStream(sock, self.tls, server_hostname=self.host, deadline=deadline)
         except ssl.SSLCertVerificationError as exc:
             sock.close()
             raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"TLS to {self.address}: {exc.verify_message}",

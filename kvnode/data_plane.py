@@ -12,8 +12,9 @@ Design notes
    10 s with their count (protos/log_limits.py): 200 clients wrote 394 lines in two seconds. Sockets are
    blocking (send and recv release the GIL, and no poll runs before each call, as with a socket
    timeout); kernel timeouts (SO_RCVTIMEO, SO_SNDTIMEO) drop a peer that stalls or idles longer
-   than `timeout_s`, and a GET's whole reply must be sent within `timeout_s` (its pages stay
-   pinned meanwhile). TCP_NODELAY.
+   than `timeout_s`, a request's bytes must all arrive within `timeout_s` of its first
+   (data_plane_connection.py note 2), and a GET's whole reply must be sent within `timeout_s`
+   (its pages stay pinned meanwhile). TCP_NODELAY.
 2. GET sends the pages' checksums, then the pages straight from the pool (sendmsg over the
    reply header, the checksums and the pages' slots, no copy in Python), pinned in the store while they are sent so no slot is evicted
    and overwritten mid-send. Measured here, node and client in two processes, 16 pages of
@@ -261,8 +262,9 @@ class DataPlaneServer:
         """Mutual TLS on an accepted connection (design note 5); it takes the socket's place."""
         raw = conn
         try:
-            dw.set_kernel_timeouts(raw, self.timeout_s)
-            conn = TlsStream(raw, self.credentials.server_context(), server_side=True)
+            dw.set_kernel_timeouts(raw, self.timeout_s)  # and the whole handshake within it (tls_stream note 2):
+            conn = TlsStream(raw, self.credentials.server_context(), server_side=True,
+                             deadline=time.monotonic() + self.timeout_s)
         except (ssl.SSLError, OSError) as exc:
             raw.close()
             raise Dropped(f"TLS handshake failed: {exc}") from None
@@ -294,7 +296,7 @@ class DataPlaneServer:
 
     def _serve_request(self, connection: Connection, head) -> bool:
         header = dw.parse_request_header(head)
-        connection.pending = self._request_bytes(header)
+        connection.pending = dw.request_bytes(header)
         if header.key_bytes != KEY_BYTES:
             raise dw.FrameError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"keys must be {KEY_BYTES} bytes, the request says {header.key_bytes}")
@@ -319,14 +321,6 @@ class DataPlaneServer:
             self.puts.serve(connection, header, self.metrics)
         connection.pending = 0
         return True
-
-    def _request_bytes(self, header: dw.RequestHeader) -> int:
-        """What the peer will still send after this header (for draining after a refusal)."""
-        if header.op in (dw.OP_GET, dw.OP_GET_BANDS, dw.OP_GET_SLOTS):
-            return header.count * header.key_bytes
-        if header.op == dw.OP_LOOKUP:
-            return header.count * header.key_bytes + dw.LEASE.size
-        return header.count * (dw.put_entry_bytes(header.key_bytes, header.checksums) + header.page_bytes)
 
     @staticmethod
     def _receive_keys(connection: Connection, header: dw.RequestHeader) -> list[bytes]:

@@ -6,6 +6,13 @@ Design notes
 1. A refused request is answered with its status and message, then the connection closes.
    While the rest of the request may still be coming, the server first stops sending and
    reads it away (bounded in bytes and time), so the answer is not lost to a reset.
+2. A request's bytes must all arrive within `timeout_s` of its first: a kernel timeout bounds
+   one recv only, and a peer trickling a byte every timeout_s - e would hold its PUT's bytes in
+   flight (16 such peers blocked every PUT) and its connection without end. Each recv after the
+   first is given what is left as its receive timeout (a TlsStream gets the deadline for its own
+   socket calls, kvnode/tls_stream.py note 2); a peer over it is dropped. Once the reply is sent
+   the deadline ends (GET_SLOTS' RELEASE has timeout_s of its own), and the wait for the next
+   request has the whole timeout_s again.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import grpc
 
 from kvnode import data_wire as dw
 from kvnode.recv_buffers import ReceiveBuffer
+from kvnode.tls_stream import TlsStream
 
 log = logging.getLogger("kvnode")
 
@@ -44,31 +52,67 @@ class Connection:
         self.pending = 0  # bytes of the current request not yet read
         self.buffer = buffer
         self._small = bytearray(dw.REQUEST.size)
+        self.deadline: float | None = None  # the request's bytes arrive by then (design note 2)
+        self._shortened = False  # the receive timeout is less than timeout_s
         dw.set_no_delay(conn)
         dw.set_kernel_timeouts(conn, timeout_s)
 
     def receive(self, size: int, first: bool = False, into_buffer: bool = False) -> memoryview | None:
-        """Exactly `size` bytes; None when `first` and the peer closed before sending any."""
+        """Exactly `size` bytes; None when `first` and the peer closed before sending any. A
+        request's bytes must all arrive within timeout_s of its first (design note 2)."""
         view = self.buffer.view(size) if into_buffer else memoryview(
             self._small if size <= len(self._small) else bytearray(size))[:size]
+        if first:
+            self._end_request()
         got = 0
         while got < size:
+            self._limit(got)
             try:
                 n = self.conn.recv_into(view[got:])
             except (BlockingIOError, socket.timeout):
                 if first and got == 0:
                     raise Idle("idle for too long") from None
-                raise Dropped(f"stalled after {got} of {size} bytes") from None
+                raise Dropped(self._stalled(got, size)) from None
             except OSError as exc:
                 raise Dropped(f"connection broke: {exc}") from None
             if n == 0:
                 if first and got == 0:
                     return None
                 raise Dropped(f"disconnected after {got} of {size} bytes of a request")
+            if self.deadline is None:
+                self.deadline = time.monotonic() + self.timeout_s  # the request's first bytes (design note 2)
             got += n
         return view
 
+    def _limit(self, got: int) -> None:
+        """The next recv's kernel timeout: what is left of the request's deadline, or timeout_s
+        between requests (design note 2)."""
+        if self.deadline is None:
+            if self._shortened:
+                dw.set_kernel_timeouts(self.conn, self.timeout_s, send=False)
+                self._shortened = False
+            return
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise Dropped(self._stalled(got, None))
+        dw.set_kernel_timeouts(self.conn, left, send=False)
+        self._shortened = True
+        if isinstance(self.conn, TlsStream):
+            self.conn.deadline = self.deadline
+
+    def _stalled(self, got: int, size: int | None) -> str:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return f"did not send its request within {self.timeout_s:g} s"
+        return f"stalled after {got} of {size} bytes"
+
+    def _end_request(self) -> None:
+        """The request was received (or the next is awaited): no deadline (design note 2)."""
+        self.deadline = None
+        if isinstance(self.conn, TlsStream):
+            self.conn.deadline = None
+
     def send_parts(self, parts: list, deadline: float) -> None:
+        self._end_request()
         try:
             dw.send_parts(self.conn, parts, deadline)
         except (BlockingIOError, socket.timeout):
@@ -76,12 +120,14 @@ class Connection:
         except OSError as exc:
             raise Dropped(f"connection broke while sending: {exc}") from None
         dw.set_kernel_timeouts(self.conn, self.timeout_s)  # send_parts shortened the send timeout
+        self._shortened = False
 
     def send_with_fd(self, data: bytes, fd: int) -> None:
         """`data` with `fd` as SCM_RIGHTS ancillary data (a plain Unix socket only)."""
         self.send(data, fd)
 
     def send(self, data, fd: int | None = None) -> None:
+        self._end_request()
         try:
             sent = 0 if fd is None else socket.send_fds(self.conn, [data], [fd])
             if sent < len(data):

@@ -322,3 +322,32 @@ def test_puts_beyond_the_bytes_in_flight_are_refused_and_store_nothing(make_node
         node.store.check_invariants()
     finally:
         server.stop()
+
+
+def test_a_put_that_trickles_is_dropped_within_the_timeout_and_frees_its_bytes_in_flight(make_node, caplog):
+    """A byte every 0.3 s never lets one recv time out (timeout_s 0.5); the request's own deadline
+    ends it, with an info line, and the bytes it reserved go back, so other puts are taken."""
+    node = make_node()
+    server = DataPlaneServer(node.store, "127.0.0.1", 0, max_keys=MAX_KEYS, timeout_s=0.5,
+                             max_put_bytes_in_flight=2 * NODE_PAGE_BYTES).start()
+    try:
+        with raw_connection(server) as trickler:
+            trickler.sendall(put_head(GOOD[:2], GOOD_PARENTS[:2]))
+            started, dropped_after = time.monotonic(), None
+            while dropped_after is None and time.monotonic() - started < 4.0:
+                time.sleep(0.3)
+                try:
+                    trickler.sendall(b"\0")
+                except OSError:
+                    dropped_after = time.monotonic() - started
+                if server.put_bytes_in_flight() == 0 and server.num_connections() == 0:
+                    dropped_after = time.monotonic() - started
+            assert dropped_after is not None and dropped_after < 2.0, "the trickling put held its bytes in flight"
+        with raw_connection(server) as other:
+            other.sendall(put_head([key(60)], [b""], data=pages(1).tobytes()) + pages(1).tobytes())
+            code, message, outcomes = read_reply(other)
+        assert code == grpc.StatusCode.OK and len(outcomes) == 1, message
+        assert any("within 0.5 s" in r.getMessage() for r in caplog.records if r.levelname == "INFO")
+        node.store.check_invariants()
+    finally:
+        server.stop()

@@ -170,7 +170,7 @@ def test_a_lookup_to_a_data_plane_at_its_connection_bound_is_answered_over_grpc(
 ], ids=["too many keys", "no keys", "long lease", "huge lease"])
 def test_a_refused_lookup_is_read_away_answered_and_the_node_serves_on(seeded, plane, request_bytes, fragment):
     header = dw.parse_request_header(request_bytes[: dw.REQUEST.size])
-    assert plane._request_bytes(header) == len(request_bytes) - dw.REQUEST.size, "what a refusal reads away"
+    assert dw.request_bytes(header) == len(request_bytes) - dw.REQUEST.size, "what a refusal reads away"
     for _ in range(3):
         with raw_connection(plane) as sock:
             sock.sendall(request_bytes)  # the whole request, lease included, before the answer is read
