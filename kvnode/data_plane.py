@@ -347,7 +347,10 @@ class DataPlaneServer:
         except PageNotFound as exc:
             raise dw.FrameError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
         try:
-            checksums = self.store.checksums(keys) if header.checksums else []  # pinned: still cached
+            try:
+                checksums = self.store.checksums(keys) if header.checksums else []
+            except PageNotFound as exc:  # pinned, yet dropped meanwhile (store_drops note 2): as any missing page
+                raise dw.FrameError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
             payload = header.count * self.store.page_bytes + len(checksums) * CHECKSUM_BYTES
             if bands is not None:
                 pages = [memoryview(page).cast("B")[start:end] for start, end in bands for page in pages]

@@ -351,3 +351,27 @@ def test_a_put_that_trickles_is_dropped_within_the_timeout_and_frees_its_bytes_i
         node.store.check_invariants()
     finally:
         server.stop()
+
+
+def test_a_page_dropped_while_pinned_for_a_get_is_not_found_and_leaves_no_pin(make_node):
+    """A reader's report may drop a page between the GET's pin and its checksums (the page leaves
+    the index at once: store_drops note 2): NOT_FOUND as for any missing page, not a traceback."""
+    node = make_node()
+    store, parent, child = node.store, key(70), key(71)
+    store.put(parent, b"", bytes(NODE_PAGE_BYTES), checksum=bytes(16))  # a checksum its bytes fail
+    store.put(child, parent, bytes(NODE_PAGE_BYTES))
+    pin = store.pin_pages
+
+    def pin_then_report(keys):
+        views = pin(keys)
+        assert store.drop_reported(parent) == 2  # the parent and the child being sent
+        return views
+
+    store.pin_pages = pin_then_report
+    server = DataPlaneServer(node.store, "127.0.0.1", 0, max_keys=MAX_KEYS, timeout_s=5.0).start()
+    try:
+        expect_refusal(server, dw.get_request([child]), grpc.StatusCode.NOT_FOUND, child.hex())
+        assert wait_for(lambda: store.num_pinned() == 0 and server.num_connections() == 0, timeout_s=5.0)
+        store.check_invariants()
+    finally:
+        server.stop()

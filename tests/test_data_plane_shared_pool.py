@@ -321,3 +321,27 @@ def test_a_node_stopped_and_restarted_is_read_out_of_its_new_pool(tmp_path):
             assert client.data_plane_transport() == "shared memory" and client._data is not old
     finally:
         client.close()
+
+
+@pytest.mark.usefixtures("no_kvnode_errors_logged")
+def test_a_page_dropped_while_pinned_for_get_slots_is_not_found_and_leaves_no_pin():
+    """A reader's report may drop a page between GET_SLOTS' pin and its checksums (store_drops
+    note 2): NOT_FOUND as for any missing page, its pins released, no traceback."""
+    store = PageStore(16, NODE_PAGE_BYTES, shared_pool=True)
+    parent, child = key(70), key(71)
+    store.put(parent, b"", bytes(NODE_PAGE_BYTES), checksum=bytes(16))  # a checksum its bytes fail
+    store.put(child, parent, bytes(NODE_PAGE_BYTES))
+    pin = store.pin_slots
+
+    def pin_then_report(keys):
+        pinned = pin(keys)
+        assert store.drop_reported(parent) == 2  # the parent and the child being read
+        return pinned
+
+    store.pin_slots = pin_then_report
+    with shared_node(store) as (node, server), unix_connection(server) as sock:
+        sock.sendall(dw.get_request([child], dw.OP_GET_SLOTS))
+        code, message_bytes, _ = dw.parse_reply_header(receive_exactly(sock, dw.REPLY.size))
+        assert code == grpc.StatusCode.NOT_FOUND and child.hex() in receive_exactly(sock, message_bytes).decode()
+        assert wait_for(lambda: store.num_pinned() == 0 and server.num_connections() == 0, timeout_s=5.0)
+        store.check_invariants()
