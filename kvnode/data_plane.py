@@ -268,12 +268,12 @@ class DataPlaneServer:
         except (ssl.SSLError, OSError) as exc:
             raw.close()
             raise Dropped(f"TLS handshake failed: {exc}") from None
-        finally:
+        finally:  # stopping: the entry is not moved, as _serve's finally pops the raw socket's
             with self._lock:
-                thread = self._connections.pop(raw, None)
-                if thread is not None and conn is not raw:
+                thread, stopping = self._connections.pop(raw, None), self._stopping.is_set()
+                if thread is not None and conn is not raw and not stopping:
                     self._connections[conn] = thread
-        if self._stopping.is_set():
+        if stopping:
             raise Dropped("stopping")
         return conn
 
