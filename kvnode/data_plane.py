@@ -29,12 +29,12 @@ Design notes
    after the drain began is answered UNAVAILABLE (the client goes elsewhere).
 5. With `credentials` (protos/security.py) every connection is TLS and the peer must present a
    certificate of the cluster's CA (mutual TLS), as on the node's gRPC port. The handshake runs
-   on the connection's thread within `timeout_s`, with the context current at that moment (a
+   on the connection's thread, whole within `timeout_s` (tls_stream note 2), with the context current at that moment (a
    SIGHUP may have re-read the files). A connection over the bound is closed without an answer
    (no handshake is spent on it); the client sends that call over gRPC. The session runs over
    memory BIOs on the blocking socket (kvnode/tls_stream.py, its design note 1), which keeps its
-   kernel timeouts: each page is encrypted from its slot whole and sent with one sendall (the
-   reply's header with the first page, a banded GET's slices ~256 KiB a sendall).
+   kernel timeouts: each page is encrypted from its slot whole and sent as one write (the
+   reply's header with the first page, a banded GET's slices ~256 KiB a write), within the reply's deadline.
 6. GET_BANDS (data_wire design note 6) is a GET whose pages are sent band-major: the same pins
    and deadline, one sendmsg list of (band, page) slices of the pinned slots, cut by send_parts
    into calls of at most IOV_MAX buffers; no copy.

@@ -36,9 +36,9 @@ class TlsStream:
     """TLS over a plain blocking socket through memory BIOs (design note 1), for both ends: the
     socket keeps its kernel timeouts, one recv brings up to a MiB of records, each decrypted
     straight into the caller's buffer, and each part sent (with the small ones after it) is
-    encrypted whole and written with one sendall, not one syscall a 16 KiB record as an
-    ssl.SSLSocket does. The handshake checks
-    certificates as the context says, as wrap_socket would, within `deadline` (design note 2).
+    encrypted whole and written at once (sendall, or within a deadline: design note 2), not one
+    syscall a 16 KiB record as an ssl.SSLSocket does. The handshake checks certificates as the
+    context says, as wrap_socket would, within `deadline` (design note 2).
     Offers what the data plane uses of a socket."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_side: bool = False,
@@ -123,8 +123,8 @@ class TlsStream:
 
     def sendmsg(self, parts) -> int:
         """The first part encrypted whole, and the next ones while less than TLS_SEND_BATCH bytes
-        are encrypted, sent with one sendall; their size (send_parts then checks its deadline
-        before the next call). So a reply's header goes with its first page, and the small
+        are encrypted, sent as one write (within self.deadline when set); their size (send_parts
+        then checks its deadline before the next call). So a reply's header goes with its first page, and the small
         slices of a banded GET go a few hundred KiB a syscall, not one each."""
         write, sent = self._tls.write, 0
         for part in parts:
