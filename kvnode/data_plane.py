@@ -29,12 +29,13 @@ Design notes
    after the drain began is answered UNAVAILABLE (the client goes elsewhere).
 5. With `credentials` (protos/security.py) every connection is TLS and the peer must present a
    certificate of the cluster's CA (mutual TLS), as on the node's gRPC port. The handshake runs
-   on the connection's thread, whole within `timeout_s` (tls_stream note 2), with the context current at that moment (a
-   SIGHUP may have re-read the files). A connection over the bound is closed without an answer
-   (no handshake is spent on it); the client sends that call over gRPC. The session runs over
-   memory BIOs on the blocking socket (kvnode/tls_stream.py, its design note 1), which keeps its
-   kernel timeouts: each page is encrypted from its slot whole and sent as one write (the
-   reply's header with the first page, a banded GET's slices ~256 KiB a write), within the reply's deadline.
+   on the connection's thread, whole within `timeout_s` (kvnode/tls_stream.py note 2), with the
+   context current at that moment (a SIGHUP may have re-read the files). A connection over the
+   bound is closed without an answer (no handshake is spent on it); the client sends that call
+   over gRPC. The session runs over memory BIOs on the blocking socket (kvnode/tls_stream.py,
+   its design note 1), which keeps its kernel timeouts: each page is encrypted from its slot
+   whole and sent as one write (the reply's header with the first page, a banded GET's slices
+   ~256 KiB a write), all within the reply's deadline.
 6. GET_BANDS (data_wire design note 6) is a GET whose pages are sent band-major: the same pins
    and deadline, one sendmsg list of (band, page) slices of the pinned slots, cut by send_parts
    into calls of at most IOV_MAX buffers; no copy.
@@ -76,8 +77,8 @@ from kvnode.data_plane_connection import Connection, Dropped, Idle, refuse, shut
 from kvnode.data_plane_puts import DEFAULT_MAX_PUT_BYTES_IN_FLIGHT, PutReceiver
 from kvnode.recv_buffers import DEFAULT_KEEP_PER_CONNECTION, DEFAULT_KEEP_TOTAL, BufferBudget, ReceiveBuffer
 from kvnode.shared_pool_serving import send_pool, send_slots
-from kvnode.tls_stream import TlsStream
 from kvnode.store import KEY_BYTES, InvalidRequest, LeaseRefused, PageNotFound, PageStore
+from kvnode.tls_stream import TlsStream
 
 log = logging.getLogger("kvnode")
 
@@ -262,9 +263,9 @@ class DataPlaneServer:
         """Mutual TLS on an accepted connection (design note 5); it takes the socket's place."""
         raw = conn
         try:
-            dw.set_kernel_timeouts(raw, self.timeout_s)  # and the whole handshake within it (tls_stream note 2):
-            conn = TlsStream(raw, self.credentials.server_context(), server_side=True,
-                             deadline=time.monotonic() + self.timeout_s)
+            dw.set_kernel_timeouts(raw, self.timeout_s)
+            conn = TlsStream(raw, self.credentials.server_context(), server_side=True,  # design note 5:
+                             deadline=time.monotonic() + self.timeout_s)  # the whole handshake within timeout_s
         except (ssl.SSLError, OSError) as exc:
             raw.close()
             raise Dropped(f"TLS handshake failed: {exc}") from None
