@@ -26,7 +26,7 @@ Design notes
 4. drain() (the node's SIGTERM) stops accepting, closes the connections idle between requests
    at once, and lets the requests being served finish within its timeout, then cuts the rest.
    A request is being served once its header is read and taken under the lock; a header read
-   after the drain began is answered UNAVAILABLE (the client goes elsewhere).
+   after the drain began is answered UNAVAILABLE, its rest read away first (the client goes elsewhere).
 5. With `credentials` (protos/security.py) every connection is TLS and the peer must present a
    certificate of the cluster's CA (mutual TLS), as on the node's gRPC port. The handshake runs
    on the connection's thread, whole within `timeout_s` (kvnode/tls_stream.py note 2), with the
@@ -287,7 +287,8 @@ class DataPlaneServer:
             stopping = self._stopping.is_set()
             if not stopping:
                 self._busy.add(connection.conn)
-        if stopping:
+        if stopping:  # the rest of the request is read away before the answer (connection note 1)
+            connection.pending = dw.request_bytes(dw.parse_request_header(head))
             raise dw.FrameError(grpc.StatusCode.UNAVAILABLE, "this node is stopping: send the request elsewhere")
         try:
             return self._serve_request(connection, head)

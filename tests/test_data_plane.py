@@ -255,6 +255,28 @@ def test_connections_over_the_bound_are_logged_as_one_line_an_interval_with_thei
     assert_unharmed(seeded, plane, set(GOOD))
 
 
+def test_a_request_that_comes_as_the_node_stops_is_read_away_and_answered_unavailable(make_node):
+    """Refused before its pages were read, a PUT larger than the sockets' buffers could not be
+    sent whole: the node closed on it, and the sender met a broken pipe instead of the answer."""
+    page_bytes, count = 1 << 20, 16
+    node = make_node(capacity_pages=count, page_bytes=page_bytes)
+    server = DataPlaneServer(node.store, "127.0.0.1", 0, max_keys=count, timeout_s=5.0).start()
+    keys = [key(60 + i) for i in range(count)]
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            request = put_request(keys, [b""] * count, bytes(count * page_bytes), page_bytes)
+            sock.sendall(request[:1])  # the node is reading this request's header now
+            time.sleep(0.3)
+            server._stopping.set()  # as drain() begins
+            sock.sendall(request[1:])  # whole: the node read it away
+            code, message, _ = read_reply(sock)
+            assert code == grpc.StatusCode.UNAVAILABLE and "stopping" in message
+            assert closed_by_node(sock)
+        assert not set(keys) & set(node.store.keys())
+    finally:
+        server.stop()
+
+
 def test_a_reader_that_trickles_is_dropped_within_the_timeout_and_leaves_no_pin(make_node):
     """Reading a few bytes at a time never lets a single send time out; the whole reply's
     deadline still ends it, so its pages are not pinned (unevictable) for long."""
