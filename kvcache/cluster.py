@@ -82,7 +82,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
                   flush_interval: float | None = None, disk_check: str | None = None,
                   metrics: bool = False, tls_dir: Path | None = None,
                   tokens_file: Path | None = None, gateway_port: int | None = None,
-                  otlp_endpoint: str | None = None, trace_sample_ratio: float | None = None) -> LocalCluster:
+                  otlp_endpoint: str | None = None, trace_sample_ratio: float | None = None,
+                  eviction: str | None = None) -> LocalCluster:
     """Start coordinators, then kvnodes and workers registered with them (not yet waiting for health).
 
     Each worker gets `blas_threads` BLAS threads (default: cores / workers, at least 1) and
@@ -96,7 +97,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
     `gateway_port` (0: a free one), an HTTP gateway (`kvcache gateway`) serves the OpenAI API in
     front of the coordinators, with /metrics when `metrics`. With `otlp_endpoint`, every member
     (and the gateway) exports trace spans there (--otlp-endpoint; needs the `otel` extra), of
-    `trace_sample_ratio` of the requests when given (--trace-sample-ratio).
+    `trace_sample_ratio` of the requests when given (--trace-sample-ratio). `eviction`: the
+    kvnodes' --eviction policy (default theirs).
 
     `on_start(cluster)` runs after each start, so a caller can record pids as they appear; on
     failure, or an interrupt (Ctrl-C, a SIGTERM handler's SystemExit), whatever started is
@@ -132,6 +134,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
                          "--page-bytes", str(page_bytes), "--capacity", node_capacity]
             if data_dir is not None:
                 node_args += ["--data-dir", str(data_dir / f"node-{i}"), *disk_args]
+            if eviction is not None:
+                node_args += ["--eviction", eviction]
             launch("node", f"node-{i}", node_args)
         threads = blas_threads or default_blas_threads(workers)
         for i in range(workers):

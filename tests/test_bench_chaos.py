@@ -18,7 +18,8 @@ from kvcache.cluster import start_cluster, wait_healthy
 
 SHORT = ["--nodes", "2", "--workers", "2", "--replicas", "1", "--node-capacity", "16MiB", "--worker-kv-cache",
          "16MiB", "--prompts", "6", "--max-tokens", "128", "--concurrency", "4", "--duration", "12",
-         "--faults", "worker-kill", "--fault-interval", "8", "--request-timeout", "30", "--json", "--no-progress"]
+         "--faults", "worker-kill", "--fault-interval", "8", "--request-timeout", "30", "--json", "--no-progress",
+         "--eviction", "prefix-s3fifo"]  # a counting policy: a small pool makes it evict under the load
 
 
 def run_bench(args, timeout=150):
@@ -54,6 +55,7 @@ def test_short_run_counts_add_up_and_stops_everything(short_run):
     assert r["status_polls"] > 0 and r["resumed_by_coordinators"] >= 0
     assert len(r["pids"]) == 4 + 2 + r["faults"]["total"], "2 coordinators, 2 kvnodes, 2 workers, each restart"
     assert r["processes_left"] == [] and not any(running(pid) for pid in r["pids"])
+    assert "eviction prefix-s3fifo" in (Path(r["cluster"]["logs"]) / "node-0.log").read_text()
 
 
 def test_worker_sigkill_mid_load_fails_no_greedy_request(short_run):
@@ -66,7 +68,7 @@ def test_table_and_goal_line(short_run, capsys):
     print_report(short_run)
     out = capsys.readouterr().out
     assert "requests sent" in out and "differing from the reference" in out and "members wrongly marked dead" in out
-    assert "worker-kill" in out and "faults injected: worker-kill" in out
+    assert "worker-kill" in out and "faults injected: worker-kill" in out and "eviction prefix-s3fifo" in out
     goal = "PASS" if short_run["goal"]["met"] else "FAIL"
     assert out.rstrip().splitlines()[-1].startswith(f"goal: failed 0, differing 0: {goal} (failed ")
 

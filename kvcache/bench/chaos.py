@@ -14,6 +14,14 @@ position); members the coordinators marked dead that the bench had not taken dow
 polls and the coordinators' "missed its heartbeats" lines). Then the goal line, failed 0 and
 differing 0, PASS or FAIL; the exit code is 0 either way once the bench ran. Every process it
 starts is stopped at the end, also on Ctrl-C, SIGTERM or an error.
+
+--eviction runs the kvnodes with another policy (a small --node-capacity makes them evict).
+--kv-dtype float16: seeded answers may then differ from the reference, greedy ones did not in
+any run: K/V computed in another chunking (a prefix cached by another request, a resumed
+stream's tokens recomputed as a prompt) differs in float32's last bits, which rounding to
+float16 turns into one float16 step in ~0.5% of the elements (measured on tiny: max 0.002),
+enough to move a seeded draw that falls on a near-tie (1 and 19 of ~300 seeded requests in two
+150 s runs; 0 in float32, whose last-bit differences are ~4e-6).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from kvcache.bench.chaoswatch import StatusWatcher, log_sightings, resumed_strea
 from kvcache.bench.report import dump_json, machine, versions
 from kvcache.cluster import LocalCluster, start_cluster, wait_healthy
 from kvcache.launch import DaemonFailed
+from kvnode.eviction import NODE_POLICIES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--nodes", type=int, default=3, help="kvnodes (default 3)")
     cluster.add_argument("--workers", type=int, default=2, help="workers (default 2)")
     cluster.add_argument("--replicas", type=int, default=2, help="kvnodes per sequence (default 2)")
+    cluster.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32",
+                         help="KV dtype (default float32)")
+    cluster.add_argument("--eviction", choices=NODE_POLICIES, default=None, help="the kvnodes' eviction policy "
+                         "(default theirs, prefix-lru); a small --node-capacity makes them evict under the load")
     cluster.add_argument("--node-capacity", default="64MiB", help="page pool per kvnode (default 64MiB)")
     cluster.add_argument("--worker-kv-cache", default="64MiB", help="local KV pool per worker (default 64MiB)")
     cluster.add_argument("--blas-threads", type=int, default=None, help="BLAS threads per worker (default: cores / "
@@ -84,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = LocalCluster()
     try:
         start_cluster(logs, args.nodes, args.workers, args.coordinators, args.replicas, args.model,
-                      node_capacity=args.node_capacity, worker_kv_cache=args.worker_kv_cache,
-                      blas_threads=args.blas_threads, cluster=cluster)
+                      kv_dtype=args.kv_dtype, node_capacity=args.node_capacity, worker_kv_cache=args.worker_kv_cache,
+                      blas_threads=args.blas_threads, cluster=cluster, eviction=args.eviction)
         wait_healthy(cluster.coordinator_addresses, args.nodes, args.workers, timeout_s=120.0)
         result = _bench(args, kinds, cluster, logs, say)
     except (DaemonFailed, TimeoutError, OSError, ValueError) as exc:

@@ -60,9 +60,10 @@ def dead_summary(wrong: list[DeadSighting], all_sightings: int, start: float) ->
 def print_report(result: dict) -> None:
     o, c, ref = result["options"], result["cluster"], result["reference"]
     print(f"chaos bench: a local cluster of {c['coordinators']} coordinators, {c['nodes']} kvnodes, {c['workers']} "
-          f"workers, model {c['model']}; {ref['requests']} requests ({o['prompts']} prompts, each greedy and seeded "
-          f"at temperature {result['seeded_temperature']}), {o['max_tokens']} tokens each, {o['concurrency']} clients, "
-          f"{o['duration']:.0f}s of faults")
+          f"workers, model {c['model']}, {o.get('kv_dtype', 'float32')} KV, eviction "
+          f"{o.get('eviction') or 'prefix-lru'}; {ref['requests']} requests ({o['prompts']} prompts, each greedy and "
+          f"seeded at temperature {result['seeded_temperature']}), {o['max_tokens']} tokens each, "
+          f"{o['concurrency']} clients, {o['duration']:.0f}s of faults")
     print(f"reference on the undisturbed cluster: {ref['completed']} of {ref['requests']} completed"
           + (f"; failed: {'; '.join(ref['first_failures'])}" if ref["failed"] else ""))
     faults = result["faults"]
