@@ -20,8 +20,8 @@ starts is stopped at the end, also on Ctrl-C, SIGTERM or an error.
 any run: K/V computed in another chunking (a prefix cached by another request, a resumed
 stream's tokens recomputed as a prompt) differs in float32's last bits, which rounding to
 float16 turns into one float16 step in ~0.5% of the elements (measured on tiny: max 0.002),
-enough to move a seeded draw that falls on a near-tie (1 and 19 of ~300 seeded requests in two
-150 s runs; 0 in float32, whose last-bit differences are ~4e-6).
+enough to move a seeded draw that falls on a near-tie (19 of 303 and 1 of 166 seeded requests
+in two 150 s runs; 0 in float32, whose last-bit differences are ~4e-6).
 """
 
 from __future__ import annotations
