@@ -124,8 +124,8 @@ class TlsStream:
     def sendmsg(self, parts) -> int:
         """The first part encrypted whole, and the next ones while less than TLS_SEND_BATCH bytes
         are encrypted, sent as one write (within self.deadline when set); their size (send_parts
-        then checks its deadline before the next call). So a reply's header goes with its first page, and the small
-        slices of a banded GET go a few hundred KiB a syscall, not one each."""
+        then checks its deadline before the next call). So a reply's header goes with its first
+        page, and the small slices of a banded GET go a few hundred KiB a syscall, not one each."""
         write, sent = self._tls.write, 0
         for part in parts:
             sent += write(part)
