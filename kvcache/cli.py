@@ -13,7 +13,7 @@ from kvcache import __version__
 def build_parser() -> argparse.ArgumentParser:
     from coordinator import daemon as coordinator_daemon
     from gateway import daemon as gateway_daemon
-    from kvcache import certs, cluster_cli, generate, health, status
+    from kvcache import certs, cluster_cli, export_hf, generate, health, status
     from kvcache.bench import cli as bench_cli
     from kvnode import daemon as node_daemon
     from worker import daemon as worker_daemon
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     command("bench", bench_cli, "measure a part of the service")
     command("health", health, "ask a daemon's gRPC health service whether it serves (a probe)")
     command("certs", certs, "make a development CA and certificates for TLS between members")
+    command("export-hf", export_hf, "write a model as a Hugging Face folder for vLLM and transformers")
     return parser
 
 
