@@ -18,7 +18,7 @@ import ipaddress
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 ROLES = ("coordinator", "node", "worker", "client", "monitor")
 DEFAULT_HOSTS = ("127.0.0.1", "::1", "localhost")
@@ -45,8 +45,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def make_certs(folder: Path, hosts: Sequence[str] = (), days: int = DEFAULT_DAYS, force: bool = False) -> list[Path]:
-    """The CA and every role's certificate in `folder`; the paths written."""
+def make_certs(folder: Path, hosts: Sequence[str] = (), days: int = DEFAULT_DAYS, force: bool = False,
+               extra: Mapping[str, str] | None = None) -> list[Path]:
+    """The CA and every role's certificate in `folder`, plus `extra`'s {file name: role}: a second
+    certificate of a role for another kind of process (a vLLM connector acting as a worker), so the
+    members' own keys need not be handed to it; the paths written."""
     # Imported here: every `kvcache` command builds this one's parser, and cryptography takes ~0.1 s.
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -55,6 +58,10 @@ def make_certs(folder: Path, hosts: Sequence[str] = (), days: int = DEFAULT_DAYS
 
     if days < 1:
         raise ValueError(f"--days must be at least 1, got {days}")
+    certificates = [*((role, role) for role in ROLES), *(extra or {}).items()]
+    unknown = [f"{name} ({role})" for name, role in certificates if role not in ROLES]
+    if unknown:
+        raise ValueError(f"certificates of unknown roles: {', '.join(unknown)}; roles are {', '.join(ROLES)}")
     folder.mkdir(parents=True, exist_ok=True)
     if (folder / "ca.pem").exists() and not force:
         raise ValueError(f"{folder / 'ca.pem'} exists: give --force to make a new CA and certificates")
@@ -70,7 +77,7 @@ def make_certs(folder: Path, hosts: Sequence[str] = (), days: int = DEFAULT_DAYS
           .sign(ca_key, hashes.SHA256()))
     written = [_write_pem(folder / "ca.pem", ca.public_bytes(serialization.Encoding.PEM)),
                _write_key(folder / "ca.key", ca_key)]
-    for role in ROLES:
+    for name, role in certificates:
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"kvcache-{role}")])
         cert = (_builder(subject, ca_name, key.public_key(), now, days)
@@ -79,8 +86,8 @@ def make_certs(folder: Path, hosts: Sequence[str] = (), days: int = DEFAULT_DAYS
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                       ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
                 .sign(ca_key, hashes.SHA256()))
-        written += [_write_pem(folder / f"{role}.pem", cert.public_bytes(serialization.Encoding.PEM)),
-                    _write_key(folder / f"{role}.key", key)]
+        written += [_write_pem(folder / f"{name}.pem", cert.public_bytes(serialization.Encoding.PEM)),
+                    _write_key(folder / f"{name}.key", key)]
     return written
 
 

@@ -83,7 +83,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
                   metrics: bool = False, tls_dir: Path | None = None,
                   tokens_file: Path | None = None, gateway_port: int | None = None,
                   otlp_endpoint: str | None = None, trace_sample_ratio: float | None = None,
-                  eviction: str | None = None) -> LocalCluster:
+                  eviction: str | None = None, page_bytes: int | None = None,
+                  max_keys: int | None = None) -> LocalCluster:
     """Start coordinators, then kvnodes and workers registered with them (not yet waiting for health).
 
     Each worker gets `blas_threads` BLAS threads (default: cores / workers, at least 1) and
@@ -98,14 +99,17 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
     front of the coordinators, with /metrics when `metrics`. With `otlp_endpoint`, every member
     (and the gateway) exports trace spans there (--otlp-endpoint; needs the `otel` extra), of
     `trace_sample_ratio` of the requests when given (--trace-sample-ratio). `eviction`: the
-    kvnodes' --eviction policy (default theirs).
+    kvnodes' --eviction policy (default theirs). `page_bytes`: the kvnodes' page size when another
+    engine than the workers' model fills them (default: a page of `model` in `kv_dtype`; a cluster
+    for vLLM has no workers and vLLM's block size, kvcache/model_pages.py); `max_keys`: their
+    --max-keys when given (a vLLM block is one page a layer, all asked for at once).
 
     `on_start(cluster)` runs after each start, so a caller can record pids as they appear; on
     failure, or an interrupt (Ctrl-C, a SIGTERM handler's SystemExit), whatever started is
     stopped before the exception propagates.
     """
     cluster = cluster or LocalCluster()
-    page_bytes = model_page_bytes(model, kv_dtype)
+    page_bytes = page_bytes or model_page_bytes(model, kv_dtype)
     disk_args = disk_tier_args(data_dir, flush_interval, disk_check)
     logs.mkdir(parents=True, exist_ok=True)
 
@@ -136,6 +140,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
                 node_args += ["--data-dir", str(data_dir / f"node-{i}"), *disk_args]
             if eviction is not None:
                 node_args += ["--eviction", eviction]
+            if max_keys is not None:
+                node_args += ["--max-keys", str(max_keys)]
             launch("node", f"node-{i}", node_args)
         threads = blas_threads or default_blas_threads(workers)
         for i in range(workers):

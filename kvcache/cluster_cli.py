@@ -3,6 +3,7 @@
 `up` starts coordinators, then kvnodes and workers registered with them, waits until
 every coordinator sees every member alive, writes the cluster file (JSON: each member's
 role, address, pid and log), and stays in the foreground until Ctrl-C (or --detach).
+With --vllm-model it starts no workers: its kvnodes keep a vLLM engine's blocks (cluster_vllm.py).
 `down` reads the cluster file and stops every process in it. No process outlives either.
 """
 
@@ -16,11 +17,11 @@ import sys
 import threading
 from pathlib import Path
 
-from kvcache import prometheus
+from kvcache import cluster_vllm, prometheus
 from kvcache.cluster import LocalCluster, client_tls, disk_tier_args, start_cluster, stop_members, wait_healthy
 from kvcache.cluster_file import ClusterFileError, read_cluster_file
 from kvcache.launch import Daemon, DaemonFailed
-from kvcache.model_pages import model_page_bytes
+from kvcache.model_pages import VllmBlockPages, model_page_bytes
 from kvnode.disk_tier import CHECK_AT_START, DISK_CHECKS
 from kvnode.flusher import DEFAULT_FLUSH_INTERVAL_S
 from protos import tokens
@@ -37,13 +38,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions.required = True
     up = actions.add_parser("up", help="start a local cluster", description=__doc__)
     up.add_argument("--nodes", type=int, default=3, help="kvnodes (default 3)")
-    up.add_argument("--workers", type=int, default=2, help="workers (default 2)")
+    up.add_argument("--workers", type=int, default=None, help="workers (default 2)")
     up.add_argument("--coordinators", type=int, default=2, help="coordinators (default 2)")
     up.add_argument("--replicas", type=int, default=2, help="kvnodes per sequence (default 2)")
-    up.add_argument("--model", default=DEFAULT_MODEL,
+    up.add_argument("--model", default=None,
                     help=f"{DEFAULT_MODEL}, tiny, gpt2-small-shape, a .gguf file or a checkpoint folder (default {DEFAULT_MODEL})")
-    up.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32", help="KV dtype (default float32)")
-    up.add_argument("--node-capacity", default="64MiB", help="page pool per kvnode (default 64MiB)")
+    up.add_argument("--kv-dtype", choices=["float32", "float16"], default=None, help="KV dtype (default float32)")
+    up.add_argument("--node-capacity", default=None,
+                    help=f"page pool per kvnode, allocated at start (default {cluster_vllm.NODE_CAPACITY}; "
+                         f"{cluster_vllm.VLLM_NODE_CAPACITY} with --vllm-model: vLLM's blocks are large, one of "
+                         "128 tokens of a 30-layer model in bfloat16 is 30 pages of 96KiB, ~3MB, so 64MiB would "
+                         "hold ~2.8k tokens of prompts a kvnode and 1GiB holds ~46k)")
     up.add_argument("--data-dir", default=None, metavar="DIR",
                     help="keep each kvnode's pages in DIR/node-N (its --data-dir), so a cluster started again on "
                          "DIR finds them (default: none, RAM only)")
@@ -55,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="with --data-dir: each kvnode's --disk-check, when a page read from disk has its bytes "
                          "checked: start (each slot once a process) or always "
                          f"(default: the kvnode's, {CHECK_AT_START})")
-    up.add_argument("--worker-kv-cache", default="64MiB", help="local KV pool per worker (default 64MiB)")
+    up.add_argument("--worker-kv-cache", default=None, help="local KV pool per worker (default 64MiB)")
     up.add_argument("--blas-threads", type=int, default=None,
                     help="BLAS threads per worker (default: cores / workers, at least 1, so workers do not "
                          "fight over the cores)")
@@ -68,13 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="mutual TLS between every member (a development CA and certificates made into RUN_DIR/tls "
                          "by `kvcache certs`) and a client token (RUN_DIR/tokens, printed); `generate` and "
                          "`status` then need the printed options")
-    up.add_argument("--gateway-port", type=int, default=0,
+    up.add_argument("--gateway-port", type=int, default=None,
                     help="port of the OpenAI-compatible HTTP gateway in front of the coordinators (default 0: a "
                          "free one; its URL is printed and in the cluster file as `gateway`)")
     up.add_argument("--no-gateway", action="store_true", help="start no HTTP gateway")
     up.add_argument("--no-metrics", action="store_true",
                     help="no --metrics-port on the members (default: each serves Prometheus metrics on a free "
                          "port, recorded in the cluster file as `metrics`)")
+    cluster_vllm.add_arguments(up)
     up.set_defaults(run=run_up)
     down = actions.add_parser("down", help="stop the cluster in the run directory")
     down.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help=f"where `up` wrote its cluster file (default ./{DEFAULT_RUN_DIR})")
@@ -87,10 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     try:
-        _check_counts(args)
-        disk_tier_args(args.data_dir, args.flush_interval, args.disk_check)
-        model_page_bytes(args.model, args.kv_dtype)
-        parse_size(args.node_capacity), parse_size(args.worker_kv_cache)
+        vllm = _check_options(args)
     except ValueError as exc:
         print(f"kvcache cluster up: error: {exc}", file=sys.stderr)
         return 2
@@ -102,10 +105,13 @@ def run_up(args: argparse.Namespace) -> int:
         return 2
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    kv_transfer_file = run_dir / cluster_vllm.KV_TRANSFER_FILE
+    kv_transfer_file.unlink(missing_ok=True)  # one left by a cluster that is gone names its addresses
 
-    tls_dir, tokens_file, token = _secure_files(run_dir) if args.secure else (None, None, None)
+    tls_dir, tokens_file, token = _secure_files(run_dir, vllm is not None) if args.secure else (None, None, None)
     client_options = {**client_tls(tls_dir), "token": token} if args.secure else {}
     scrape_secrets = _scrape_secrets(run_dir, tls_dir)
+    vllm_entry = cluster_vllm.cluster_file_entry(vllm, run_dir) if vllm else None
 
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -119,7 +125,9 @@ def run_up(args: argparse.Namespace) -> int:
                       flush_interval=args.flush_interval, disk_check=args.disk_check,
                       tls_dir=tls_dir, tokens_file=tokens_file,
                       gateway_port=None if args.no_gateway else args.gateway_port,
-                      on_start=lambda c: _write_cluster_file(cluster_file, args, c.daemons, scrape_secrets))
+                      page_bytes=vllm.page_bytes if vllm else None, max_keys=cluster_vllm.max_keys(vllm),
+                      on_start=lambda c: _write_cluster_file(cluster_file, args, c.daemons, scrape_secrets,
+                                                             vllm_entry))
         coordinators = cluster.coordinator_addresses
         wait_healthy(coordinators, args.nodes, args.workers, args.timeout, stopping, client_options)
     except (DaemonFailed, TimeoutError, InterruptedError, ValueError) as exc:
@@ -127,25 +135,63 @@ def run_up(args: argparse.Namespace) -> int:
         cluster.stop()
         cluster_file.unlink(missing_ok=True)
         return 1
-    print(f"cluster up: {args.coordinators} coordinators, {args.nodes} kvnodes, {args.workers} workers, model {args.model}")
-    print(f"coordinators: {','.join(coordinators)}")
+    _print_started(args, cluster, logs, cluster_file, tls_dir, tokens_file, token)
+    if vllm:
+        config = cluster_vllm.kv_transfer_config(coordinators, run_dir, tls_dir)
+        cluster_vllm.write_kv_transfer_config(kv_transfer_file, config)
+        cluster_vllm.print_usage(vllm, args.model, config, kv_transfer_file)
+    if args.detach:
+        return 0
+    _watch(cluster, stopping)
+    print("stopping the cluster ...", flush=True)
+    cluster.stop()
+    cluster_file.unlink(missing_ok=True)
+    kv_transfer_file.unlink(missing_ok=True)
+    print("cluster stopped", flush=True)
+    return 0
+
+
+def _check_options(args: argparse.Namespace) -> VllmBlockPages | None:
+    """Every option checked before anything starts (ValueError); the vLLM block's pages for a
+    --vllm-model cluster, else None."""
+    vllm = cluster_vllm.settle_options(args)
+    _check_counts(args)
+    disk_tier_args(args.data_dir, args.flush_interval, args.disk_check)
+    parse_size(args.node_capacity)
+    if vllm is None:
+        model_page_bytes(args.model, args.kv_dtype)
+        parse_size(args.worker_kv_cache)
+    return vllm
+
+
+def _print_started(args, cluster: LocalCluster, logs: Path, cluster_file: Path, tls_dir: Path | None,
+                   tokens_file: Path | None, token: str | None) -> None:
+    coordinators = ",".join(cluster.coordinator_addresses)
+    members = "kvnodes for vLLM (no workers)" if args.vllm_model else f"kvnodes, {args.workers} workers"
+    print(f"cluster up: {args.coordinators} coordinators, {args.nodes} {members}, model {args.model}")
+    print(f"coordinators: {coordinators}")
     if cluster.gateway_url:
         print(f"gateway: {cluster.gateway_url} (OpenAI API at {cluster.gateway_url}/v1)")
     print(f"logs: {logs}")
     print(f"cluster file: {cluster_file}")
-    if args.secure:
-        tls = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in client_tls(tls_dir).items())
-        print(f"mutual TLS: certificates in {tls_dir}; tokens file {tokens_file}")
-        print(f"token: {token}")
-        if not args.no_metrics:
-            print(f"metrics: HTTPS for the kvcache-monitor certificate ({tls_dir}/monitor.pem), the gateway's with "
-                  f"the monitor token; `kvcache cluster prometheus-config --scrape-config` prints a Prometheus config")
-        print(f"try: KVCACHE_TOKEN={token} kvcache generate --coordinators {','.join(coordinators)} {tls} \"Hello\"",
-              flush=True)
-    else:
-        print(f"try: kvcache generate --coordinators {','.join(coordinators)} \"Hello\"", flush=True)
-    if args.detach:
-        return 0
+    command = f"kvcache status --coordinators {coordinators}" if args.vllm_model else \
+        f"kvcache generate --coordinators {coordinators}"
+    prompt, label = ("", "status") if args.vllm_model else (' "Hello"', "try")
+    if not args.secure:
+        print(f"{label}: {command}{prompt}", flush=True)
+        return
+    tls = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in client_tls(tls_dir).items())
+    print(f"mutual TLS: certificates in {tls_dir}; tokens file {tokens_file}")
+    print(f"token: {token}")
+    if not args.no_metrics:
+        gateway = ", the gateway's with the monitor token" if cluster.gateway_url else ""
+        print(f"metrics: HTTPS for the kvcache-monitor certificate ({tls_dir}/monitor.pem){gateway}; "
+              f"`kvcache cluster prometheus-config --scrape-config` prints a Prometheus config")
+    print(f"{label}: KVCACHE_TOKEN={token} {command} {tls}{prompt}", flush=True)
+
+
+def _watch(cluster: LocalCluster, stopping: threading.Event) -> None:
+    """Until Ctrl-C or SIGTERM, say once of each member that it exited."""
     print("Ctrl-C stops the cluster.", flush=True)
     reported: set[int] = set()
     while not stopping.wait(1.0):
@@ -154,26 +200,28 @@ def run_up(args: argparse.Namespace) -> int:
                 reported.add(daemon.pid)
                 print(f"{daemon.role} {daemon.address} exited (code {daemon.process.returncode}); see {daemon.log_path}",
                       flush=True)
-    print("stopping the cluster ...", flush=True)
-    cluster.stop()
-    cluster_file.unlink(missing_ok=True)
-    print("cluster stopped", flush=True)
-    return 0
 
 
-def _secure_files(run_dir: Path) -> tuple[Path, Path, str]:
+def _secure_files(run_dir: Path, vllm: bool = False) -> tuple[Path, Path, str]:
     """Certificates in RUN_DIR/tls and a tokens file of two tenants: `default`, with a new token
     for clients, and `monitor`, whose token (alone in RUN_DIR/monitor.token) a Prometheus sends
-    to the gateway's /metrics (kvcache/prometheus.py)."""
+    to the gateway's /metrics (kvcache/prometheus.py). With `vllm`, a third, `vllm`, whose token
+    (alone in RUN_DIR/vllm.token) and worker certificate (tls/vllm-connector.pem) the vLLM
+    connector presents: kvnodes take pages only from a worker's certificate."""
     from kvcache.certs import make_certs
 
     tls_dir = run_dir / "tls"
-    make_certs(tls_dir, force=True)
+    make_certs(tls_dir, force=True, extra={cluster_vllm.CONNECTOR_CERT: "worker"} if vllm else None)
     token = tokens.new_token()
     monitor_token = tokens.new_token()
-    tokens_file = run_dir / "tokens"
-    _write_private(tokens_file, f"default {token}\nmonitor {monitor_token}\n")
+    tenants = f"default {token}\nmonitor {monitor_token}\n"
     _write_private(run_dir / MONITOR_TOKEN_FILE, f"{monitor_token}\n")
+    if vllm:
+        connector_token = tokens.new_token()
+        tenants += f"{cluster_vllm.TENANT} {connector_token}\n"
+        _write_private(run_dir / cluster_vllm.TOKEN_FILE, f"{connector_token}\n")
+    tokens_file = run_dir / "tokens"
+    _write_private(tokens_file, tenants)
     return tls_dir, tokens_file, token
 
 
@@ -196,7 +244,8 @@ def run_prometheus_config(args: argparse.Namespace) -> int:
 
 
 def run_down(args: argparse.Namespace) -> int:
-    cluster_file = Path(args.run_dir).resolve() / CLUSTER_FILE
+    run_dir = Path(args.run_dir).resolve()
+    cluster_file = run_dir / CLUSTER_FILE
     try:
         cluster = read_cluster_file(cluster_file, "nothing to stop")
     except ClusterFileError as exc:
@@ -205,12 +254,13 @@ def run_down(args: argparse.Namespace) -> int:
     members = cluster.get("members", [])
     stop_members(members)
     cluster_file.unlink(missing_ok=True)
+    (run_dir / cluster_vllm.KV_TRANSFER_FILE).unlink(missing_ok=True)  # its addresses are gone
     print(f"stopped {len(members)} processes")
     return 0
 
 
 def _check_counts(args: argparse.Namespace) -> None:
-    for name in ("nodes", "workers", "coordinators", "replicas"):
+    for name in ("nodes", "coordinators", "replicas") + (() if args.vllm_model else ("workers",)):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.blas_threads is not None and args.blas_threads < 1:
@@ -223,10 +273,12 @@ def _check_counts(args: argparse.Namespace) -> None:
         raise ValueError(f"--replicas {args.replicas} exceeds --nodes {args.nodes}: each replica needs its own kvnode")
 
 
-def _write_cluster_file(path: Path, args, started: list[Daemon], secure: dict | None = None) -> None:
+def _write_cluster_file(path: Path, args, started: list[Daemon], secure: dict | None = None,
+                        vllm: dict | None = None) -> None:
     gateway = next((d.address for d in started if d.role == "gateway"), None)
     cluster = {
         "model": args.model,
+        **({"vllm": vllm} if vllm else {}),
         **({"gateway": gateway} if gateway else {}),
         **({"secure": secure} if secure else {}),
         "replicas": args.replicas,

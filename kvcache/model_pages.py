@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from protos.pages import DEFAULT_PAGE_TOKENS
 from worker.model import read_model_config
+from worker.model.config import read_config
 
 
 def model_page_bytes(model: str, kv_dtype: str = "float32", page_tokens: int = DEFAULT_PAGE_TOKENS) -> int:
@@ -21,3 +24,39 @@ def model_page_bytes(model: str, kv_dtype: str = "float32", page_tokens: int = D
 @functools.lru_cache(maxsize=8)
 def _config(model: str):
     return read_model_config(model)   # a GGUF's metadata takes seconds to parse: once per process
+
+
+# vLLM's KV cache dtypes we size pages for, in bytes an element.
+VLLM_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+VLLM_CPU_BLOCK_SIZE = 128   # the block size vLLM's CPU backend picks when none is given
+
+
+@dataclass(frozen=True)
+class VllmBlockPages:
+    """How a vLLM engine's blocks land on kvnodes: the vLLM connector stores one layer of one
+    block as one page (vllm_connector/keys.py), so a block is `layers` pages of `page_bytes`."""
+
+    page_bytes: int
+    layers: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def describe(self) -> str:
+        """The product that gives page_bytes, so a user can check it against vLLM's own log."""
+        return (f"2 (K and V) x {self.block_size} tokens x {self.kv_heads} KV heads x {self.head_dim} head_dim x "
+                f"{VLLM_DTYPE_BYTES[self.dtype]} bytes ({self.dtype})")
+
+
+def vllm_block_pages(folder: str | Path, block_size: int = VLLM_CPU_BLOCK_SIZE,
+                     dtype: str = "bfloat16") -> VllmBlockPages:
+    """vLLM's page of one layer (AttentionSpec.page_size_bytes) for the Hugging Face model in `folder`,
+    from its config.json alone; ValueError (CheckpointError) for a folder our reader refuses."""
+    if dtype not in VLLM_DTYPE_BYTES:
+        raise ValueError(f"vLLM dtype must be one of {', '.join(VLLM_DTYPE_BYTES)}, got {dtype!r}")
+    if block_size < 1:
+        raise ValueError(f"vLLM block size must be at least 1, got {block_size}")
+    config = read_config(folder)
+    page_bytes = 2 * block_size * config.n_kv_heads * config.head_dim * VLLM_DTYPE_BYTES[dtype]
+    return VllmBlockPages(page_bytes, config.n_layers, block_size, config.n_kv_heads, config.head_dim, dtype)
