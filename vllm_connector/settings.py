@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -51,8 +52,10 @@ class Settings:
                 if not isinstance(value, bool):
                     raise SettingsError(f"{name} must be true or false, got {value!r}")
             elif isinstance(default, (int, float)):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                     raise SettingsError(f"{name} must be a number >= 0, got {value!r}")
+                if isinstance(default, int) and value != int(value):
+                    raise SettingsError(f"{name} must be a whole number, got {value!r}")
                 value = type(default)(value)
             elif not isinstance(value, str):
                 raise SettingsError(f"{name} must be a string, got {value!r}")
@@ -72,12 +75,20 @@ class Settings:
         for name in ("lookup_timeout_s", "load_timeout_s", "refresh_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be positive")
+        if self.lease_ms >= 2**32:  # a Lookup's lease_ms is a uint32
+            raise SettingsError(f"lease_ms must be below 2**32, got {self.lease_ms}")
+        # The files are read now, so a bad one turns the connector off at start (connector.py), not later.
+        self.credentials()
+        self.client_token()
 
     def credentials(self) -> security.Credentials | None:
         if not self.tls_ca:
             return None
-        return security.Credentials(Path(self.tls_ca), Path(self.tls_cert) if self.tls_cert else None,
-                                    Path(self.tls_key) if self.tls_key else None)
+        try:
+            return security.Credentials(Path(self.tls_ca), Path(self.tls_cert) if self.tls_cert else None,
+                                        Path(self.tls_key) if self.tls_key else None)
+        except ValueError as exc:  # names the daemons' --tls-* options
+            raise SettingsError(f"tls_ca, tls_cert, tls_key: {str(exc).replace('--tls-', 'tls_')}") from None
 
     def client_token(self) -> str | None:
         if self.token_file:
