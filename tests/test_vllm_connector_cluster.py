@@ -136,7 +136,9 @@ def test_blocks_found_in_the_cluster_are_not_saved_again_only_the_new_ones(node,
         np.testing.assert_array_equal(got, blocks(reader.layers, [7, 9]))
 
 
-def test_blocks_the_cluster_holds_are_not_saved_again_when_vllm_recomputes_them(node, writer, reader):
+def test_blocks_the_cluster_holds_are_not_sent_again_when_vllm_recomputes_them(node, writer, reader):
+    """The plan names every block vLLM computed (a load that failed partway leaves blocks the cluster
+    lacks), and the saver asks the node first: only the block it lacks crosses the wire."""
     prompt = tokens(2 * BLOCK_SIZE + 1, seed=24)
     writer.save("w-recomputed", prompt, [14, 15, 16])
     longer = prompt[:2 * BLOCK_SIZE] + tokens(BLOCK_SIZE + 1, seed=25)
@@ -144,7 +146,16 @@ def test_blocks_the_cluster_holds_are_not_saved_again_when_vllm_recomputes_them(
     reader.scheduler.after_alloc("r-recomputed", [0, 1, 2, 3], 0)  # vLLM computes them itself after all
     reader.scheduler.start("r-recomputed", longer, "", [0, 1, 2, 3], 0)
     plan = reader.scheduler.plan({"r-recomputed": len(longer)})
-    assert [(s.first, s.block_ids) for s in plan.saves] == [(2, (2,))]
+    assert [(s.first, s.block_ids) for s in plan.saves] == [(0, (0, 1, 2))]
+    with NodeClient(node.address) as client:
+        used = client.info().used_pages
+        reader.worker.save(plan.saves)
+        assert reader.worker.wait_for_saves(10.0)
+        assert client.info().used_pages == used + NUM_LAYERS  # block 2 alone
+        keys = block_keys(FP, "", longer, BLOCK_SIZE, 3)
+        assert client.lookup(last_layer_keys(keys, NUM_LAYERS)) == 3
+        got = client.get_pages(block_pages(keys[2], keys[1], NUM_LAYERS)[0]).reshape(1, NUM_LAYERS, PAGE_BYTES)
+        np.testing.assert_array_equal(got.transpose(1, 0, 2), blocks(reader.layers, [2]))
 
 
 def test_a_save_whose_earlier_blocks_the_node_lacks_sends_nothing(node, writer):

@@ -5,12 +5,17 @@ connector. An altered page, a salted prompt and killed kvnodes cost hits, never 
 
 from __future__ import annotations
 
+import os
+import socket
 import time
+from pathlib import Path
 
 import pytest
 
+from kvcache.bench.vllm_run import BLOCK_TOKENS, connector_config, engine, local_cluster
 from kvnode.client import NodeClient
-from vllm_helpers import BLOCK_TOKENS, connector_config, engine, local_cluster
+
+FAULTS = Path(__file__).parent.parent / "tests" / "fault_injection"
 
 PAGE_BYTES = 2 * BLOCK_TOKENS * 3 * 64 * 2  # K and V of one layer's block: SmolLM2's 3 KV heads of 64, bfloat16
 LAYERS = 30
@@ -57,8 +62,9 @@ def reference(model_dir, tmp_path_factory) -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with local_cluster(tmp_path_factory.mktemp("cluster"), PAGE_BYTES, nodes=2, replicas=2,
-                       alter_nth_page=ALTERED_BLOCK * LAYERS + 1) as c:
+    env = dict(os.environ, KVCACHE_TEST_ALTER_NTH_PAGE=str(ALTERED_BLOCK * LAYERS + 1))
+    env["PYTHONPATH"] = os.pathsep.join([str(FAULTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    with local_cluster(tmp_path_factory.mktemp("cluster"), PAGE_BYTES, nodes=2, replicas=2, node_env=env) as c:
         yield c
 
 
@@ -111,3 +117,17 @@ def test_killed_kvnodes_cost_hits_never_tokens(engines, cluster, reference):
     lost = engines.ask(FAMILIES["lost"][:1])
     assert lost[0]["tokens"] == reference["lost"][0]["tokens"]
     assert lost[0]["cached"] == 0
+
+
+def test_a_cluster_nobody_answers_is_one_warning_and_no_hits(model_dir, reference, tmp_path):
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        nowhere = f"127.0.0.1:{s.getsockname()[1]}"
+    with engine(model_dir, tmp_path / "nowhere.log", connector_config([nowhere])) as lonely:
+        answers = lonely.ask(FAMILIES["shared"][:1])
+        log = lonely.log()
+    assert answers[0]["tokens"] == reference["shared"][0]["tokens"]
+    assert answers[0]["cached"] == 0
+    warnings = [line for line in log.splitlines() if "WARNING" in line and "kvcache" in line]
+    assert len(warnings) == 1, warnings
+    assert "no coordinator answered" in warnings[0] and nowhere in warnings[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -79,7 +79,7 @@ class SchedulerSide:
             deadline = self.clock() + self.settings.lookup_timeout_s
             lookup = Lookup(self._pool.submit(self._look_up, keys, deadline), deadline, keys)
             self._lookups[req_id] = lookup
-            _wait(lookup.future, INLINE_WAIT_S)
+            wait([lookup.future], timeout=INLINE_WAIT_S)
         lookup.num_local_tokens = num_local_tokens
         if not lookup.future.done():
             if self.clock() < lookup.deadline:
@@ -185,10 +185,3 @@ class SchedulerSide:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-
-def _wait(future: Future, timeout: float) -> bool:
-    try:
-        future.exception(timeout=timeout)
-    except TimeoutError:
-        return False
-    return True

@@ -117,6 +117,7 @@ class WorkerSide:
                 nonlocal landed
                 landed = min(len(load.block_ids), starts[i] + per_batch)
 
+            began = time.perf_counter()
             try:
                 node.client.get_pages_in_batches(batches, out_for, count, timeout=max(0.001, deadline - time.monotonic()))
             except PageRejected as exc:
@@ -133,6 +134,11 @@ class WorkerSide:
                             load.req_id, node.address, exc.code.name, exc.details, len(load.block_ids) - landed)
                 return landed
             self.nodes.succeeded(node)
+            seconds = time.perf_counter() - began
+            nbytes = len(load.block_ids) * num_layers * self.page_bytes
+            log.info("kvcache: request %s loaded %d blocks (%.1f MB) from kvnode %s in %.1f ms (%.2f GB/s)",
+                     load.req_id, len(load.block_ids), nbytes / 1e6, node.address, seconds * 1e3,
+                     nbytes / max(seconds, 1e-9) / 1e9)
             return len(load.block_ids)
 
     def _drop(self, node: Node, key: bytes) -> None:

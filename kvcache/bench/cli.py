@@ -17,6 +17,7 @@ BENCHES = [
     ("load", "the cluster under concurrent load, with the cache and without"),
     ("chaos", "faults under load: failed and differing answers against an undisturbed run"),
     ("determinism", "seeded and greedy answers resumed or batched against the same request alone"),
+    ("vllm", "a vLLM engine's TTFT with its prompt's KV recomputed, from kvcache, or from vLLM's ExampleConnector"),
 ]
 
 

@@ -1,4 +1,5 @@
-"""Real vLLM engines and a real local kvcache cluster for the vLLM tests; every process stopped by its own id."""
+"""vLLM engines in processes of their own (vllm_engine.py, run with vLLM's Python) and a local cluster
+sized for their blocks, for `kvcache bench vllm` and the vLLM tests; every process stopped by its own id."""
 
 from __future__ import annotations
 
@@ -17,9 +18,7 @@ from typing import Iterator
 from coordinator.client import Client
 from kvcache.launch import Daemon
 
-HERE = Path(__file__).parent
-FAULTS = HERE.parent / "tests" / "fault_injection"
-DRIVER = HERE / "engine_driver.py"
+DRIVER_MODULE = "kvcache.bench.vllm_engine"  # run with -m: as a script, its folder's vllm.py would shadow vLLM
 START_TIMEOUT_S = 240.0
 ASK_TIMEOUT_S = 180.0
 BLOCK_TOKENS = 128  # vLLM's CPU block
@@ -30,14 +29,19 @@ def connector_config(coordinators: list[str], **extra) -> dict:
             "kv_role": "kv_both", "kv_connector_extra_config": {"coordinators": coordinators, **extra}}
 
 
-class Engine:
-    """engine_driver.py in a process group of its own (vLLM's engine core is its child)."""
+class EngineFailed(RuntimeError):
+    """The engine exited or went quiet; the message names its log."""
 
-    def __init__(self, model_dir: Path, log_path: Path, kv_transfer_config: dict | None = None):
+
+class Engine:
+    """kvcache/bench/vllm_engine.py in a process group of its own (vLLM's engine core is its child)."""
+
+    def __init__(self, model_dir: Path, log_path: Path, kv_transfer_config: dict | None = None,
+                 python: str = sys.executable):
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.process = subprocess.Popen(
-            [sys.executable, str(DRIVER), str(model_dir), json.dumps(kv_transfer_config) if kv_transfer_config else ""],
+            [python, "-m", DRIVER_MODULE, str(model_dir), json.dumps(kv_transfer_config) if kv_transfer_config else ""],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -77,18 +81,19 @@ class Engine:
             try:
                 line = self._lines.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"the vLLM engine said no {prefix!r} within {timeout_s:.0f} s; log: "
+                raise EngineFailed(f"the vLLM engine said no {prefix!r} within {timeout_s:.0f} s; log: "
                                      f"{self.log_path}") from None
             if line is None:
-                raise AssertionError(f"the vLLM engine exited before {prefix!r}; log {self.log_path}:\n"
+                raise EngineFailed(f"the vLLM engine exited before {prefix!r}; log {self.log_path}:\n"
                                      + self.log()[-3000:])
             if line.startswith(prefix):
                 return line
 
 
 @contextlib.contextmanager
-def engine(model_dir: Path, log_path: Path, kv_transfer_config: dict | None = None) -> Iterator[Engine]:
-    e = Engine(model_dir, log_path, kv_transfer_config)
+def engine(model_dir: Path, log_path: Path, kv_transfer_config: dict | None = None,
+           python: str = sys.executable) -> Iterator[Engine]:
+    e = Engine(model_dir, log_path, kv_transfer_config, python)
     try:
         yield e
     finally:
@@ -98,12 +103,9 @@ def engine(model_dir: Path, log_path: Path, kv_transfer_config: dict | None = No
 class LocalCluster:
     """A coordinator and kvnodes sized for vLLM's blocks of the model, as `kvcache cluster up --vllm-model` makes."""
 
-    def __init__(self, log_dir: Path, page_bytes: int, nodes: int = 2, replicas: int = 2, alter_nth_page: int = 0,
-                 capacity: str = "512MiB"):
-        env = dict(os.environ)
-        if alter_nth_page:
-            env["PYTHONPATH"] = os.pathsep.join([str(FAULTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-            env["KVCACHE_TEST_ALTER_NTH_PAGE"] = str(alter_nth_page)
+    def __init__(self, log_dir: Path, page_bytes: int, nodes: int = 2, replicas: int = 2, capacity: str = "512MiB",
+                 node_env: dict | None = None):
+        env = node_env
         self.members: list[Daemon] = []
         try:
             self.coordinator = self._start("coordinator", log_dir / "coordinator.log",
