@@ -117,8 +117,8 @@ def print_usage(pages: VllmBlockPages, model: str, config: dict, path: Path) -> 
           f"{pages.layers} pages a block")
     print(f"vLLM kv_transfer_config (also in {path}):")
     print(json.dumps(config))
-    print(f"try: vllm serve {model} --block-size {pages.block_size} --dtype {pages.dtype} "
-          f"--kv-transfer-config \"$(cat {path})\"", flush=True)
+    print(f"try: python -m vllm.entrypoints.openai.api_server --model {model} --block-size {pages.block_size} "
+          f"--dtype {pages.dtype} --enforce-eager --kv-transfer-config \"$(cat {path})\"", flush=True)
 
 
 def _flags(names: list[str]) -> str:

