@@ -7,7 +7,6 @@ Each test uses prompts of its own, so they share one node."""
 
 from __future__ import annotations
 
-import logging
 
 import numpy as np
 import pytest
@@ -15,19 +14,11 @@ import pytest
 from cluster_helpers import node_process
 from kvnode.client import NodeClient
 from vllm_connector.keys import block_keys, block_pages, last_layer_keys
-from vllm_connector_helpers import (BLOCK_SIZE, LAYOUT, NODE_ARGS, NUM_LAYERS, PAGE_BYTES, blocks, engine,
+from vllm_connector_helpers import (no_errors_logged,  # noqa: F401 - autouse
+                                     BLOCK_SIZE, LAYOUT, NODE_ARGS, NUM_LAYERS, PAGE_BYTES, blocks, engine,
                                     random_layers, settings, tokens)
 
 FP = LAYOUT.fingerprint()
-
-
-@pytest.fixture(autouse=True)
-def no_errors_logged(caplog):
-    """Whatever fails is a warning and a recomputed block, never an error with a traceback."""
-    with caplog.at_level(logging.INFO):
-        yield
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
-    assert errors == [], [r.getMessage() for r in errors]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ fails its loads within load_timeout_s; saves that do not fit the save buffer go 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import time
@@ -20,7 +19,8 @@ from test_remote_altered_page import altering_env
 from test_remote_nodes import Blackholes, HangingLookup
 from vllm_connector.keys import block_keys, block_pages, layer_page_key
 from vllm_connector.plan import BlockSave
-from vllm_connector_helpers import (BLOCK_SIZE, LAYOUT, NODE_ARGS, NUM_LAYERS, PAGE_BYTES, blocks, engine,
+from vllm_connector_helpers import (no_errors_logged,  # noqa: F401 - autouse
+                                     BLOCK_SIZE, LAYOUT, NODE_ARGS, NUM_LAYERS, PAGE_BYTES, blocks, engine,
                                     random_layers, settings, tokens)
 
 FP = LAYOUT.fingerprint()
@@ -28,15 +28,6 @@ NUM_SAVED = 5
 A_IDS = [7, 3, 9, 1, 12, 5]  # engine A's blocks of the prompt
 B_IDS = [2, 4, 6, 8, 10, 11]  # engine B's
 MARGIN_S = 0.5  # past a timeout, for the threads and the test's polling
-
-
-@pytest.fixture(autouse=True)
-def no_errors_logged(caplog):
-    """Whatever fails is a warning and a recomputed block, never an error with a traceback."""
-    with caplog.at_level(logging.INFO):
-        yield
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
-    assert errors == [], [r.getMessage() for r in errors]
 
 
 def chain(prompt, salt=""):

@@ -7,10 +7,12 @@ Every wait is bounded; an engine's threads and clients are closed when its block
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Iterator, Sequence
 
 import numpy as np
+import pytest
 
 from vllm_connector.keys import BlockLayout
 from vllm_connector.placement import Placement
@@ -128,3 +130,12 @@ def engine(settings_: Settings, layers: list[np.ndarray] | None = None) -> Itera
         yield e
     finally:
         e.close()
+
+
+@pytest.fixture(autouse=True)
+def no_errors_logged(caplog):
+    """Whatever fails is a warning and a recomputed block, never an error with a traceback."""
+    with caplog.at_level(logging.INFO):
+        yield
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]

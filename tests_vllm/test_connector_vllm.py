@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from pathlib import Path
 
 import pytest
 
-from kvcache.bench.vllm_run import BLOCK_TOKENS, connector_config, engine, local_cluster
-from kvnode.client import NodeClient
+from kvcache.bench.vllm_run import BLOCK_TOKENS, connector_config, engine, local_cluster, wait_until_saved
 
 FAULTS = Path(__file__).parent.parent / "tests" / "fault_injection"
 
@@ -34,23 +32,6 @@ FAMILIES = {name: family(name) for name in ("altered", "shared", "salted", "repl
 def full_blocks(prompt_tokens: int) -> int:
     """Tokens the cluster can give a prompt: whole blocks, never the last prompt token's."""
     return (prompt_tokens - 1) // BLOCK_TOKENS * BLOCK_TOKENS
-
-
-def wait_until_saved(addresses: list[str], settle_s: float = 0.5, timeout_s: float = 20.0) -> None:
-    """Saves are asynchronous: wait until the kvnodes' page counts stop changing."""
-    clients = [NodeClient(a) for a in addresses]
-    try:
-        deadline, last, since = time.monotonic() + timeout_s, None, time.monotonic()
-        while time.monotonic() < deadline:
-            used = [c.info().used_pages for c in clients]
-            if used != last:
-                last, since = used, time.monotonic()
-            elif time.monotonic() - since >= settle_s:
-                return
-            time.sleep(0.05)
-    finally:
-        for c in clients:
-            c.close()
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ from pathlib import Path
 import openai
 from tokenizers import Tokenizer
 
-from kvcache.bench.vllm_run import BLOCK_TOKENS, connector_config, engine, local_cluster
-from test_connector_vllm import PAGE_BYTES, family, full_blocks, wait_until_saved
+from kvcache.bench.vllm_run import BLOCK_TOKENS, connector_config, engine, local_cluster, wait_until_saved
+from test_connector_vllm import PAGE_BYTES, family, full_blocks
 
 SERVE_TIMEOUT_S = 240.0
 

@@ -37,7 +37,8 @@ from typing import Iterator
 import numpy as np
 
 from kvcache.bench.report import dump_json, machine, print_table
-from kvcache.bench.vllm_run import BLOCK_TOKENS, EngineFailed, connector_config, engine, local_cluster
+from kvcache.bench.vllm_run import (BLOCK_TOKENS, EngineFailed, connector_config, engine, local_cluster,
+                                    wait_until_saved)
 from kvcache.model_pages import vllm_block_pages
 
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
@@ -115,7 +116,7 @@ def _measure(args: argparse.Namespace, sizes: list[int], page_bytes: int) -> dic
             say("kvcache: a writer, then a reader")
             with engine(model, logs / "kvcache-writer.log", config, python) as writer:
                 writer.ask(written + repeated + kill_prompts)
-            _wait_until_saved(cluster)
+            wait_until_saved([n.address for n in cluster.nodes])
             with engine(model, logs / "kvcache-reader.log", config, python) as reader:
                 reader.ask(warm_up)
                 results["kvcache"] = {"shared": reader.ask(asked), "same": reader.ask(repeated)}
@@ -219,24 +220,6 @@ def _ask_each(reader, prompts: list) -> list[dict]:
         except EngineFailed as exc:
             answers.append({"failed": str(exc)[:200]})
     return answers
-
-
-def _wait_until_saved(cluster, settle_s: float = 0.5, timeout_s: float = 60.0) -> None:
-    from kvnode.client import NodeClient
-
-    clients = [NodeClient(n.address) for n in cluster.nodes]
-    try:
-        deadline, last, since = time.monotonic() + timeout_s, None, time.monotonic()
-        while time.monotonic() < deadline:
-            used = [c.info().used_pages for c in clients]
-            if used != last:
-                last, since = used, time.monotonic()
-            elif time.monotonic() - since >= settle_s:
-                return
-            time.sleep(0.05)
-    finally:
-        for c in clients:
-            c.close()
 
 
 def _loads(log: str) -> dict:

@@ -150,3 +150,22 @@ def local_cluster(log_dir: Path, page_bytes: int, **kwargs) -> Iterator[LocalClu
         yield cluster
     finally:
         cluster.stop()
+
+
+def wait_until_saved(addresses: list[str], settle_s: float = 0.5, timeout_s: float = 60.0) -> None:
+    """Saves are asynchronous: wait until the kvnodes' page counts stop changing."""
+    from kvnode.client import NodeClient
+
+    clients = [NodeClient(a) for a in addresses]
+    try:
+        deadline, last, since = time.monotonic() + timeout_s, None, time.monotonic()
+        while time.monotonic() < deadline:
+            used = [c.info().used_pages for c in clients]
+            if used != last:
+                last, since = used, time.monotonic()
+            elif time.monotonic() - since >= settle_s:
+                return
+            time.sleep(0.05)
+    finally:
+        for c in clients:
+            c.close()
