@@ -351,7 +351,7 @@ class DataPlaneServer:
         try:
             try:
                 checksums = self.store.checksums(keys) if header.checksums else []
-            except PageNotFound as exc:  # pinned, yet dropped meanwhile (store_drops note 2): as any missing page
+            except PageNotFound as exc:  # pinned, yet dropped meanwhile (its slots wait for the unpin): as any missing page
                 raise dw.FrameError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
             payload = header.count * self.store.page_bytes + len(checksums) * CHECKSUM_BYTES
             if bands is not None:

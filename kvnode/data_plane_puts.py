@@ -7,7 +7,7 @@ Design notes
    buffer (reused while small, bounded in total: kvnode/recv_buffers.py), checks every page
    as PutPages does, and stores only once the whole request arrived and passed: a request
    cut short stores nothing. Each page keeps the checksum sent with it, unchecked here (the
-   readers check it: kvnode/store.py note 9). One outcome per page, as PutPages.
+   readers check it). One outcome per page, as PutPages.
    The bytes of puts being received at once, over all connections, are bounded
    (`max_bytes_in_flight`); a put beyond it is refused RESOURCE_EXHAUSTED, unless it is
    the only one (pages of a large model may make one request larger than the bound).

@@ -26,7 +26,7 @@ Design notes
    page's bytes: the slot's checksum would cost a second pass over the page, about a quarter
    of a disk hit's CPU time. Bytes altered on disk later (another process writing the file, the media) are
    caught end to end: every reader checks a page against its writer's checksum and reports a
-   mismatch (DropPages), and the node then checks its own copy (kvnode/store.py, note 9).
+   mismatch (DropPages), and the node then checks its own copy (the store's drop_reported).
    CHECK_ALWAYS checks the slot's checksum on every read as well.
 """
 

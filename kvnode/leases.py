@@ -1,4 +1,4 @@
-"""Leases on a store's pages (kvnode/store.py, design notes 3 and 5): who holds one until when,
+"""Leases on a store's pages (kvnode/store.py): who holds one until when,
 how many are held, and their expiry, lazily. The store decides what to lease; this module keeps
 the count and the heap. Callers hold the store's lock."""
 

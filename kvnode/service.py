@@ -25,7 +25,7 @@ log = logging.getLogger("kvnode")
 
 SERVICE_NAME = service_name("KVStore")
 READERS = ("worker",)  # whose certificates may look pages up, get, put and drop them (protos/security.py note 4)
-# Trailing metadata of a Lookup whose hits the node's leased-pages bound cut short (store design note 5).
+# Trailing metadata of a Lookup whose hits the node's leased-pages bound cut short, so the client knows why it got fewer hits.
 LEASE_LIMITED_KEY = "kvcache-lease-limited"
 DEFAULT_MAX_KEYS = 256
 _CHUNK_HEADROOM = 64  # bytes kept for a PageChunk's header within the message limit

@@ -66,7 +66,7 @@ def send_slots(connection: Connection, store: PageStore, pool: shared_pool.Share
     try:
         try:
             checksums = store.checksums(keys)
-        except PageNotFound as exc:  # pinned, yet dropped meanwhile (store_drops note 2): as any missing page
+        except PageNotFound as exc:  # pinned, yet dropped meanwhile (its slots wait for the unpin): as any missing page
             raise dw.FrameError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
         table = b"".join(checksum + dw.SLOT.pack(dw.NO_SLOT if slot is None else slot)
                          for checksum, slot in zip(checksums, slots))

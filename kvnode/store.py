@@ -1,59 +1,37 @@
-"""The page store: a preallocated page pool, a content-addressed index, eviction in the
-caller's chosen policy (prefix-aware LRU by default) and short leases. Plain Python over
-NumPy; knows nothing of gRPC. Its parts have modules of their own: leases (kvnode/leases.py),
-the disk tier's copies (kvnode/tiers.py), the victims' order (kvnode/eviction/), pins
-(kvnode/store_pins.py), dropping pages (kvnode/store_drops.py), the invariants' checks
-(kvnode/store_invariants.py), and its errors, page record and counters (kvnode/store_types.py).
+"""The page store: a preallocated page pool, a content-addressed index, eviction in the caller's
+chosen policy (prefix-aware LRU by default) and short leases; plain Python over NumPy, no gRPC.
+Its parts, in kvnode/: leases.py, orphans.py, tiers.py (the disk tier's copies), eviction/ (the
+victims' order), store_pins.py, store_drops.py, store_invariants.py, and store_types.py (its
+errors, page record and counters).
 
 Design notes
-1. The policy (kvnode/eviction/) picks victims and says whether a put needs its
-   parent cached; the store carries it out. Under prefix-aware, the node's policy, only
-   leaves are evicted, least recently used first, and a put whose parent is not cached
-   is refused: so every cached page's whole prefix is cached. Under lru and fifo any
-   page may go, and a cached page whose parent is not cached is an orphan: the store
-   counts them in O(1) per operation, keeping per missing parent how many cached pages
-   name it, so a parent stored again adopts its orphans.
+1. The policy (kvnode/eviction/) picks victims and says whether a put needs its parent
+   cached; the store carries it out. Under prefix-aware, the node's policy, only leaves are
+   evicted, least recently used first, and a put whose parent is not cached is refused: so
+   every cached page's whole prefix is cached. Under lru and fifo any page may go, leaving
+   orphans (cached pages whose parent is not), counted in O(1) per operation.
 2. A put never evicts the parent it names, under every policy.
-3. Leases (kvnode/leases.py) expire lazily: a heap holds (expiry, key); each operation first
-   retires the leases that ran out, so an abandoned lease frees itself. A leased page is never
-   evicted, under every policy. A renewal leaves its old entry behind, stale; when stale
-   entries outnumber live leases (2x + 64), the heap is rebuilt from its live entries, so
-   a client renewing in a loop cannot grow it without bound (amortized O(1) per lease).
-4. Pins, for the data plane, which sends pages straight from the pool: kvnode/store_pins.py note 1.
-5. Leases are bounded, so no client can hold the pool and starve eviction: a lookup may ask
-   to lease at most `max_leases_per_call` keys (more is refused, LeaseRefused: the caller
-   sent a request too large), and at most `max_leased_pages` pages are leased at once (the
-   node's default: half the pool). A lookup that would pass the total is not refused: it
-   renews leases already held and leases new pages while they fit, and its hits stop at
-   the first page it could not lease. Refusing would make every client's lookup fail while
-   one client holds the leases (a worker then skips the node altogether); answering hits it
-   did not lease would send clients to fetch pages that may be gone. So under lease
-   pressure a client gets fewer hits and computes the rest: correct, slower, never failed.
-6. With a disk tier (kvnode/disk_tier.py) the tiers are inclusive: every page of the node has a
-   disk slot, taken when it is stored, and the disk's capacity is the node's; RAM keeps a copy
-   of the pages used last. So the node's eviction (note 1) runs over the disk's pages and drops
-   a page from the node only as a leaf, and RAM makes room by dropping the copy used least
-   recently (kvnode/eviction/ram_queue.py), whatever its place in a chain: the page stays on
-   the node. A put lands in RAM, dirty: flush() (every --flush-interval) writes dirty pages to
-   their slots, and so does dropping a dirty copy from RAM (demotion). So put acknowledges
-   RAM, and disk within the flush interval; with `write_through` it writes the page before it
-   answers. A page on disk only is read back into RAM when it is read (promotion), its slot's
-   header checked (and its bytes, with the disk check `always`: kvnode/disk_tier.py note 6);
-   when no RAM slot is free or unpinned it is served from a buffer of its own, not promoted. Moving copies between the tiers, and the disk's I/O
-   errors, are kvnode/tiers.py's.
-7. A page whose slot fails its check, or cannot be read, is dropped with its descendants:
-   kvnode/store_drops.py note 1.
-8. A page dropped while pinned leaves the index at once, its slots waiting for its last unpin:
-   kvnode/store_drops.py note 2.
-9. Every page keeps its writer's checksum (kvnode/checksum.py) beside it, on both tiers, and
-   the node sends it with the page: the reader checks the bytes, not the node. The node does
-   not recompute it on a put (one xxh3 pass per page, the writer's, keeps puts fast): a page
-   whose checksum is wrong from the start is refused by its first reader, like one altered
-   later. A put without one (an older client) gets one computed here. A reader that finds a
-   page altered reports it (drop_reported): the node checks its own copy, and only when that
-   fails too does the page go with its descendants, as in notes 7-8 (kvnode/store_drops.py);
-   an intact copy stays (the bytes were altered on the reader's side), so a report cannot
-   delete good pages.
+3. A leased or pinned page is never evicted. Leases expire lazily: each operation first
+   retires the ones that ran out, so an abandoned lease frees itself.
+4. Leases are bounded, so no client can hold the pool and starve eviction: a lookup may lease
+   at most `max_leases_per_call` keys (more is refused: LeaseRefused), and at most
+   `max_leased_pages` pages are leased at once. A lookup that would pass the total is not
+   refused: it renews the leases it holds and leases new pages while they fit, its hits
+   stopping at the first page it could not lease. Refusing would fail every client while one
+   holds the leases; answering hits it did not lease would send clients after pages that may
+   be gone. Under lease pressure a client computes more, and never fails.
+5. With a disk tier (kvnode/disk_tier.py) the tiers are inclusive: every page has a disk slot,
+   taken when it is stored, and the node's capacity, and eviction (note 1), are the disk's; RAM
+   keeps copies of the pages used last, dropping the one used least recently to make room
+   (kvnode/eviction/ram_queue.py). A put lands in RAM, dirty, written to its slot by flush()
+   (every --flush-interval) or when its copy is dropped, or before the put answers with
+   `write_through`. A page on disk only is read back into RAM when read. A page whose slot
+   fails its check, or cannot be read, goes with its descendants.
+6. Every page keeps its writer's checksum (kvnode/checksum.py), on both tiers, sent with it: the
+   reader checks the bytes, not the node, which does not recompute it on a put (one xxh3 pass
+   per page, the writer's, keeps puts fast); a put without one gets one computed here. A reader
+   that finds a page altered reports it (drop_reported): the page goes, with its descendants,
+   only when the node's own copy fails too, so a report cannot delete good pages.
 """
 
 from __future__ import annotations
@@ -69,6 +47,7 @@ from kvnode.checksum import CHECKSUM_BYTES, page_checksum
 from kvnode.disk_tier import DiskTier
 from kvnode.eviction import PREFIX_AWARE, EvictionPolicy, EvictionQueue, get_policy
 from kvnode.leases import Leases
+from kvnode.orphans import Orphans
 from kvnode.recovery import Recovered, recover
 from kvnode.shared_pool import make_pool
 from kvnode.store_drops import PageDrops
@@ -79,15 +58,14 @@ from kvnode.tiers import Tiers
 from protos.pages import KEY_BYTES
 
 
-class PageStore(PagePins, PageDrops):
+class PageStore:
     """A fixed pool of `capacity_pages` pages of `page_bytes` each, safe to share between threads.
 
     `policy` is an eviction policy's name ("prefix-aware", "lru", "fifo"; kvnode/eviction/).
-    `max_leased_pages` and `max_leases_per_call` bound leases (design note 5); None: no bound.
-    With a `disk` tier (design notes 6 and 7) the node holds `disk.capacity_pages` pages, RAM a
+    `max_leased_pages` and `max_leases_per_call` bound leases (design note 4); None: no bound.
+    With a `disk` tier (design note 5) the node holds `disk.capacity_pages` pages, RAM a
     copy of up to `capacity_pages` of them; its pages are recovered from it at once.
     `shared_pool` puts the RAM pool in shared memory (`self.shared_pool`) for readers on this host.
-    Pins are PagePins' (kvnode/store_pins.py), dropping pages PageDrops' (kvnode/store_drops.py).
     """
 
     def __init__(self, capacity_pages: int, page_bytes: int, clock: Callable[[], float] = time.monotonic,
@@ -107,7 +85,7 @@ class PageStore(PagePins, PageDrops):
                              f"got {max_leased_pages}")
         if max_leases_per_call is not None and max_leases_per_call < 1:
             raise ValueError(f"max_leases_per_call must be at least 1, got {max_leases_per_call}")
-        self.max_leased_pages = capacity_pages if max_leased_pages is None else max_leased_pages  # note 5
+        self.max_leased_pages = capacity_pages if max_leased_pages is None else max_leased_pages  # note 4
         self.max_leases_per_call = max_leases_per_call
         self.capacity_pages = capacity_pages
         self.page_bytes = page_bytes
@@ -116,17 +94,21 @@ class PageStore(PagePins, PageDrops):
         self.stats = StoreStats()
         # In shared memory for readers on this host when asked (kvnode/shared_pool.py); touched now.
         self._pool, self.shared_pool = make_pool(self.ram_capacity_pages, page_bytes, shared_pool)
-        self._pool_bytes = memoryview(self._pool).cast("B").toreadonly()  # slot n's bytes: _view(n)
+        self._pool_bytes = memoryview(self._pool).cast("B").toreadonly()  # slot n's bytes: _ram_bytes_of
         self._free_slots: list[int] = list(range(self.ram_capacity_pages - 1, -1, -1))  # RAM slots
         self._index: dict[bytes, _Page] = {}
         self._queue = EvictionQueue(self.policy, self._index)
         self.disk = disk
         self._tiers = (Tiers(disk, self._pool, self._free_slots, self._index, self.stats, self._drop_lost,
                              write_through) if disk is not None else None)
-        self._condemned: dict[bytes, _Page] = {}  # dropped while pinned, slots held (store_drops note 2)
-        self._orphans_by_parent: dict[bytes, int] = {}  # missing parent key -> cached pages naming it
-        self._num_orphans = 0
+        self._orphans = Orphans()
         self._leases = Leases(self._index, self.max_leased_pages)
+        bytes_of = self._ram_bytes_of if self._tiers is None else self._tiers.bytes_of
+        ram_queue = None if self._tiers is None else self._tiers.ram_queue
+        self._drops = PageDrops(self._index, self._queue, self._leases, self._orphans, self._free_slots,
+                                self._tiers, bytes_of, self.stats)
+        self._pins = PagePins(self._index, self._queue, ram_queue, self._drops, bytes_of,
+                              self._touch_pinned, self.stats, page_bytes)
         self._tick = 0
         self._lock = threading.Lock()
         self.recovered: Recovered | None = None
@@ -178,7 +160,11 @@ class PageStore(PagePins, PageDrops):
 
     def num_orphans(self) -> int:
         """Cached pages whose parent is not cached (always 0 under prefix-aware)."""
-        return self._num_orphans
+        return self._orphans.num_orphans
+
+    def num_pinned(self) -> int:
+        with self._lock:
+            return self._pins.num_pinned()
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._index
@@ -194,7 +180,7 @@ class PageStore(PagePins, PageDrops):
         return self.lookup_and_lease(keys, lease_ms)[0]
 
     def lookup_and_lease(self, keys: Sequence[bytes], lease_ms: int = 0) -> tuple[int, bool]:
-        """(hits, cut): as lookup; `cut` says the leased-pages bound stopped the hits short (note 5)."""
+        """(hits, cut): as lookup; `cut` says the leased-pages bound stopped the hits short (note 4)."""
         for key in keys:
             check_key(key)
         if not 0 <= lease_ms <= MAX_LEASE_MS:
@@ -231,7 +217,7 @@ class PageStore(PagePins, PageDrops):
                     raise PageNotFound(key)
 
     def checksums(self, keys: Sequence[bytes]) -> list[bytes]:
-        """The pages' checksums (design note 9), in order; PageNotFound for a key not cached."""
+        """The pages' checksums (design note 6), in order; PageNotFound for a key not cached."""
         with self._lock:
             try:
                 return [self._index[key].checksum for key in keys]
@@ -240,7 +226,7 @@ class PageStore(PagePins, PageDrops):
 
     def put(self, key: bytes, parent: bytes, data, checksum: bytes | None = None) -> PutOutcome:
         """Store one page whose parent is `parent` (b"" for a root page). `checksum`: its writer's,
-        kept as sent; None: computed here (design note 9)."""
+        kept as sent; None: computed here (design note 6)."""
         self._validate_shape(key, parent, data)
         if checksum is None:
             checksum = page_checksum(key, data)
@@ -255,7 +241,7 @@ class PageStore(PagePins, PageDrops):
             if parent and self.policy.requires_parent and parent not in self._index:
                 self.stats.refusals += 1
                 return PutOutcome.REFUSED_NO_PARENT
-            slot = self._take_slot(now, protect=parent) if key not in self._condemned else None
+            slot = self._take_slot(now, protect=parent) if key not in self._drops.condemned else None
             if slot is None:
                 self.stats.refusals += 1
                 return PutOutcome.REFUSED_NO_ROOM
@@ -275,7 +261,7 @@ class PageStore(PagePins, PageDrops):
 
     def validate_put(self, key: bytes, parent: bytes, data, checksum: bytes | None = None) -> None:
         """InvalidRequest when the page cannot be stored as sent (its checksum is not checked
-        against its bytes here: design note 9)."""
+        against its bytes here: design note 6)."""
         self._validate_shape(key, parent, data)
         if checksum is not None and len(checksum) != CHECKSUM_BYTES:
             raise InvalidRequest(f"page {key.hex()}: a checksum is {CHECKSUM_BYTES} bytes, got {len(checksum)}")
@@ -291,7 +277,7 @@ class PageStore(PagePins, PageDrops):
             raise InvalidRequest(f"page {key.hex()} has {size} bytes; this node stores pages of {self.page_bytes} bytes")
 
     def flush(self) -> int:
-        """Write the dirty pages to their disk slots (design note 6), then sync the file; how many.
+        """Write the dirty pages to their disk slots (design note 5), then sync the file; how many.
         The writes run outside the lock, the pages pinned meanwhile; a failed write is logged and
         its pages stay dirty (kvnode/tiers.py)."""
         if self._tiers is None:
@@ -307,18 +293,56 @@ class PageStore(PagePins, PageDrops):
             with self._lock:
                 try:
                     self._tiers.flushed(batch, written)
-                finally:  # pins never outlive a flush (kvnode/store_pins.py note 2)
-                    self._unpin([key for key, _, _ in batch])
+                finally:  # pins never outlive a flush, whatever fails
+                    self._pins.unpin([key for key, _, _ in batch])
         return written
+
+    # ---- pins and drops (kvnode/store_pins.py, kvnode/store_drops.py) -------
+
+    def read(self, keys: Sequence[bytes], prefix: bytes = b"") -> bytes:
+        """`prefix` (a caller's framing) and the pages' bytes, back to back, in one copy; touches them."""
+        with self._lock:
+            return self._pins.read(keys, prefix)
+
+    def pin_pages(self, keys: Sequence[bytes]) -> list[memoryview]:
+        """Read-only views of the pages' bytes in the pool, pinned until unpin_pages(keys);
+        touches them and counts them as sent. Nothing is pinned when a key is not cached
+        (or its bytes on disk turn out corrupted, and it is dropped)."""
+        with self._lock:
+            return self._pins.pin(keys)
+
+    def pin_slots(self, keys: Sequence[bytes]) -> tuple[list[int | None], list[memoryview]]:
+        """pin_pages for a reader of the shared pool (kvnode/shared_pool.py): each page's RAM slot,
+        or None for one served from a buffer of its own (on disk only, no RAM slot to be had),
+        whose bytes the reader must be sent, and pin_pages' views. Pinned until unpin_pages(keys)."""
+        with self._lock:
+            views = self._pins.pin(keys)
+            return [self._index[key].slot for key in keys], views
+
+    def unpin_pages(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            self._pins.unpin(keys)
+
+    def drop_reported(self, key: bytes) -> int:
+        """A reader found page `key`'s bytes do not match its checksum: drop it and its descendants
+        (design note 6) when the node's own bytes fail it too; how many went, 0 when it is not
+        cached or is intact here (so a reader cannot drop good pages, only report bad ones)."""
+        check_key(key)
+        with self._lock:
+            return self._drops.drop_reported(key)
 
     # ---- internals (callers hold the lock) -----------------------------------
 
     def _touch(self, key: bytes, page: _Page) -> None:
+        self._touch_pinned(key, page)
+        if self._tiers is not None:
+            self._tiers.ram_queue.offer(key, page)
+
+    def _touch_pinned(self, key: bytes, page: _Page) -> None:
+        """_touch, but for the RAM queue: a pinned page's last unpin queues it there."""
         self._tick += 1
         page.tick = self._tick
         self._queue.touched(key, page)
-        if self._tiers is not None:
-            self._tiers.ram_queue.offer(key, page)
 
     def _add(self, key: bytes, parent: bytes, checksum: bytes, slot: int | None,
              disk_slot: int | None = None) -> _Page:
@@ -328,10 +352,8 @@ class PageStore(PagePins, PageDrops):
             parent_page.children += 1
             self._touch(parent, parent_page)
         elif parent:
-            self._orphans_by_parent[parent] = self._orphans_by_parent.get(parent, 0) + 1
-            self._num_orphans += 1
-        adopted = self._orphans_by_parent.pop(key, 0)  # pages stored while this one was missing
-        self._num_orphans -= adopted
+            self._orphans.add(parent)
+        adopted = self._orphans.adopt(key)  # pages stored while this one was missing
         self._tick += 1
         page = _Page(slot=slot, parent=parent, checksum=checksum, tick=self._tick, stored_tick=self._tick, children=adopted,
                      disk_slot=disk_slot)
@@ -341,10 +363,14 @@ class PageStore(PagePins, PageDrops):
             self._tiers.ram_queue.offer(key, page)
         return page
 
-    def _view(self, slot: int) -> memoryview:
-        """RAM slot `slot`'s bytes, read-only."""
-        start = slot * self.page_bytes
+    def _ram_bytes_of(self, key: bytes, page: _Page) -> memoryview:
+        """The bytes of `page`, in RAM (there is no disk tier), read-only."""
+        start = page.slot * self.page_bytes
         return self._pool_bytes[start : start + self.page_bytes]
+
+    def _drop_lost(self, key: bytes, why: str, corrupted: bool) -> None:
+        """The disk tier lost `key` (design note 5): it goes with its descendants."""
+        self._drops.drop_lost(key, why, corrupted)
 
     def _retire_leases(self, now: float) -> None:
         self._leases.retire(now, self._lease_ended)
@@ -361,7 +387,7 @@ class PageStore(PagePins, PageDrops):
             victim = self._queue.pop(now, protect)
             if victim is None:
                 return None
-            self._evict(victim)
+            self._drops.evict(victim)
         return free.pop()
 
     # ---- invariants (tests call this after every step) -----------------------

@@ -1,68 +1,85 @@
 """Dropping pages from the page store (kvnode/store.py): an evicted page, and a page lost on disk
 or reported altered with its descendants; the slots of one dropped while pinned wait for its last
-unpin. PageStore mixes PageDrops in; its methods work on the store's index, queues, leases, tiers
-and counters, and callers hold the store's lock (drop_reported takes it).
+unpin. Callers hold the store's lock.
 
-Design notes (numbered 7 and 8 among the store's before they moved here)
+Design notes
 1. A page whose slot fails its check, or cannot be read, is never served: it is dropped with
    its descendants (unreachable without it). At start the index is rebuilt from the slots, each
    checked whole (kvnode/recovery.py); afterwards a read checks the slot's header only, unless
-   the disk check is `always`, and a page altered on disk since is caught by its reader
-   (kvnode/store.py note 9).
+   the disk check is `always`, and a page altered on disk since is caught by its reader, who
+   reports it (drop_reported).
 2. A page dropped while pinned (note 1: a descendant being sent, or flushed) leaves the index at
    once, so no lookup counts it and no fetch pins it again; only its slots wait, in
-   `_condemned`, for its last unpin (a sender is still reading them). Until then its key
+   `condemned`, for its last unpin (a sender is still reading them). Until then its key
    cannot be stored again (REFUSED_NO_ROOM), so an unpin by key always finds the right page.
 3. A page leaves the index here only: evicted (the eviction order popped it) or dropped (notes
-   1 and 2). A dropped page is one the order did not choose, so `_evict` tells it (removed):
+   1 and 2). A dropped page is one the order did not choose, so `evict` tells it (removed):
    an order that keeps an entry per page (ARC, S3-FIFO, LFU) would otherwise keep the page's
-   entry and fail on its next read of it (kvnode/eviction/candidates.py note 4).
+   entry and fail on its next read of it.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from kvnode.checksum import page_checksum
-from kvnode.store_types import _Page, check_key
+from kvnode.eviction import EvictionQueue
+from kvnode.leases import Leases
+from kvnode.orphans import Orphans
+from kvnode.store_types import StoreStats, _Page
+from kvnode.tiers import Tiers
 
 log = logging.getLogger("kvnode")
 
 
 class PageDrops:
-    """PageStore's dropping of pages (design notes 1 and 2), mixed into it."""
+    """Takes pages out of `index`, telling the eviction `queue`, the `leases`, the `orphans` and
+    the `tiers` (None without a disk tier), and returns their slots: RAM ones to `free_slots`.
+    `bytes_of(key, page)` reads a page's bytes (None when the disk lost it)."""
+
+    def __init__(self, index: dict[bytes, _Page], queue: EvictionQueue, leases: Leases, orphans: Orphans,
+                 free_slots: list[int], tiers: Tiers | None,
+                 bytes_of: Callable[[bytes, _Page], memoryview | None], stats: StoreStats):
+        self.condemned: dict[bytes, _Page] = {}  # dropped while pinned, slots held (note 2)
+        self._index = index
+        self._queue = queue
+        self._leases = leases
+        self._orphans = orphans
+        self._free_slots = free_slots
+        self._tiers = tiers
+        self._bytes_of = bytes_of
+        self._stats = stats
 
     def drop_reported(self, key: bytes) -> int:
         """A reader found page `key`'s bytes do not match its checksum: drop it and its descendants
-        (kvnode/store.py design note 9) when the node's own bytes fail it too; how many went, 0 when it is not
-        cached or is intact here (so a reader cannot drop good pages, only report bad ones)."""
-        check_key(key)
-        with self._lock:
-            page = self._index.get(key)
-            if page is None:
-                return 0
-            view = self._view(page.slot) if self._tiers is None else self._tiers.bytes_of(key, page)
-            if view is not None and self._index.get(key) is page and page_checksum(key, view) == page.checksum:
-                self.stats.reported_kept += 1  # the node's copy is intact: the reader's was altered on the way
-                if self._tiers is not None:
-                    self._tiers.ram_queue.offer(key, page)  # promoted just now: its RAM copy may make room
-                return 0
-            if self._index.get(key) is not page:  # lost on disk meanwhile, with its descendants
-                return 0
-            dropped = self._drop_subtree(key)
-            self.stats.reported_dropped += dropped
-            return dropped
+        when the node's own bytes fail it too; how many went, 0 when it is not cached or is intact
+        here (so a reader cannot drop good pages, only report bad ones)."""
+        page = self._index.get(key)
+        if page is None:
+            return 0
+        view = self._bytes_of(key, page)
+        if view is not None and self._index.get(key) is page and page_checksum(key, view) == page.checksum:
+            self._stats.reported_kept += 1  # the node's copy is intact: the reader's was altered on the way
+            if self._tiers is not None:
+                self._tiers.ram_queue.offer(key, page)  # promoted just now: its RAM copy may make room
+            return 0
+        if self._index.get(key) is not page:  # lost on disk meanwhile, with its descendants
+            return 0
+        dropped = self.drop_subtree(key)
+        self._stats.reported_dropped += dropped
+        return dropped
 
-    def _drop_lost(self, key: bytes, why: str, corrupted: bool) -> None:
-        """The disk lost `key` (design note 1): drop it and its descendants, with one log line."""
-        dropped = self._drop_subtree(key)
-        self.stats.corrupted_dropped += corrupted
-        self.stats.orphans_dropped += dropped - 1
+    def drop_lost(self, key: bytes, why: str, corrupted: bool) -> None:
+        """The disk lost `key` (note 1): drop it and its descendants, with one log line."""
+        dropped = self.drop_subtree(key)
+        self._stats.corrupted_dropped += corrupted
+        self._stats.orphans_dropped += dropped - 1
         log.warning("page %s %s: dropped it and %d descendants", key.hex(), why, dropped - 1)
 
-    def _drop_subtree(self, key: bytes) -> int:
+    def drop_subtree(self, key: bytes) -> int:
         """Drop `key` and its descendants from the node at once (a pinned one's slots wait for its
-        last unpin: design note 2); how many."""
+        last unpin: note 2); how many."""
         children: dict[bytes, list[bytes]] = {}
         for k, p in self._index.items():
             if p.parent:
@@ -71,10 +88,10 @@ class PageDrops:
         for k in order:
             order.extend(children.get(k, ()))
         for k in reversed(order):  # leaves first
-            self._evict(k, popped=False)
+            self.evict(k, popped=False)
         return len(order)
 
-    def _evict(self, key: bytes, popped: bool = True) -> None:
+    def evict(self, key: bytes, popped: bool = True) -> None:
         """Drop `key` from the node, its slots back to the free lists (once unpinned: note 2).
         `popped`: the eviction order chose it (an eviction; its pop forgot the page); otherwise
         it is dropped, and the order is told (note 3)."""
@@ -82,26 +99,30 @@ class PageDrops:
         if not popped:
             self._queue.removed(key)
         self._leases.dropped(page)  # only a page dropped with a lost ancestor can be leased (note 1)
-        self.stats.evictions += popped
+        self._stats.evictions += popped
         parent = self._index.get(page.parent) if page.parent else None
         if parent is not None:
             parent.children -= 1
             if parent.children == 0:
                 self._queue.lost_last_child(page.parent, parent)
         elif page.parent:  # an orphan goes
-            left = self._orphans_by_parent.pop(page.parent) - 1
-            if left:
-                self._orphans_by_parent[page.parent] = left
-            self._num_orphans -= 1
+            self._orphans.remove(page.parent)
         if page.children:  # only lru and fifo evict a page with cached children: they become orphans
-            self._orphans_by_parent[key] = page.children
-            self._num_orphans += page.children
+            self._orphans.add(key, page.children)
         if self._tiers is not None:
             self._tiers.dropped(key)
         if page.pins:
-            self._condemned[key] = page
+            self.condemned[key] = page
         else:
             self._release_slots(key, page)
+
+    def release_condemned(self, key: bytes, page: _Page) -> bool:
+        """`page`, unpinned for the last time, was dropped while pinned: its slots go free now."""
+        if self.condemned.get(key) is not page:
+            return False
+        del self.condemned[key]
+        self._release_slots(key, page)
+        return True
 
     def _release_slots(self, key: bytes, page: _Page) -> None:
         if page.slot is not None:

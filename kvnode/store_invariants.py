@@ -18,8 +18,9 @@ def check(store) -> None:
             orphans[page.parent] = orphans.get(page.parent, 0) + 1
     for key, page in store._index.items():
         assert page.children == children.get(key, 0), f"page {key.hex()} child count is off"
-    assert orphans == store._orphans_by_parent, "orphan counts per missing parent are off"
-    assert store._num_orphans == sum(orphans.values()), f"orphan count {store._num_orphans} is off"
+    assert orphans == store._orphans.by_parent, "orphan counts per missing parent are off"
+    num_orphans = store._orphans.num_orphans
+    assert num_orphans == sum(orphans.values()), f"orphan count {num_orphans} is off"
     store._leases.check()
     store._queue.check()
     if store._tiers is not None:
@@ -29,9 +30,10 @@ def check(store) -> None:
 def check_slots(store) -> None:
     """used + free = capacity on every tier (slots of condemned pages are used); no slot both
     free and used, or used twice."""
-    pages = [*store._index.values(), *store._condemned.values()]
-    assert all(p.pins for p in store._condemned.values()), "an unpinned dropped page still holds its slots"
-    assert not store._condemned.keys() & store._index.keys(), "a dropped page is in the index"
+    condemned = store._drops.condemned
+    pages = [*store._index.values(), *condemned.values()]
+    assert all(p.pins for p in condemned.values()), "an unpinned dropped page still holds its slots"
+    assert not condemned.keys() & store._index.keys(), "a dropped page is in the index"
     ram = [p.slot for p in pages if p.slot is not None]
     tiers = [("RAM", ram, store._free_slots, store.ram_capacity_pages)]
     if store._tiers is None:

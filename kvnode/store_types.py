@@ -43,13 +43,13 @@ class PutOutcome(enum.IntEnum):
 class _Page:
     slot: int | None  # its RAM slot; None when on disk only
     parent: bytes  # b"" for a root page
-    checksum: bytes  # its writer's (store design note 9)
+    checksum: bytes  # its writer's, sent with it; its readers check it
     tick: int  # last touch
     stored_tick: int
     children: int = 0  # cached pages that name it as parent
     lease_until: float = 0.0
     pins: int = 0  # readers sending straight from its slot (pin_pages)
-    disk_slot: int | None = None  # with a disk tier: its slot there (store design note 6)
+    disk_slot: int | None = None  # with a disk tier: its slot there (every page has one)
     dirty: bool = False  # in RAM, not yet written to its disk slot
 
 
@@ -75,7 +75,7 @@ class StoreStats:
     recovered_pages: int = 0  # pages found intact on disk at start
     recovery_seconds: float = 0.0
     disk_errors: int = 0  # reads, writes and syncs of the disk tier that failed (kvnode/tiers.py)
-    reported_dropped: int = 0  # pages a reader found altered, with their descendants (store design note 9)
+    reported_dropped: int = 0  # pages a reader found altered, with their descendants
     reported_kept: int = 0  # pages a reader reported that are intact here (altered on the reader's side)
 
 

@@ -1,9 +1,10 @@
-"""With a disk tier: where a page's copies are, and moving them between RAM and disk (the
-store's design note 6, kvnode/store_drops.py notes 1-2). The store (kvnode/store.py) indexes
-pages and decides which leave the node; this module keeps their RAM copies and disk slots: a
-put landing in RAM dirty (or written through), the flush's bookkeeping, a RAM copy dropped to
-make room (demotion), a page read back from disk and checked (promotion), and the disk's I/O
-errors. Callers hold the store's lock, but for write_batch.
+"""With a disk tier: where a page's copies are, and moving them between RAM and disk. The tiers
+are inclusive: every page has a disk slot, RAM a copy of those used last. The store
+(kvnode/store.py) indexes pages and decides which leave the node; this module keeps their RAM
+copies and disk slots: a put landing in RAM dirty (or written through), the flush's
+bookkeeping, a RAM copy dropped to make room (demotion), a page read back from disk and
+checked (promotion), and the disk's I/O errors. Callers hold the store's lock, but for
+write_batch.
 
 Design notes
 1. Dirty pages wait in `dirty`, in the order stored. A flush takes them into `flushing` and
@@ -155,7 +156,7 @@ class Tiers:
                 self._lose(key, f"could not be read from {self.disk.path} ({error})", False)
             return None
         if slot is not None:
-            page.slot = slot  # queued for RAM once unpinned (the store's _pin and _unpin)
+            page.slot = slot  # queued for RAM once unpinned (kvnode/store_pins.py)
             self._stats.promotions += 1
         return out.toreadonly()
 

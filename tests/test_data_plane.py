@@ -377,7 +377,7 @@ def test_a_put_that_trickles_is_dropped_within_the_timeout_and_frees_its_bytes_i
 
 def test_a_page_dropped_while_pinned_for_a_get_is_not_found_and_leaves_no_pin(make_node):
     """A reader's report may drop a page between the GET's pin and its checksums (the page leaves
-    the index at once: store_drops note 2): NOT_FOUND as for any missing page, not a traceback."""
+    the index at once, its slots waiting for the unpin): NOT_FOUND as for any missing page, not a traceback."""
     node = make_node()
     store, parent, child = node.store, key(70), key(71)
     store.put(parent, b"", bytes(NODE_PAGE_BYTES), checksum=bytes(16))  # a checksum its bytes fail

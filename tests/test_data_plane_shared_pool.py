@@ -325,8 +325,8 @@ def test_a_node_stopped_and_restarted_is_read_out_of_its_new_pool(tmp_path):
 
 @pytest.mark.usefixtures("no_kvnode_errors_logged")
 def test_a_page_dropped_while_pinned_for_get_slots_is_not_found_and_leaves_no_pin():
-    """A reader's report may drop a page between GET_SLOTS' pin and its checksums (store_drops
-    note 2): NOT_FOUND as for any missing page, its pins released, no traceback."""
+    """A reader's report may drop a page between GET_SLOTS' pin and its checksums (it leaves
+    the index at once, its slots waiting for the unpin): NOT_FOUND as for any missing page, its pins released, no traceback."""
     store = PageStore(16, NODE_PAGE_BYTES, shared_pool=True)
     parent, child = key(70), key(71)
     store.put(parent, b"", bytes(NODE_PAGE_BYTES), checksum=bytes(16))  # a checksum its bytes fail

@@ -1,5 +1,5 @@
-"""The disk tier when its disk fails (kvnode/tiers.py, design note 2), a flush under way, and a
-page dropped while pinned (kvnode/store_drops.py, design note 2). The slot file is real (tmp_path);
+"""The disk tier when its disk fails (kvnode/tiers.py), a flush under way, and a
+page dropped while pinned (kvnode/store_drops.py). The slot file is real (tmp_path);
 failures come from a DiskTier whose writes or reads raise the OSError a failing disk gives
 (EIO, ENOSPC) at the system-call boundary, where os.pwritev and os.preadv would raise it."""
 

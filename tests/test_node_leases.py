@@ -1,6 +1,6 @@
 """Lease bounds through a real `kvcache node` over gRPC: a lookup asking to lease too many pages is
 refused RESOURCE_EXHAUSTED naming the bound, and a client that leases all it may leaves the
-node serving others (store design note 5)."""
+node serving others."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ BLOCK_SHAPE = (2, 2, 2, 8, 8)  # layers, k/v, kv_heads, page_tokens, head_dim: 1
 def drop(store: PageStore, key: bytes) -> None:
     """What DropPages does to a page (leased or not): it and its descendants leave the node."""
     with store._lock:
-        store._drop_subtree(key)
+        store._drops.drop_subtree(key)
 
 
 def assert_still_used(tier, address):

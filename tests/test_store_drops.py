@@ -1,5 +1,5 @@
 """A page dropped from the store, not evicted (a reader reports it altered, or the disk tier lost
-it: kvnode/store_drops.py), leaves the eviction order too (kvnode/eviction/candidates.py note 4),
+it: kvnode/store_drops.py), leaves the eviction order too (the order is told: removed()),
 under every policy: afterwards gets, lookups, puts and evictions work as before, every candidate
 heap is rebuilt without tripping on it, no pin is left behind, and the invariants hold after
 every call (CheckedStore)."""

@@ -1,5 +1,5 @@
 """Leases under abuse (docs/architecture.md, invariants): the lease heap stays O(live leases) however often
-leases are renewed, and no client can lease more than the node's bounds (store design note 5)."""
+leases are renewed, and no client can lease more than the node's bounds."""
 
 from __future__ import annotations
 

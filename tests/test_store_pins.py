@@ -1,4 +1,4 @@
-"""Pins (kvnode/store_pins.py design note 1): a page whose bytes the data plane is sending from the pool is
+"""Pins (kvnode/store_pins.py): a page whose bytes the data plane is sending from the pool is
 never evicted, so its slot is not overwritten mid-send; releasing the last pin makes it
 evictable again. Whatever fails partway through a pin, an unpin or a flush, no pin is left
 behind (note 2)."""
