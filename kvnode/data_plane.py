@@ -48,7 +48,7 @@ Design notes
    kernel timeouts, deadlines and, with `credentials`, the same mutual TLS.
    The name is random, not derived from the port or node id: a predictable name could be bound
    by another local process before the node starts. A node restarted gets a new one, and its
-   clients learn it from Info once the old name has nobody listening (data_client.py note 7).
+   clients learn it from Info once the old name has nobody listening (kvnode/client/data_client.py note 7).
    A name already bound (EADDRINUSE) does not stop the node: one log line, and it serves on TCP
    alone (Info advertises no socket). Once the node exits its name is free, and a process that
    binds it gets the connections of clients still holding the old Info, as one that binds a

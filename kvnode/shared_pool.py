@@ -19,7 +19,7 @@ Design notes
    memory is freed once no reader maps it). Before mapping, the reader checks that the peer on the
    socket runs as its own user or root, and that the descriptor is sealed as note 1 says and as
    large as the node said. Populating the page tables costs ~80 ms a GiB here, so it is done once
-   mapped, off the request path (kvnode/shared_pool_reader.py note 1), for pools up to
+   mapped, off the request path (kvnode/client/shared_pool_reader.py note 1), for pools up to
    POPULATE_MAX_BYTES; a larger pool, or a kernel before 5.14, maps lazily, each page's first copy
    paying its faults (protos/mappings.py: how, without stalling the reader's other threads).
 3. Linux only (memfd_create, SO_PEERCRED, SCM_RIGHTS); elsewhere the pool is a plain array and

@@ -1,6 +1,6 @@
 """The node's side of its shared pool (kvnode/shared_pool.py): the data plane server's MAP_POOL and
 GET_SLOTS requests (data_wire design note 7), served by kvnode/data_plane.py on its Unix socket.
-The reader's side: kvnode/shared_pool_reader.py.
+The reader's side: kvnode/client/shared_pool_reader.py.
 
 Design notes
 1. With `share_pool` and a store whose pool is in shared memory (kvnode/shared_pool.py), a peer

@@ -46,14 +46,14 @@ from kvnode import store_invariants
 from kvnode.checksum import CHECKSUM_BYTES, page_checksum
 from kvnode.disk_tier import DiskTier
 from kvnode.eviction import PREFIX_AWARE, EvictionPolicy, EvictionQueue, get_policy
+from kvnode.keys import InvalidRequest, check_key
 from kvnode.leases import Leases
 from kvnode.orphans import Orphans
 from kvnode.recovery import Recovered, recover
 from kvnode.shared_pool import make_pool
 from kvnode.store_drops import PageDrops
 from kvnode.store_pins import PagePins
-from kvnode.store_types import (MAX_LEASE_MS, InvalidRequest, LeaseRefused, PageNotFound, PutOutcome,
-                                 StoreStats, _Page, check_key)
+from kvnode.store_types import MAX_LEASE_MS, LeaseRefused, PageNotFound, PutOutcome, StoreStats, _Page
 from kvnode.tiers import Tiers
 from protos.pages import KEY_BYTES
 

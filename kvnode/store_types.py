@@ -1,18 +1,13 @@
 """The page store's vocabulary (kvnode/store.py): its errors, a put's outcomes, the index's page
-record, the counters, and the key check its callers share. Plain data; no store logic."""
+record and the counters (the key check and InvalidRequest: kvnode/keys.py). Plain data; no
+store logic."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
 
-from protos.pages import KEY_BYTES
-
 MAX_LEASE_MS = 60_000
-
-
-class InvalidRequest(ValueError):
-    """The caller sent something malformed; nothing was changed."""
 
 
 class LeaseRefused(Exception):
@@ -77,8 +72,3 @@ class StoreStats:
     disk_errors: int = 0  # reads, writes and syncs of the disk tier that failed (kvnode/tiers.py)
     reported_dropped: int = 0  # pages a reader found altered, with their descendants
     reported_kept: int = 0  # pages a reader reported that are intact here (altered on the reader's side)
-
-
-def check_key(key: bytes, what: str = "key") -> None:
-    if len(key) != KEY_BYTES:
-        raise InvalidRequest(f"{what} must be {KEY_BYTES} bytes, got {len(key)}")

@@ -1,5 +1,5 @@
 """TLS over a plain blocking socket through memory BIOs, for both ends of the data plane
-(kvnode/data_plane.py, kvnode/data_client.py; framing: kvnode/data_wire.py, its design note 5).
+(kvnode/data_plane.py, kvnode/client/data_client.py; framing: kvnode/data_wire.py, its design note 5).
 
 Design notes
 1. Both ends of a TLS data plane connection run the session over memory BIOs on the plain socket,

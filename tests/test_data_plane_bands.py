@@ -16,8 +16,8 @@ from cluster_helpers import NODE_PAGE_BYTES
 from data_plane_helpers import GOOD, INVALID, assert_unharmed, pages, raw_connection
 from kvnode import data_wire as dw
 from kvnode.client import NodeError, PageRejected
-from kvnode.data_client import DataPlaneClient
-from kvnode.data_client_io import DataPlaneError
+from kvnode.client.data_client import DataPlaneClient
+from kvnode.client.data_client_io import DataPlaneError
 from kvnode.data_plane import DataPlaneServer
 from protos import security
 from test_node_checksums import flip_byte_in_pool

@@ -18,11 +18,11 @@ import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, wait_for
 from data_plane_helpers import GOOD, GOOD_PARENTS, INVALID, MAX_KEYS, assert_unharmed, pages, raw_connection
-from kvnode import client as client_module
+from kvnode.client import node_client
 from kvnode import data_wire as dw
 from kvnode.checksum import page_checksum
 from kvnode.client import NodeError, PageRejected
-from kvnode.data_client import DataPlaneClient
+from kvnode.client.data_client import DataPlaneClient
 from kvnode.data_plane import DataPlaneServer
 from store_helpers import key
 from test_node_checksums import flip_byte_in_pool
@@ -122,7 +122,7 @@ def test_an_unreachable_data_plane_falls_back_to_grpc_with_one_log_line(seeded, 
 def test_a_data_plane_never_reached_is_tried_again_later_and_used_once_it_answers(seeded, plane, monkeypatch, caplog):
     """A node met while it restarted, say: its Info named a data port nobody listened on. Given
     up for good, the client stayed on gRPC for its whole life."""
-    monkeypatch.setattr(client_module, "DATA_PLANE_RETRY_S", 0.3)
+    monkeypatch.setattr(node_client, "DATA_PLANE_RETRY_S", 0.3)
     closed = socket.create_server(("127.0.0.1", 0))
     closed_port = closed.getsockname()[1]
     closed.close()
@@ -208,7 +208,7 @@ def test_when_every_pooled_connection_went_stale_the_call_still_succeeds(make_no
 def test_a_grpc_fallback_gets_only_what_is_left_of_the_calls_timeout(seeded, plane, monkeypatch):
     """A connect that fails slowly (a host that drops packets) used up part of the timeout: the
     gRPC fallback gets the rest, and none at all when nothing is left."""
-    from kvnode.data_client_io import DataPlaneError
+    from kvnode.client.data_client_io import DataPlaneError
 
     def slow_connect_failure(*args):
         time.sleep(0.4)

@@ -21,7 +21,7 @@ from data_plane_helpers import GOOD, GOOD_PARENTS, pages
 from kvnode import data_wire as dw
 from kvnode import shared_pool
 from kvnode.client import NodeClient, PageRejected
-from kvnode.data_client import DataPlaneClient
+from kvnode.client.data_client import DataPlaneClient
 from kvnode.data_plane import DataPlaneServer
 from kvnode.disk_tier import DiskTier
 from kvnode.store import PageStore

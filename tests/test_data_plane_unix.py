@@ -19,11 +19,11 @@ import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, free_port, node_process, read_log, wait_for
 from kvcache.launch import Daemon
-from kvnode import data_client
+from kvnode.client import data_client
 from kvnode import data_wire as dw
 from kvnode.client import NodeClient
-from kvnode.data_client import DataPlaneClient
-from kvnode.data_client_io import DataPlaneError
+from kvnode.client.data_client import DataPlaneClient
+from kvnode.client.data_client_io import DataPlaneError
 from store_helpers import key
 from worker.engine import Engine
 from worker.model import load_model

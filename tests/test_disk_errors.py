@@ -13,8 +13,8 @@ import grpc
 import numpy as np
 import pytest
 
-from kvnode.data_client import DataPlaneClient
-from kvnode.data_client_io import DataPlaneError
+from kvnode.client.data_client import DataPlaneClient
+from kvnode.client.data_client_io import DataPlaneError
 from kvnode.data_plane import DataPlaneServer
 from kvnode.disk_tier import CHECK_ALWAYS, SLOTS_FILE, DiskTier
 from kvnode.store import PageNotFound, PageStore, PutOutcome

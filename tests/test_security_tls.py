@@ -20,8 +20,8 @@ from kvcache.certs import ROLES, make_certs
 from kvcache.cluster import client_tls, start_cluster, wait_healthy
 from kvnode import data_wire as dw
 from kvnode.client import NodeClient
-from kvnode.data_client import DataPlaneClient
-from kvnode.data_client_io import DataPlaneError
+from kvnode.client.data_client import DataPlaneClient
+from kvnode.client.data_client_io import DataPlaneError
 from protos import kvcache_pb2 as pb
 from protos import security
 from worker.engine import Engine

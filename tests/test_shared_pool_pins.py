@@ -1,4 +1,4 @@
-"""Pages read in place in the node's shared pool (kvnode/shared_pool_pins.py): shared_pool_file
+"""Pages read in place in the node's shared pool (kvnode/client/shared_pool_pins.py): shared_pool_file
 gives the caller its own descriptor of the mapped pool and a generation that a remap changes;
 pin_pages names the slots of pages it checked and leaves them pinned until release, and gives
 None, with nothing pinned, whenever the pages cannot be read in place."""
@@ -17,7 +17,7 @@ from cluster_helpers import NODE_PAGE_BYTES, free_port, node_process, wait_for
 from data_plane_helpers import GOOD, GOOD_PARENTS, pages
 from kvnode import shared_pool
 from kvnode.client import NodeClient, NodeError, PageRejected, PinnedPages, SharedPoolFile
-from kvnode.data_client import DataPlaneClient
+from kvnode.client.data_client import DataPlaneClient
 from kvnode.disk_tier import DiskTier
 from kvnode.store import PageStore
 from store_helpers import key

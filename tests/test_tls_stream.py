@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kvnode import data_wire as dw
-from kvnode.data_client_io import DataPlaneError, receive
+from kvnode.client.data_client_io import DataPlaneError, receive
 from kvnode.tls_stream import TlsStream
 from protos import security
 

@@ -30,7 +30,7 @@ import numpy as np
 from kvcache.bench.report import dump_json, machine, print_table
 from kvcache.launch import Daemon
 from kvnode.client import NodeClient
-from kvnode.data_client import DataPlaneClient
+from kvnode.client.data_client import DataPlaneClient
 from kvnode.data_plane import DataPlaneServer
 from kvnode.disk_tier import CHECK_ALWAYS, CHECK_AT_START, HEADER_BYTES, DiskTier
 from kvnode.store import PageStore

@@ -11,7 +11,7 @@ import numpy as np
 
 from kvnode import wire
 from kvnode.checksum import CHECKSUM_BYTES
-from kvnode.client_types import NodeError
+from kvnode.client.types import NodeError
 
 
 def receive_pages(stream: Iterable[bytes], keys: Sequence[bytes], out: np.ndarray, checksums: bytearray,

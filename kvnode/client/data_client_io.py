@@ -1,4 +1,4 @@
-"""One request's I/O on a data plane connection, for the client side (kvnode/data_client.py):
+"""One request's I/O on a data plane connection, for the client side (data_client.py):
 send it, read its reply's header (an OK reply's payload length, or the node's status and message,
 raised as DataPlaneError), receive the payload straight into the caller's buffers. Sockets are
 blocking with kernel timeouts, and the deadline is checked after every recv (data_client.py

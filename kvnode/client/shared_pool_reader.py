@@ -1,11 +1,11 @@
 """The client's side of a node's shared pool (kvnode/shared_pool.py; the node's side:
 kvnode/shared_pool_serving.py): the pool mapped read-only, and pages copied out of it. Each
-DataPlaneClient (kvnode/data_client.py) holds one SharedPoolReader and fetches through it while
+DataPlaneClient (data_client.py) holds one SharedPoolReader and fetches through it while
 the pool is mapped.
 
 Design notes
 1. Over the Unix socket of a plaintext node the client maps the node's page pool read-only
-   (kvnode/shared_pool.py; shared_pool_serving.py note 1) and fetches by slot: GET_SLOTS pins the
+   (kvnode/shared_pool.py; kvnode/shared_pool_serving.py note 1) and fetches by slot: GET_SLOTS pins the
    pages and tells where they are, the client copies them out of the mapping and releases them
    (data_wire design note 7); a page the node has in no slot (on disk only, no RAM slot to be
    had) comes with the reply, after its table. The mapping
@@ -16,7 +16,7 @@ Design notes
    mapping is tried again after _MAP_RETRY_S. Each batch costs a round trip of its own (the
    request, then the release). The caller checks the checksums as always. A socket name found
    gone drops the mapping with it.
-2. A caller that reads pages in place (NodeClient.pin_pages, kvnode/shared_pool_pins.py) maps the
+2. A caller that reads pages in place (NodeClient.pin_pages, shared_pool_pins.py) maps the
    pool itself from a descriptor of its own (shared_pool_file): the reader keeps the memfd's
    descriptor open while the pool is mapped, to dup it, and closes it as the mapping is dropped,
    under its lock, so a dup never meets a closed (or reused) descriptor. Each mapping gets a
@@ -41,8 +41,8 @@ import numpy as np
 from kvnode import data_wire as dw
 from kvnode import shared_pool
 from kvnode.checksum import CHECKSUM_BYTES
-from kvnode.data_client_io import (DataPlaneError, payload_or_status, receive, receive_scattered, reply_header,
-                                  send_request)
+from kvnode.client.data_client_io import (DataPlaneError, payload_or_status, receive, receive_scattered,
+                                          reply_header, send_request)
 
 MAP_TIMEOUT_S = 30.0  # the shared pool's mapping (design note 1), on its own thread
 _MAP_RETRY_S = 30.0  # after a mapping failed for a reason that may pass (a busy socket, a timeout)

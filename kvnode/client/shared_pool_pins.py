@@ -1,7 +1,7 @@
 """Pages pinned in the node's shared pool for a caller that reads them in place
 (NodeClient.pin_pages): GET_SLOTS (data_wire design note 7) without the copy and without the
 release, which is the caller's to send once it is done with the pages (PinnedPages.release).
-The reader's side of the pool: kvnode/shared_pool_reader.py; the node's: shared_pool_serving.py.
+The reader's side of the pool: shared_pool_reader.py; the node's: kvnode/shared_pool_serving.py.
 
 Design notes
 1. Why: a worker that reads fetched pages straight out of the node's pool for one engine step
@@ -44,12 +44,12 @@ import grpc
 
 from kvnode import data_wire as dw
 from kvnode.checksum import first_mismatch, first_mismatch_in_two
-from kvnode.client_types import NodeError, NodeInfo, PageRejected, check_keys
-from kvnode.data_client_io import DataPlaneError, StaleConnection, send_request
-from kvnode.shared_pool_reader import receive_slot_table, table_checksum
+from kvnode.client.data_client_io import DataPlaneError, StaleConnection, send_request
+from kvnode.client.shared_pool_reader import receive_slot_table, table_checksum
+from kvnode.client.types import NodeError, NodeInfo, PageRejected, check_keys
 
 if TYPE_CHECKING:
-    from kvnode.data_client import DataPlaneClient
+    from kvnode.client.data_client import DataPlaneClient
 
 MAX_REQUESTS = 4  # GET_SLOTS requests (connections) a pin_pages may hold (design note 2)
 

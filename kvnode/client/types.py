@@ -1,7 +1,7 @@
-"""What NodeClient (kvnode/client.py) returns (NodeInfo, PutResult) and raises (NodeError,
-PageRejected), and what it checks: the keys it sends over the data plane, the arrays pages are
-received into, the pages it received against their checksums, and what is left of a call's
-timeout for a gRPC fallback. Here so that its calls kept in other modules (kvnode/stepwise_gets.py)
+"""What NodeClient (node_client.py) returns (NodeInfo, PutResult) and raises
+(NodeError, PageRejected), and what it checks: the keys it sends over the data plane, the arrays
+pages are received into, the pages it received against their checksums, and what is left of a
+call's timeout for a gRPC fallback. Here so that its calls kept in other modules (stepwise_gets.py)
 check as it does. Other parts import these names from kvnode.client.
 """
 
@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 
 from kvnode.checksum import CHECKSUM_BYTES, first_mismatch
-from kvnode.store import InvalidRequest, check_key
+from kvnode.keys import InvalidRequest, check_key
 
 
 class NodeError(Exception):

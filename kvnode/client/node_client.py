@@ -7,7 +7,7 @@ kvnode/data_wire.py note 8); a data plane never reached (a firewall, or a node t
 the first connection) sends calls over gRPC, and Info and the data plane are tried again after
 DATA_PLANE_RETRY_S, doubled at each failure up to MAX_DATA_PLANE_RETRY_S, a log line each (given
 up for good, a node met while it restarted stayed on gRPC for the client's life). When the node's
-same-host Unix socket name has nobody listening (kvnode/data_client.py note 7), the next call
+same-host Unix socket name has nobody listening (data_client.py note 7), the next call
 reads Info again first: a node restarted since gives its new name.
 Pages carry checksums (kvnode/checksum.py): put_pages sends them (computed here unless the
 caller did once for several nodes), get_pages checks every page it received against its own
@@ -16,7 +16,7 @@ checks each batch so before handing it over; get_pages_in_bands hands each band 
 lands and checks the pages once their last band did (so a caller that used a band must be able
 to throw that work away on PageRejected). pin_pages leaves pages pinned in the node's shared
 pool for a caller that reads them in place, through its own mapping of shared_pool_file's
-descriptor, and releases them itself (kvnode/shared_pool_pins.py).
+descriptor, and releases them itself (shared_pool_pins.py).
 """
 
 from __future__ import annotations
@@ -30,23 +30,19 @@ import grpc
 import numpy as np
 
 from kvnode import data_wire as dw
-from kvnode import grpc_pages, shared_pool_pins, stepwise_gets
 from kvnode.checksum import CHECKSUM_BYTES, page_checksum
-from kvnode.client_types import (NodeError, NodeInfo, PageRejected, PutResult, check_keys, checked_array, time_left,
-                                 verified)
-from kvnode.data_client import DataPlaneClient
-from kvnode.data_client_io import DataPlaneError
-from kvnode.shared_pool_pins import PinnedPages
-from kvnode.shared_pool_reader import SharedPoolFile
+from kvnode.client import grpc_pages, shared_pool_pins, stepwise_gets
+from kvnode.client.data_client import DataPlaneClient
+from kvnode.client.data_client_io import DataPlaneError
+from kvnode.client.shared_pool_pins import PinnedPages
+from kvnode.client.shared_pool_reader import SharedPoolFile
+from kvnode.client.types import (NodeError, NodeInfo, PageRejected, PutResult, check_keys, checked_array,
+                                 time_left, verified)
 from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
 from protos import security
 from protos.methods import method_path
 from protos.observability import traced_channel
-
-# What other parts import from here: NodeClient, what it returns and raises, and the checksum of a page.
-__all__ = ["NodeClient", "NodeError", "NodeInfo", "PageRejected", "PinnedPages", "PutResult", "SharedPoolFile",
-           "page_checksum"]
 
 log = logging.getLogger("kvnode.client")
 
@@ -140,7 +136,7 @@ class NodeClient:
                     self._lookups_refused = True
                 elif exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self._data_plane_failed(plane, exc)  # returns only to fall back to gRPC
-                # else a refused lease or a node at its connection bound (data_wire.py note 8): gRPC's Lookup
+                # else a refused lease or a node at its connection bound (kvnode/data_wire.py note 8): gRPC's Lookup
                 # refuses the one with the same code and message and serves the other; not a busy sign
             timeout = time_left(self.address, deadline)
         return self._call(self._lookup, pb.LookupRequest(keys=keys, lease_ms=lease_ms), timeout).hits
@@ -198,7 +194,7 @@ class NodeClient:
         data plane timeout (60 s by default). Checked first (unless `check` is False: then the
         caller checks them with first_altered() before it trusts them): PageRejected, or NodeError
         NOT_FOUND, with nothing left pinned. None, nothing pinned, when they cannot be read in
-        place: get_pages them then. `timeout` bounds the call. kvnode/shared_pool_pins.py notes 3-5."""
+        place: get_pages them then. `timeout` bounds the call. shared_pool_pins.py notes 3-5."""
         return shared_pool_pins.pin_pages(self.address, self._known_info, self._data_plane, keys,
                                           timeout or self.timeout, check)
 

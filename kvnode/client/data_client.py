@@ -1,7 +1,7 @@
 """The client side of a kvnode's data plane (framing in kvnode/data_wire.py): GET into the
 caller's buffer with recv_into, PUT straight from the caller's pages, LOOKUP (data_wire note 8). NodeClient uses it;
-nothing else should. One request's socket I/O: kvnode/data_client_io.py; pages copied out of the
-node's shared pool: kvnode/shared_pool_reader.py.
+nothing else should. One request's socket I/O: data_client_io.py; pages copied out of the
+node's shared pool: shared_pool_reader.py.
 
 Design notes
 1. A small pool of connections, safe to share between threads: a call takes an idle
@@ -52,9 +52,9 @@ import numpy as np
 
 from kvnode import data_wire as dw
 from kvnode.checksum import CHECKSUM_BYTES
-from kvnode.data_client_io import (DataPlaneError, StaleConnection, receive, receive_scattered, reply_header,
-                                  send_request)
-from kvnode.shared_pool_reader import MAP_TIMEOUT_S, SharedPoolFile, SharedPoolReader, page_arrays
+from kvnode.client.data_client_io import (DataPlaneError, StaleConnection, receive, receive_scattered,
+                                          reply_header, send_request)
+from kvnode.client.shared_pool_reader import MAP_TIMEOUT_S, SharedPoolFile, SharedPoolReader, page_arrays
 from kvnode.tls_stream import TlsStream
 
 _MAX_IDLE = 4
@@ -215,7 +215,7 @@ class DataPlaneClient:
             self._closed = True
         self.drop_idle()
 
-    # ---- the shared pool (kvnode/shared_pool_reader.py) ---------------------------
+    # ---- the shared pool (shared_pool_reader.py) ---------------------------
 
     @property
     def pool_state(self) -> str:

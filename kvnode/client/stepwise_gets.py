@@ -1,4 +1,4 @@
-"""NodeClient's GETs that hand the pages over as they land rather than all at once (kvnode/client.py):
+"""NodeClient's GETs that hand the pages over as they land rather than all at once (node_client.py):
 get_pages_in_batches, batch by batch, and get_pages_in_bands, band by band (kvnode/data_wire.py
 note 6); each falls back to gRPC, or to whole pages, as NodeClient's other calls do. Each method
 of StepwiseGets is the NodeClient method of its name, whose docstring says what it does.
@@ -22,11 +22,11 @@ import numpy as np
 
 from kvnode import data_wire as dw
 from kvnode.checksum import CHECKSUM_BYTES, page_digest
-from kvnode.client_types import NodeError, NodeInfo, PageRejected, check_keys, checked_pages, time_left, verified
-from kvnode.data_client_io import DataPlaneError
+from kvnode.client.data_client_io import DataPlaneError
+from kvnode.client.types import NodeError, NodeInfo, PageRejected, check_keys, checked_pages, time_left, verified
 
 if TYPE_CHECKING:
-    from kvnode.data_client import DataPlaneClient
+    from kvnode.client.data_client import DataPlaneClient
 
 log = logging.getLogger("kvnode.client")
 
