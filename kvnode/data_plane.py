@@ -1,62 +1,55 @@
-"""The kvnode's data plane: GET and PUT of whole pages, and LOOKUP (note 8), over plain TCP,
-beside the gRPC service and on the same PageStore. Framing in kvnode/data_wire.py; Info advertises the port.
+"""The kvnode's data plane: GET and PUT of whole pages, and LOOKUP, over plain TCP, beside the
+gRPC service and on the same PageStore. Framing in kvnode/data_wire.py; Info advertises the port.
 One connection's I/O, and the answer to a refused request: kvnode/data_plane_connection.py; PUT,
 and the bound on the bytes of puts in flight: kvnode/data_plane_puts.py; the shared pool's
 requests (MAP_POOL, GET_SLOTS): kvnode/shared_pool_serving.py.
 
 Design notes
 1. One thread per connection, at most `max_connections`; one over the bound is answered
-   RESOURCE_EXHAUSTED and closed (NodeClient then makes that call over gRPC; the answer may be
-   lost to a reset when the client's request was not read, and NodeClient treats a new
-   connection closed before any reply the same way). Those refusals are logged as one line per
-   10 s with their count (protos/log_limits.py): 200 clients wrote 394 lines in two seconds. Sockets are
-   blocking (send and recv release the GIL, and no poll runs before each call, as with a socket
-   timeout); kernel timeouts (SO_RCVTIMEO, SO_SNDTIMEO) drop a peer that stalls or idles longer
-   than `timeout_s`, a request's bytes must all arrive within `timeout_s` of its first
-   (data_plane_connection.py note 2), and a GET's whole reply must be sent within `timeout_s`
-   (its pages stay pinned meanwhile). TCP_NODELAY.
-2. GET sends the pages' checksums, then the pages straight from the pool (sendmsg over the
-   reply header, the checksums and the pages' slots, no copy in Python), pinned in the store while they are sent so no slot is evicted
-   and overwritten mid-send. Measured here, node and client in two processes, 16 pages of
-   589,824 bytes: ~0.9-1.06 GB/s pinned against ~0.6 GB/s copying the pages under the store
-   lock into a reused buffer first, on a loaded machine: the copy (~2 ms) held the GIL's
-   turn and the lock as long as a good part of the send.
+   RESOURCE_EXHAUSTED and closed (NodeClient then makes that call over gRPC, as it does when a
+   new connection closes before any reply). Those refusals are logged as one line per 10 s
+   with their count (protos/log_limits.py), so a crowd of clients cannot flood the log. Sockets
+   are blocking (send and recv release the GIL; no poll runs before each call); kernel timeouts
+   (SO_RCVTIMEO, SO_SNDTIMEO) drop a peer that stalls or idles longer than `timeout_s`, a
+   request's bytes must all arrive within `timeout_s` of its first (data_plane_connection.py),
+   and a GET's whole reply must be sent within `timeout_s` (its pages stay pinned meanwhile).
+   TCP_NODELAY.
+2. GET sends the pages' checksums, then the pages straight from the pool (sendmsg over the reply
+   header, the checksums and the pages' slots, no copy in Python), pinned in the store while they
+   are sent so no slot is evicted and overwritten mid-send. Copying them out under the store's
+   lock first held the lock, and the GIL, through much of the send (docs/architecture.md).
 3. PUT: received whole, checked, then stored, within a bound on the bytes of puts in flight
-   (`max_put_bytes_in_flight`): kvnode/data_plane_puts.py, its design note 1.
+   (`max_put_bytes_in_flight`, kvnode/data_plane_puts.py).
 4. drain() (the node's SIGTERM) stops accepting, closes the connections idle between requests
    at once, and lets the requests being served finish within its timeout, then cuts the rest.
    A request is being served once its header is read and taken under the lock; a header read
    after the drain began is answered UNAVAILABLE, its rest read away first (the client goes elsewhere).
 5. With `credentials` (protos/security.py) every connection is TLS and the peer must present a
    certificate of the cluster's CA (mutual TLS), as on the node's gRPC port. The handshake runs
-   on the connection's thread, whole within `timeout_s` (kvnode/tls_stream.py note 2), with the
-   context current at that moment (a SIGHUP may have re-read the files). A connection over the
-   bound is closed without an answer (no handshake is spent on it); the client sends that call
-   over gRPC. The session runs over memory BIOs on the blocking socket (kvnode/tls_stream.py,
-   its design note 1), which keeps its kernel timeouts: each page is encrypted from its slot
-   whole and sent as one write (the reply's header with the first page, a banded GET's slices
-   ~256 KiB a write), all within the reply's deadline.
-6. GET_BANDS (data_wire design note 6) is a GET whose pages are sent band-major: the same pins
-   and deadline, one sendmsg list of (band, page) slices of the pinned slots, cut by send_parts
-   into calls of at most IOV_MAX buffers; no copy.
+   on the connection's thread, whole within `timeout_s`, with the context current at that moment
+   (a SIGHUP may have re-read the files). A connection over the bound is closed without an
+   answer (no handshake is spent on it); the client sends that call over gRPC. The session runs
+   over memory BIOs on the blocking socket (kvnode/tls_stream.py), which keeps its kernel
+   timeouts: each page is encrypted from its slot whole and sent as one write (the reply's
+   header with the first page, a banded GET's slices ~256 KiB a write), all within the reply's
+   deadline.
+6. GET_BANDS is a GET whose pages are sent band-major: the same pins and deadline, one sendmsg
+   list of (band, page) slices of the pinned slots, cut by send_parts into calls of at most
+   IOV_MAX buffers; no copy.
 7. With `unix` the same server also listens on a Linux abstract Unix socket under a random name
-   (Info advertises it), for clients on the node's host: a stream socket there moved the data
-   plane's GETs 1.4-1.6x as fast as TCP over loopback (docs/benchmarks.md). Abstract names
-   belong to the network namespace, so whoever reaches it could reach the loopback port already
-   (firewall rules on the TCP port do not apply to it; `--no-data-unix` turns it off);
+   (Info advertises it), for clients on the node's host, faster than TCP over loopback. Abstract
+   names belong to the network namespace, so whoever reaches it could reach the loopback port
+   already (firewall rules on the TCP port do not apply to it; `--no-data-unix` turns it off),
    and its connections are served exactly as TCP ones: the same connection bound (shared),
-   kernel timeouts, deadlines and, with `credentials`, the same mutual TLS.
-   The name is random, not derived from the port or node id: a predictable name could be bound
-   by another local process before the node starts. A node restarted gets a new one, and its
-   clients learn it from Info once the old name has nobody listening (kvnode/client/data_client.py note 7).
-   A name already bound (EADDRINUSE) does not stop the node: one log line, and it serves on TCP
-   alone (Info advertises no socket). Once the node exits its name is free, and a process that
-   binds it gets the connections of clients still holding the old Info, as one that binds a
-   freed TCP port would: without TLS any process here could reach the node's data plane anyway;
-   with `credentials` it cannot complete the handshake (the client checks the node's certificate).
-8. LOOKUP (data_wire design note 8) is the gRPC Lookup's store call (lookup_and_lease) and its
-   refusals, answered with the hits; a lookup the leased-pages bound cut short is logged as the
-   gRPC path logs it.
+   kernel timeouts, deadlines and, with `credentials`, the same mutual TLS. The name is random,
+   not derived from the port or node id, so no other local process can bind it before the node
+   starts; a node restarted gets a new one, which its clients read from Info once the old name
+   has nobody listening. A name already bound (EADDRINUSE) does not stop the node: one log
+   line, and it serves on TCP alone. A process that binds a freed name gets the connections of
+   clients still holding the old Info, as one that binds a freed TCP port would: with
+   `credentials` it cannot complete the handshake (the client checks the node's certificate).
+8. LOOKUP is the gRPC Lookup's store call (lookup_and_lease) and its refusals, answered with
+   the hits; a lookup the leased-pages bound cut short is logged as the gRPC path logs it.
 """
 
 from __future__ import annotations
@@ -287,7 +280,7 @@ class DataPlaneServer:
             stopping = self._stopping.is_set()
             if not stopping:
                 self._busy.add(connection.conn)
-        if stopping:  # the rest of the request is read away before the answer (connection note 1)
+        if stopping:  # the rest of the request is read away before the answer (data_plane_connection.py)
             connection.pending = dw.request_bytes(dw.parse_request_header(head))
             raise dw.FrameError(grpc.StatusCode.UNAVAILABLE, "this node is stopping: send the request elsewhere")
         try:

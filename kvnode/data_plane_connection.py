@@ -1,6 +1,6 @@
 """One connection of the kvnode's data plane server (kvnode/data_plane.py), on the node's side:
-its blocking socket I/O with kernel timeouts (data_plane.py note 1), the answer to a refused
-request, and the listeners' helpers (the abstract Unix socket: data_plane.py note 7).
+its blocking socket I/O with kernel timeouts, the answer to a refused request, and the
+listeners' helpers (the abstract Unix socket, for clients on the node's host).
 
 Design notes
 1. A refused request is answered with its status and message, then the connection closes.
@@ -10,7 +10,7 @@ Design notes
    one recv only, and a peer trickling a byte every timeout_s - e would hold its PUT's bytes in
    flight (16 such peers blocked every PUT) and its connection without end. Each recv after the
    first is given what is left as its receive timeout (a TlsStream gets the deadline for its own
-   socket calls, kvnode/tls_stream.py note 2); a peer over it is dropped. A recv while more than
+   socket calls); a peer over it is dropped. A recv while more than
    90% is left keeps the whole timeout_s, so a request may take up to 1.1 x timeout_s: most
    requests arrive in a few ms, and spare the two setsockopt calls (shorten, restore) that way.
    Once the reply is sent the deadline ends (GET_SLOTS' RELEASE has timeout_s of its own), and
@@ -164,12 +164,12 @@ def refuse(conn: socket.socket, code: grpc.StatusCode, message: str, pending: in
 
 
 def new_unix_name() -> str:
-    """A random name for the abstract Unix socket (data_plane.py note 7)."""
+    """A random name for the abstract Unix socket: no local process can bind it before the node."""
     return "kvcache-data-" + uuid.uuid4().hex
 
 
 def unix_listener() -> socket.socket | None:
-    """A listening abstract Unix socket under a random name (data_plane.py note 7), or None where there is none."""
+    """A listening abstract Unix socket under a random name, or None where there is none."""
     if not hasattr(socket, "AF_UNIX"):
         return None
     name = new_unix_name()

@@ -295,7 +295,7 @@ def send_parts(sock: socket.socket, parts: list, deadline: float | None = None) 
     could stretch the send without end. Over TCP each call gets what is left as its kernel send
     timeout (which bounds the call as a whole; it leaves the socket's send timeout changed);
     a Unix socket's calls are send_within's; a TlsStream, which loops over partial sends of each
-    call, keeps the deadline inside that loop (kvnode/tls_stream.py note 2).
+    call, keeps the deadline inside that loop (kvnode/tls_stream.py).
     """
     parts = [memoryview(p).cast("B") for p in parts]
     first = 0  # parts before it are sent (an index, not pop(0): a banded GET has many parts)

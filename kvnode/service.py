@@ -57,7 +57,7 @@ class KVStoreService:
         self.chunk_bytes = max_message_bytes - _CHUNK_HEADROOM
         self.data_port = 0  # the node's data plane port, advertised in Info; 0 = none
         self.data_host = ""  # its host as advertised (--advertise's); "" = the host clients dialed for gRPC
-        self.data_unix = ""  # the data plane's abstract unix socket name; "" = none (data_plane.py note 7)
+        self.data_unix = ""  # the data plane's abstract unix socket name; "" = none
         self.metrics = None  # kvnode.metrics.NodeMetrics with --metrics-port: bytes and put outcomes
         self._calls_in_flight = 0
         self._calls_lock = threading.Lock()

@@ -1,11 +1,11 @@
 """The page pool in shared memory, for readers on the node's host: the node keeps its RAM pool in
 a memfd, and a client on the same host that may (same user, plaintext data plane) maps it read-only
-and copies pinned pages straight out of it, with no socket in between
-(kvnode/shared_pool_serving.py note 1).
+and copies pinned pages straight out of it, with no socket in between (who may: the node's
+side, kvnode/shared_pool_serving.py; the reader's, kvnode/client/shared_pool_reader.py).
 
 Why: over a Unix socket a page is copied twice by the kernel (node -> socket buffer -> client)
-beside the syscalls of both ends, ~3.8 GB/s here; a copy out of a mapping runs at memory speed
-(~15 GB/s), which is what lets a fetched prefix start nearly as soon as a local one.
+beside the syscalls of both ends; a copy out of a mapping runs at memory speed, about four times
+as fast (docs/benchmarks.md), so a fetched prefix starts nearly as soon as a local one.
 
 Design notes
 1. The node's pool is a MAP_SHARED mapping of a memfd (anonymous, in RAM, never on a file system),
@@ -18,8 +18,8 @@ Design notes
    client, or finds the node's socket gone (a restarted node has a new memfd; the old one's
    memory is freed once no reader maps it). Before mapping, the reader checks that the peer on the
    socket runs as its own user or root, and that the descriptor is sealed as note 1 says and as
-   large as the node said. Populating the page tables costs ~80 ms a GiB here, so it is done once
-   mapped, off the request path (kvnode/client/shared_pool_reader.py note 1), for pools up to
+   large as the node said. Populating the page tables costs ~80 ms a GiB, so it is done once
+   mapped, off the request path (on the reader's mapping thread), for pools up to
    POPULATE_MAX_BYTES; a larger pool, or a kernel before 5.14, maps lazily, each page's first copy
    paying its faults (protos/mappings.py: how, without stalling the reader's other threads).
 3. Linux only (memfd_create, SO_PEERCRED, SCM_RIGHTS); elsewhere the pool is a plain array and

@@ -1,17 +1,17 @@
 """The node's side of its shared pool (kvnode/shared_pool.py): the data plane server's MAP_POOL and
-GET_SLOTS requests (data_wire design note 7), served by kvnode/data_plane.py on its Unix socket.
+GET_SLOTS requests (framed in kvnode/data_wire.py), served by kvnode/data_plane.py on its Unix socket.
 The reader's side: kvnode/client/shared_pool_reader.py.
 
 Design notes
 1. With `share_pool` and a store whose pool is in shared memory (kvnode/shared_pool.py), a peer
    on the Unix socket may map the pool read-only (MAP_POOL) and fetch pages by their slots
-   (GET_SLOTS: data_wire design note 7): a copy at memory speed instead of a socket's two. Only
+   (GET_SLOTS): a copy at memory speed instead of a socket's two. Only
    where no more is revealed than the peer could read already: a plaintext node (with
    `credentials` the same host goes over TLS on the Unix socket, as a member's certificate is
    the rule there), and a peer process of the node's own user or root (SO_PEERCRED), who may
    read the pages over the socket anyway (and could attach to the node where ptrace is not
-   restricted). The pool is sealed against writes (shared_pool note 1): a reader cannot alter a
-   page. Pages stay pinned until the peer says it copied them, or
+   restricted). The pool is sealed against writes by anyone but the node (kvnode/shared_pool.py): a
+   reader cannot alter a page. Pages stay pinned until the peer says it copied them, or
    until `timeout_s` passes and the connection is dropped, as a GET's reply must be sent
    within it.
 """
@@ -44,7 +44,7 @@ def not_shared_reason(pool: shared_pool.SharedPool | None, conn) -> str | None:
 
 
 def send_pool(connection: Connection, pool: shared_pool.SharedPool | None) -> None:
-    """MAP_POOL: the pool's sealed descriptor, sent beside the reply (data_wire note 7)."""
+    """MAP_POOL: the pool's sealed descriptor, sent beside the reply."""
     refusal = not_shared_reason(pool, connection.conn)
     if refusal is not None:
         raise dw.FrameError(grpc.StatusCode.FAILED_PRECONDITION, refusal)
@@ -55,7 +55,7 @@ def send_pool(connection: Connection, pool: shared_pool.SharedPool | None) -> No
 def send_slots(connection: Connection, store: PageStore, pool: shared_pool.SharedPool | None, keys: list[bytes],
                timeout_s: float) -> int:
     """GET_SLOTS of `keys`: pin the pages, tell their slots (and send the bytes of those without one),
-    unpin once the reader says it copied them (data_wire note 7); how many it copied by slot."""
+    unpin once the reader says it copied them (RELEASE); how many it copied by slot."""
     refusal = not_shared_reason(pool, connection.conn)
     if refusal is not None:
         raise dw.FrameError(grpc.StatusCode.FAILED_PRECONDITION, refusal)

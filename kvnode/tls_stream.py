@@ -1,16 +1,15 @@
 """TLS over a plain blocking socket through memory BIOs, for both ends of the data plane
-(kvnode/data_plane.py, kvnode/client/data_client.py; framing: kvnode/data_wire.py, its design note 5).
+(kvnode/data_plane.py, kvnode/client/data_client.py; framing: kvnode/data_wire.py).
 
 Design notes
 1. Both ends of a TLS data plane connection run the session over memory BIOs on the plain socket,
    not an ssl.SSLSocket, which reads one 16 KiB record per call in two syscalls, writes each
-   record with a syscall of its own, and needs a socket timeout (a poll before each call) because over a
-   kernel timeout it would retry forever. Measured with 9 MiB GETs between two processes: CPU a
-   batch 4.8-5.6 ms -> 3.1-3.4 ms on the client and 4.8-5.3 -> 3.3-4.3 ms on the node. Each
-   TlsStream keeps a 1 MiB buffer for the records it receives (64 MiB on a node at its default
-   64 connections, all TLS). A receive decrypts every record already there that fits in one
-   call (OpenSSL gives one record a read): ~578 records of a 9 MiB GET cost the caller's loop
-   ~10 rounds, not 578.
+   record with a syscall of its own, and needs a socket timeout (a poll before each call) because
+   over a kernel timeout it would retry forever: those syscalls, not the cipher, were most of
+   TLS's cost (docs/benchmarks.md). Each TlsStream keeps a 1 MiB buffer for the records it
+   receives (64 MiB on a node at its default 64 connections, all TLS). A receive decrypts every
+   record already there that fits in one call (OpenSSL gives one record a read), so a GET of
+   hundreds of records costs the caller's loop a few rounds.
 2. A kernel timeout bounds one socket call, not a loop of them: a peer trickling a byte at a
    time could stretch a handshake, a record or a send without end. With a `deadline` set
    (time.monotonic(); the handshake's is an argument) every socket call the stream makes ends

@@ -1,4 +1,4 @@
-"""The shared pool (kvnode/shared_pool.py; shared_pool_serving.py note 1): a client on the node's host
+"""The shared pool (kvnode/shared_pool.py, shared_pool_serving.py): a client on the node's host
 maps the node's pool read-only and copies pinned pages out of it. The bytes equal every other
 path's, pins last exactly until the client releases them (or goes away, or stalls), the mapping
 cannot be written, a page on disk only still arrives, an altered page is still refused, and the

@@ -1,5 +1,5 @@
-"""The data plane server with TLS (kvnode/data_plane.py note 5), in process: a handshake trickled
-a byte at a time ends at timeout_s (kvnode/tls_stream.py note 2), a request's deadline leaves the
+"""The data plane server with TLS (kvnode/data_plane.py), in process: a handshake trickled
+a byte at a time ends at timeout_s (a deadline, not a kernel timeout), a request's deadline leaves the
 wait for the next request its whole timeout, and a connection whose handshake ends as the node
 starts stopping leaves no entry in the connection table. The cluster's TLS:
 tests/test_security_tls.py."""

@@ -1,4 +1,4 @@
-"""The data plane's same-host path (kvnode/data_plane.py note 7) with real node processes: Info
+"""The data plane's same-host path (kvnode/data_plane.py, its abstract Unix socket) with real node processes: Info
 advertises an abstract Unix socket, a client on the node's loopback address uses it and gets
 the bytes TCP and gRPC give, tokens computed from pages it brought equal the cold ones, it
 shares TCP's connection bound, and a socket that does not answer, a host that is not loopback

@@ -129,7 +129,7 @@ def flip_page_byte(data_dir, page_key: bytes, page_bytes: int = PAGE_BYTES) -> N
 @pytest.mark.parametrize("check", DISK_CHECKS)
 def test_a_page_altered_on_disk_while_the_node_runs_is_never_used_and_is_dropped_with_its_descendants(tmp_path,
                                                                                                     check):
-    """kvnode/disk_tier.py note 6. Checked at start (the default), the node serves the altered
+    """The disk check (kvnode/disk_tier.py). Checked at start (the default), the node serves the altered
     page's bytes with its writer's checksum: NodeClient refuses it (PageRejected), and the report
     (DropPages) drops it and its descendants. With --disk-check always the node refuses it itself.
     Either way a page altered on disk is found again at the next start."""

@@ -249,7 +249,7 @@ def test_sighup_re_reads_the_certificate_files_for_new_connections(tmp_path):
 @pytest.mark.parametrize("transport", ["tcp", "unix"])
 def test_a_worker_certificate_of_another_ca_cannot_fetch_from_the_data_port(secure_cluster, certs, tmp_path,
                                                                            transport):
-    """The data plane's TLS runs over memory BIOs (kvnode/tls_stream.py note 1): its handshake still
+    """The data plane's TLS runs over memory BIOs (kvnode/tls_stream.py): its handshake still
     checks the peer's certificate against the cluster's CA, on both ends."""
     make_certs(tmp_path / "other")
     foreign = security.Credentials(tmp_path / "other" / "ca.pem", tmp_path / "other" / "worker.pem",

@@ -106,7 +106,7 @@ def test_a_page_corrupted_on_disk_is_dropped_with_its_descendants_and_never_serv
 @pytest.mark.parametrize("where", ["on disk only", "promoted"])
 def test_checked_at_start_a_page_altered_on_disk_is_served_as_it_is_and_dropped_when_its_reader_reports_it(
         tmp_path, where):
-    """The default disk check (kvnode/disk_tier.py note 6): the node serves the bytes it finds,
+    """The default disk check (kvnode/disk_tier.py: each slot checked whole at start only): the node serves the bytes it finds,
     each with its writer's checksum, which they no longer match; the reader's report (DropPages)
     then finds the node's copy, promoted or read again from disk, altered too, and drops the page
     with its descendants."""

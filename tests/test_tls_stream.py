@@ -1,4 +1,4 @@
-"""TlsStream (kvnode/tls_stream.py design note 1) on its own, over a socket pair: a receive
+"""TlsStream (kvnode/tls_stream.py) on its own, over a socket pair: a receive
 takes every record already there, stops short when asked, and a peer that closes, cleanly
 or mid-record, ends the stream without a hang."""
 
@@ -167,7 +167,7 @@ def test_a_reader_that_trickles_cannot_stretch_a_send_past_its_deadline(pair):
 
 def test_a_handshake_trickled_a_byte_at_a_time_ends_at_its_deadline(certs):
     """A kernel timeout bounds one recv; a ClientHello sent a byte every 20 ms never trips it.
-    The handshake's deadline does (tls_stream design note 2)."""
+    The handshake's deadline does."""
     server_context = security.Credentials(certs / "ca.pem", certs / "node.pem", certs / "node.key").server_context()
     client_context = security.Credentials(certs / "ca.pem", certs / "worker.pem", certs / "worker.key").client_context()
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()

@@ -1,5 +1,5 @@
-"""The client side of a kvnode's data plane (framing in kvnode/data_wire.py): GET into the
-caller's buffer with recv_into, PUT straight from the caller's pages, LOOKUP (data_wire note 8). NodeClient uses it;
+"""The client side of a kvnode's data plane (framing: kvnode/data_wire.py): GET into the
+caller's buffer with recv_into, PUT straight from the caller's pages, LOOKUP. NodeClient uses it;
 nothing else should. One request's socket I/O: data_client_io.py; pages copied out of the
 node's shared pool: shared_pool_reader.py.
 
@@ -17,23 +17,23 @@ Design notes
    before the first reply is read, and the node, which reads a connection's requests one at a
    time, answers them in order without waiting for us. Across hosts each request asked after
    the previous reply would cost a round trip of its own (one per batch of a fetch).
-5. TLS runs over memory BIOs on the plain socket (kvnode/tls_stream.py, its design note 1), not
-   an ssl.SSLSocket: one recv takes up to a MiB of records, each decrypted into the caller's
-   buffer, and the socket keeps its kernel timeouts (note 2). The context, and so the
-   certificate checks and the certificate we present, are the same as wrap_socket's.
-6. `get_bands` receives a GET_BANDS reply (data_wire design note 6) into one buffer per page,
-   band by band, and calls back after each band: the caller may use band b of every page while
-   the later bands are on the way.
-7. Same host (data_plane design note 7): given the node's abstract Unix socket name and a host
-   that is a loopback address, connections go to that socket, 1.4-1.6x as fast as TCP over
-   loopback here; both live in the network namespace, so reaching one means reaching the other.
-   A name nobody listens on (ECONNREFUSED, ENOENT: the node exited or restarted under a new name,
-   or lives in another namespace behind a forwarded port) puts the client on TCP for good, with one
-   log line, and sets `unix_gone`: NodeClient then reads Info again before its next data plane
-   call, and a node that restarted gives its new name (client.py). Any other failure to connect
-   (EAGAIN from a full backlog, say) sends only that connection over TCP; the next one tries the
-   socket again. A process that may not make Unix sockets at all (a sandbox) uses TCP for good.
-   Everything else is as over TCP: TLS, kernel timeouts, deadlines, the pool.
+5. TLS runs over memory BIOs on the plain socket (kvnode/tls_stream.py), not an ssl.SSLSocket:
+   one recv takes up to a MiB of records, each decrypted into the caller's buffer, and the
+   socket keeps its kernel timeouts (note 2). The context, and so the certificate checks and
+   the certificate we present, are the same as wrap_socket's.
+6. `get_bands` receives a GET_BANDS reply into one buffer per page, band by band, and calls
+   back after each band: the caller may use band b of every page while the later bands are on
+   the way.
+7. Same host: given the node's abstract Unix socket name and a host that is a loopback address,
+   connections go to that socket, faster than TCP over loopback (docs/architecture.md); both
+   live in the network namespace, so reaching one means reaching the other. A name nobody
+   listens on (the node exited or restarted under a new name, or lives in another namespace
+   behind a forwarded port) puts the client on TCP for good, with one log line, and sets
+   `unix_gone`: NodeClient then reads Info again before its next data plane call, and a node
+   that restarted gives its new name. Any other failure to connect (EAGAIN from a full
+   backlog, say) sends only that connection over TCP. A process that may not make Unix sockets
+   at all (a sandbox) uses TCP for good. Everything else is as over TCP: TLS, kernel timeouts,
+   deadlines, the pool.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class DataPlaneClient:
     """`tls`: an ssl client context (protos.security.Credentials.client_context): every connection
     is TLS, checked against the node's certificate, and presents ours (mutual TLS). `unix_name`:
     the node's abstract Unix socket, used when `host` is a loopback address (design note 7);
-    `shared_memory=False` never maps the node's pool (shared_pool_reader.py note 1)."""
+    `shared_memory=False` never maps the node's pool (shared_pool_reader.py)."""
 
     def __init__(self, host: str, port: int, tls: ssl.SSLContext | None = None, unix_name: str = "",
                  shared_memory: bool = True):
@@ -82,7 +82,7 @@ class DataPlaneClient:
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
-        # The node's pool, mapped read-only (shared_pool_reader.py note 1).
+        # The node's pool, mapped read-only in the background (shared_pool_reader.py).
         self.shared_pool = SharedPoolReader(self.address, bool(shared_memory and self.unix_name and tls is None))
 
     @property
@@ -106,7 +106,7 @@ class DataPlaneClient:
 
         def exchange(sock: socket.socket, deadline: float, reused: bool) -> None:
             pool = self.shared_pool.pool_for(sock)
-            if pool is not None:  # shared_pool_reader.py note 1: one batch at a time, each copied out of the pool
+            if pool is not None:  # mapped: one batch at a time, each copied out of the pool
                 for number, keys in enumerate(batches):
                     self.shared_pool.copy_pages(sock, pool, keys, lambda: page_arrays(out_for(number), len(keys)),
                                             deadline, reused and number == 0)
@@ -153,7 +153,7 @@ class DataPlaneClient:
 
         def exchange(sock: socket.socket, deadline: float, reused: bool) -> None:
             pool = self.shared_pool.pool_for(sock)
-            if pool is not None:  # shared_pool_reader.py note 1: whole pages out of the pool, then every band at once
+            if pool is not None:  # mapped: whole pages out of the pool, then every band at once
                 self.shared_pool.copy_pages(
                     sock, pool, keys, lambda: ([np.frombuffer(out, dtype=np.uint8) for out in outs], checksums),
                     deadline, reused)
@@ -189,8 +189,8 @@ class DataPlaneClient:
         return self._call(exchange, timeout_s)
 
     def lookup(self, keys: Sequence[bytes], lease_ms: int, timeout_s: float) -> int:
-        """How many of `keys`, from the first, the node holds, leased for lease_ms when > 0 (data_wire
-        design note 8). A node that predates the op raises DataPlaneError(INVALID_ARGUMENT) that
+        """How many of `keys`, from the first, the node holds, leased for lease_ms when > 0 (LOOKUP,
+        kvnode/data_wire.py). A node that predates the op raises DataPlaneError(INVALID_ARGUMENT) that
         data_wire.is_unknown_op tells."""
         request = dw.lookup_request(keys, lease_ms)
 
@@ -232,18 +232,18 @@ class DataPlaneClient:
         return self.shared_pool.state_after(wait_s)
 
     def start_mapping(self) -> None:
-        """Map the node's pool on a thread of its own, unless asked already (shared_pool_reader.py note 1)."""
+        """Map the node's pool on a thread of its own, unless asked already."""
         self.shared_pool.start_mapping(self._connect_unix, self.give_back)
 
     def shared_pool_file(self) -> SharedPoolFile | None:
-        """The mapped pool as a descriptor of the caller's own (shared_pool_reader.py note 2), or None."""
+        """The mapped pool as a descriptor of the caller's own (for pin_pages), or None."""
         return self.shared_pool.pool_file()
 
     # ---- plumbing ----------------------------------------------------------------
 
     def _call(self, exchange, timeout_s: float):
         if self.pool_state == "unasked":
-            self.start_mapping()  # shared_pool_reader.py note 1
+            self.start_mapping()  # in the background: this call does not wait for it
         deadline = time.monotonic() + timeout_s
         for attempt in range(2):
             sock, reused = self.take_connection(deadline, fresh=attempt > 0)
@@ -279,7 +279,7 @@ class DataPlaneClient:
 
     @property
     def transport(self) -> str:
-        """"shared memory" once the node's pool is mapped (shared_pool_reader.py note 1), "unix" while
+        """"shared memory" once the node's pool is mapped, "unix" while
         the node's Unix socket is used (design note 7), else "tcp"."""
         if self.unix_name and self.shared_pool.pool is not None:
             return "shared memory"
@@ -306,7 +306,7 @@ class DataPlaneClient:
                          "is gone" if gone else "cannot be used from this process", exc)
                 self.unix_name = ""
                 self.unix_gone = gone
-                self.shared_pool.close()  # a gone node's memory is freed once no reader maps it (shared_pool note 2)
+                self.shared_pool.close()  # a gone node's memory is freed once no reader maps it
             else:
                 (log.debug if self._told_unix_busy else log.info)(
                     "kvnode data plane %s: its unix socket @%s did not take a connection (%s); that connection "

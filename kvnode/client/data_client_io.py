@@ -1,8 +1,7 @@
 """One request's I/O on a data plane connection, for the client side (data_client.py):
 send it, read its reply's header (an OK reply's payload length, or the node's status and message,
 raised as DataPlaneError), receive the payload straight into the caller's buffers. Sockets are
-blocking with kernel timeouts, and the deadline is checked after every recv (data_client.py
-note 2).
+blocking with kernel timeouts, and the deadline is checked after every recv.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ class NothingReceived(DataPlaneError):
 
 
 class StaleConnection(Exception):
-    """A reused connection the node had closed while idle (data_client.py note 3): send again on a new one."""
+    """A reused connection the node had closed while idle (data_client.py): send again on a new one."""
 
 
 def send_request(sock: socket.socket, parts: list, deadline: float, reused: bool, address: str) -> None:
@@ -59,7 +58,7 @@ def reply_header(sock: socket.socket, deadline: float, reused: bool, address: st
         receive(sock, header, deadline, first=True)
     except NothingReceived as exc:
         if reused:
-            raise StaleConnection() from None  # an idle connection the node had closed (data_client.py note 3)
+            raise StaleConnection() from None  # an idle connection the node had closed
         raise DataPlaneError(grpc.StatusCode.UNAVAILABLE,
                              f"connection to {address} closed before a reply: {broken or exc}",
                              closed_unanswered=True) from None
@@ -105,7 +104,7 @@ def receive(sock: socket.socket, view: memoryview, deadline: float, first: bool 
 
 def receive_scattered(sock, views: list[memoryview], deadline: float) -> None:
     """Fill `views` in order from `sock`: a plain socket scatters each recv over many of them
-    (recvmsg_into), so a band of many pages costs a few calls, not one a page (data_client.py note 6)."""
+    (recvmsg_into), so a band of many pages costs a few calls, not one a page."""
     if not hasattr(sock, "recvmsg_into"):  # a TlsStream decrypts into one buffer at a time
         for view in views:
             receive(sock, view, deadline)

@@ -2,12 +2,12 @@
 
 Every call has a deadline; failures raise NodeError, which keeps the gRPC status code.
 get_pages, put_pages and lookup go over the node's data plane (kvnode/data_plane.py) when its
-Info advertises one, else over gRPC (lookup also from a node whose data plane predates its op,
-kvnode/data_wire.py note 8); a data plane never reached (a firewall, or a node that died before
+Info advertises one, else over gRPC (lookup also from a node whose data plane predates its
+LOOKUP op); a data plane never reached (a firewall, or a node that died before
 the first connection) sends calls over gRPC, and Info and the data plane are tried again after
 DATA_PLANE_RETRY_S, doubled at each failure up to MAX_DATA_PLANE_RETRY_S, a log line each (given
 up for good, a node met while it restarted stayed on gRPC for the client's life). When the node's
-same-host Unix socket name has nobody listening (data_client.py note 7), the next call
+same-host Unix socket name has nobody listening (the node exited or restarted), the next call
 reads Info again first: a node restarted since gives its new name.
 Pages carry checksums (kvnode/checksum.py): put_pages sends them (computed here unless the
 caller did once for several nodes), get_pages checks every page it received against its own
@@ -76,7 +76,7 @@ class NodeClient:
     """`use_data_plane=False` keeps every call on gRPC (benches and tests compare the two);
     `unix_socket=False` keeps the data plane on TCP when the node also offers its same-host
     socket (the bench compares the two); `shared_memory=False` keeps it on that socket when the
-    node would also let it copy pages out of its shared pool (shared_pool_reader.py note 1);
+    node would also let it copy pages out of its shared pool (shared_pool_reader.py);
     `credentials` (protos.security) make both gRPC and the data plane mutual TLS."""
 
     def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S, use_data_plane: bool = True,
@@ -121,7 +121,7 @@ class NodeClient:
 
     def lookup(self, keys: Sequence[bytes], lease_ms: int = 0, timeout: float | None = None) -> int:
         """How many of `keys`, from the first, are cached; leases them for lease_ms when > 0. Over the
-        data plane when the client uses one (kvnode/data_wire.py note 8), else over gRPC."""
+        data plane when the client uses one (its LOOKUP op), else over gRPC."""
         deadline = time.monotonic() + (timeout or self.timeout)
         plane = None
         if keys and not self._lookups_refused and isinstance(lease_ms, int) and 0 <= lease_ms < 2**32:
@@ -136,7 +136,7 @@ class NodeClient:
                     self._lookups_refused = True
                 elif exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self._data_plane_failed(plane, exc)  # returns only to fall back to gRPC
-                # else a refused lease or a node at its connection bound (kvnode/data_wire.py note 8): gRPC's Lookup
+                # else a refused lease or a node at its connection bound (kvnode/data_wire.py, LOOKUP): gRPC's Lookup
                 # refuses the one with the same code and message and serves the other; not a busy sign
             timeout = time_left(self.address, deadline)
         return self._call(self._lookup, pb.LookupRequest(keys=keys, lease_ms=lease_ms), timeout).hits
@@ -181,7 +181,7 @@ class NodeClient:
     def get_pages_in_bands(self, keys: Sequence[bytes], outs: Sequence[np.ndarray], band_bytes: int,
                            landed: Callable[[int], None], timeout: float | None = None) -> None:
         """The pages of `keys` into outs[i] (a C-contiguous uint8 array of page_bytes each), sent
-        band-major in bands of band_bytes (kvnode/data_wire.py note 6); landed(b) once band b of
+        band-major in bands of band_bytes (GET_BANDS, kvnode/data_wire.py); landed(b) once band b of
         every page arrived, in band order. Each page is hashed band by band as it lands and checked
         once its last band did: PageRejected names the first that fails, after every landed call
         (the bands handed over must then be thrown away). Over gRPC, or from a node whose data
@@ -194,19 +194,19 @@ class NodeClient:
         data plane timeout (60 s by default). Checked first (unless `check` is False: then the
         caller checks them with first_altered() before it trusts them): PageRejected, or NodeError
         NOT_FOUND, with nothing left pinned. None, nothing pinned, when they cannot be read in
-        place: get_pages them then. `timeout` bounds the call. shared_pool_pins.py notes 3-5."""
+        place: get_pages them then. `timeout` bounds the call (shared_pool_pins.py)."""
         return shared_pool_pins.pin_pages(self.address, self._known_info, self._data_plane, keys,
                                           timeout or self.timeout, check)
 
     def shared_pool_file(self) -> SharedPoolFile | None:
         """While this client has the node's pool mapped: a new descriptor of it (the caller's to close),
         its shape and the mapping's generation, which a remapped pool (a restarted node's) changes
-        (shared_pool_reader.py note 2). None while nothing is mapped. Asks the node nothing."""
+        None while nothing is mapped. Asks the node nothing."""
         plane = self._data
         return plane.shared_pool_file() if plane is not None else None
 
     def shared_pool_state(self, wait: float = 0.0) -> str | None:
-        """This client's mapping of the node's pool (shared_pool_reader.py note 1): "unasked", "mapping",
+        """This client's mapping of the node's pool (made in the background): "unasked", "mapping",
         "mapped" or "refused", once a mapping under way ended or `wait` seconds passed; None while it
         has no data plane client. Begins no mapping; asks the node nothing."""
         plane = self._data
@@ -271,7 +271,7 @@ class NodeClient:
     def _known_info(self, timeout: float | None = None) -> NodeInfo:
         """The node's Info, asked (within `timeout`, else the client's) only when not known."""
         plane = self._data
-        if plane is not None and plane.unix_gone:  # data_client.py note 7: a restarted node has a new name
+        if plane is not None and plane.unix_gone:  # the node's socket name went: a restarted node has a new one
             with self._data_lock:
                 if plane.unix_gone:
                     plane.unix_gone = False
@@ -284,21 +284,21 @@ class NodeClient:
         return plane.address if plane is not None else None
 
     def data_plane_transport(self) -> str | None:
-        """"shared memory", "unix" or "tcp" for the data plane this client uses (data_client.py note 7,
-        shared_pool_reader.py note 1), None on gRPC."""
+        """"shared memory" (the node's pool mapped), "unix" (its same-host socket) or "tcp" for the
+        data plane this client uses, None on gRPC."""
         plane = self._data_plane()
         return plane.transport if plane is not None else None
 
     def prepare_data_plane(self) -> None:
         """Begin now, in the background, what the first data plane call would wait for or do
-        beside it: the shared pool's mapping (shared_pool_reader.py note 1)."""
+        beside it: the shared pool's mapping."""
         plane = self._data_plane()
         if plane is not None:
             plane.start_mapping()
 
     def map_shared_pool(self, timeout: float | None = None) -> bool:
-        """Map the node's shared pool now rather than in the background (shared_pool_reader.py note 1);
-        whether pages now come out of it."""
+        """Map the node's shared pool now rather than in the background; whether pages now come out
+        of it."""
         plane = self._data_plane()
         return plane is not None and plane.map_pool(timeout or self.timeout)
 

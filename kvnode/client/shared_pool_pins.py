@@ -1,5 +1,5 @@
 """Pages pinned in the node's shared pool for a caller that reads them in place
-(NodeClient.pin_pages): GET_SLOTS (data_wire design note 7) without the copy and without the
+(NodeClient.pin_pages): GET_SLOTS (kvnode/data_wire.py) without the copy and without the
 release, which is the caller's to send once it is done with the pages (PinnedPages.release).
 The reader's side of the pool: shared_pool_reader.py; the node's: kvnode/shared_pool_serving.py.
 
@@ -7,7 +7,7 @@ Design notes
 1. Why: a worker that reads fetched pages straight out of the node's pool for one engine step
    copies each page once (into its own blocks), not twice (out of the pool, then into its
    blocks). It maps the pool itself (NodeClient.shared_pool_file) and reads slot s of the
-   mapping of generation g, as PinnedPages says (shared_pool_reader.py note 2).
+   mapping of generation g, as PinnedPages says (a restarted node's pool has another).
 2. The node reads one request at a time on a connection and answers the next only after the
    release, so each request holds a connection of its own while pinned: up to MAX_REQUESTS,
    each of at most the node's per-request key limit, taken from the data plane client's idle
@@ -129,7 +129,7 @@ def pin_pages(address: str, known_info: Callable[[], NodeInfo], data_plane: Call
     if plane is None:
         return None
     if plane.pool_state == "unasked":
-        plane.start_mapping()  # for the next call: this one does not wait for it (shared_pool_reader.py note 1)
+        plane.start_mapping()  # for the next call: this one does not wait for it
     deadline = time.monotonic() + timeout
     try:
         taken = _take_pins(plane, keys, max(1, info.max_keys_per_request), deadline)
@@ -174,7 +174,7 @@ def _take_pins(plane, keys: list[bytes], max_keys: int, deadline: float):
         for number, batch in enumerate(batches):
             try:
                 table, payload, batch_slots = _table(plane, held[number], batch, deadline)
-            except StaleConnection:  # an idle connection the node had closed (data_client.py note 3)
+            except StaleConnection:  # an idle connection the node had closed: once more, on a new one
                 held[number][0].close()
                 plane.drop_idle()
                 held[number] = _send(plane, batch, deadline, fresh=True)

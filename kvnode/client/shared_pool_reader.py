@@ -5,14 +5,13 @@ the pool is mapped.
 
 Design notes
 1. Over the Unix socket of a plaintext node the client maps the node's page pool read-only
-   (kvnode/shared_pool.py; kvnode/shared_pool_serving.py note 1) and fetches by slot: GET_SLOTS pins the
-   pages and tells where they are, the client copies them out of the mapping and releases them
-   (data_wire design note 7); a page the node has in no slot (on disk only, no RAM slot to be
-   had) comes with the reply, after its table. The mapping
-   is made by a thread of its own, started by the first call (or NodeClient.prepare_data_plane),
+   (kvnode/shared_pool.py) and fetches by slot: GET_SLOTS (kvnode/data_wire.py) pins the pages
+   and tells where they are, the client copies them out of the mapping and releases them; a
+   page the node has in no slot (on disk only, no RAM slot to be had) comes with the reply,
+   after its table. The mapping is made by a thread of its own, started by the first call (or NodeClient.prepare_data_plane),
    so no request waits for it; until it is there, pages come over the socket as before: for good
    once the node refused it (TLS, another user, --no-shared-pool, a node before the op) or its
-   descriptor was not sealed as shared_pool note 1 says, else (a busy socket, a timeout) the
+   descriptor was not sealed against writes and resizing, else (a busy socket, a timeout) the
    mapping is tried again after _MAP_RETRY_S. Each batch costs a round trip of its own (the
    request, then the release). The caller checks the checksums as always. A socket name found
    gone drops the mapping with it.
@@ -150,7 +149,7 @@ class SharedPoolReader:
                 sock.settimeout(None)
                 dw.set_kernel_timeouts(sock, max(0.001, deadline - time.monotonic()))
                 uid = shared_pool.peer_uid(sock)
-                if uid not in (os.geteuid(), 0):  # shared_pool note 2: not the node's socket, or not ours to trust
+                if uid not in (os.geteuid(), 0):  # not the node's socket, or not ours to trust
                     why, for_good = f"the process on its unix socket runs as user {uid}, not as this one or root", True
                 else:
                     sock.sendall(dw.request_header(dw.OP_MAP_POOL, 0))
@@ -215,7 +214,7 @@ class SharedPoolReader:
     def copy_pages(self, sock: socket.socket, pool: np.ndarray, keys: Sequence[bytes],
                    destination: Callable[[], tuple[list[np.ndarray] | np.ndarray, memoryview]],
                    deadline: float, reused: bool) -> None:
-        """GET_SLOTS (data_wire note 7): destination() gives (pages, checksums) once the node
+        """GET_SLOTS: destination() gives (pages, checksums) once the node
         answered, as out_for does for a GET; page i is copied out of the pool into pages[i] (or
         received, when the node has it in no slot) and its checksum into `checksums`; then the
         pages are released."""
@@ -247,7 +246,7 @@ class SharedPoolReader:
 
 def receive_slot_table(sock: socket.socket, count: int, deadline: float, reused: bool,
                        address: str) -> tuple[memoryview, int, list[int]]:
-    """A GET_SLOTS reply's header and table (data_wire note 7): the table, the whole payload's
+    """A GET_SLOTS reply's header and table: the table, the whole payload's
     length (the table, then the pages without a slot), and each page's slot; the pages stay
     pinned until the RELEASE."""
     payload = reply_header(sock, deadline, reused, address)

@@ -1,6 +1,6 @@
 """NodeClient's GETs that hand the pages over as they land rather than all at once (node_client.py):
-get_pages_in_batches, batch by batch, and get_pages_in_bands, band by band (kvnode/data_wire.py
-note 6); each falls back to gRPC, or to whole pages, as NodeClient's other calls do. Each method
+get_pages_in_batches, batch by batch, and get_pages_in_bands, band by band (GET_BANDS,
+kvnode/data_wire.py); each falls back to gRPC, or to whole pages, as NodeClient's other calls do. Each method
 of StepwiseGets is the NodeClient method of its name, whose docstring says what it does.
 
 StepwiseGets is handed exactly what these calls use of their NodeClient (its Info, its data plane

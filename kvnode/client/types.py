@@ -59,7 +59,7 @@ class NodeInfo:
     disk_used_pages: int = 0
     dirty_pages: int = 0  # in RAM, not yet written to disk
     data_host: str = ""  # the data plane's advertised host; "": the host of the gRPC address
-    data_unix: str = ""  # the data plane's abstract unix socket name; "": none (data_client.py note 7)
+    data_unix: str = ""  # the data plane's abstract unix socket name; "": none
     max_leases_per_call: int = 0  # most keys a Lookup may lease; 0: max_keys_per_request
 
 
