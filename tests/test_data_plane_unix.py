@@ -139,7 +139,7 @@ def test_tokens_from_pages_fetched_on_the_same_host_equal_the_cold_ones(tmp_path
         fetched = tiers[1].stats.pages_in_place if in_place else tiers[1].stats.pages_fetched
         assert fetched >= 8 and tiers[1].stats.pages_rejected == 0
         assert tiers[1].stats.pages_fetched == 0 if in_place else tiers[1].stats.pages_fetched >= 8
-        assert pinned == 0 and not reader.scheduler._in_place, "the pages read in place were not given back"
+        assert pinned == 0 and not reader.scheduler.in_place.num_reading(), "the pages read in place were not given back"
         assert warm.usage.cached_tokens_remote >= 8 * 16
         assert warm.token_ids == cold.token_ids
 

@@ -154,13 +154,13 @@ def test_pages_held_too_long_are_not_copied_in(tiny, monkeypatch):
     cold = writer.generate(PROMPT, max_new_tokens=4, ignore_eos=True)
     reader = Reader(tiny, tier)
     handle = reader.engine.add_request(PROMPT, max_new_tokens=4, ignore_eos=True, tier_context=reader.engine)
-    while not reader.engine.scheduler._in_place:  # until its pages are read in place
+    while not reader.engine.scheduler.in_place.num_reading():  # until its pages are read in place
         reader.engine.step()
     monkeypatch.setattr(in_place, "LAND_WITHIN_S", 0.0)  # as if the engine had not stepped for that long
     while handle.completion is None:
         reader.engine.step()
     assert handle.completion.token_ids == cold.token_ids
-    assert tier.released == 1 and reader.engine.scheduler.num_in_place_discarded == 1
+    assert tier.released == 1 and reader.engine.scheduler.in_place.num_discarded == 1
     reader.engine.pool.check_invariants()
 
 
@@ -216,7 +216,7 @@ def test_pages_that_fail_their_check_throw_the_step_away_and_the_prompt_is_compu
     tier.array[slot] ^= 1  # the page the check names, really altered: a forward that used it would show
     warm = reader.generate(PROMPT, max_new_tokens=6, ignore_eos=True)
     assert warm.token_ids == cold.token_ids
-    assert reader.engine.scheduler.num_in_place_discarded == 1
+    assert reader.engine.scheduler.in_place.num_discarded == 1
     assert tier.released == 1 and tier.window.pins == 0
     assert warm.usage.cached_tokens_remote == altered * 16
     assert warm.usage.computed_tokens == warm.usage.prompt_tokens - altered * 16
@@ -251,7 +251,7 @@ def test_a_model_with_a_sliding_window_copies_its_pages_in_at_the_join(tiny):
     warm = reader.generate(PROMPT * 2, max_new_tokens=8, ignore_eos=True)  # read in place, pages 9-10 went wrong
     assert warm.usage.cached_tokens_remote >= 10 * 16
     assert warm.token_ids == cold.token_ids
-    assert tier.released == 1 and not reader.engine.scheduler._in_place
+    assert tier.released == 1 and not reader.engine.scheduler.in_place.num_reading()
 
 
 def test_the_window_of_a_node_whose_client_let_its_pool_go_is_unmapped():

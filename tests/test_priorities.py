@@ -82,7 +82,7 @@ def test_a_high_priority_request_whose_prefix_is_cached_preempts_for_the_blocks_
 def test_aging_lets_a_low_priority_request_through_a_stream_of_high_priority_ones():
     aging_steps = 8
     engine = make_engine(max_seqs=1)
-    engine.scheduler.aging_steps = aging_steps
+    engine.scheduler.priority.aging_steps = aging_steps
     first = engine.add_request("high 0 " + "y" * 10, max_new_tokens=6, ignore_eos=True, priority=HIGH)
     engine.step()
     low = engine.add_request("low one", max_new_tokens=3, ignore_eos=True, priority=LOW)

@@ -48,7 +48,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from worker.connector_layers import Layers, LayerwiseLoads
 
@@ -59,6 +59,22 @@ DEFAULT_CLOSE_TIMEOUT_S = 5.0
 DEFAULT_LAYER_WAIT_S = 0.1  # the engine's wait for one layer of a layer-wise load (design note 7)
 DEFAULT_STEP_WAIT_S = 0.3  # ... and for all the layers of its early step together
 DEFAULT_SETTLE_TIMEOUT_S = 1.0  # ... and for its outcome once its last layer landed
+
+
+class Tier(Protocol):
+    """A second cache level behind the local prefix cache (worker/remote.py's RemoteTier over
+    kvnodes), called on the connector's threads. `context` is the request's opaque `tier_context`
+    (e.g. its placement); the tier reads and writes the engine's pool array in the page layout."""
+
+    def lookup(self, keys: Sequence[bytes], context: Any) -> int:
+        """How many of these page keys (the request's reusable chain, from its first page) do you hold?"""
+
+    def fill(self, keys: Sequence[bytes], block_ids: Sequence[int], context: Any) -> int:
+        """Write page keys[i] into block block_ids[i], in order; return how many were really filled."""
+
+    def on_page_full(self, key: bytes, parent_key: bytes, block_id: int, context: Any) -> None:
+        """A page became full (parent_key is b"" for a first page). Must not block; the block may be
+        reused once this returns, so copy what you need now."""
 
 
 @dataclass
@@ -92,7 +108,7 @@ class FinishedLoads:
 
 
 class KVConnector(LayerwiseLoads):
-    def __init__(self, tier, lookup_threads: int = 4, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, tier: Tier, lookup_threads: int = 4, timeout_s: float = DEFAULT_TIMEOUT_S,
                  wake: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic,
                  layer_wait_s: float = DEFAULT_LAYER_WAIT_S, settle_timeout_s: float = DEFAULT_SETTLE_TIMEOUT_S,
                  step_wait_s: float = DEFAULT_STEP_WAIT_S):

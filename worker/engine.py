@@ -47,12 +47,12 @@ import numpy as np
 
 from protos.pages import DEFAULT_PAGE_TOKENS
 from worker.block_pool import BlockPool
-from worker.connector import KVConnector
+from worker.connector import KVConnector, Tier
 from worker.model import load_model
 from worker.pages import tenant_root
 from worker.request import Request, RequestStatus
 from worker.sampling import FINISH_ABORT, FINISH_ERROR, SamplingParams, StopChecker, sample
-from worker.scheduler import PREFILL_TOKENS_PER_STEP, RemoteTier, Scheduler
+from worker.scheduler import PREFILL_TOKENS_PER_STEP, Scheduler
 from worker.outputs import Completion, RequestHandle, RequestIdInUse, StreamDelta
 from worker.step_runner import StepRunner
 from worker.usage import Usage
@@ -76,7 +76,7 @@ class _Live:
 
 class Engine(StepRunner):
     def __init__(self, model, kv_dtype: str = "float32", num_blocks: int | None = None, page_tokens: int = DEFAULT_PAGE_TOKENS,
-                 max_num_seqs: int = 32, max_num_batched_tokens: int = 1024, remote_tier: RemoteTier | None = None,
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 1024, remote_tier: Tier | None = None,
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, seed: int | None = None,
                  max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP):
         if kv_dtype not in ("float32", "float16"):
@@ -123,21 +123,22 @@ class Engine(StepRunner):
         (remote tiers use it)."""
         return self.pool.kv
 
-    def attach_remote_tier(self, tier: RemoteTier | None) -> None:
+    def attach_remote_tier(self, tier: Tier | None) -> None:
         """Plug in (or, with None, remove) the remote tier; it usually needs `kv_pool`, hence after construction.
         Before any request uses it: the tier is reached through a KVConnector (worker/connector.py),
         and a request parked on the old one would never be told its pages landed."""
         with self._lock:
             if self.scheduler.parked or self._connector_busy():
                 raise RuntimeError("a remote tier is attached while no request waits for one: finish them first")
-            old, self.scheduler.connector = self.scheduler.connector, self._connector_for(tier)
+            old = self.scheduler.connector
+            self.scheduler.set_connector(self._connector_for(tier))
         if old is not None:
             old.close()
 
     def _connector_busy(self) -> bool:
         return self.scheduler.connector is not None and self.scheduler.connector.num_pending() > 0
 
-    def _connector_for(self, tier: RemoteTier | None) -> KVConnector | None:
+    def _connector_for(self, tier: Tier | None) -> KVConnector | None:
         return None if tier is None else KVConnector(tier, wake=self._work.set)
 
     @property
@@ -222,7 +223,7 @@ class Engine(StepRunner):
         """Requests to run, or pages read in place still to cache, or blocks of a given-up load to
         release (the next step does it: on an idle worker the loader's wake may come before
         wait_for_work clears the event, and nothing else would step)."""
-        return (bool(self._live) or not self._inbox.empty() or self.scheduler.has_landings()
+        return (bool(self._live) or not self._inbox.empty() or self.scheduler.in_place.has_landings()
                 or (self.connector is not None and self.connector.has_releases()))
 
     def get_num_free_blocks(self) -> int:
@@ -271,7 +272,7 @@ class Engine(StepRunner):
             raise
         while any(h.completion is None for h in handles):
             self.step()
-        while self.scheduler.has_landings():  # pages read in place, cached now rather than at the next call
+        while self.scheduler.in_place.has_landings():  # pages read in place, cached now rather than at the next call
             self.step()
         return [h.completion for h in handles]
 

@@ -1,10 +1,8 @@
 """Requests whose fetched pages are read in place (worker/pages_in_place.py): how they join, what
 their first forward reads, and how the pages end up in their blocks.
 
-`InPlaceJoins` is a part of the Scheduler (worker/scheduler.py), as RemoteJoins is. It works on
-the scheduler's state: `running`, `waiting`, the pool, `_in_place` (request id -> (request,
-PagesInPlace, local hits)), `_landing` and `_remote_given_up`, and its `_release`, `_index_pages` and
-`_index_blocks` (worker/remote_joins.py).
+`InPlaceJoins` holds those requests and their pages from the join to the landing; the scheduler
+(worker/scheduler.py) moves requests between its queues, this tells it which to send back.
 
 Design notes
 1. A load that ends with its pages pinned in a same-host node's pool (connector design note 8)
@@ -12,10 +10,10 @@ Design notes
    step reads them where they lie (`forward_table` points its table there), and the next
    `schedule` copies them into its blocks, indexes them (and the pages its first step filled
    after them, which could not be indexed before their parent) and gives them back to the node
-   (`_land_in_place`), so the copy follows the first token instead of preceding it and the pins
+   (`land`), so the copy follows the first token instead of preceding it and the pins
    last one step.
 2. Their checksums are checked beside that first forward (worker/pages_in_place.py note 2):
-   after it, `settle_in_place` waits for the check, and a request whose pages failed it loses
+   after it, `settle` waits for the check, and a request whose pages failed it loses
    the step's work (no token), keeps the pages before the altered one (copied in and cached) and
    waits to compute the rest, as after a layer-wise load that failed. A request not in that step
    has its pages checked before they are copied.
@@ -35,38 +33,50 @@ from __future__ import annotations
 
 import logging
 
+from worker.block_tables import BlockTables
 from worker.pages_in_place import LAND_WITHIN_S, PagesInPlace
-from worker.request import Request, RequestStatus
+from worker.request import Request
 
 log = logging.getLogger("worker.scheduler")  # its messages are the scheduler's
 
 
 class InPlaceJoins:
-    """The Scheduler's handling of pages read in place (a mixin)."""
+    """Requests reading pages in place, and pages left to land by requests gone (notes 1, 3)."""
 
-    def _join_in_place(self, request: Request, pages: PagesInPlace) -> int:
+    def __init__(self, tables: BlockTables):
+        self.tables = tables
+        self.num_discarded = 0  # steps thrown away: pages read in place were altered (note 2)
+        self._reading: dict[int, tuple[Request, PagesInPlace, int]] = {}  # id -> (request, its pages, local hits)
+        self._landing: list[tuple] = []  # (pages, blocks, keys, key before) of requests gone (note 3)
+
+    def join(self, request: Request, pages: PagesInPlace, copy_now: bool) -> int:
         """How many of a joining request's pages count as computed: all, read in place from its next
-        step (note 1); or, for a windowed model or pins too old, those copied in now (notes 4, 5)."""
+        step (note 1); or, when `copy_now` (a windowed model: note 5) or for pins too old (note 4),
+        those copied in now."""
         num_hits = request.num_cached_pages
         if pages.released or request.block_table[num_hits : num_hits + len(pages)] != pages.blocks:
             pages.release()  # given up meanwhile (the connector closed), or not its blocks: computed
             return 0
-        if self.release_window is None and pages.fresh():
-            self._in_place[id(request)] = (request, pages, num_hits)
+        if not copy_now and pages.fresh():
+            self._reading[id(request)] = (request, pages, num_hits)
             return len(pages)
         try:
             intact = pages.num_intact() if pages.fresh() else 0
             if intact:
-                pages.land(self.pool.arena.all_blocks, intact)
-                self._index_pages(request, num_hits, num_hits + intact)
+                pages.land(self.tables.pool.arena.all_blocks, intact)
+                self.tables.index_pages(request, num_hits, num_hits + intact)
             return intact
         finally:
             pages.release()
 
+    def num_reading(self) -> int:
+        """Requests whose next step reads pages in place (note 1)."""
+        return len(self._reading)
+
     def forward_table(self, request: Request) -> tuple[list[int], bool]:
         """The block table a forward reads for `request`: its own, with pages read in place pointing
         where they lie (note 1); and whether any do (the forward then reads the arena's blocks)."""
-        entry = self._in_place.get(id(request))
+        entry = self._reading.get(id(request))
         if entry is None:
             return request.block_table, False
         _, pages, num_hits = entry
@@ -74,85 +84,59 @@ class InPlaceJoins:
         table[num_hits : num_hits + len(pages)] = pages.arena_blocks
         return table, True
 
-    def settle_in_place(self, requests) -> set[int]:
-        """After a forward: the ids of those of `requests` whose pages read in place turned out
-        altered, their step's work to be thrown away (note 2); the others' were intact."""
-        failed = set()
+    def settle(self, requests) -> list[Request]:
+        """After a forward: those of `requests` whose pages read in place turned out altered, their
+        step's work to be thrown away and they to wait again (note 2); the others' were intact."""
+        altered = []
         for request in requests:
-            entry = self._in_place.get(id(request))
+            entry = self._reading.get(id(request))
             if entry is not None and not entry[1].intact():
-                self._discard_in_place(request)
-                failed.add(id(request))
-        return failed
+                self._discard(request)
+                altered.append(request)
+        return altered
 
     def has_landings(self) -> bool:
         """Pages read in place still to copy in and give back: the next step does it (note 3)."""
-        return bool(self._landing or self._in_place)
+        return bool(self._landing or self._reading)
 
-    def _land_in_place(self) -> None:
-        """Copy the pages the last step read in place into their blocks, index them, give them back (note 1)."""
+    def land(self) -> list[Request]:
+        """Copy the pages the last step read in place into their blocks, index them, give them back
+        (note 1); the requests whose pages could not be, to wait again."""
+        pool = self.tables.pool
         landing, self._landing = self._landing, []
         for pages, blocks, keys, parent in landing:  # of requests that gave their blocks up (note 3)
             try:
                 copied = pages.fresh() and pages.intact()
                 if copied:
-                    pages.land(self.pool.arena.all_blocks)
-                held = self._index_blocks(blocks if copied else blocks[len(pages):],
-                                          keys if copied else keys[len(pages):], parent if copied else None)
-                self.pool.release(held + ([] if copied else blocks[: len(pages)]))
+                    pages.land(pool.arena.all_blocks)
+                held = self.tables.index_blocks(blocks if copied else blocks[len(pages):],
+                                                keys if copied else keys[len(pages):], parent if copied else None)
+                pool.release(held + ([] if copied else blocks[: len(pages)]))
             finally:
                 pages.release()
-        for request, pages, num_hits in list(self._in_place.values()):
+        discarded = []
+        for request, pages, num_hits in list(self._reading.values()):
             if not pages.fresh() or request.block_table[num_hits : num_hits + len(pages)] != pages.blocks:
-                self._discard_in_place(request, reuse=False)  # note 4 (the table check: a safeguard)
+                self._discard(request, reuse=False)  # note 4 (the table check: a safeguard)
+                discarded.append(request)
             elif not pages.intact():  # not in the last step, or it would have been settled
-                self._discard_in_place(request)
+                self._discard(request)
+                discarded.append(request)
             else:
                 try:
-                    pages.land(self.pool.arena.all_blocks)
+                    pages.land(pool.arena.all_blocks)
                     end = max(num_hits + len(pages), request.num_cached_pages)
                     keys = request.page_keys(end)
-                    request.block_table[num_hits:end] = self._index_blocks(
+                    request.block_table[num_hits:end] = self.tables.index_blocks(
                         request.block_table[num_hits:end], keys[num_hits:], keys[num_hits - 1] if num_hits else None)
                 finally:
-                    self._drop_in_place(request)
+                    self._drop(request)
+        return discarded
 
-    def _discard_in_place(self, request: Request, reuse: bool = True) -> None:
-        """A request whose pages read in place are altered computes its prompt without them,
-        reusing those before the altered one (note 2); with `reuse` False (their pins too old:
-        note 4), none of them."""
-        _, pages, num_hits = self._in_place[id(request)]
-        intact = pages.num_intact() if reuse else 0
-        if not reuse:
-            log.warning("pages of request %s read in place were held past %.0f s; computing its prompt without "
-                        "them", request.request_id, LAND_WITHIN_S)
-        else:
-            log.warning("pages of request %s read in place failed their check at page %d of %d (altered, or not "
-                        "checked in time); computing its prompt from there", request.request_id, intact, len(pages))
-        if intact:  # cached, so the recompute reuses them
-            pages.land(self.pool.arena.all_blocks, intact)
-            self._index_pages(request, num_hits, num_hits + intact)
-        self._drop_in_place(request)
-        self.running.remove(request)
-        self._release(request)
-        request.status = RequestStatus.WAITING
-        self._remote_given_up.add(id(request))
-        if request.cached_tokens_remote:  # set by the join: what it will reuse, as a layer-wise discard says
-            request.cached_tokens_local, request.cached_tokens_remote = (
-                (num_hits * self.page_tokens, intact * self.page_tokens) if intact else (None, None))
-        self.num_in_place_discarded += 1
-        self.waiting.appendleft(request)
-
-    def _drop_in_place(self, request: Request) -> None:
-        """Give a request's pages read in place back to the node, uncopied."""
-        entry = self._in_place.pop(id(request), None)
-        if entry is not None:
-            entry[1].release()
-
-    def _stash_in_place(self, request: Request) -> None:
+    def stash(self, request: Request) -> None:
         """A request giving its blocks up leaves its pages read in place, and those its step filled
         after them, to the next step (note 3)."""
-        entry = self._in_place.pop(id(request), None)
+        entry = self._reading.pop(id(request), None)
         if entry is None:
             return
         _, pages, num_hits = entry
@@ -162,5 +146,34 @@ class InPlaceJoins:
             pages.release()  # not the request's blocks any more (never so: a safeguard)
             return
         keys = request.page_keys(end)
-        self.pool.ref(blocks)  # the landing's own references, dropped once the pages are cached
+        self.tables.pool.ref(blocks)  # the landing's own references, dropped once the pages are cached
         self._landing.append((pages, blocks, keys[num_hits:], keys[num_hits - 1] if num_hits else None))
+
+    def _discard(self, request: Request, reuse: bool = True) -> None:
+        """A request whose pages read in place are altered computes its prompt without them,
+        reusing those before the altered one (note 2); with `reuse` False (their pins too old:
+        note 4), none of them. The scheduler then sends it back to wait."""
+        _, pages, num_hits = self._reading[id(request)]
+        intact = pages.num_intact() if reuse else 0
+        if not reuse:
+            log.warning("pages of request %s read in place were held past %.0f s; computing its prompt without "
+                        "them", request.request_id, LAND_WITHIN_S)
+        else:
+            log.warning("pages of request %s read in place failed their check at page %d of %d (altered, or not "
+                        "checked in time); computing its prompt from there", request.request_id, intact, len(pages))
+        if intact:  # cached, so the recompute reuses them
+            pages.land(self.tables.pool.arena.all_blocks, intact)
+            self.tables.index_pages(request, num_hits, num_hits + intact)
+        self._drop(request)
+        request.remote_given_up = True
+        if request.cached_tokens_remote:  # set by the join: what it will reuse, as a layer-wise discard says
+            P = self.tables.page_tokens
+            request.cached_tokens_local, request.cached_tokens_remote = (
+                (num_hits * P, intact * P) if intact else (None, None))
+        self.num_discarded += 1
+
+    def _drop(self, request: Request) -> None:
+        """Give a request's pages read in place back to the node, uncopied."""
+        entry = self._reading.pop(id(request), None)
+        if entry is not None:
+            entry[1].release()

@@ -2,10 +2,8 @@
 (scheduler design note 5); it joins the running ones in the first step after its load ended, or,
 under a layer-wise load, early, in a step of its own before every layer landed.
 
-`RemoteJoins` is a part of the Scheduler (worker/scheduler.py), kept apart so that the scheduler
-reads as its step rules. It works on the scheduler's state: `parked`, `running`, `waiting`, the
-pool, the connector, `_early` (id -> local hits, remote pages, usage set here) and
-`_remote_given_up`, and its `_grow` and `_release`.
+`RemoteJoins` holds the connector and what the scheduler (worker/scheduler.py) needs to know of
+the loads under way; the scheduler moves requests between its queues.
 
 Design notes
 1. Layer-wise overlap (issue 19, connector design note 7): a parked request whose layer-wise
@@ -26,90 +24,79 @@ Design notes
 from __future__ import annotations
 
 import logging
+from typing import Sequence
 
+from worker.block_tables import BlockTables
+from worker.connector import KVConnector
+from worker.in_place_joins import InPlaceJoins
 from worker.request import Request, RequestStatus
-from worker.scheduled_batch import ScheduledBatch
 
 log = logging.getLogger("worker.scheduler")  # its messages are the scheduler's
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class RemoteJoins:
-    """The Scheduler's handling of parked requests once their remote pages land (a mixin)."""
+    """Parked requests whose remote pages landed, or are landing layer by layer (design note 1)."""
 
-    def _take_finished_loads(self) -> None:
-        """Parked requests whose pages landed join the running ones (scheduler design note 5)."""
+    def __init__(self, tables: BlockTables, in_place: InPlaceJoins, max_prefill_tokens: int,
+                 connector: KVConnector | None):
+        self.tables = tables
+        self.in_place = in_place
+        self.max_prefill_tokens = max_prefill_tokens
+        self.connector = connector  # None: no remote tier
+        self.num_layerwise_discarded = 0  # early-joined steps thrown away (design note 1)
+        self._early: dict[int, tuple[int, int, bool]] = {}  # id -> (local hits, remote pages, usage set here)
+
+    def take_finished_loads(self, copy_in_place: bool) -> tuple[list[Request], list[Request]]:
+        """Parked requests whose pages landed, their pages indexed (or read in place from their next
+        step: note 2), to run; and those whose load is overdue, given up, to compute their prompt
+        (scheduler design note 5). `copy_in_place`: pages read in place are copied in at the join."""
         if self.connector is None:
-            return
+            return [], []
         finished = self.connector.take_finished_loads()
         for blocks in finished.released:
-            self.pool.release(blocks)
-        for request in finished.overdue:  # given up: it computes its prompt instead
+            self.tables.pool.release(blocks)
+        for request in finished.overdue:
             log.warning("remote pages for request %s still loading after %.0fs; computing instead",
                         request.request_id, self.connector.timeout_s)
-            self.parked.remove(request)
             self.connector.give_up_load(request, request.block_table)
             request.block_table = []
             request.num_cached_pages = 0
             request.num_computed_tokens = 0
-            request.status = RequestStatus.WAITING
-            self._remote_given_up.add(id(request))
-            self.waiting.appendleft(request)
+            request.remote_given_up = True
         for request, filled in finished.landed:
-            self._join(request, filled)
+            self._join(request, filled, copy_in_place)
+        return [request for request, _ in finished.landed], finished.overdue
 
-    def _join(self, request: Request, filled) -> None:
+    def _join(self, request: Request, filled, copy_in_place: bool) -> None:
         """Index the pages that landed in a parked request's blocks (or, read in place, once its first
-        step read them: note 2); it runs from the next step."""
-        P = self.page_tokens
+        step read them: note 2), counted as computed."""
+        P = self.tables.page_tokens
         num_hits = request.num_cached_pages
         if not isinstance(filled, int):  # pages read in place (worker/in_place_joins.py)
-            filled = self._join_in_place(request, filled)
+            filled = self.in_place.join(request, filled, copy_in_place)
         else:
             filled = max(0, min(filled, len(request.block_table) - num_hits))
-            self._index_pages(request, num_hits, num_hits + filled)
+            self.tables.index_pages(request, num_hits, num_hits + filled)
         request.num_cached_pages = num_hits + filled
         request.num_computed_tokens = min((num_hits + filled) * P, request.num_tokens - 1)   # scheduler design note 5
         if request.cached_tokens_local is None:
             request.cached_tokens_local = min(num_hits * P, request.num_computed_tokens)
             request.cached_tokens_remote = request.num_computed_tokens - request.cached_tokens_local
-        self.parked.remove(request)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
 
-    def _index_pages(self, request: Request, start: int, end: int) -> None:
-        """Index pages start..end of a request's blocks in the local prefix cache."""
-        keys = request.page_keys(end)
-        request.block_table[start:end] = self._index_blocks(request.block_table[start:end], keys[start:],
-                                                            keys[start - 1] if start else None)
-
-    def _index_blocks(self, blocks: list[int], keys: list[bytes], parent: bytes | None) -> list[int]:
-        """Index full blocks under their keys, in order, those not indexed yet (pages a step filled
-        after pages read in place are: worker/in_place_joins.py note 1); the blocks that hold the keys."""
-        held = []
-        for block, key in zip(blocks, keys):
-            if self.pool.block_keys[block] is None:
-                block = self.pool.cache_full_block(block, key, parent)
-            held.append(block)
-            parent = key
-        return held
-
-    def _join_early(self) -> ScheduledBatch | None:
-        """A parked request whose layer-wise load is under way, in a step of its own (design note 1)."""
+    def join_early(self, parked: Sequence[Request]) -> tuple[Request, int] | None:
+        """A parked request whose layer-wise load is under way, and its new tokens, to run in a step of
+        its own (design note 1): its remote pages counted as computed and its blocks grown."""
         if self.connector is None:
             return None
-        P = self.page_tokens
-        for request in self.parked:
+        P = self.tables.page_tokens
+        for request in parked:
             if not self.connector.can_join_early(request):
                 continue
             num_hits = request.num_cached_pages
             num_remote = len(request.block_table) - num_hits
             computed = min((num_hits + num_remote) * P, request.num_tokens - 1)   # the last token is computed
             num_new = min(request.num_tokens - computed, self.max_prefill_tokens)
-            if _cdiv(computed + num_new, P) - len(request.block_table) > self.pool.get_num_free_blocks():
+            if self.tables.num_pages(computed + num_new) - len(request.block_table) > self.tables.pool.get_num_free_blocks():
                 continue  # it joins once its load landed, as any parked request
             self.connector.join_early(request)
             set_usage = request.cached_tokens_local is None
@@ -118,25 +105,19 @@ class RemoteJoins:
                 request.cached_tokens_remote = computed - request.cached_tokens_local
             request.num_computed_tokens = computed
             self._early[id(request)] = (num_hits, num_remote, set_usage)
-            self.parked.remove(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._grow(request, num_new)
-            return ScheduledBatch([request], [num_new], layerwise=True)
+            self.tables.grow(request, num_new)
+            return request, num_new
         return None
 
     def settle_layerwise(self, request: Request) -> bool:
         """After an early-joined request's step (design note 1): True, its remote pages indexed,
-        when every one arrived intact; else False, the step's work thrown away and the request
-        waiting to compute its prompt without them."""
+        when every one arrived intact; else False, the step's work to be thrown away and the
+        request to compute its prompt without them (the scheduler sends it back to wait)."""
         num_hits, num_remote, set_usage = self._early.pop(id(request))
         remote = request.block_table[num_hits : num_hits + num_remote]
         filled = self.connector.settle_layerwise(request, remote)
         if filled == num_remote:
-            keys = request.page_keys(num_hits + num_remote)
-            for page in range(num_hits, num_hits + num_remote):
-                parent = keys[page - 1] if page else None
-                request.block_table[page] = self.pool.cache_full_block(request.block_table[page], keys[page], parent)
+            self._cache_pages(request, num_hits, num_hits + num_remote)
             request.num_cached_pages = num_hits + num_remote
             return True
         self.num_layerwise_discarded += 1
@@ -145,47 +126,52 @@ class RemoteJoins:
         if filled is None:  # the loader may still write them: released once it is done
             del request.block_table[num_hits : num_hits + num_remote]
         elif filled:  # whole and intact: cached, so the recompute reuses them
-            keys = request.page_keys(num_hits + filled)
-            for page in range(num_hits, num_hits + filled):
-                parent = keys[page - 1] if page else None
-                request.block_table[page] = self.pool.cache_full_block(request.block_table[page], keys[page], parent)
-        self.running.remove(request)
-        self._release(request)
-        request.status = RequestStatus.WAITING
-        self._remote_given_up.add(id(request))
+            self._cache_pages(request, num_hits, num_hits + filled)
+        request.remote_given_up = True
         if set_usage:  # what it will reuse: the local hits and the remote pages that were intact
+            P = self.tables.page_tokens
             request.cached_tokens_local, request.cached_tokens_remote = (
-                (num_hits * self.page_tokens, filled * self.page_tokens) if filled else (None, None))
-        self.waiting.appendleft(request)
+                (num_hits * P, filled * P) if filled else (None, None))
         return False
+
+    def _cache_pages(self, request: Request, start: int, end: int) -> None:
+        """Index the freshly landed pages start..end of an early-joined request."""
+        keys = request.page_keys(end)
+        for page in range(start, end):
+            parent = keys[page - 1] if page else None
+            request.block_table[page] = self.tables.pool.cache_full_block(request.block_table[page], keys[page], parent)
 
     def num_reused_tokens(self, request: Request) -> int:
         """Tokens whose K/V came from a cache into its blocks, never to be written again: its cached
         pages', and while it runs early (design note 1) those of its remote pages still landing."""
         early = self._early.get(id(request))
         pages = early[0] + early[1] if early is not None else request.num_cached_pages
-        return pages * self.page_tokens
+        return pages * self.tables.page_tokens
 
     def repark(self, request: Request) -> None:
         """An early-joined request whose step was cut short by a late layer waits for its load again
         (design note 1): the blocks of its suffix go back, its remote ones stay the loader's."""
         num_hits, num_remote, set_usage = self._early.pop(id(request))
-        self.pool.release(request.block_table[num_hits + num_remote :])
+        self.tables.pool.release(request.block_table[num_hits + num_remote :])
         del request.block_table[num_hits + num_remote :]
-        request.num_computed_tokens = min(num_hits * self.page_tokens, request.num_tokens - 1)
+        request.num_computed_tokens = min(num_hits * self.tables.page_tokens, request.num_tokens - 1)
         if set_usage:
             request.cached_tokens_local = request.cached_tokens_remote = None
-        self.running.remove(request)
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.parked.append(request)
         self.connector.unjoin(request)
 
-    def _end_early_join(self, request: Request) -> None:
-        """A request that ends (done or aborted) in its early-joined step (design note 1): the loader
-        may still write its remote blocks, so those are released only once it let go of them."""
+    def finish(self, request: Request) -> None:
+        """A request ends (done or aborted): its lookup is dropped, and a load it waits for, or ran
+        early with (design note 1), given up; the loader may still write those blocks, so they are
+        released only once it let go of them."""
+        if self.connector is None:
+            return
         early = self._early.pop(id(request), None)
         if early is not None:
             num_hits, num_remote, _ = early
             if self.connector.settle_layerwise(request, request.block_table[num_hits : num_hits + num_remote],
                                                wait_s=0.0) is None:
                 del request.block_table[num_hits : num_hits + num_remote]
+        if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.connector.give_up_load(request, request.block_table)  # released when the loader is done
+            request.block_table = []
+        self.connector.forget(request)

@@ -37,6 +37,7 @@ class Request:
         self.num_released_blocks = 0  # leading entries a sliding window left behind (worker/window.py)
         self.num_preemptions = 0
         self.arrival_step = 0  # the scheduler's step count when it was added (its age, for aging)
+        self.remote_given_up = False  # its remote pages failed or came too late: it computes them (scheduler)
         self.cached_tokens_local: int | None = None  # set by the first admission
         self.cached_tokens_remote: int | None = None
         self._root_key = root_key

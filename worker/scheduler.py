@@ -11,20 +11,14 @@ Design notes
 3. Then prefill, shortest first: of the running requests part-way through their prompt and
    the waiting ones, the one with the fewest tokens left to compute (for a waiting request,
    after its locally cached prefix, or the remote tier's hits once its lookup answered) gets at
-   most `max_prefill_tokens`; other prompts join its step only if
-   they finish within `join_tokens` more tokens. A request whose prompt is mostly cached thus
-   starts at once instead of queueing behind long uncached prompts, and a long prompt is
-   computed in chunks between them. Why one prompt a step: on a CPU a prefill token costs about
-   the same in any batch, so a second prompt's chunk would delay the first one's first token by
-   its whole cost, while a step of its own costs only the weights' pass (~45 ms against ~3 ms a
-   token for gpt2-small-shape on one core); a few tokens that finish a prompt are the exception,
-   cheaper to share than to wait for a step of their own. A request alone is chunked too: a
-   request arriving during a 600-token prefill in one step waited 2.2 s for it, and chunks cost
-   a lone prompt little (512 tokens: 2-4%) or even saved time (1,000 tokens: 3.1 s in 128-token
-   chunks, 3.9 s in one step, on gpt2-small-shape).
-   Aging bounds the wait: a request that has waited through `aging_steps` steps goes before
-   every younger one (oldest first), so a long prompt is never starved by a stream of short
-   ones.
+   most `max_prefill_tokens`; other prompts join its step only if they finish within
+   `join_tokens` more tokens. A mostly cached prompt thus starts at once instead of queueing
+   behind long uncached ones, and a long prompt is computed in chunks between them, even alone.
+   Why one prompt a step: on a CPU a prefill token costs about the same in any batch, so a
+   second prompt's chunk would delay the first one's first token by its whole cost, while a
+   step of its own costs only the weights' pass (figures: docs/benchmarks.md, "Earlier
+   (2026-11-30)"). Aging bounds the wait: a request that has waited through `aging_steps` steps
+   goes before every younger one (oldest first), so short prompts never starve a long one.
 4. When a request needs a block and none is available, a running request not yet in this step is
    preempted (worker/priority.py note 1).
 5. Admission reuses the longest locally cached prefix, then asks the KV connector
@@ -46,18 +40,18 @@ Design notes
 7. A request that arrives while a step computes a prompt's chunk may go between two layers of
    that step (the engine pauses the forward and asks `schedule_newcomer`): if all it has left
    to compute is shorter than the chunk, it would have been the step's prompt had it come a
-   moment earlier (note 3), and waiting for the rest of the chunk (up to ~400 ms for 128
-   tokens of gpt2-small-shape) would be most of its time to first token. It is admitted alone
-   and computed whole; nothing is preempted for it, nor is anyone admitted in a step that
-   preempted or found the pool short (the rules of note 4 and of `schedule`), and a step whose
-   prompt was chosen by aging is never paused, so aging still bounds a long prompt's wait in
-   steps (a step now lasts longer by the newcomers it carries, at most one per layer).
+   moment earlier (note 3), and waiting for the rest of the chunk would be most of its time to
+   first token. It is admitted alone and computed whole; nothing is preempted for it, nor is
+   anyone admitted in a step that preempted or found the pool short (the rules of note 4 and of
+   `schedule`), and a step whose prompt was chosen by aging is never paused, so aging still
+   bounds a long prompt's wait in steps (a step now lasts longer by the newcomers it carries, at
+   most one per layer).
 8. Priorities (lower values first, default 0) order the prefill (note 3) and preemption (note 4),
    aging making a waiting request's priority better as it waits (worker/priority.py note 2).
 9. Sliding windows (worker/window.py): after each step a running request releases the blocks
    no later query of its window reads, once its full pages are cached and copied for the
    tier, so it holds at most about W / page_tokens + 1 blocks however long it grows.
-10. Layer-wise overlap (issue 19, connector design note 7): a parked request whose layer-wise
+10. Layer-wise overlap (connector design note 7): a parked request whose layer-wise
    load is under way may join before the load ends, in a step of its own
    (`ScheduledBatch.layerwise`; worker/remote_joins.py note 1).
 """
@@ -65,9 +59,9 @@ Design notes
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Protocol, Sequence
 
 from worker.block_pool import BlockPool
+from worker.block_tables import BlockTables
 from worker.connector import KVConnector
 from worker.in_place_joins import InPlaceJoins
 from worker.priority import PriorityPolicy
@@ -75,29 +69,6 @@ from worker.remote_joins import RemoteJoins
 from worker.request import Request, RequestStatus
 from worker.scheduled_batch import ScheduledBatch
 from worker.window import release_passed_blocks
-
-
-class RemoteTier(Protocol):
-    """A second cache level behind the local prefix cache (issue 4 plugs in kvnodes); the
-    engine wraps it in a KVConnector, which calls `lookup` and `fill` on threads of its own.
-
-    `context` is the request's opaque `tier_context` (e.g. its placement). The tier reads and
-    writes the engine's pool array, `engine.kv_pool[block_id]`, in the page layout and the KV dtype.
-    """
-
-    def lookup(self, keys: Sequence[bytes], context: Any) -> int:
-        """How many of these page keys (the request's reusable chain, from its first page) do you hold?"""
-
-    def fill(self, keys: Sequence[bytes], block_ids: Sequence[int], context: Any) -> int:
-        """Write page keys[i] into block block_ids[i], in order; return how many were really filled."""
-
-    def on_page_full(self, key: bytes, parent_key: bytes, block_id: int, context: Any) -> None:
-        """A page became full (parent_key is b"" for a first page). Must not block; the block may be
-        reused once this returns, so copy what you need now."""
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _tokens_left(request: Request) -> int:
@@ -112,7 +83,7 @@ _LOOKUP_PENDING = -1  # _admit: the connector's lookup has not answered yet
 _PARKED = -2          # _admit: blocks given, remote pages on their way (design note 5)
 
 
-class Scheduler(PriorityPolicy, RemoteJoins, InPlaceJoins):
+class Scheduler:
     def __init__(self, pool: BlockPool, page_tokens: int, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 1024, connector: KVConnector | None = None,
                  max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP, aging_steps: int = AGING_STEPS,
@@ -130,25 +101,30 @@ class Scheduler(PriorityPolicy, RemoteJoins, InPlaceJoins):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_tokens = max_prefill_tokens
-        self.aging_steps = aging_steps
         self.join_tokens = join_tokens
-        self.connector = connector
         self.release_window = release_window  # design note 9; None keeps every page to the end
+        self.tables = BlockTables(pool, page_tokens)
+        self.priority = PriorityPolicy(aging_steps)  # design note 8
+        self.in_place = InPlaceJoins(self.tables)  # pages read in place (worker/in_place_joins.py)
+        self.remote = RemoteJoins(self.tables, self.in_place, max_prefill_tokens, connector)  # notes 5, 10
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order, oldest first
         self.parked: list[Request] = []  # waiting for remote KV (design note 5): blocks held, not scheduled
-        self._remote_given_up: set[int] = set()  # ids of requests whose load was given up: they compute
-        self._early: dict[int, tuple[int, int, bool]] = {}  # id -> (local hits, remote pages, usage set here): note 10
-        self._in_place: dict[int, tuple] = {}  # id -> (request, PagesInPlace, local hits): in_place_joins.py
-        self._landing: list[tuple] = []  # (pages, blocks, keys, key before) of requests gone: in_place_joins.py note 3
-        self.num_in_place_discarded = 0  # steps thrown away: pages read in place were altered (its note 2)
-        self.num_layerwise_discarded = 0  # early-joined steps thrown away (remote_joins.py note 1)
         self.num_preemptions = 0
         self.num_steps = 0
 
+    @property
+    def connector(self) -> KVConnector | None:
+        return self.remote.connector
+
+    def set_connector(self, connector: KVConnector | None) -> None:
+        """Plug in (or remove) the remote tier's connector, while no request waits for the old one."""
+        assert not self.parked, "requests wait for the connector being replaced"
+        self.remote.connector = connector
+
     def add(self, request: Request) -> None:
         max_blocks = self.pool.num_blocks
-        if _cdiv(request.num_tokens, self.page_tokens) > max_blocks:
+        if self.tables.num_pages(request.num_tokens) > max_blocks:
             raise ValueError(f"request {request.request_id} has {request.num_tokens} tokens; the pool holds "
                              f"at most {max_blocks * self.page_tokens} ({max_blocks} blocks of {self.page_tokens})")
         request.arrival_step = self.num_steps
@@ -162,11 +138,14 @@ class Scheduler(PriorityPolicy, RemoteJoins, InPlaceJoins):
 
     def schedule(self) -> ScheduledBatch:
         self.num_steps += 1
-        self._land_in_place()  # before anything may take blocks (in_place_joins.py note 1)
+        for request in self.in_place.land():  # before anything may take blocks (in_place_joins.py note 1)
+            self._wait_again(request)
         self._take_finished_loads()
-        early = self._join_early()
+        early = self.remote.join_early(self.parked)
         if early is not None:
-            return early
+            request, num_new = early
+            self._move(request, self.parked, RequestStatus.RUNNING)
+            return ScheduledBatch([request], [num_new], layerwise=True)
         self._preempt_for_priority()
         batch = ScheduledBatch([], [])
         preempted = False
@@ -198,9 +177,7 @@ class Scheduler(PriorityPolicy, RemoteJoins, InPlaceJoins):
                     continue
                 if num_new < 0:
                     continue  # its lookup is in flight, or it is parked while its pages arrive
-                self.waiting.remove(request)
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
+                self._move(request, self.waiting, RequestStatus.RUNNING)
                 batch.requests.append(request)
                 batch.num_new_tokens.append(num_new)
             joining = min(self.join_tokens, budget - num_new) if joining is None else joining - num_new
@@ -215,7 +192,8 @@ class Scheduler(PriorityPolicy, RemoteJoins, InPlaceJoins):
         step goes on, or None (design note 7)."""
         chunk = max(step.num_new_tokens)
         if (chunk <= self.join_tokens or not self.waiting or self.num_seats_taken() >= self.max_num_seqs
-                or step.admission_held or self._aged(step.requests[step.num_new_tokens.index(chunk)])):
+                or step.admission_held
+                or self.priority.aged(step.requests[step.num_new_tokens.index(chunk)], self.num_steps)):
             return None
         left, request = min(((self._tokens_to_compute(r), r) for r in self.waiting), key=lambda entry: entry[0])
         if left >= chunk:
@@ -223,9 +201,7 @@ class Scheduler(PriorityPolicy, RemoteJoins, InPlaceJoins):
         num_new = self._admit(request, left)
         if num_new <= 0:
             return None  # the pool cannot take it without preempting, or it waits for its remote pages
-        self.waiting.remove(request)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        self._move(request, self.waiting, RequestStatus.RUNNING)
         return ScheduledBatch([request], [num_new])
 
     def on_computed(self, request: Request, num_new_tokens: int) -> None:
@@ -237,59 +213,127 @@ class Scheduler(PriorityPolicy, RemoteJoins, InPlaceJoins):
         if self.release_window is not None:  # after the write-back copied the pages (design note 9)
             release_passed_blocks(request, self.pool, self.release_window, self.page_tokens)
 
-    def _cache_full_pages(self, request: Request) -> None:
-        num_full = request.num_computed_tokens // self.page_tokens
-        if num_full <= request.num_cached_pages:
-            return
-        keys = request.page_keys(num_full)
-        for page in range(request.num_cached_pages, num_full):
-            parent = keys[page - 1] if page else None
-            block_id = self.pool.cache_full_block(request.block_table[page], keys[page], parent)
-            request.block_table[page] = block_id
-            if self.connector is not None:
-                self.connector.on_page_full(keys[page], parent or b"", block_id, request.tier_context)
-        request.num_cached_pages = num_full
-
     def finish(self, request: Request) -> None:
         """Remove a request (done or aborted) wherever it is and release its blocks at once."""
-        self._end_early_join(request)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         elif request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
             self.parked.remove(request)
-            self.connector.give_up_load(request, request.block_table)  # released when the loader is done
-            request.block_table = []
+        self.remote.finish(request)
         self._release(request)
-        if self.connector is not None:
-            self.connector.forget(request)
-        self._remote_given_up.discard(id(request))
         request.status = RequestStatus.FINISHED
+
+    # ---- the engine's step: remote pages (worker/remote_joins.py, worker/in_place_joins.py) ----
+
+    def settle_layerwise(self, request: Request) -> bool:
+        """After an early-joined request's step: True when its remote pages all arrived intact; else
+        False, the step's work thrown away and the request waiting to compute its prompt (note 10)."""
+        if self.remote.settle_layerwise(request):
+            return True
+        self._wait_again(request)
+        return False
+
+    def repark(self, request: Request) -> None:
+        """An early-joined request whose step was cut short by a late layer waits for its load again."""
+        self.remote.repark(request)
+        self._move(request, self.running, RequestStatus.WAITING_FOR_REMOTE_KVS)
+
+    def settle_in_place(self, requests) -> set[int]:
+        """After a forward: the ids of those of `requests` whose pages read in place turned out
+        altered, their step's work thrown away, they waiting to compute their prompt again."""
+        altered = self.in_place.settle(requests)
+        for request in altered:
+            self._wait_again(request)
+        return {id(request) for request in altered}
 
     # ---- internals -----------------------------------------------------------
 
-    def _blocks_needed(self, request: Request, num_new: int) -> int:
-        return max(0, _cdiv(request.num_computed_tokens + num_new, self.page_tokens) - len(request.block_table))
+    def _move(self, request: Request, queue, status: RequestStatus) -> None:
+        """From `queue` to the end of the running or parked ones."""
+        queue.remove(request)
+        request.status = status
+        (self.running if status is RequestStatus.RUNNING else self.parked).append(request)
 
-    def _can_grow(self, request: Request, num_new: int) -> bool:
-        return self._blocks_needed(request, num_new) <= self.pool.get_num_free_blocks()
+    def _wait_again(self, request: Request) -> None:
+        """A running request gives its blocks up and waits, first in line, to compute again."""
+        self.running.remove(request)
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
-    def _grow(self, request: Request, num_new: int) -> None:
-        request.block_table += self.pool.allocate(self._blocks_needed(request, num_new))
+    def _take_finished_loads(self) -> None:
+        """Parked requests whose pages landed join the running ones (design note 5)."""
+        landed, overdue = self.remote.take_finished_loads(copy_in_place=self.release_window is not None)
+        for request in overdue:  # given up: it computes its prompt instead
+            self.parked.remove(request)
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        for request in landed:
+            self._move(request, self.parked, RequestStatus.RUNNING)
+
+    def _cache_full_pages(self, request: Request) -> None:
+        for key, parent, block_id in self.tables.cache_full_pages(request):
+            if self.connector is not None:
+                self.connector.on_page_full(key, parent or b"", block_id, request.tier_context)
 
     def _release(self, request: Request) -> None:
-        self._stash_in_place(request)  # its pages read in place, cached by the next step (in_place_joins.py note 3)
-        self.pool.release(request.held_blocks())
-        request.block_table = []
-        request.num_released_blocks = 0
-        request.num_cached_pages = 0
-        request.num_computed_tokens = 0
+        self.in_place.stash(request)  # its pages read in place, cached by the next step (in_place_joins.py note 3)
+        self.tables.release(request)
 
     def _add_to_batch(self, batch: ScheduledBatch, request: Request, num_new: int) -> None:
-        self._grow(request, num_new)
+        self.tables.grow(request, num_new)
         batch.requests.append(request)
         batch.num_new_tokens.append(num_new)
+
+    # ---- who goes first, who gives way (worker/priority.py) ----
+
+    def _prefill_order(self, batch: ScheduledBatch) -> list[tuple[Request, int]]:
+        """Running requests mid-prompt and waiting ones, with the tokens each still has to compute,
+        in prefill order (design note 3); ties keep running before waiting, queue order."""
+        candidates = [r for r in self.running if r not in batch.requests] + list(self.waiting)
+        return self.priority.prefill_order([(r, self._tokens_to_compute(r)) for r in candidates], self.num_steps)
+
+    def _preempt(self, request: Request) -> None:
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._wait_again(request)
+
+    def _make_room(self, request: Request, num_new: int, batch: ScheduledBatch) -> bool:
+        """Preempt running requests outside the batch until `request` can grow (priority.py note 1);
+        it may be preempted itself. True if anything was preempted."""
+        preempted = False
+        while not self.tables.can_grow(request, num_new):
+            victim = self.priority.victim(self.running, batch.requests, self.num_steps)
+            self._preempt(victim)
+            preempted = True
+            if victim is request:
+                break
+        return preempted
+
+    def _preempt_for_priority(self) -> None:
+        """Before the step takes its decodes: if the first waiting request in the prefill order lacks
+        a seat or blocks, preempt running requests of a higher priority value for it (priority.py note 2)."""
+        if not self.waiting:
+            return
+        no_batch = ScheduledBatch([], [])
+        request = next((r for r, _ in self._prefill_order(no_batch) if r.status is RequestStatus.WAITING), None)
+        if request is None or (self.connector is not None and self.connector.is_looking_up(request)):
+            return  # it could not be admitted now anyway
+        hits = self.pool.lookup(request.page_keys(request.num_reusable_pages()))
+        first_chunk_end = min(request.num_tokens, self._num_cached(request) + self.max_prefill_tokens)
+        needed = self.tables.num_pages(first_chunk_end) - len(hits)
+        # Its own idle cached prefix counts among the free blocks, but admission takes a reference
+        # on it (_admit): those blocks are not there for its chunk.
+        while (self.num_seats_taken() >= self.max_num_seqs
+               or needed > self.pool.get_num_free_blocks() - self.pool.num_idle(hits)):
+            victim = self.priority.lower_victim(request, self.running, no_batch.requests, self.num_steps)
+            if victim is None:
+                return
+            self._preempt(victim)
+
+    # ---- admission (design note 5) ----
 
     def _tokens_to_compute(self, request: Request) -> int:
         """Prompt tokens a request still has to compute (a waiting one: after its cached prefix)."""
@@ -303,7 +347,7 @@ class Scheduler(PriorityPolicy, RemoteJoins, InPlaceJoins):
         if request.bypass_cache:
             return 0
         pages = len(self.pool.lookup(request.page_keys(request.num_reusable_pages())))
-        if self.connector is not None and id(request) not in self._remote_given_up:
+        if self.connector is not None and not request.remote_given_up:
             pages = max(pages, self.connector.peek_matched_pages(request) or 0)
         return min(pages * self.page_tokens, request.num_tokens - 1)   # the last token is computed
 
@@ -318,13 +362,13 @@ class Scheduler(PriorityPolicy, RemoteJoins, InPlaceJoins):
 
         def blocks_needed(num_remote: int) -> int:
             end = min(request.num_tokens, (num_hits + num_remote) * P + budget)
-            return _cdiv(end, P) - num_hits
+            return self.tables.num_pages(end) - num_hits
 
         available = self.pool.get_num_free_blocks() - self.pool.num_idle(hits)
         if blocks_needed(0) > available:
             return 0
         num_remote = 0
-        if self.connector is not None and reusable and id(request) not in self._remote_given_up:
+        if self.connector is not None and reusable and not request.remote_given_up:
             found = self.connector.get_num_matched_pages(request, keys, hits)
             if found is None:
                 return _LOOKUP_PENDING
@@ -339,14 +383,12 @@ class Scheduler(PriorityPolicy, RemoteJoins, InPlaceJoins):
             blocks = self.pool.allocate(num_remote)
             request.block_table += blocks
             self.connector.start_load(request, keys[num_hits:num_hits + num_remote], blocks)
-            self.waiting.remove(request)
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-            self.parked.append(request)
+            self._move(request, self.waiting, RequestStatus.WAITING_FOR_REMOTE_KVS)
             return _PARKED
         if request.cached_tokens_local is None:
             request.cached_tokens_local = request.num_computed_tokens
             request.cached_tokens_remote = 0
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-        assert self._can_grow(request, num_new), "admission checked the blocks it needs"
-        self._grow(request, num_new)
+        assert self.tables.can_grow(request, num_new), "admission checked the blocks it needs"
+        self.tables.grow(request, num_new)
         return num_new

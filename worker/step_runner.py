@@ -125,7 +125,7 @@ class StepRunner:
         # For on_step only: what each request had computed, and when it arrived (a finished one leaves _live).
         before = None if self.on_step is None else [
             (r.num_computed_tokens, self._live[r.request_id].arrival) for r in batch.requests]
-        tables = [self.scheduler.forward_table(r) for r in batch.requests]
+        tables = [self.scheduler.in_place.forward_table(r) for r in batch.requests]
         token_ids, positions, starts = [], [], [0]
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             start = request.num_computed_tokens
@@ -172,7 +172,7 @@ class StepRunner:
         still landing under a layer-wise fill), when a step computes some of them again (a prompt
         whose every page was cached computes its last token; scheduler note 5); None when no
         request does, the usual case."""
-        cached = [self.scheduler.num_reused_tokens(r) for r in batch.requests]
+        cached = [self.scheduler.remote.num_reused_tokens(r) for r in batch.requests]
         if all(c <= r.num_computed_tokens for c, r in zip(cached, batch.requests)):
             return None
         return np.asarray(cached, dtype=np.int64)

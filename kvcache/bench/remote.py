@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         "pages_in_place": in_place,
         "layerwise": {"early_joins": reader.connector.num_early_joins, "unjoined": reader.connector.num_unjoined,
                       "layer_waits": reader.connector.num_layer_waits,
-                      "discarded": reader.scheduler.num_layerwise_discarded},
+                      "discarded": reader.scheduler.remote.num_layerwise_discarded},
     }
     if args.json:
         dump_json(result)
