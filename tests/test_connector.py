@@ -348,7 +348,7 @@ def test_a_layerwise_load_trickling_its_layers_holds_one_step_at_most_its_step_b
         spent = time.monotonic() - started
         assert 1 <= len(waited) < layers - 1, waited  # some layers came in time, then the budget ran out
         assert spent < 0.25 + 0.15, f"the step waited {spent:.2f}s for its layers, over its 0.25 s budget"
-        assert connector.num_layer_waits >= 2
+        assert connector.layerwise_loads.num_layer_waits >= 2
     finally:
         stop.set()
         connector.close(timeout_s=2.0)

@@ -131,8 +131,8 @@ def test_a_layerwise_warm_run_gives_the_cold_and_the_warm_local_tokens(models, n
         tier.close()
     assert warm.token_ids == cold.token_ids == warm_local.token_ids
     assert warm.usage.cached_tokens_remote == warm_local.usage.cached_tokens_local
-    assert reader.connector.num_early_joins == 1 and reader.connector.num_unjoined == 0
-    assert reader.connector.num_layer_waits > 0, "the forward never waited for a layer: nothing overlapped"
+    assert reader.connector.layerwise_loads.num_early_joins == 1 and reader.connector.layerwise_loads.num_unjoined == 0
+    assert reader.connector.layerwise_loads.num_layer_waits > 0, "the forward never waited for a layer: nothing overlapped"
     assert reader.scheduler.remote.num_layerwise_discarded == 0 and tier.stats.pages_rejected == 0
 
 
@@ -148,7 +148,7 @@ def test_a_fill_failing_part_way_gives_the_exact_tokens_computed(models, node, k
         tier.close()
     assert warm.token_ids == cold.token_ids
     assert warm.usage.cached_tokens_remote == 0 and warm.usage.computed_tokens == warm.usage.prompt_tokens
-    assert reader.connector.num_early_joins == 1 and reader.connector.num_unjoined == 1
+    assert reader.connector.layerwise_loads.num_early_joins == 1 and reader.connector.layerwise_loads.num_unjoined == 1
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
@@ -169,7 +169,7 @@ def test_a_page_failing_its_checksum_throws_the_step_away_keeps_the_pages_before
     assert warm.usage.cached_tokens_remote == 2 * PAGE_TOKENS
     assert warm.usage.computed_tokens == warm.usage.prompt_tokens - 2 * PAGE_TOKENS
     assert tier.stats.pages_rejected == 1 and reader.scheduler.remote.num_layerwise_discarded == 1
-    assert reader.connector.num_early_joins == 1
+    assert reader.connector.layerwise_loads.num_early_joins == 1
 
 
 def test_a_late_layer_sends_the_request_back_to_wait_for_its_load(models, node):
@@ -183,7 +183,7 @@ def test_a_late_layer_sends_the_request_back_to_wait_for_its_load(models, node):
         tier.close()
     assert warm.token_ids == cold.token_ids
     assert warm.usage.cached_tokens_remote == 8 * PAGE_TOKENS  # the load landed whole: used as any
-    assert reader.connector.num_early_joins == 1 and reader.connector.num_unjoined == 1
+    assert reader.connector.layerwise_loads.num_early_joins == 1 and reader.connector.layerwise_loads.num_unjoined == 1
     assert reader.scheduler.remote.num_layerwise_discarded == 0
 
 
@@ -214,7 +214,7 @@ def test_a_request_decoding_meanwhile_gets_its_own_tokens(models, node):
     assert warm.completion.token_ids == expected[PROMPT]
     assert decoding.completion.token_ids[: len(expected[other])] == expected[other]
     assert warm.completion.usage.cached_tokens_remote == 8 * PAGE_TOKENS
-    assert reader.connector.num_early_joins == 1
+    assert reader.connector.layerwise_loads.num_early_joins == 1
     assert decoded[-1] - decoded[0] >= PARAMS["max_new_tokens"] - 1, f"the other stopped decoding: {decoded}"
 
 
@@ -265,7 +265,7 @@ def test_a_page_aligned_prompt_the_node_holds_whole_computes_its_last_token_alon
         tier.close()
     assert warm.token_ids == cold.token_ids
     assert (warm.usage.cached_tokens_remote, warm.usage.computed_tokens) == (8 * PAGE_TOKENS - 1, 1)
-    assert reader.connector.num_early_joins == 1 and reader.scheduler.remote.num_layerwise_discarded == 0
+    assert reader.connector.layerwise_loads.num_early_joins == 1 and reader.scheduler.remote.num_layerwise_discarded == 0
     keys = page_keys(tenant_root(reader.fingerprint, ""), list(warm.prompt_token_ids), PAGE_TOKENS)
     blocks = reader.pool.lookup(keys)
     assert len(blocks) == 8

@@ -33,7 +33,7 @@ Design notes
 7. Layer-wise loads (issue 19): with a tier that offers `fill_layerwise` and has `layerwise_fill`
    on, a load reports each layer of its pages as it lands in the pool, and the scheduler may let
    the request join a step of its own before the load ends, the engine waiting briefly for each
-   layer: `LayerwiseLoads` (worker/connector_layers.py, its note 1).
+   layer (worker/connector_layers.py, its note 1).
 8. Pages read in place (worker/pages_in_place.py): with a tier that offers `fill_in_place`, a
    load first asks it to pin the pages where they lie in a same-host node's pool; when it can,
    the load's result is that `PagesInPlace` instead of a count (the pages are not in the blocks
@@ -46,11 +46,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, TimeoutError, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
-from worker.connector_layers import Layers, LayerwiseLoads
+from worker.connector_layers import LayerwiseLoad, LayerwiseLoads
 
 log = logging.getLogger("worker.connector")
 
@@ -90,10 +90,7 @@ class _Load:
     future: Future
     started: float
     blocks: list[int] = field(default_factory=list)  # once given up: to release when the loader is done
-    layers: Layers | None = None  # a layer-wise load (design note 7)
-    joined: bool = False  # its request joined a step before the load ended (design note 7)
-    tried_early: bool = False  # it did once: never again
-    waited_s: float = 0.0  # once joined: what its step waited for layers so far (step_wait_s bounds it)
+    layers: LayerwiseLoad | None = None  # a layer-wise load (design note 7)
 
 
 @dataclass
@@ -107,16 +104,14 @@ class FinishedLoads:
         return bool(self.landed or self.released or self.overdue)
 
 
-class KVConnector(LayerwiseLoads):
+class KVConnector:
     def __init__(self, tier: Tier, lookup_threads: int = 4, timeout_s: float = DEFAULT_TIMEOUT_S,
                  wake: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic,
                  layer_wait_s: float = DEFAULT_LAYER_WAIT_S, settle_timeout_s: float = DEFAULT_SETTLE_TIMEOUT_S,
                  step_wait_s: float = DEFAULT_STEP_WAIT_S):
         self.tier = tier
         self.timeout_s = timeout_s
-        self.layer_wait_s = layer_wait_s
-        self.step_wait_s = step_wait_s
-        self.settle_timeout_s = settle_timeout_s
+        self.layerwise_loads = LayerwiseLoads(layer_wait_s, step_wait_s, settle_timeout_s)  # design note 7
         self.layerwise = bool(getattr(tier, "layerwise_fill", False)) and hasattr(tier, "fill_layerwise")
         self.wake = wake
         self.clock = clock
@@ -134,9 +129,6 @@ class KVConnector(LayerwiseLoads):
         self.num_lookups_given_up = 0
         self.num_loads_given_up = 0
         self.num_loads_cancelled = 0  # ... of which had not started: never run (design note 4)
-        self.num_early_joins = 0  # requests that joined a step before their layer-wise load ended
-        self.num_unjoined = 0  # ... and went back to wait for it, a layer late (design note 7)
-        self.num_layer_waits = 0  # times the engine found a layer not landed yet and waited for it
 
     # ---- any thread -------------------------------------------------------------
 
@@ -213,7 +205,7 @@ class KVConnector(LayerwiseLoads):
     def start_load(self, request, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Fetch `keys` into `block_ids` (allocated by the scheduler, not scheduled until the load ends)."""
         if self.layerwise:  # design note 7
-            layers = Layers(self.wake)
+            layers = LayerwiseLoad(self.wake)
             future = self._submit(self._loader, 0, self._fill_layerwise, list(keys), list(block_ids),
                                   request.tier_context, layers)
             future.add_done_callback(lambda _: layers.end())  # also when closed or cancelled
@@ -227,7 +219,7 @@ class KVConnector(LayerwiseLoads):
         and requests whose load has run past `timeout_s` (design note 4)."""
         finished, now = FinishedLoads(), self.clock()
         for key, load in list(self._loads.items()):
-            if load.joined:
+            if load.layers is not None and load.layers.joined:
                 continue  # settled by the step it joined (design note 7)
             if load.future.done():
                 del self._loads[key]
@@ -275,6 +267,43 @@ class KVConnector(LayerwiseLoads):
         except Exception:  # a tier never fails a request
             log.exception("remote tier on_page_full failed")
 
+    # ---- layer-wise loads (design note 7; worker/connector_layers.py) ---------------------
+
+    def can_join_early(self, request) -> bool:
+        """Whether a parked request's load is layer-wise, under way (its first layer landed) and not
+        over, not overdue, and never joined early before."""
+        load = self._loads.get(id(request))
+        return (load is not None and load.layers is not None and self.layerwise_loads.can_join_early(load.layers)
+                and not load.future.done() and self.clock() - load.started < self.timeout_s)
+
+    def join_early(self, request) -> None:
+        """The request runs before its load ended; it is no longer reported by take_finished_loads."""
+        self.layerwise_loads.join_early(self._loads[id(request)].layers)
+
+    def unjoin(self, request) -> None:
+        """The request waits for its load again, reported by take_finished_loads as any."""
+        self.layerwise_loads.unjoin(self._loads[id(request)].layers)
+
+    def wait_layer(self, request, layer: int) -> bool:
+        """Wait, boundedly, until layer `layer` of the request's early-joined load is in the pool."""
+        load = self._loads.get(id(request))
+        return load is not None and load.layers is not None and self.layerwise_loads.wait_layer(load.layers, layer)
+
+    def settle_layerwise(self, request, blocks: Sequence[int], wait_s: float | None = None) -> int | None:
+        """An early-joined load's outcome: the pages that arrived intact (the tier's count), waiting for
+        it at most wait_s (settle_timeout_s when None); None when it still runs: it is given up and
+        `blocks` come back in `released` once the loader let go of them."""
+        load = self._loads[id(request)]
+        try:
+            filled = load.future.result(timeout=self.layerwise_loads.settle_timeout_s if wait_s is None else wait_s)
+        except TimeoutError:
+            self.give_up_load(request, blocks)
+            return None
+        except CancelledError:
+            filled = 0
+        del self._loads[id(request)]
+        return filled
+
     # ---- internals --------------------------------------------------------------------
 
     def _write_back(self, request, keys: Sequence[bytes], local_blocks: Sequence[int], start: int) -> None:
@@ -314,6 +343,14 @@ class KVConnector(LayerwiseLoads):
             log.exception("remote tier lookup failed; computing instead")
             found = 0
         return max(0, min(found, len(keys))), self.clock()
+
+    def _fill_layerwise(self, keys: list[bytes], block_ids: list[int], context: Any, layers: LayerwiseLoad) -> int:
+        try:
+            filled = int(self.tier.fill_layerwise(keys, block_ids, context, layers.land))
+        except Exception:
+            log.exception("remote tier layer-wise fill failed; computing instead")
+            filled = 0
+        return max(0, min(filled, len(keys)))
 
     def _fill(self, keys: list[bytes], block_ids: list[int], context: Any):
         """How many leading pages landed in `block_ids`, or the pages pinned in place (design note 8)."""

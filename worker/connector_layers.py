@@ -1,16 +1,13 @@
 """The KV connector's layer-wise loads: a request whose pages come layer by layer may join a step
 before its load ended, the engine waiting briefly for each layer as its forward reaches it.
 
-`LayerwiseLoads` is a part of the KVConnector (worker/connector.py), kept apart so that the
-connector reads as its lookups and loads. It works on the connector's state: `tier`, `_loads`
-(each `_Load` with its `layers`, `joined`, `tried_early`, `waited_s`), `clock`, `timeout_s`,
-`layer_wait_s`, `step_wait_s`, `settle_timeout_s` and the counters `num_early_joins`,
-`num_unjoined`, `num_layer_waits`, and its `give_up_load`.
+`LayerwiseLoads` keeps the waits' bounds and counts, and each layer-wise load its `LayerwiseLoad`;
+the connector (worker/connector.py) keeps the loads and asks it, load by load.
 
 Design notes
 1. Layer-wise loads (issue 19, connector design note 7): with a tier that offers
    `fill_layerwise` and has `layerwise_fill` on, a load reports each layer of its pages as it
-   lands in the pool (`Layers`, the connector's `start_load`). Once its first layer
+   lands in the pool (`LayerwiseLoad`, the connector's `start_load`). Once its first layer
    landed (the node answered and is sending; it wakes the engine), the scheduler may let the
    request join a step of its own before the load ends (`join_early`, once a load); the engine
    waits before computing layer l until layer l landed (`wait_layer`). That wait holds up the
@@ -25,22 +22,21 @@ Design notes
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
-from concurrent.futures import CancelledError, TimeoutError
-from typing import Any, Callable, Sequence
-
-log = logging.getLogger("worker.connector")  # its messages are the connector's
+from typing import Callable
 
 
-class Layers:
-    """How many layers of a layer-wise load landed, and whether it ended (note 1)."""
+class LayerwiseLoad:
+    """How many layers of one layer-wise load landed, whether it ended, and its early join (note 1)."""
 
     def __init__(self, wake: Callable[[], None]):
         self.cond = threading.Condition()
         self.landed = 0
         self.done = False
+        self.joined = False  # its request joined a step before the load ended
+        self.tried_early = False  # it did once: never again
+        self.waited_s = 0.0  # once joined: what its step waited for layers so far (step_wait_s bounds it)
         self._wake = wake
 
     def land(self, layer: int) -> None:
@@ -58,65 +54,40 @@ class Layers:
 
 
 class LayerwiseLoads:
-    """The KVConnector's layer-wise loads, from the first layer landed to the outcome (a mixin)."""
+    """The bounds on the engine's waits for layers, and what joined, went back and waited (note 1)."""
 
-    def can_join_early(self, request) -> bool:
-        """Whether a parked request's load is layer-wise, under way (its first layer landed) and not
-        over, not overdue, and never joined early before (note 1)."""
-        load = self._loads.get(id(request))
-        return (load is not None and load.layers is not None and not load.tried_early and load.layers.landed > 0
-                and not load.future.done() and self.clock() - load.started < self.timeout_s)
+    def __init__(self, layer_wait_s: float, step_wait_s: float, settle_timeout_s: float):
+        self.layer_wait_s = layer_wait_s
+        self.step_wait_s = step_wait_s
+        self.settle_timeout_s = settle_timeout_s
+        self.num_early_joins = 0  # requests that joined a step before their layer-wise load ended
+        self.num_unjoined = 0  # ... and went back to wait for it, a layer late
+        self.num_layer_waits = 0  # times the engine found a layer not landed yet and waited for it
 
-    def join_early(self, request) -> None:
-        """The request runs before its load ended; it is no longer reported by take_finished_loads."""
-        load = self._loads[id(request)]
+    def can_join_early(self, load: LayerwiseLoad) -> bool:
+        """Its first layer landed and it never joined early before (the connector checks the rest)."""
+        return not load.tried_early and load.landed > 0
+
+    def join_early(self, load: LayerwiseLoad) -> None:
         load.joined = load.tried_early = True
         self.num_early_joins += 1
 
-    def unjoin(self, request) -> None:
-        """The request waits for its load again, reported by take_finished_loads as any (note 1)."""
-        self._loads[id(request)].joined = False
+    def unjoin(self, load: LayerwiseLoad) -> None:
+        load.joined = False
         self.num_unjoined += 1
 
-    def wait_layer(self, request, layer: int) -> bool:
-        """Wait until layer `layer` of the request's early-joined load is in the pool: True; False
-        after layer_wait_s, once the step's layer waits reached step_wait_s in all, or at once when
-        the load ended without it (note 1)."""
-        load = self._loads.get(id(request))
-        if load is None or load.layers is None:
-            return False
-        layers, started = load.layers, time.monotonic()
+    def wait_layer(self, load: LayerwiseLoad, layer: int) -> bool:
+        """Wait until layer `layer` is in the pool: True; False after layer_wait_s, once the step's
+        layer waits reached step_wait_s in all, or at once when the load ended without it."""
+        started = time.monotonic()
         deadline = started + min(self.layer_wait_s, self.step_wait_s - load.waited_s)  # only waits count
-        with layers.cond:
-            if layers.landed <= layer and not layers.done:
+        with load.cond:
+            if load.landed <= layer and not load.done:
                 self.num_layer_waits += 1
-            while layers.landed <= layer and not layers.done:
+            while load.landed <= layer and not load.done:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                layers.cond.wait(left)
+                load.cond.wait(left)
             load.waited_s += time.monotonic() - started
-            return layers.landed > layer
-
-    def settle_layerwise(self, request, blocks: Sequence[int], wait_s: float | None = None) -> int | None:
-        """An early-joined load's outcome: the pages that arrived intact (the tier's count), waiting for
-        it at most wait_s (settle_timeout_s when None); None when it still runs: it is given up and
-        `blocks` come back in `released` once the loader let go of them."""
-        load = self._loads[id(request)]
-        try:
-            filled = load.future.result(timeout=self.settle_timeout_s if wait_s is None else wait_s)
-        except TimeoutError:
-            self.give_up_load(request, blocks)
-            return None
-        except CancelledError:
-            filled = 0
-        del self._loads[id(request)]
-        return filled
-
-    def _fill_layerwise(self, keys: list[bytes], block_ids: list[int], context: Any, layers: Layers) -> int:
-        try:
-            filled = int(self.tier.fill_layerwise(keys, block_ids, context, layers.land))
-        except Exception:
-            log.exception("remote tier layer-wise fill failed; computing instead")
-            filled = 0
-        return max(0, min(filled, len(keys)))
+            return load.landed > layer

@@ -7,28 +7,22 @@ Design notes
    final one). Only `step()` touches the scheduler and the pool, under the engine's lock;
    `abort` takes the same lock, so when it returns the request's blocks are released.
    `cancel` does not wait: the loop thread aborts the request before its next step. A caller
-   that must not block uses it: gRPC runs a call's end-of-call callbacks on the server's one
-   event thread, and an `abort` waiting there for the lock (held through a forward pass)
-   stalled every stream of the worker, new calls included, for up to a step (300-700 ms
-   seen under load).
+   that must not block uses it: gRPC runs end-of-call callbacks on the server's one event
+   thread, and an `abort` waiting there for the lock (held through a forward) stalls every stream.
 2. `generate` and `stream` step the engine themselves: use them when no loop thread runs.
 3. usage: prompt_tokens = cached_tokens_local + cached_tokens_remote + computed_tokens,
    as decided when the request was first admitted (recomputation after a preemption is not
    counted there; `num_preemptions` says how often it happened).
-4. Between two layers of a step's forward, a request that arrived since the step began may be
-   computed whole before the step goes on (worker/step_runner.py note 1).
-5. A step that fails fails only the requests at fault; only an exception outside any request
-   (the scheduler's) escapes `step()` (worker/step_runner.py note 2).
-6. Request ids are the engine's to own: an id is taken from `add_request` until the request
+4. A StepRunner (worker/step_runner.py) runs each step: newcomers between its layers (its note 1),
+   failures kept to the requests at fault (note 2), a layer-wise step's waits (note 3).
+5. Request ids are the engine's to own: an id is taken from `add_request` until the request
    finishes, checked and taken under one lock, so a duplicate (running, or still in the inbox)
    is refused with `RequestIdInUse` before anything is queued.
-7. A resumed request (another worker generated its first tokens and died) continues as if it
+6. A resumed request (another worker generated its first tokens and died) continues as if it
    had generated them itself: `resumed_token_ids` are replayed through its stop checker, count
    in `max_new_tokens`, and their text is not handed out again. If they already end it (a stop
    token, its length, a stop string) it finishes at once, as the first worker would have.
-8. A step of one request whose remote pages are still landing layer by layer waits for each
-   layer's pages before computing it (worker/step_runner.py note 3).
-9. The pool is in the KV dtype: with float16 KV a block holds a page exactly as it goes on the
+7. The pool is in the KV dtype: with float16 KV a block holds a page exactly as it goes on the
    wire, so a fetched page lands without a cast, a full page is sent as it is, and `kv_cache_bytes`
    holds twice the blocks; attention converts what it reads (worker/attention.py note 7).
 """
@@ -74,7 +68,7 @@ class _Live:
     num_sent_tokens: int = 0
 
 
-class Engine(StepRunner):
+class Engine:
     def __init__(self, model, kv_dtype: str = "float32", num_blocks: int | None = None, page_tokens: int = DEFAULT_PAGE_TOKENS,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 1024, remote_tier: Tier | None = None,
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, seed: int | None = None,
@@ -90,7 +84,7 @@ class Engine(StepRunner):
         self.page_tokens = page_tokens
         self.fingerprint = model.fingerprint(kv_dtype, page_tokens)
         block_shape = (cfg.n_layers, 2, cfg.n_kv_heads, page_tokens, cfg.head_dim)
-        dtype = np.dtype(kv_dtype)  # the pool holds KV as stored and sent (design note 9)
+        dtype = np.dtype(kv_dtype)  # the pool holds KV as stored and sent (design note 7)
         if num_blocks is None:
             num_blocks = max(1, kv_cache_bytes // (int(np.prod(block_shape)) * dtype.itemsize))
         self.pool = BlockPool(num_blocks, block_shape, dtype, arena=True)  # arena: remote.py design note 8
@@ -105,12 +99,12 @@ class Engine(StepRunner):
         self._inbox: queue.SimpleQueue[_Live] = queue.SimpleQueue()
         self._cancelled: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
         self._lock = threading.RLock()
-        self._ids_in_use: set[str] = set()  # added and not finished: inbox and _live (design note 6)
+        self._ids_in_use: set[str] = set()  # added and not finished: inbox and _live (design note 5)
         self._ids_lock = threading.Lock()
         self._ids = itertools.count()
         self.on_step: Callable[[dict], None] | None = None  # called after every step with its record (the loop thread)
         self.on_finish: Callable[[Completion], None] | None = None  # called with each request's completion (metrics)
-        self._unix_offset = time.time() - time.monotonic()  # monotonic arrival times to Unix seconds, for on_step
+        self._runner = StepRunner(model, self.pool, kv_dtype, self.scheduler, self)
 
     @classmethod
     def load(cls, model: str, **options) -> "Engine":
@@ -119,24 +113,19 @@ class Engine(StepRunner):
 
     @property
     def kv_pool(self) -> np.ndarray:
-        """The pool array `[num_blocks, n_layers, 2, n_kv_heads, page_tokens, head_dim]` in the KV dtype
-        (remote tiers use it)."""
+        """The pool array `[num_blocks, n_layers, 2, n_kv_heads, page_tokens, head_dim]`, KV dtype (for tiers)."""
         return self.pool.kv
 
     def attach_remote_tier(self, tier: Tier | None) -> None:
-        """Plug in (or, with None, remove) the remote tier; it usually needs `kv_pool`, hence after construction.
-        Before any request uses it: the tier is reached through a KVConnector (worker/connector.py),
-        and a request parked on the old one would never be told its pages landed."""
+        """Plug in (or, with None, remove) the remote tier, reached through a KVConnector (worker/connector.py);
+        after construction (a tier needs `kv_pool`), before a request waits on the old one."""
         with self._lock:
-            if self.scheduler.parked or self._connector_busy():
-                raise RuntimeError("a remote tier is attached while no request waits for one: finish them first")
             old = self.scheduler.connector
+            if self.scheduler.parked or (old is not None and old.num_pending() > 0):
+                raise RuntimeError("a remote tier is attached while no request waits for one: finish them first")
             self.scheduler.set_connector(self._connector_for(tier))
         if old is not None:
             old.close()
-
-    def _connector_busy(self) -> bool:
-        return self.scheduler.connector is not None and self.scheduler.connector.num_pending() > 0
 
     def _connector_for(self, tier: Tier | None) -> KVConnector | None:
         return None if tier is None else KVConnector(tier, wake=self._work.set)
@@ -152,7 +141,7 @@ class Engine(StepRunner):
                     resumed_token_ids: Sequence[int] = (), namespace: str = "", priority: int = 0,
                     **sampling) -> RequestHandle:
         """Queue a request (text or token ids); sampling options go in `params` or as keywords.
-        `resumed_token_ids`: tokens another worker already generated for it (design note 7).
+        `resumed_token_ids`: tokens another worker already generated for it (design note 6).
         `namespace`: the caller's tenant namespace, mixed into the root of its page keys (worker/pages.py).
         `priority`: lower is scheduled first (worker/priority.py design note 2)."""
         if params is None:
@@ -173,8 +162,7 @@ class Engine(StepRunner):
                 raise ValueError(f"the resumed tokens go on after the request ended ({checker.finish_reason})")
             request.token_ids.append(token)
             checker.append(token, len(request.output_token_ids), request.num_tokens)
-        live = _Live(request, RequestHandle(request_id), checker, arrival=time.monotonic())
-        live.num_sent_tokens = len(resumed)
+        live = _Live(request, RequestHandle(request_id), checker, arrival=time.monotonic(), num_sent_tokens=len(resumed))
         checker.take_text_delta()  # what the first worker already handed out
         connector = self.scheduler.connector
         keys = None if connector is None else request.page_keys(request.num_reusable_pages())
@@ -220,9 +208,8 @@ class Engine(StepRunner):
             return list(self._live)
 
     def has_unfinished(self) -> bool:
-        """Requests to run, or pages read in place still to cache, or blocks of a given-up load to
-        release (the next step does it: on an idle worker the loader's wake may come before
-        wait_for_work clears the event, and nothing else would step)."""
+        """Requests to run, pages read in place to cache, or a given-up load's blocks to release (on an idle
+        worker the loader's wake may come before wait_for_work clears the event: nothing else would step)."""
         return (bool(self._live) or not self._inbox.empty() or self.scheduler.in_place.has_landings()
                 or (self.connector is not None and self.connector.has_releases()))
 
@@ -239,10 +226,9 @@ class Engine(StepRunner):
     # ---- the loop thread -----------------------------------------------------
 
     def step(self) -> list[StreamDelta]:
-        """Run one forward pass over the scheduled requests; returns the deltas it produced
-        (also those of newcomers computed between its layers, design note 4). With nothing to
-        run while requests wait for remote KV, it waits for the connector (at most IDLE_WAIT_S,
-        outside the lock) and returns no deltas."""
+        """Run one forward pass over the scheduled requests; the deltas it produced (newcomers'
+        too). With nothing to run while requests wait for remote KV, it waits for the connector
+        (at most IDLE_WAIT_S, outside the lock) and returns no deltas."""
         with self._lock:
             self._work.clear()  # what arrives from here on wakes the wait below
             self._take_inbox()
@@ -250,7 +236,7 @@ class Engine(StepRunner):
             started = time.monotonic()
             batch = self.scheduler.schedule()
             if batch.requests:
-                return self._step_batch(batch, started)
+                return self._runner.run(batch, started)
         if self.scheduler.has_unfinished():
             self._work.wait(IDLE_WAIT_S)
         return []
@@ -318,7 +304,7 @@ class Engine(StepRunner):
     def _take_inbox(self) -> None:
         for live in _drained(self._inbox):
             self._live[live.request.request_id] = live
-            if live.checker.finish_reason is not None:  # resumed after its end (design note 7)
+            if live.checker.finish_reason is not None:  # resumed after its end (design note 6)
                 live.request.status = RequestStatus.FINISHED  # never scheduled
                 self._finish(live)
                 continue
@@ -326,7 +312,7 @@ class Engine(StepRunner):
                 self.scheduler.add(live.request)
             except ValueError as exc:
                 live.request.status = RequestStatus.FINISHED
-                self._fail(live, str(exc))
+                self.fail(live.request, str(exc))
 
     def _take_cancelled(self) -> None:
         for handle in _drained(self._cancelled):
@@ -338,8 +324,19 @@ class Engine(StepRunner):
                 live.checker.finish(FINISH_ABORT)
                 self._finish(live)
 
-    def _append_token(self, live: _Live, logits: np.ndarray) -> StreamDelta:
-        request = live.request
+    # ---- the step runner's view of the requests (worker/step_runner.py's LiveRequests) ----
+
+    def take_arrivals(self) -> bool:
+        if self._inbox.empty():
+            return False
+        self._take_inbox()
+        return True
+
+    def arrival(self, request: Request) -> float:
+        return self._live[request.request_id].arrival
+
+    def append_token(self, request: Request, logits: np.ndarray) -> StreamDelta:
+        live = self._live[request.request_id]
         token = sample(logits, request.params, request.num_tokens, self._rng)
         request.token_ids.append(token)
         if live.first_token_time is None:
@@ -349,6 +346,14 @@ class Engine(StepRunner):
             return self._finish(live)
         return self._send(live)
 
+    def fail(self, request: Request, message: str) -> list[StreamDelta]:
+        """Finish one request with an error; the rest of the engine goes on (worker/step_runner.py note 2)."""
+        live = self._live.get(request.request_id)
+        if live is None:
+            return []
+        live.checker.finish_reason = FINISH_ERROR  # not finish(): decoding its text may be what failed
+        return [self._finish(live, error=message)]
+
     def _send(self, live: _Live, completion: Completion | None = None) -> StreamDelta:
         output = live.request.output_token_ids
         delta = StreamDelta(live.request.request_id, output[live.num_sent_tokens:], live.checker.take_text_delta(),
@@ -357,17 +362,12 @@ class Engine(StepRunner):
         live.handle.queue.put(delta)
         return delta
 
-    def _fail(self, live: _Live, message: str) -> StreamDelta:
-        """Finish one request with an error; the rest of the engine goes on (design note 5)."""
-        live.checker.finish_reason = FINISH_ERROR  # not finish(): decoding its text may be what failed
-        return self._finish(live, error=message)
-
     def _finish(self, live: _Live, error: str | None = None) -> StreamDelta:
         request = live.request
         if request.status is not RequestStatus.FINISHED:
             self.scheduler.finish(request)
-        if self.scheduler.connector is not None:
-            self.scheduler.connector.forget(request)  # its prefetch, if it never reached the scheduler
+        if self.connector is not None:
+            self.connector.forget(request)  # its prefetch, if it never reached the scheduler
         del self._live[request.request_id]
         with self._ids_lock:
             self._ids_in_use.discard(request.request_id)

@@ -24,7 +24,7 @@ class Completion:
 
 
 class RequestIdInUse(ValueError):
-    """`add_request` got an id that a request not yet finished holds (engine design note 6)."""
+    """`add_request` got an id that a request not yet finished holds (engine design note 5)."""
 
 
 @dataclass

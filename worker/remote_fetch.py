@@ -6,7 +6,7 @@ means; a PageFetcher receives the pages it was asked for and writes them into th
 Design notes
 1. Fetched pages come in batches: a fetch thread receives batch i+1 while the engine's thread
    writes batch i into the pool, so the transfer and the writing overlap instead of adding up.
-   Pages bound for blocks of a pool in the wire dtype (the engine's, engine design note 9) are
+   Pages bound for blocks of a pool in the wire dtype (the engine's, engine design note 7) are
    received straight into them, consecutive or not; a float32 pool's float16 pages are cast
    (half.py).
    The batches' requests all go out at once (NodeClient.get_pages_in_batches), so a fetch costs

@@ -1,10 +1,9 @@
 """Running one scheduled step: the forward over its requests, newcomers computed between its
 layers, a layer-wise step's waits for its pages, and failures kept to the requests at fault.
 
-`StepRunner` is a part of the Engine (worker/engine.py), kept apart so that the engine reads as
-its requests' lifecycle. It works on the engine's state: the model, the pool, the scheduler,
-`_live`, `_inbox`, `on_step` and `_unix_offset`, and its `_take_inbox`, `_append_token` and
-`_fail`. It runs on the loop thread, under the engine's lock (engine design note 1).
+The Engine (worker/engine.py) keeps its requests' lifecycle and hands each scheduled step to a
+`StepRunner`, which sees the engine's requests only through `LiveRequests`. It runs on the loop
+thread, under the engine's lock (engine design note 1).
 
 Design notes
 1. Between two layers of a step's forward, a request that arrived since the step began may be
@@ -38,21 +37,50 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
+from worker.block_pool import BlockPool
 from worker.model import ForwardBatch
 from worker.outputs import StreamDelta
+from worker.request import Request
 from worker.scheduled_batch import ScheduledBatch
+from worker.scheduler import Scheduler
 
 log = logging.getLogger("worker.engine")  # its messages are the engine's
 
 
-class StepRunner:
-    """The Engine's running of a scheduled step (a mixin)."""
+class LiveRequests(Protocol):
+    """What a step needs of the engine's requests."""
 
-    def _step_batch(self, batch: ScheduledBatch, started: float) -> list[StreamDelta]:
+    on_step: Callable[[dict], None] | None  # called with each step's record (`_step_record`)
+
+    def take_arrivals(self) -> bool:
+        """Hand requests added since the step began to the scheduler; False when there were none."""
+
+    def arrival(self, request: Request) -> float:
+        """When it was added (time.monotonic())."""
+
+    def append_token(self, request: Request, logits: np.ndarray) -> StreamDelta:
+        """Sample its next token from `logits` and send it (or its end)."""
+
+    def fail(self, request: Request, message: str) -> list[StreamDelta]:
+        """End it with an error (design note 2); [] when it already ended."""
+
+
+class StepRunner:
+    """Runs the engine's scheduled steps: forwards, newcomers between layers, failures."""
+
+    def __init__(self, model, pool: BlockPool, kv_dtype: str, scheduler: Scheduler, requests: LiveRequests):
+        self.model = model
+        self.pool = pool
+        self.kv_dtype = kv_dtype
+        self.scheduler = scheduler
+        self.requests = requests
+        self._unix_offset = time.time() - time.monotonic()  # monotonic times to Unix seconds, for on_step
+
+    def run(self, batch: ScheduledBatch, started: float) -> list[StreamDelta]:
         """The step's forward and its deltas, newcomers' first (design note 1); a layer-wise step's
         own way (design note 3). An exception of the scheduler's escapes (design note 2)."""
         if batch.layerwise:
@@ -61,9 +89,8 @@ class StepRunner:
         scheduler_failures: list[Exception] = []
 
         def between_layers() -> None:
-            if self._inbox.empty() or scheduler_failures:
+            if scheduler_failures or not self.requests.take_arrivals():
                 return  # nobody new: the usual case, one cheap check a layer
-            self._take_inbox()
             paused = time.monotonic()
             try:
                 newcomer = self.scheduler.schedule_newcomer(batch)
@@ -100,8 +127,7 @@ class StepRunner:
             self.scheduler.repark(request)
             return []
         except Exception as exc:  # the model failed on it: it fails alone (design note 2)
-            live = self._live.get(request.request_id)
-            return [self._fail(live, f"the model failed on it: {exc!r}")] if live else []
+            return self.requests.fail(request, f"the model failed on it: {exc!r}")
 
     def _run_isolated(self, batch: ScheduledBatch, started: float,
                       between_layers: Callable[[], None] | None = None) -> list[StreamDelta]:
@@ -110,8 +136,7 @@ class StepRunner:
             return self._run(batch, started, time.monotonic(), between_layers)
         except Exception as exc:
             if len(batch) == 1:
-                live = self._live.get(batch.requests[0].request_id)
-                return [self._fail(live, f"the model failed on it: {exc!r}")] if live else []
+                return self.requests.fail(batch.requests[0], f"the model failed on it: {exc!r}")
             deltas = []
             for request, num_new in zip(batch.requests, batch.num_new_tokens):
                 deltas += self._run_isolated(ScheduledBatch([request], [num_new]), time.monotonic())
@@ -123,8 +148,8 @@ class StepRunner:
         between the layers of another gets no `between_layers` of its own (no nesting deeper).
         `settle()` False after the forward throws its work away (design note 3)."""
         # For on_step only: what each request had computed, and when it arrived (a finished one leaves _live).
-        before = None if self.on_step is None else [
-            (r.num_computed_tokens, self._live[r.request_id].arrival) for r in batch.requests]
+        on_step = self.requests.on_step
+        before = None if on_step is None else [(r.num_computed_tokens, self.requests.arrival(r)) for r in batch.requests]
         tables = [self.scheduler.in_place.forward_table(r) for r in batch.requests]
         token_ids, positions, starts = [], [], [0]
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
@@ -152,17 +177,16 @@ class StepRunner:
         for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             if id(request) in altered:
                 continue  # its pages read in place were altered: it computes its prompt again (design note 4)
-            live = self._live[request.request_id]
             try:
                 self.scheduler.on_computed(request, num_new)
                 if request.num_computed_tokens == request.num_tokens:
-                    deltas.append(self._append_token(live, logits[row]))
+                    deltas.append(self.requests.append_token(request, logits[row]))
             except Exception as exc:  # this request's own work: it fails alone (design note 2)
-                deltas.append(self._fail(live, f"its next token failed: {exc!r}"))
+                deltas += self.requests.fail(request, f"its next token failed: {exc!r}")
         if before is not None:
             nested = between_layers is None
             try:
-                self.on_step(self._step_record(batch, before, started, scheduled, forwarded, nested))
+                on_step(self._step_record(batch, before, started, scheduled, forwarded, nested))
             except Exception as exc:  # a log that cannot be written must not fail requests
                 log.warning("on_step failed: %r", exc)
         return deltas

@@ -161,8 +161,8 @@ def run(args: argparse.Namespace) -> int:
         # Layer-wise fills (issue 19): warm-remote runs that began their forward before the fill ended,
         # those sent back to wait for it (a layer late), and the layers the forward had to wait for.
         "pages_in_place": in_place,
-        "layerwise": {"early_joins": reader.connector.num_early_joins, "unjoined": reader.connector.num_unjoined,
-                      "layer_waits": reader.connector.num_layer_waits,
+        "layerwise": {"early_joins": reader.connector.layerwise_loads.num_early_joins, "unjoined": reader.connector.layerwise_loads.num_unjoined,
+                      "layer_waits": reader.connector.layerwise_loads.num_layer_waits,
                       "discarded": reader.scheduler.remote.num_layerwise_discarded},
     }
     if args.json:
