@@ -257,7 +257,7 @@ def test_close_is_bounded_by_a_hung_call_and_a_closed_connector_answers_a_miss_a
     close is a miss without a call, and once the hung call ends no connector thread is left."""
     from types import SimpleNamespace
 
-    from worker.connector import KVConnector
+    from worker.connector import KVConnector, Landed
 
     release, entered, calls = threading.Event(), threading.Event(), []
 
@@ -285,10 +285,10 @@ def test_close_is_bounded_by_a_hung_call_and_a_closed_connector_answers_a_miss_a
         assert time.monotonic() - started < 5.0, "close waited for the hung call"
         late = SimpleNamespace(request_id="late", tier_context=None)
         connector.start_lookup(late, [b"a" * 16])
-        assert connector.get_num_matched_pages(late, [b"a" * 16], []) == 0  # a miss, no call
+        assert connector.get_num_matched_pages(late, [b"a" * 16]) == 0  # a miss, no call
         blocks = [3]
         connector.start_load(late, [b"a" * 16], blocks)
-        assert connector.take_finished_loads().landed == [(late, 0)]
+        assert connector.take_finished_loads().landed == [(late, Landed(0))]
         assert len(calls) == 1
     finally:
         release.set()

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 from worker.connector_layers import LayerwiseLoad, LayerwiseLoads
+from worker.pages_in_place import PagesInPlace
 
 log = logging.getLogger("worker.connector")
 
@@ -93,10 +94,17 @@ class _Load:
     layers: LayerwiseLoad | None = None  # a layer-wise load (design note 7)
 
 
+@dataclass(frozen=True)
+class Landed:
+    """What a load left: how many of its leading pages arrived in its blocks, or, pinned where they lie
+    in a same-host node's pool, all of them (`in_place`, design note 8)."""
+    num_pages: int = 0
+    in_place: PagesInPlace | None = None
+
+
 @dataclass
 class FinishedLoads:
-    landed: list[tuple[Any, Any]] = field(default_factory=list)  # (request, leading pages that arrived, or
-    #                                                                 PagesInPlace: design note 8)
+    landed: list[tuple[Any, Landed]] = field(default_factory=list)  # (request, what its load left)
     released: list[list[int]] = field(default_factory=list)  # blocks of loads given up, the loader done with them
     overdue: list[Any] = field(default_factory=list)  # requests whose load ran past timeout_s
 
@@ -164,10 +172,9 @@ class KVConnector:
 
     # ---- the scheduler (under the engine's lock) -------------------------------------
 
-    def get_num_matched_pages(self, request, keys: Sequence[bytes], local_blocks: Sequence[int]) -> int | None:
+    def get_num_matched_pages(self, request, keys: Sequence[bytes]) -> int | None:
         """How many of `keys`, from the first, the tier holds (local hits included), or None while
-        its lookup is in flight. The tier is handed the local pages it lacks (`local_blocks` are
-        the blocks of the locally cached keys), so their children will not be refused there."""
+        its lookup is in flight."""
         with self._lock:
             lookup = self._lookups.get(id(request))
             now = self.clock()
@@ -187,9 +194,18 @@ class KVConnector:
             else:
                 found = 0 if lookup.future.cancelled() else lookup.future.result()[0]
             del self._lookups[id(request)]
-        if found < len(local_blocks):
-            self._write_back(request, keys, local_blocks, found)
         return found
+
+    def write_back(self, request, keys: Sequence[bytes], local_blocks: Sequence[int], start: int) -> None:
+        """Hand the tier the local pages it lacks, keys[start:] held in `local_blocks` (those of the
+        locally cached keys), so their children will not be refused there; stops at a failure."""
+        for page in range(start, len(local_blocks)):
+            try:
+                self.tier.on_page_full(keys[page], keys[page - 1] if page else b"", local_blocks[page],
+                                       request.tier_context)
+            except Exception:  # a tier never fails a request
+                log.exception("remote tier on_page_full failed for request %s", request.request_id)
+                return
 
     def peek_matched_pages(self, request) -> int | None:
         """What the request's lookup found, if it answered (nothing is consumed or started)."""
@@ -206,12 +222,12 @@ class KVConnector:
         """Fetch `keys` into `block_ids` (allocated by the scheduler, not scheduled until the load ends)."""
         if self.layerwise:  # design note 7
             layers = LayerwiseLoad(self.wake)
-            future = self._submit(self._loader, 0, self._fill_layerwise, list(keys), list(block_ids),
+            future = self._submit(self._loader, Landed(), self._fill_layerwise, list(keys), list(block_ids),
                                   request.tier_context, layers)
             future.add_done_callback(lambda _: layers.end())  # also when closed or cancelled
         else:
             layers = None
-            future = self._submit(self._loader, 0, self._fill, list(keys), list(block_ids), request.tier_context)
+            future = self._submit(self._loader, Landed(), self._fill, list(keys), list(block_ids), request.tier_context)
         self._loads[id(request)] = _Load(request, future, self.clock(), layers=layers)
 
     def take_finished_loads(self) -> FinishedLoads:
@@ -223,7 +239,7 @@ class KVConnector:
                 continue  # settled by the step it joined (design note 7)
             if load.future.done():
                 del self._loads[key]
-                finished.landed.append((load.request, 0 if load.future.cancelled() else load.future.result()))
+                finished.landed.append((load.request, Landed() if load.future.cancelled() else load.future.result()))
             elif now - load.started >= self.timeout_s:
                 finished.overdue.append(load.request)
         for load in list(self._detached):
@@ -295,7 +311,7 @@ class KVConnector:
         `blocks` come back in `released` once the loader let go of them."""
         load = self._loads[id(request)]
         try:
-            filled = load.future.result(timeout=self.layerwise_loads.settle_timeout_s if wait_s is None else wait_s)
+            filled = load.future.result(timeout=self.layerwise_loads.settle_timeout_s if wait_s is None else wait_s).num_pages
         except TimeoutError:
             self.give_up_load(request, blocks)
             return None
@@ -305,15 +321,6 @@ class KVConnector:
         return filled
 
     # ---- internals --------------------------------------------------------------------
-
-    def _write_back(self, request, keys: Sequence[bytes], local_blocks: Sequence[int], start: int) -> None:
-        for page in range(start, len(local_blocks)):
-            try:
-                self.tier.on_page_full(keys[page], keys[page - 1] if page else b"", local_blocks[page],
-                                       request.tier_context)
-            except Exception:  # a tier never fails a request
-                log.exception("remote tier on_page_full failed for request %s", request.request_id)
-                return
 
     def _submit_lookup(self, keys: list[bytes], context: Any) -> Future:
         return self._submit(self._lookup_pool, (0, self.clock()), self._lookup, keys, context)
@@ -344,15 +351,15 @@ class KVConnector:
             found = 0
         return max(0, min(found, len(keys))), self.clock()
 
-    def _fill_layerwise(self, keys: list[bytes], block_ids: list[int], context: Any, layers: LayerwiseLoad) -> int:
+    def _fill_layerwise(self, keys: list[bytes], block_ids: list[int], context: Any, layers: LayerwiseLoad) -> Landed:
         try:
             filled = int(self.tier.fill_layerwise(keys, block_ids, context, layers.land))
         except Exception:
             log.exception("remote tier layer-wise fill failed; computing instead")
             filled = 0
-        return max(0, min(filled, len(keys)))
+        return Landed(max(0, min(filled, len(keys))))
 
-    def _fill(self, keys: list[bytes], block_ids: list[int], context: Any):
+    def _fill(self, keys: list[bytes], block_ids: list[int], context: Any) -> Landed:
         """How many leading pages landed in `block_ids`, or the pages pinned in place (design note 8)."""
         if hasattr(self.tier, "fill_in_place"):
             try:
@@ -362,19 +369,19 @@ class KVConnector:
                 pages = None
             if pages is not None:
                 if len(pages) == len(keys):
-                    return pages
+                    return Landed(len(pages), pages)
                 pages.release()
         try:
             filled = int(self.tier.fill(keys, block_ids, context))
         except Exception:
             log.exception("remote tier fill failed; computing instead")
             filled = 0
-        return max(0, min(filled, len(keys)))
+        return Landed(max(0, min(filled, len(keys))))
 
 
 def _release_in_place(future: Future) -> None:
     """A given-up load's pages pinned in place go back to the node (design note 8)."""
     if future.done() and not future.cancelled() and future.exception() is None:
-        result = future.result()
-        if hasattr(result, "release"):
-            result.release()
+        in_place = future.result().in_place
+        if in_place is not None:
+            in_place.release()

@@ -27,7 +27,7 @@ import logging
 from typing import Sequence
 
 from worker.block_tables import BlockTables
-from worker.connector import KVConnector
+from worker.connector import KVConnector, Landed
 from worker.in_place_joins import InPlaceJoins
 from worker.request import Request, RequestStatus
 
@@ -63,19 +63,19 @@ class RemoteJoins:
             request.num_cached_pages = 0
             request.num_computed_tokens = 0
             request.remote_given_up = True
-        for request, filled in finished.landed:
-            self._join(request, filled, copy_in_place)
+        for request, landed in finished.landed:
+            self._join(request, landed, copy_in_place)
         return [request for request, _ in finished.landed], finished.overdue
 
-    def _join(self, request: Request, filled, copy_in_place: bool) -> None:
+    def _join(self, request: Request, landed: Landed, copy_in_place: bool) -> None:
         """Index the pages that landed in a parked request's blocks (or, read in place, once its first
         step read them: note 2), counted as computed."""
         P = self.tables.page_tokens
         num_hits = request.num_cached_pages
-        if not isinstance(filled, int):  # pages read in place (worker/in_place_joins.py)
-            filled = self.in_place.join(request, filled, copy_in_place)
+        if landed.in_place is not None:  # worker/in_place_joins.py
+            filled = self.in_place.join(request, landed.in_place, copy_in_place)
         else:
-            filled = max(0, min(filled, len(request.block_table) - num_hits))
+            filled = max(0, min(landed.num_pages, len(request.block_table) - num_hits))
             self.tables.index_pages(request, num_hits, num_hits + filled)
         request.num_cached_pages = num_hits + filled
         request.num_computed_tokens = min((num_hits + filled) * P, request.num_tokens - 1)   # scheduler design note 5

@@ -369,9 +369,11 @@ class Scheduler:
             return 0
         num_remote = 0
         if self.connector is not None and reusable and not request.remote_given_up:
-            found = self.connector.get_num_matched_pages(request, keys, hits)
+            found = self.connector.get_num_matched_pages(request, keys)
             if found is None:
                 return _LOOKUP_PENDING
+            if found < num_hits:
+                self.connector.write_back(request, keys, hits, found)
             num_remote = max(0, found - num_hits)
             while num_remote and blocks_needed(num_remote) > available:
                 num_remote -= 1
