@@ -10,6 +10,7 @@ import pytest
 from cluster_helpers import serve_node
 from kvnode.service import KVStoreService
 from kvnode.store import PageStore
+from worker.connector import Tier
 from worker.engine import Engine
 from worker.model import load_model
 from worker.remote import Placement, RemoteTier
@@ -157,7 +158,7 @@ def test_a_load_that_hangs_is_given_up_and_the_request_computed(tiny):
     """A tier whose fill never returns on its own: the connector's bound ends the wait."""
     release = threading.Event()
 
-    class HangingTier:
+    class HangingTier(Tier):
         def __init__(self, pool):
             self.pool, self.pages, self.fills = pool, {}, 0
 
@@ -213,7 +214,7 @@ def test_the_lookup_starts_when_a_request_arrives_and_its_load_in_the_first_step
     looked_up = threading.Event()
     filled = threading.Event()
 
-    class DictTier:
+    class DictTier(Tier):
         def __init__(self, pool):
             self.pool, self.pages = pool, {}
 
@@ -261,7 +262,7 @@ def test_close_is_bounded_by_a_hung_call_and_a_closed_connector_answers_a_miss_a
 
     release, entered, calls = threading.Event(), threading.Event(), []
 
-    class HungTier:
+    class HungTier(Tier):
         def lookup(self, keys, context):
             calls.append(keys)
             entered.set()
@@ -295,7 +296,7 @@ def test_close_is_bounded_by_a_hung_call_and_a_closed_connector_answers_a_miss_a
     wait_until(lambda: not [t for t in threading.enumerate() if t not in before and t.name.startswith("kv-")], 5.0)
 
 
-class LayerwiseTier:
+class LayerwiseTier(Tier):
     """A remote tier that finds and fills every page; subclasses land the layers as a test needs."""
 
     layerwise_fill = True

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from worker.connector import Tier
 from worker.engine import Engine
 from worker.model import load_model
 
@@ -18,7 +19,7 @@ def tiny():
     return load_model("tiny")
 
 
-class SlowFirstTier:
+class SlowFirstTier(Tier):
     """A tier that finds every page; its first fill waits for the test, and it counts its fills."""
 
     def __init__(self):

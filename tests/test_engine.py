@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from engine_helpers import PROMPTS, P, ToyModel, alone, make_engine
+from worker.connector import Tier
 from worker.engine import Engine
 from worker.pages import page_keys
 
@@ -161,7 +162,7 @@ def test_a_sequence_stops_at_the_maximum_length():
 
 # ---- the remote tier hook ------------------------------------------------------------------
 
-class DictTier:
+class DictTier(Tier):
     """Holds pages written through on_page_full; fills at most `max_fill` pages per call."""
 
     def __init__(self, engine_ref, max_fill=None, fail=False):

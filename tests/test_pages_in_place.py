@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from worker.block_arena import BlockArena
+from worker.connector import Tier
 from worker.engine import Engine
 from worker.model import ARCH_MODULES, PRESET_SEEDS, Model, load_model, random_tensors
 from worker.pages_in_place import PagesInPlace
@@ -29,7 +30,7 @@ def tiny():
     return load_model("tiny")
 
 
-class PoolTier:
+class PoolTier(Tier):
     """A remote tier whose pages lie in a memfd "pool" (slots in reverse order of arrival), read in
     place through the reader's arena; `fill` copies, for the writer and the fallback."""
 

@@ -1,10 +1,10 @@
 """The KV connector: the remote tier's lookups and fetches off the engine's thread.
 
-The scheduler talks to it through a narrow interface, after vLLM's KV connector: how many pages
-past the local hits the tier holds (`get_num_matched_pages`, None while the lookup is in
-flight), start loading them into blocks it allocated (`start_load`), which loads have landed
-(`take_finished_loads`). It knows nothing of the network; the tier (worker/remote.py's
-`RemoteTier`, or any object with its `lookup`, `fill` and `on_page_full`) does the I/O.
+The scheduler and the engine see it as `Connector` (below), after vLLM's KV connector: how many
+pages of a chain the tier holds (`get_num_matched_pages`, None while the lookup is in flight),
+start loading them into blocks the scheduler allocated (`start_load`), which loads have landed
+(`take_finished_loads`). It knows nothing of the network; a `Tier` (worker/remote.py's
+RemoteTier over kvnodes) does the I/O.
 
 Design notes
 1. Lookups run on `lookup_threads` threads, fetches on one loader thread (the tier receives one
@@ -18,27 +18,23 @@ Design notes
    (`start_lookup`, any thread), so by the time the scheduler first considers it the node has
    usually answered. A result the tier gave more than half its lease ago is asked again (its
    pages may have been evicted on the node since the lease lapsed).
-4. Every wait is bounded: a lookup or load that has not finished `timeout_s` after it was asked
-   for is given up: the scheduler computes the request instead. The bound is on the request's
-   wait, so it counts from submission, time queued behind other loads included (counted from
-   the load's start, a request behind several slow loads would wait for all of them). A load
-   given up (overdue, or its request ended) that has not started is cancelled: the loader never
-   runs it, and its blocks come back in the next `take_finished_loads`; the blocks of one that
-   started are released only when it does finish (`take_finished_loads` reports it).
+4. Every wait is bounded: a lookup or load not finished `timeout_s` after it was asked for is
+   given up and the request computed. The bound is on the request's wait, time queued behind
+   other loads included. A load given up (overdue, or its request ended) that has not started
+   is cancelled, its blocks back in the next `take_finished_loads`; the blocks of one that
+   started come back only when it does finish (`take_finished_loads` reports them).
 5. Each finished lookup or load calls `wake` (the engine's loop sleeps on it when nothing else
    can run).
 6. `close(timeout_s)` is bounded: queued work is dropped, running calls get `timeout_s` to end
    (the tier's own deadlines end them sooner), and what is asked of a closed connector is
    answered at once as a miss, so a step that races the close never waits for it.
-7. Layer-wise loads (issue 19): with a tier that offers `fill_layerwise` and has `layerwise_fill`
-   on, a load reports each layer of its pages as it lands in the pool, and the scheduler may let
-   the request join a step of its own before the load ends, the engine waiting briefly for each
-   layer (worker/connector_layers.py, its note 1).
-8. Pages read in place (worker/pages_in_place.py): with a tier that offers `fill_in_place`, a
-   load first asks it to pin the pages where they lie in a same-host node's pool; when it can,
-   the load's result is that `PagesInPlace` instead of a count (the pages are not in the blocks
-   yet: the scheduler lets the request read them where they lie for one step, then copies and
-   releases them). A load given up that ends with pages in place releases them at once.
+7. Layer-wise loads: with a tier whose `layerwise_fill` is on, a load reports each layer of its
+   pages as it lands, and the request may join a step of its own before the load ends, the
+   engine waiting briefly for each layer (worker/connector_layers.py, its note 1).
+8. Pages read in place (worker/pages_in_place.py): a load first asks the tier to pin the pages
+   where they lie in a same-host node's pool (`fill_in_place`); when it can, the load leaves them
+   as `Landed.in_place`, read where they lie for one step, then copied (in_place_joins.py). A
+   load given up that ends with pages in place releases them at once.
 """
 
 from __future__ import annotations
@@ -51,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 from worker.connector_layers import LayerwiseLoad, LayerwiseLoads
+from worker.connector_lookups import Lookups
 from worker.pages_in_place import PagesInPlace
 
 log = logging.getLogger("worker.connector")
@@ -62,27 +59,35 @@ DEFAULT_STEP_WAIT_S = 0.3  # ... and for all the layers of its early step togeth
 DEFAULT_SETTLE_TIMEOUT_S = 1.0  # ... and for its outcome once its last layer landed
 
 
-class Tier(Protocol):
+class Tier:
     """A second cache level behind the local prefix cache (worker/remote.py's RemoteTier over
     kvnodes), called on the connector's threads. `context` is the request's opaque `tier_context`
-    (e.g. its placement); the tier reads and writes the engine's pool array in the page layout."""
+    (e.g. its placement); the tier reads and writes the engine's pool array in the page layout.
+    A tier implements the first three methods; the abilities after them are off unless it offers them."""
+
+    lease_ms: int | None = None  # its lookups lease pages this long: older answers are asked again (note 3)
+    layerwise_fill: bool = False  # loads use fill_layerwise (design note 7)
 
     def lookup(self, keys: Sequence[bytes], context: Any) -> int:
-        """How many of these page keys (the request's reusable chain, from its first page) do you hold?"""
+        """How many of these page keys (a request's chain, from its first page) do you hold?"""
+        raise NotImplementedError
 
     def fill(self, keys: Sequence[bytes], block_ids: Sequence[int], context: Any) -> int:
-        """Write page keys[i] into block block_ids[i], in order; return how many were really filled."""
+        """Write page keys[i] into block block_ids[i], in order; how many were really filled."""
+        raise NotImplementedError
 
     def on_page_full(self, key: bytes, parent_key: bytes, block_id: int, context: Any) -> None:
-        """A page became full (parent_key is b"" for a first page). Must not block; the block may be
-        reused once this returns, so copy what you need now."""
+        """A page became full (parent_key b"" for a first page); copy it now, without blocking."""
+        raise NotImplementedError
 
+    def fill_in_place(self, keys: Sequence[bytes], block_ids: Sequence[int], context: Any) -> PagesInPlace | None:
+        """All of `keys` pinned where they lie, meant for `block_ids` (design note 8); None: `fill` them."""
+        return None
 
-@dataclass
-class _Lookup:
-    keys: list[bytes]
-    future: Future  # of (pages found, when the tier answered)
-    started: float
+    def fill_layerwise(self, keys: Sequence[bytes], block_ids: Sequence[int], context: Any,
+                       landed: Callable[[int], None]) -> int:
+        """As `fill`, calling landed(l) once layer l of every page is in the pool (design note 7)."""
+        raise NotImplementedError
 
 
 @dataclass
@@ -108,11 +113,37 @@ class FinishedLoads:
     released: list[list[int]] = field(default_factory=list)  # blocks of loads given up, the loader done with them
     overdue: list[Any] = field(default_factory=list)  # requests whose load ran past timeout_s
 
-    def __bool__(self) -> bool:
-        return bool(self.landed or self.released or self.overdue)
+
+class Connector(Protocol):
+    """What the scheduler and the engine use of a connector; none of it waits on the network."""
+
+    timeout_s: float  # a lookup or load not done this long after it was asked for is given up (note 4)
+
+    # The scheduler, under the engine's lock (design notes 2-4, 7; worker/remote_joins.py).
+    def get_num_matched_pages(self, request, keys: Sequence[bytes]) -> int | None: ...
+    def peek_matched_pages(self, request) -> int | None: ...
+    def is_looking_up(self, request) -> bool: ...
+    def write_back(self, request, keys: Sequence[bytes], local_blocks: Sequence[int], start: int) -> None: ...
+    def on_page_full(self, key: bytes, parent_key: bytes, block_id: int, context: Any) -> None: ...
+    def start_load(self, request, keys: Sequence[bytes], block_ids: Sequence[int]) -> None: ...
+    def take_finished_loads(self) -> FinishedLoads: ...
+    def drop(self, request, blocks: Sequence[int] = ()) -> None: ...
+    def can_join_early(self, request) -> bool: ...
+    def join_early(self, request) -> None: ...
+    def unjoin(self, request) -> None: ...
+    def settle_layerwise(self, request, blocks: Sequence[int], wait_s: float | None = None) -> int | None: ...
+
+    # The engine (design notes 3, 5, 6).
+    def start_lookup(self, request, keys: Sequence[bytes]) -> None: ...
+    def wait_layer(self, request, layer: int) -> bool: ...
+    def has_releases(self) -> bool: ...
+    def num_pending(self) -> int: ...
+    def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> bool: ...
 
 
 class KVConnector:
+    """The Connector over a Tier, its calls on threads of its own."""
+
     def __init__(self, tier: Tier, lookup_threads: int = 4, timeout_s: float = DEFAULT_TIMEOUT_S,
                  wake: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic,
                  layer_wait_s: float = DEFAULT_LAYER_WAIT_S, settle_timeout_s: float = DEFAULT_SETTLE_TIMEOUT_S,
@@ -120,21 +151,18 @@ class KVConnector:
         self.tier = tier
         self.timeout_s = timeout_s
         self.layerwise_loads = LayerwiseLoads(layer_wait_s, step_wait_s, settle_timeout_s)  # design note 7
-        self.layerwise = bool(getattr(tier, "layerwise_fill", False)) and hasattr(tier, "fill_layerwise")
+        self.layerwise = tier.layerwise_fill
         self.wake = wake
         self.clock = clock
-        lease_ms = getattr(tier, "lease_ms", None)
-        self.max_lookup_age_s = lease_ms / 2000.0 if lease_ms else None
-        self._lookups: dict[int, _Lookup] = {}  # id(request) ->; the request is held by the engine meanwhile
         self._loads: dict[int, _Load] = {}  # id(request) -> its load
         self._detached: list[_Load] = []  # loads given up, still running
-        self._lock = threading.Lock()  # start_lookup runs on callers' threads
         self._lookup_pool = ThreadPoolExecutor(lookup_threads, thread_name_prefix="kv-lookup")
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
         self._running: set[Future] = set()  # submitted and not done, for a bounded close
         self._closed = False
-        self._pools_lock = threading.Lock()  # guards the two above; taken after _lock, never before
-        self.num_lookups_given_up = 0
+        self._pools_lock = threading.Lock()  # guards the two above; taken after the lookups' lock, never before
+        self.lookups = Lookups(tier, lambda fn, *args: self._submit(self._lookup_pool, (0, self.clock()), fn, *args),
+                               clock, tier.lease_ms)  # design note 3
         self.num_loads_given_up = 0
         self.num_loads_cancelled = 0  # ... of which had not started: never run (design note 4)
 
@@ -142,13 +170,7 @@ class KVConnector:
 
     def start_lookup(self, request, keys: Sequence[bytes]) -> None:
         """Ask the tier about `keys` (the request's reusable chain) now, on a lookup thread."""
-        if not keys:
-            return
-        keys = list(keys)
-        with self._lock:
-            if id(request) in self._lookups:
-                return
-            self._lookups[id(request)] = _Lookup(keys, self._submit_lookup(keys, request.tier_context), self.clock())
+        self.lookups.start(request, keys)
 
     def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> bool:
         """Stop taking work, drop what is queued, give running calls `timeout_s` to end (design
@@ -175,26 +197,7 @@ class KVConnector:
     def get_num_matched_pages(self, request, keys: Sequence[bytes]) -> int | None:
         """How many of `keys`, from the first, the tier holds (local hits included), or None while
         its lookup is in flight."""
-        with self._lock:
-            lookup = self._lookups.get(id(request))
-            now = self.clock()
-            stale = lookup is not None and lookup.future.done() and not lookup.future.cancelled() and (
-                lookup.keys != list(keys) or (self.max_lookup_age_s is not None
-                                              and now - lookup.future.result()[1] > self.max_lookup_age_s))
-            if lookup is None or stale:
-                lookup = _Lookup(list(keys), self._submit_lookup(list(keys), request.tier_context), now)
-                self._lookups[id(request)] = lookup
-            if not lookup.future.done():
-                if now - lookup.started < self.timeout_s:
-                    return None
-                self.num_lookups_given_up += 1
-                log.warning("remote lookup for request %s still running after %.0fs; computing instead",
-                            request.request_id, self.timeout_s)
-                found = 0
-            else:
-                found = 0 if lookup.future.cancelled() else lookup.future.result()[0]
-            del self._lookups[id(request)]
-        return found
+        return self.lookups.take(request, keys, self.timeout_s)
 
     def write_back(self, request, keys: Sequence[bytes], local_blocks: Sequence[int], start: int) -> None:
         """Hand the tier the local pages it lacks, keys[start:] held in `local_blocks` (those of the
@@ -209,14 +212,10 @@ class KVConnector:
 
     def peek_matched_pages(self, request) -> int | None:
         """What the request's lookup found, if it answered (nothing is consumed or started)."""
-        lookup = self._lookups.get(id(request))
-        if lookup is None or not lookup.future.done() or lookup.future.cancelled():
-            return None
-        return lookup.future.result()[0]
+        return self.lookups.peek(request)
 
     def is_looking_up(self, request) -> bool:
-        lookup = self._lookups.get(id(request))
-        return lookup is not None and not lookup.future.done()
+        return self.lookups.in_flight(request)
 
     def start_load(self, request, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Fetch `keys` into `block_ids` (allocated by the scheduler, not scheduled until the load ends)."""
@@ -249,10 +248,16 @@ class KVConnector:
                 finished.released.append(load.blocks)
         return finished
 
-    def give_up_load(self, request, blocks: Sequence[int]) -> None:
-        """The request no longer waits for its load (it ended, or the load is overdue); `blocks`
-        (those the loader may write) come back in `released` once the loader let go of them: at
-        the next call when the load had not started, as it is then cancelled (design note 4)."""
+    def drop(self, request, blocks: Sequence[int] = ()) -> None:
+        """The request no longer waits for the tier (it ended, or its load is overdue): its lookup is
+        dropped (a running one finishes unread) and its load, if any, given up (design note 4)."""
+        self.lookups.drop(request)
+        if id(request) in self._loads:
+            self._give_up(request, blocks)
+
+    def _give_up(self, request, blocks: Sequence[int]) -> None:
+        """`blocks` (those the loader may write) come back in `released` once the loader let go of
+        them: at the next call when the load had not started, as it is then cancelled."""
         load = self._loads.pop(id(request))
         load.blocks = list(blocks)
         self._detached.append(load)
@@ -260,14 +265,8 @@ class KVConnector:
         if load.future.cancel():
             self.num_loads_cancelled += 1
 
-    def forget(self, request) -> None:
-        """The request ended: drop its lookup (a running one finishes unread)."""
-        with self._lock:
-            self._lookups.pop(id(request), None)
-
     def num_lookups_in_flight(self) -> int:
-        with self._lock:
-            return sum(1 for lookup in self._lookups.values() if not lookup.future.done())
+        return self.lookups.num_in_flight()
 
     def has_releases(self) -> bool:
         """Loads given up that let go of their blocks: the next take_finished_loads releases them."""
@@ -275,7 +274,7 @@ class KVConnector:
 
     def num_pending(self) -> int:
         """Lookups and loads not yet taken by the scheduler (loads given up included)."""
-        return len(self._lookups) + len(self._loads) + len(self._detached)
+        return len(self.lookups) + len(self._loads) + len(self._detached)
 
     def on_page_full(self, key: bytes, parent_key: bytes, block_id: int, context: Any) -> None:
         try:
@@ -313,7 +312,7 @@ class KVConnector:
         try:
             filled = load.future.result(timeout=self.layerwise_loads.settle_timeout_s if wait_s is None else wait_s).num_pages
         except TimeoutError:
-            self.give_up_load(request, blocks)
+            self._give_up(request, blocks)
             return None
         except CancelledError:
             filled = 0
@@ -321,9 +320,6 @@ class KVConnector:
         return filled
 
     # ---- internals --------------------------------------------------------------------
-
-    def _submit_lookup(self, keys: list[bytes], context: Any) -> Future:
-        return self._submit(self._lookup_pool, (0, self.clock()), self._lookup, keys, context)
 
     def _submit(self, pool: ThreadPoolExecutor, when_closed: Any, fn, *args) -> Future:
         """`fn(*args)` on `pool`; once closed, a future already holding `when_closed` (a miss)."""
@@ -343,14 +339,6 @@ class KVConnector:
         future.add_done_callback(done)
         return future
 
-    def _lookup(self, keys: list[bytes], context: Any) -> tuple[int, float]:
-        try:
-            found = int(self.tier.lookup(keys, context))
-        except Exception:
-            log.exception("remote tier lookup failed; computing instead")
-            found = 0
-        return max(0, min(found, len(keys))), self.clock()
-
     def _fill_layerwise(self, keys: list[bytes], block_ids: list[int], context: Any, layers: LayerwiseLoad) -> Landed:
         try:
             filled = int(self.tier.fill_layerwise(keys, block_ids, context, layers.land))
@@ -361,16 +349,15 @@ class KVConnector:
 
     def _fill(self, keys: list[bytes], block_ids: list[int], context: Any) -> Landed:
         """How many leading pages landed in `block_ids`, or the pages pinned in place (design note 8)."""
-        if hasattr(self.tier, "fill_in_place"):
-            try:
-                pages = self.tier.fill_in_place(keys, block_ids, context)
-            except Exception:
-                log.exception("remote tier fill in place failed; fetching the pages instead")
-                pages = None
-            if pages is not None:
-                if len(pages) == len(keys):
-                    return Landed(len(pages), pages)
-                pages.release()
+        try:
+            pages = self.tier.fill_in_place(keys, block_ids, context)
+        except Exception:
+            log.exception("remote tier fill in place failed; fetching the pages instead")
+            pages = None
+        if pages is not None:
+            if len(pages) == len(keys):
+                return Landed(len(pages), pages)
+            pages.release()
         try:
             filled = int(self.tier.fill(keys, block_ids, context))
         except Exception:

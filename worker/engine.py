@@ -367,7 +367,7 @@ class Engine:
         if request.status is not RequestStatus.FINISHED:
             self.scheduler.finish(request)
         if self.connector is not None:
-            self.connector.forget(request)  # its prefetch, if it never reached the scheduler
+            self.connector.drop(request)  # its prefetch, if it never reached the scheduler
         del self._live[request.request_id]
         with self._ids_lock:
             self._ids_in_use.discard(request.request_id)

@@ -64,6 +64,7 @@ import numpy as np
 
 from kvnode.client import NodeError, PageRejected
 from worker.block_arena import arena_of
+from worker.connector import Tier
 from worker.pages_in_place import InPlaceReader, PagesInPlace
 from worker.remote_fetch import PageFetcher, transfer_timeout
 from worker.remote_nodes import Node, NodeTable
@@ -99,7 +100,7 @@ class TierStats:
     fetches_not_found: int = 0  # fetches the node answered NOT_FOUND, its pages gone since the lookup (note 9)
 
 
-class RemoteTier:
+class RemoteTier(Tier):
     """Fetches pages into the engine's pool and writes full pages back.
 
     `pool` is the engine's block array [blocks, layers, 2, kv_heads, page_tokens, head_dim], in

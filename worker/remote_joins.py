@@ -27,7 +27,7 @@ import logging
 from typing import Sequence
 
 from worker.block_tables import BlockTables
-from worker.connector import KVConnector, Landed
+from worker.connector import Connector, Landed
 from worker.in_place_joins import InPlaceJoins
 from worker.request import Request, RequestStatus
 
@@ -38,7 +38,7 @@ class RemoteJoins:
     """Parked requests whose remote pages landed, or are landing layer by layer (design note 1)."""
 
     def __init__(self, tables: BlockTables, in_place: InPlaceJoins, max_prefill_tokens: int,
-                 connector: KVConnector | None):
+                 connector: Connector | None):
         self.tables = tables
         self.in_place = in_place
         self.max_prefill_tokens = max_prefill_tokens
@@ -58,7 +58,7 @@ class RemoteJoins:
         for request in finished.overdue:
             log.warning("remote pages for request %s still loading after %.0fs; computing instead",
                         request.request_id, self.connector.timeout_s)
-            self.connector.give_up_load(request, request.block_table)
+            self.connector.drop(request, request.block_table)
             request.block_table = []
             request.num_cached_pages = 0
             request.num_computed_tokens = 0
@@ -172,6 +172,7 @@ class RemoteJoins:
                                                wait_s=0.0) is None:
                 del request.block_table[num_hits : num_hits + num_remote]
         if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-            self.connector.give_up_load(request, request.block_table)  # released when the loader is done
+            self.connector.drop(request, request.block_table)  # released when the loader is done
             request.block_table = []
-        self.connector.forget(request)
+        else:
+            self.connector.drop(request)

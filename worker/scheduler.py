@@ -62,7 +62,7 @@ from collections import deque
 
 from worker.block_pool import BlockPool
 from worker.block_tables import BlockTables
-from worker.connector import KVConnector
+from worker.connector import Connector
 from worker.in_place_joins import InPlaceJoins
 from worker.priority import PriorityPolicy
 from worker.remote_joins import RemoteJoins
@@ -85,7 +85,7 @@ _PARKED = -2          # _admit: blocks given, remote pages on their way (design 
 
 class Scheduler:
     def __init__(self, pool: BlockPool, page_tokens: int, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 1024, connector: KVConnector | None = None,
+                 max_num_batched_tokens: int = 1024, connector: Connector | None = None,
                  max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP, aging_steps: int = AGING_STEPS,
                  join_tokens: int = JOIN_TOKENS, release_window: int | None = None):
         if max_num_seqs < 1:
@@ -114,10 +114,10 @@ class Scheduler:
         self.num_steps = 0
 
     @property
-    def connector(self) -> KVConnector | None:
+    def connector(self) -> Connector | None:
         return self.remote.connector
 
-    def set_connector(self, connector: KVConnector | None) -> None:
+    def set_connector(self, connector: Connector | None) -> None:
         """Plug in (or remove) the remote tier's connector, while no request waits for the old one."""
         assert not self.parked, "requests wait for the connector being replaced"
         self.remote.connector = connector
