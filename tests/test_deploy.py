@@ -1,14 +1,17 @@
 """deploy/: the Kubernetes manifests validate offline against Kubernetes' schemas (strict: no
 unknown field) at a pinned version, compose.yaml against the compose specification's schema,
 every kvcache command line in them parses with kvcache's own parser, and the Dockerfile
-installs with the README's command."""
+installs with the README's command; the systemd unit starts a node that can join a cluster, and
+the image's build context leaves out keys, tokens and local environments."""
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import subprocess
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -125,3 +128,104 @@ def test_kustomize_builds_the_base_into_the_kvcache_namespace():
     for doc in docs:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
         assert doc["kind"] == "Namespace" or doc["metadata"]["namespace"] == "kvcache"
+
+
+# ------------------------------------------------------------------ systemd unit, .dockerignore
+
+UNIT = ROOT / "deploy" / "kvcache-node.service"
+UNIT_ENV = ROOT / "deploy" / "kvcache-node.env"
+
+
+def unit_exec_start(unit_text: str) -> str:
+    """The ExecStart= command line, its continuation lines joined as systemd joins them."""
+    joined = re.sub(r"\\\n\s*", " ", unit_text)
+    [line] = [l for l in joined.splitlines() if l.startswith("ExecStart=")]
+    return line[len("ExecStart="):]
+
+
+def systemd_argv(command: str, env: dict[str, str]) -> list[str]:
+    """Split as systemd does with an EnvironmentFile: ${VAR} is one word, a lone $VAR is split at
+    whitespace (none when empty)."""
+    argv = []
+    for word in shlex.split(command):
+        lone = re.fullmatch(r"\$(\w+)", word)
+        if lone:
+            argv += env.get(lone.group(1), "").split()
+        else:
+            argv.append(re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], word))
+    return argv
+
+
+def env_file(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if line and not line.startswith("#"))
+
+
+def test_the_node_unit_starts_a_node_that_registers_with_page_sized_for_the_model():
+    """A node without --coordinators is known to no one, and one whose page size matches no
+    model's serves no worker: the unit takes both from its EnvironmentFile and --model."""
+    from kvcache.model_pages import model_page_bytes
+
+    text = UNIT.read_text()
+    assert "EnvironmentFile=/etc/kvcache/node.env" in text and "deploy/kvcache-node.env" in text
+    env = env_file(UNIT_ENV)
+    argv = systemd_argv(unit_exec_start(text), env)
+    assert argv[0] == "/opt/kvcache/.venv/bin/kvcache" and argv[1] == "node"
+    args = build_parser().parse_args(argv[1:])
+    assert args.coordinators == env["KVCACHE_COORDINATORS"] and "," in args.coordinators
+    assert args.host == "0.0.0.0" and args.advertise == env["KVCACHE_ADVERTISE"]
+    assert args.model == env["KVCACHE_MODEL"] == "smollm2-135m" and args.data_dir
+    assert "--page-bytes" not in argv  # the size comes from --model (cli._run_node)
+    model_page_bytes(args.model)
+    with_tls = systemd_argv(unit_exec_start(text), {**env, "KVCACHE_NODE_OPTIONS": "--tls-ca a --tls-cert b --tls-key c"})
+    assert build_parser().parse_args(with_tls[1:]).tls_ca == "a"
+
+
+def test_systemd_reads_the_node_unit_without_a_complaint(tmp_path):
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    env = tmp_path / "node.env"
+    env.write_text(UNIT_ENV.read_text())
+    kvcache = shutil.which("kvcache") or sys.executable  # the unit's /opt path exists only where installed
+    unit = tmp_path / "kvcache-node.service"
+    unit.write_text(UNIT.read_text().replace("/opt/kvcache/.venv/bin/kvcache", kvcache)
+                    .replace("/etc/kvcache/node.env", str(env)))
+    checked = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    complaints = [l for l in checked.stderr.splitlines() if "kvcache-node" in l and "User" not in l]
+    assert checked.returncode == 0 and not complaints, checked.stderr
+
+
+def dockerignore_excludes(patterns: list[str], path: str) -> bool:
+    """Docker's rule (moby's patternmatcher): a path is left out of the build context when a
+    pattern matches it or a folder above it; `**` matches any folders, `*` and `?` none of `/`."""
+    def regex(pattern: str) -> re.Pattern:
+        out, i = "", 0
+        while i < len(pattern):
+            if pattern.startswith("**/", i):
+                out, i = out + "(.*/)?", i + 3
+            elif pattern.startswith("**", i):
+                out, i = out + ".*", i + 2
+            elif pattern[i] == "*":
+                out, i = out + "[^/]*", i + 1
+            elif pattern[i] == "?":
+                out, i = out + "[^/]", i + 1
+            else:
+                out, i = out + re.escape(pattern[i]), i + 1
+        return re.compile(out + "$")
+
+    compiled = [regex(p.strip("/")) for p in patterns]
+    parts = path.split("/")
+    return any(r.match("/".join(parts[:n])) for r in compiled for n in range(1, len(parts) + 1))
+
+
+def test_the_image_build_context_leaves_out_keys_tokens_and_local_environments():
+    patterns = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines()
+                if l.strip() and not l.startswith("#")]
+    assert not any(p.startswith("!") for p in patterns)  # the rule above has no exceptions to follow
+    secret = [".kvcache/tls/ca.key", ".kvcache/tokens", ".kvcache/client.token", ".kvcache/cluster.json",
+              "run/.kvcache/tls/client.pem", "tls/ca.key", "ca.key", "tls/node.pem", "deploy/tokens",
+              "somewhere/monitor.token", ".venv/bin/python", ".venv-vllm/lib/x.py", ".git/config"]
+    kept = ["Makefile", "pyproject.toml", "Dockerfile", "protos/tokens.py", "kvcache/cli.py",
+            "tests/test_security_tokens.py", "deploy/kvcache-node.service", "README.md"]
+    assert [p for p in secret if not dockerignore_excludes(patterns, p)] == []
+    assert [p for p in kept if dockerignore_excludes(patterns, p)] == []
