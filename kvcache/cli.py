@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import select
 import sys
 
 from kvcache import __version__
@@ -15,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway import daemon as gateway_daemon
     from kvcache import certs, cluster_cli, export_hf, generate, health, status
     from kvcache.bench import cli as bench_cli
+    from kvcache.model_pages import MODELS
     from kvnode import daemon as node_daemon
     from worker import daemon as worker_daemon
 
@@ -37,11 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     node = command("node", node_daemon, "start a KV-store node", run=_run_node)
     node.add_argument("--model", default=None,
-                      help="size pages for this model (tiny, gpt2-small-shape or a checkpoint folder); "
-                           "overrides --page-bytes")
+                      help=f"size pages for the workers' model, so they fit: {MODELS}; overrides --page-bytes")
     node.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32",
                       help="with --model: the workers' KV dtype (default float32)")
-    command("worker", worker_daemon, "start an inference worker")
+    worker = command("worker", worker_daemon, "start an inference worker")
+    _say_models(worker, MODELS)
     command("coordinator", coordinator_daemon, "start a coordinator (membership, ring, routing)")
     command("gateway", gateway_daemon, "serve an OpenAI-compatible HTTP API in front of the coordinators")
     command("cluster", cluster_cli, "start or stop a local multi-process cluster")
@@ -52,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     command("certs", certs, "make a development CA and certificates for TLS between members")
     command("export-hf", export_hf, "write a model as a Hugging Face folder for vLLM and transformers")
     return parser
+
+
+def _say_models(parser: argparse.ArgumentParser, models: str) -> None:
+    """The worker's --model help names every kind of model it loads (its default stays its own)."""
+    for action in parser._actions:
+        if "--model" in action.option_strings:
+            action.help = f"{models} (default {action.default})"
 
 
 def _run_node(args: argparse.Namespace) -> int:
@@ -76,12 +85,35 @@ def _run_node(args: argparse.Namespace) -> int:
 QUIET_BLAS_ENV = {"OPENBLAS_THREAD_TIMEOUT": "4"}
 
 
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe (or socket) whose reading end has closed."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     for name, value in QUIET_BLAS_ENV.items():
         os.environ.setdefault(name, value)
-    args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit:  # after --help: argparse hides a failed write, the flush shows it
+            sys.stdout.flush()
+            raise
+        code = args.run(args)
+        sys.stdout.flush()  # here, where a reader gone is caught, not at exit
+        return code
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # a socket's, not ours to hide
+        # The reader left (`| head`, a pager quit): nothing more to say to it, and no traceback.
+        # Later writes, the interpreter's own flush at exit among them, go nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # what a shell shows for a command its pipe's SIGPIPE ended
     finally:
         # gRPC objects in reference cycles are freed now, while grpc's threads run: left for the
         # interpreter's exit, freeing one could hang it for good (coordinator/client.py note 1).

@@ -10,7 +10,12 @@ import numpy as np
 
 from protos.pages import DEFAULT_PAGE_TOKENS
 from worker.model import read_model_config
-from worker.model.config import read_config
+from worker.model.config import PRESETS, read_config
+from worker.model.named import NAMED_GGUF
+
+# What --model takes, for help texts and errors.
+MODELS = (f"a named model ({', '.join(NAMED_GGUF)}), a preset with random weights ({', '.join(PRESETS)}), "
+          "a .gguf file or a Hugging Face checkpoint folder (config.json + model.safetensors)")
 
 
 def model_page_bytes(model: str, kv_dtype: str = "float32", page_tokens: int = DEFAULT_PAGE_TOKENS) -> int:
@@ -23,7 +28,21 @@ def model_page_bytes(model: str, kv_dtype: str = "float32", page_tokens: int = D
 
 @functools.lru_cache(maxsize=8)
 def _config(model: str):
+    check_model_name(model)
     return read_model_config(model)   # a GGUF's metadata takes seconds to parse: once per process
+
+
+def check_model_name(model: str) -> None:
+    """ValueError listing the models that work, for a name that is none of them (the folder
+    reader's own "no config.json in NAME" would hide that NAME was meant as a model's name)."""
+    if model in NAMED_GGUF or model in PRESETS:
+        return
+    path = Path(model)
+    if path.suffix.lower() == ".gguf" and not path.is_file():
+        raise ValueError(f"model {model!r}: no such .gguf file. --model takes {MODELS}")
+    if path.suffix.lower() != ".gguf" and not (path / "config.json").is_file():
+        what = "a folder without config.json" if path.is_dir() else "no such model or folder"
+        raise ValueError(f"model {model!r}: {what}. --model takes {MODELS}")
 
 
 # vLLM's KV cache dtypes we size pages for, in bytes an element.
