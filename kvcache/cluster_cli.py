@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from kvcache import cluster_vllm, prometheus
 from kvcache.cluster import LocalCluster, client_tls, disk_tier_args, start_cluster, stop_members, wait_healthy
-from kvcache.cluster_file import ClusterFileError, read_cluster_file
+from kvcache.cluster_file import CLIENT_TOKEN_FILE, CLUSTER_FILE, DEFAULT_RUN_DIR, ClusterFileError, read_cluster_file
 from kvcache.launch import Daemon, DaemonFailed
 from kvcache.model_pages import VllmBlockPages, model_page_bytes
 from kvnode.disk_tier import CHECK_AT_START, DISK_CHECKS
@@ -28,8 +29,6 @@ from protos import tokens
 from protos.units import parse_size
 from worker.model.named import DEFAULT_MODEL
 
-DEFAULT_RUN_DIR = ".kvcache"
-CLUSTER_FILE = "cluster.json"
 MONITOR_TOKEN_FILE = "monitor.token"
 
 
@@ -71,8 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a healthy cluster (default 120)")
     up.add_argument("--secure", action="store_true",
                     help="mutual TLS between every member (a development CA and certificates made into RUN_DIR/tls "
-                         "by `kvcache certs`) and a client token (RUN_DIR/tokens, printed); `generate` and "
-                         "`status` then need the printed options")
+                         "by `kvcache certs`) and a client token (printed, and alone in RUN_DIR/client.token); "
+                         "`generate` and `status` find both through the cluster file, and print the options to "
+                         "give from elsewhere")
     up.add_argument("--gateway-port", type=int, default=None,
                     help="port of the OpenAI-compatible HTTP gateway in front of the coordinators (default 0: a "
                          "free one; its URL is printed and in the cluster file as `gateway`)")
@@ -174,20 +174,22 @@ def _print_started(args, cluster: LocalCluster, logs: Path, cluster_file: Path, 
         print(f"gateway: {cluster.gateway_url} (OpenAI API at {cluster.gateway_url}/v1)")
     print(f"logs: {logs}")
     print(f"cluster file: {cluster_file}")
-    command = f"kvcache status --coordinators {coordinators}" if args.vllm_model else \
-        f"kvcache generate --coordinators {coordinators}"
-    prompt, label = ("", "status") if args.vllm_model else (' "Hello"', "try")
-    if not args.secure:
-        print(f"{label}: {command}{prompt}", flush=True)
-        return
-    tls = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in client_tls(tls_dir).items())
-    print(f"mutual TLS: certificates in {tls_dir}; tokens file {tokens_file}")
-    print(f"token: {token}")
-    if not args.no_metrics:
-        gateway = ", the gateway's with the monitor token" if cluster.gateway_url else ""
-        print(f"metrics: HTTPS for the kvcache-monitor certificate ({tls_dir}/monitor.pem){gateway}; "
-              f"`kvcache cluster prometheus-config --scrape-config` prints a Prometheus config")
-    print(f"{label}: KVCACHE_TOKEN={token} {command} {tls}{prompt}", flush=True)
+    # `generate` and `status` find the cluster (and a secure one's certificates and token) by its file.
+    here = cluster_file.parent == (Path.cwd() / DEFAULT_RUN_DIR).resolve()
+    where = "" if here else f" --run-dir {shlex.quote(args.run_dir)}"
+    label, command = ("status", f"kvcache status{where}") if args.vllm_model else \
+        ("try", f'kvcache generate{where} "Hello"')
+    if args.secure:
+        client_token = cluster_file.parent / CLIENT_TOKEN_FILE
+        tls = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in client_tls(tls_dir).items())
+        print(f"mutual TLS: certificates in {tls_dir}; tokens file {tokens_file} (for daemons' --tokens-file)")
+        print(f"token: {token} (alone in {client_token}, for a client's --token-file)")
+        if not args.no_metrics:
+            gateway = ", the gateway's with the monitor token" if cluster.gateway_url else ""
+            print(f"metrics: HTTPS for the kvcache-monitor certificate ({tls_dir}/monitor.pem){gateway}; "
+                  f"`kvcache cluster prometheus-config --scrape-config` prints a Prometheus config")
+        print(f"client options elsewhere: --coordinators {coordinators} {tls} --token-file {client_token}")
+    print(f"{label}: {command}", flush=True)
 
 
 def _watch(cluster: LocalCluster, stopping: threading.Event) -> None:
@@ -204,10 +206,11 @@ def _watch(cluster: LocalCluster, stopping: threading.Event) -> None:
 
 def _secure_files(run_dir: Path, vllm: bool = False) -> tuple[Path, Path, str]:
     """Certificates in RUN_DIR/tls and a tokens file of two tenants: `default`, with a new token
-    for clients, and `monitor`, whose token (alone in RUN_DIR/monitor.token) a Prometheus sends
-    to the gateway's /metrics (kvcache/prometheus.py). With `vllm`, a third, `vllm`, whose token
-    (alone in RUN_DIR/vllm.token) and worker certificate (tls/vllm-connector.pem) the vLLM
-    connector presents: kvnodes take pages only from a worker's certificate."""
+    for clients (alone in RUN_DIR/client.token, a client's --token-file), and `monitor`, whose
+    token (alone in RUN_DIR/monitor.token) a Prometheus sends to the gateway's /metrics
+    (kvcache/prometheus.py). With `vllm`, a third, `vllm`, whose token (alone in
+    RUN_DIR/vllm.token) and worker certificate (tls/vllm-connector.pem) the vLLM connector
+    presents: kvnodes take pages only from a worker's certificate."""
     from kvcache.certs import make_certs
 
     tls_dir = run_dir / "tls"
@@ -222,6 +225,7 @@ def _secure_files(run_dir: Path, vllm: bool = False) -> tuple[Path, Path, str]:
         _write_private(run_dir / cluster_vllm.TOKEN_FILE, f"{connector_token}\n")
     tokens_file = run_dir / "tokens"
     _write_private(tokens_file, tenants)
+    _write_private(run_dir / CLIENT_TOKEN_FILE, f"{token}\n")  # a client's --token-file: the token alone
     return tls_dir, tokens_file, token
 
 

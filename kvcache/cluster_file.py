@@ -6,6 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+DEFAULT_RUN_DIR = ".kvcache"
+CLUSTER_FILE = "cluster.json"
+CLIENT_TOKEN_FILE = "client.token"   # a --secure cluster's client token alone, for --token-file
+
 
 class ClusterFileError(Exception):
     """What was wrong with the file, and the exit code to leave with (1: none there, 2: unreadable)."""

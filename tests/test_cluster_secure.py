@@ -1,5 +1,6 @@
-"""`kvcache cluster up --secure`: the whole local cluster on mutual TLS with a generated token,
-and the options it prints are the ones that work; its metrics ports too, scraped the way the
+"""`kvcache cluster up --secure`: the whole local cluster on mutual TLS with a generated token;
+a client given its run directory finds the certificates and token, and the options it prints for
+elsewhere are the ones that work; its metrics ports too, scraped the way the
 configuration `prometheus-config --scrape-config` prints tells Prometheus to."""
 
 from __future__ import annotations
@@ -30,13 +31,27 @@ def test_cluster_up_secure_prints_a_token_and_options_that_work_and_plaintext_do
     try:
         assert up.returncode == 0, up.stderr
         members = json.loads((run_dir / "cluster.json").read_text())["members"]
-        token = re.search(r"^token: (\S+)$", up.stdout, re.M).group(1)
-        tried = re.search(r"^try: KVCACHE_TOKEN=\S+ kvcache generate (.*)$", up.stdout, re.M).group(1)
-        options = shlex.split(tried)[:-1]  # without the prompt
-        env = {**os.environ, "KVCACHE_TOKEN": token}
+        token = re.search(r"^token: (\S+) \(alone in (\S+), for a client's --token-file\)$", up.stdout, re.M)
+        token, token_file = token.group(1), token.group(2)
+        assert Path(token_file).read_text().strip() == token and Path(token_file).stat().st_mode & 0o077 == 0
+        # Given its run directory, a client finds the coordinators, certificates and token itself.
+        assert re.search(rf'^try: kvcache generate --run-dir {re.escape(str(run_dir))} "Hello"$', up.stdout, re.M)
+        found = subprocess.run([*cli, "generate", "--run-dir", str(run_dir), "--max-tokens", "2", "Hello"],
+                               capture_output=True, text=True, timeout=120, env=env_without_client_settings())
+        assert found.returncode == 0, found.stderr
+        assert "mutual TLS and client token of its run directory" in found.stderr
+        # From elsewhere: the printed options, the token from its file.
+        printed = re.search(r"^client options elsewhere: (.*)$", up.stdout, re.M).group(1)
+        options = shlex.split(printed)
+        assert options[options.index("--token-file") + 1] == token_file
         ok = subprocess.run([*cli, "generate", *options, "--max-tokens", "2", "Hello"], capture_output=True,
-                            text=True, timeout=120, env=env)
+                            text=True, timeout=120, env=env_without_client_settings())
         assert ok.returncode == 0, ok.stderr
+        # The daemons' tokens file is not a client's token file: refused, naming the one to give.
+        wrong = subprocess.run([*cli, "status", *options, "--token-file", str(run_dir / "tokens")],
+                               capture_output=True, text=True, timeout=120, env=env_without_client_settings())
+        assert wrong.returncode == 2 and token_file in wrong.stderr and token not in wrong.stderr
+        env = {**env_without_client_settings(), "KVCACHE_TOKEN": token}
         coordinators = options[options.index("--coordinators") + 1]
         plain = subprocess.run([*cli, "generate", "--coordinators", coordinators, "--max-tokens", "2", "Hello"],
                                capture_output=True, text=True, timeout=120, env=env)
@@ -55,6 +70,10 @@ def test_cluster_up_secure_prints_a_token_and_options_that_work_and_plaintext_do
     finally:
         down = cluster_down([*cli, "cluster"], run_dir, members)
     assert down.returncode == 0, down.stderr
+
+
+def env_without_client_settings() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("KVCACHE_COORDINATORS", "KVCACHE_TOKEN")}
 
 
 def completion(gateway: str, key: str | None) -> tuple[int, dict]:

@@ -1,0 +1,133 @@
+"""Which cluster a client command (`generate`, `status`) talks to, and with which credentials.
+
+In order: `--coordinators A,B`; `--run-dir DIR` (the cluster file `kvcache cluster up --run-dir DIR`
+wrote); $KVCACHE_COORDINATORS; ./.kvcache/cluster.json, the one a plain `kvcache cluster up` in
+this folder wrote. A cluster found through a file is named in one line on stderr, so a user
+always knows which one answered; when it runs `--secure`, the run directory's CA, client
+certificate and client token (as `cluster up --secure` wrote them) are used unless --tls-* or a
+token is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvcache.cluster_file import (CLIENT_TOKEN_FILE, CLUSTER_FILE, DEFAULT_RUN_DIR, ClusterFileError,
+                                  read_cluster_file)
+from protos import security, tokens
+
+ENV_COORDINATORS = "KVCACHE_COORDINATORS"
+
+
+@dataclass
+class Target:
+    """Coordinator addresses and the Client keywords (TLS files, token) to reach them with;
+    `found_in`: the cluster file they came from, None when given on the command line or $KVCACHE_COORDINATORS."""
+
+    coordinators: list[str]
+    options: dict = field(default_factory=dict)
+    found_in: Path | None = None
+
+    def describe(self) -> str:
+        """The one line said on stderr for a cluster found through its file."""
+        secure = ", mutual TLS and client token of its run directory" if self.options.get("tls_ca") else ""
+        return f"using the cluster in {self.found_in} (coordinators {','.join(self.coordinators)}{secure})"
+
+    def hint(self) -> str:
+        """What to add to a connection error: a file left by a cluster that has stopped names dead ports."""
+        if self.found_in is None:
+            return ""
+        return (f" (addresses from {self.found_in}: if that cluster has stopped, `kvcache cluster down "
+                f"--run-dir {self.found_in.parent}` removes the file)")
+
+
+def add_arguments(parser: argparse.ArgumentParser, coordinators_help: str | None = None):
+    """--coordinators, --run-dir, --token-file and --tls-*: what every client command takes. Returns
+    the group --coordinators and --run-dir exclude each other in, for a command's other targets."""
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--coordinators", default=None, metavar="A,B",
+                       help=coordinators_help or
+                       f"coordinator addresses, tried in turn (default: ${ENV_COORDINATORS}, else the cluster "
+                       f"`kvcache cluster up` started from this folder, ./{DEFAULT_RUN_DIR}/{CLUSTER_FILE})")
+    where.add_argument("--run-dir", default=None, metavar="DIR",
+                       help="talk to the cluster `kvcache cluster up --run-dir DIR` started (its cluster file, and "
+                            "its certificates and client token when it runs --secure)")
+    add_token_argument(parser)
+    security.add_arguments(parser, client=True)
+    return where
+
+
+def add_token_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--token-file", metavar="FILE", default=None,
+                        help="a file holding this client's token alone, sent as `authorization: Bearer TOKEN` "
+                             f"(`cluster up --secure` writes RUN_DIR/{CLIENT_TOKEN_FILE}; default: $KVCACHE_TOKEN, "
+                             "else that file of a secure cluster found by its run directory, else none)")
+
+
+def resolve(args: argparse.Namespace) -> Target:
+    """The cluster the options name (module docstring); ValueError saying what to do when none is."""
+    run_dir = args.run_dir
+    if args.coordinators is None and run_dir is None:
+        if os.environ.get(ENV_COORDINATORS, "").strip():
+            return _given(args, os.environ[ENV_COORDINATORS])
+        run_dir = DEFAULT_RUN_DIR
+        if not (Path(run_dir) / CLUSTER_FILE).is_file():
+            raise ValueError(f"no cluster given, and none in ./{DEFAULT_RUN_DIR}/{CLUSTER_FILE}: start one here "
+                             f"with `kvcache cluster up`, or give --coordinators A,B (or --run-dir DIR, or set "
+                             f"${ENV_COORDINATORS})")
+    if run_dir is None:
+        return _given(args, args.coordinators)
+    return _from_run_dir(args, Path(run_dir).resolve())
+
+
+def _given(args: argparse.Namespace, text: str) -> Target:
+    addresses = [a.strip() for a in text.split(",") if a.strip()]
+    if not addresses:
+        raise ValueError("--coordinators names no address: give host:port,host:port")
+    return Target(addresses, {**tls_options(args), "token": client_token(args.token_file)})
+
+
+def _from_run_dir(args: argparse.Namespace, run_dir: Path) -> Target:
+    cluster_file = run_dir / CLUSTER_FILE
+    try:
+        cluster = read_cluster_file(cluster_file, "start a cluster with `kvcache cluster up --run-dir DIR`")
+    except ClusterFileError as exc:
+        raise ValueError(str(exc).removeprefix("error: ")) from None
+    addresses = [m["address"] for m in cluster.get("members", []) if m.get("role") == "coordinator"]
+    if not addresses:
+        raise ValueError(f"{cluster_file} names no coordinator: start the cluster again with `kvcache cluster up`")
+    options = tls_options(args)
+    token = client_token(args.token_file)
+    if cluster.get("secure"):
+        tls = run_dir / "tls"
+        files = {"tls_ca": tls / "ca.pem", "tls_cert": tls / "client.pem", "tls_key": tls / "client.key"}
+        if not any(options.values()) and all(path.is_file() for path in files.values()):
+            options = {name: str(path) for name, path in files.items()}
+        if token is None and (run_dir / CLIENT_TOKEN_FILE).is_file():
+            token = client_token(str(run_dir / CLIENT_TOKEN_FILE))
+    return Target(addresses, {**options, "token": token}, cluster_file)
+
+
+def tls_options(args: argparse.Namespace) -> dict:
+    """Client's TLS keywords from --tls-ca, --tls-cert and --tls-key."""
+    return {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key}
+
+
+def client_token(token_file: str | None) -> str | None:
+    """The token of --token-file (else $KVCACHE_TOKEN, else None). A daemons' tokens file (`TENANT
+    TOKEN` lines) is refused with the file to give instead: its first word is a tenant's name,
+    which no coordinator would take for a token."""
+    if token_file:
+        try:
+            lines = Path(token_file).read_text().splitlines()
+        except OSError as exc:
+            raise ValueError(f"--token-file {token_file}: {exc.strerror or exc}") from None
+        words = next((line.split("#", 1)[0].split() for line in lines if line.split("#", 1)[0].strip()), [])
+        if len(words) > 1:  # never echo the words: they hold a token
+            raise ValueError(f"--token-file {token_file} holds `TENANT TOKEN` lines: a tokens file, for the "
+                             f"daemons' --tokens-file. A client's token file holds its token alone: `cluster up "
+                             f"--secure` writes one beside it, {Path(token_file).with_name(CLIENT_TOKEN_FILE)}")
+    return tokens.client_token(token_file)
