@@ -14,9 +14,9 @@ from typing import Callable, Sequence
 
 import grpc
 
+from base import addresses, security
 from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
-from protos import addresses, security
 
 log = logging.getLogger("membership")
 
@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def advertised_address(args: argparse.Namespace, port: int) -> str:
-    """The host:port this member registers (protos.addresses.advertised); ValueError when there
+    """The host:port this member registers (base.addresses.advertised); ValueError when there
     is none to give, so the daemon refuses to start rather than register an undialable address."""
     return addresses.advertised(args.host, port, args.advertise)
 

@@ -18,13 +18,13 @@ from typing import AsyncIterator, Mapping, Sequence
 
 import grpc
 
+from base import security
+from base.observability import trace_metadata
+from base.tokens import authorization
 from coordinator.client import (TRY_ELSEWHERE, ClusterError, Finished, Piece, client_credentials, none_served,
                                 not_resumable, resumable, resumed)
 from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
-from protos import security
-from protos.observability import trace_metadata
-from protos.tokens import authorization
 from worker.client import generate_request, parse_reply
 
 __all__ = ["AsyncClient", "ClusterError", "Finished", "Piece"]

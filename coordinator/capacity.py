@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-from protos.log_limits import CountedEvent
+from base.log_limits import CountedEvent
 
 DEFAULT_MAX_STREAMS = 256
 CONTROL_THREADS = 16  # never taken by a stream: membership, status, health, reflection

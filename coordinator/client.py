@@ -26,11 +26,11 @@ from typing import Iterator, Mapping, Sequence
 
 import grpc
 
+from base import security
+from base.observability import traced_channel
+from base.tokens import authorization
 from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
-from protos import security
-from protos.tokens import authorization
-from protos.observability import traced_channel
 from worker.client import Finished, Piece, Usage, generate_request, parse_reply
 
 __all__ = ["Cancel", "Client", "ClusterError", "Finished", "Piece", "Usage"]

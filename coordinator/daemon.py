@@ -7,17 +7,17 @@ import logging
 import sys
 import threading
 
+from base import addresses, observability, security, serving, tokens
 from coordinator.capacity import DEFAULT_MAX_STREAMS, server_threads
 from coordinator.membership import Membership
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.ring import DEFAULT_PREFIX_CHARS
 from coordinator.service import SERVICE_NAME, TRACE_ROOTS, CoordinatorService, handler, run_sweeper
-from protos import addresses, observability, security, serving, tokens
 from protos.methods import method_path
 
 log = logging.getLogger("coordinator")
 
-# Called by members, not clients: open to any holder of a cluster certificate, no token (protos/tokens.py note 2).
+# Called by members, not clients: open to any holder of a cluster certificate, no token (base/tokens.py note 2).
 MEMBER_METHODS = [method_path("Coordinator", name) for name in ("Register", "Heartbeat", "Deregister")]
 
 

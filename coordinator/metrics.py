@@ -9,9 +9,9 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from base.observability import request_histogram
 from coordinator.membership import NODE, WORKER, Membership
 from coordinator.router import Router
-from protos.observability import request_histogram
 
 OUTCOMES = ("ok", "cancelled", "resource_exhausted", "unavailable", "deadline_exceeded", "invalid_argument")
 

@@ -70,7 +70,7 @@ class ClientCall:
     time_remaining: Callable[[], float | None]  # seconds left of the client's deadline (None: no deadline)
     is_active: Callable[[], bool]  # False once the client cancelled, went away or ran out of time
     on_end: Callable[[Callable[[], None]], object]  # run a callback when the call ends
-    namespace: str = ""  # the caller's tenant namespace (protos/tokens.py): salts the placement key
+    namespace: str = ""  # the caller's tenant namespace (base/tokens.py): salts the placement key
     metadata: tuple = ()  # sent on with each attempt: the caller's authorization, for the worker
 
 

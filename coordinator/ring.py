@@ -34,7 +34,7 @@ def epoch_of(nodes: Mapping[str, int]) -> str:
 def placement_key(prompt: str, session_id: str = "", prefix_chars: int = DEFAULT_PREFIX_CHARS,
                   namespace: str = "") -> str:
     """The session id when given, else a digest of the prompt's first characters (never tokenized);
-    salted with a tenant's `namespace` (protos/tokens.py), so tenants' prompts land apart."""
+    salted with a tenant's `namespace` (base/tokens.py), so tenants' prompts land apart."""
     if session_id:
         key = "session:" + session_id
     else:

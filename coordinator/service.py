@@ -11,6 +11,8 @@ import uuid
 
 import grpc
 
+from base import security, serving
+from base.tokens import forwarded
 from coordinator.capacity import DEFAULT_MAX_STREAMS, StreamSlots
 from coordinator.membership import HEARTBEAT_INTERVAL_S, NODE, Membership
 from coordinator.relay import ClientCall, Refused, Relay
@@ -18,15 +20,13 @@ from coordinator.ring import DEFAULT_PREFIX_CHARS
 from coordinator.router import Router
 from coordinator.workers import WorkerStreams
 from protos import kvcache_pb2 as pb
-from protos import security, serving
 from protos.methods import service_name
-from protos.tokens import forwarded
 
 log = logging.getLogger("coordinator")
 
 SERVICE_NAME = service_name("Coordinator")
-TRACE_ROOTS = ("Generate",)  # where a request's trace starts when its caller sent none (protos/observability.py)
-MEMBERS = ("node", "worker")  # whose certificates may join a secure cluster (protos/security.py note 4)
+TRACE_ROOTS = ("Generate",)  # where a request's trace starts when its caller sent none (base/observability.py)
+MEMBERS = ("node", "worker")  # whose certificates may join a secure cluster (base/security.py note 4)
 
 
 class CoordinatorService:
@@ -49,7 +49,7 @@ class CoordinatorService:
         self.workers = WorkerStreams(credentials)  # mutual TLS to workers when given
         self.relay = Relay(membership, self.router, self.workers.open, replicas, prefix_chars, request_timeout_s)
         self.metrics = None  # coordinator.metrics.CoordinatorMetrics (--metrics-port): requests by outcome
-        self.tokens = tokens  # protos.tokens.Tokens (--tokens-file): the caller's tenant salts its placement
+        self.tokens = tokens  # base.tokens.Tokens (--tokens-file): the caller's tenant salts its placement
 
     # ---- membership ------------------------------------------------------------
 

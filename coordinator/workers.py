@@ -12,9 +12,9 @@ from typing import Iterator
 
 import grpc
 
+from base import security
 from coordinator.relay import AttemptFailed, ClientCall
 from protos import kvcache_pb2 as pb
-from protos import security
 from worker.client import WorkerClient
 
 

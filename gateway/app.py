@@ -25,7 +25,7 @@ from gateway.replies import Reply, combined, model_body
 from gateway.shapes import Call, parse_chat, parse_completion
 from gateway.tracing import TraceRequests
 from gateway.upstream import Upstream
-from protos.observability import tracing_enabled
+from base.observability import tracing_enabled
 
 log = logging.getLogger("gateway")
 

@@ -15,8 +15,8 @@ import signal
 import socket
 import sys
 
-from protos import addresses, observability, security, serving
-from protos.units import parse_size
+from base import addresses, observability, security, serving
+from base.units import parse_size
 
 log = logging.getLogger("gateway")
 

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.routes import route_of
-from protos.observability import DURATION_BUCKETS
+from base.observability import DURATION_BUCKETS
 from worker.client import Finished
 
 class GatewayMetrics:

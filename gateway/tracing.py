@@ -15,7 +15,7 @@ from __future__ import annotations
 from opentelemetry import propagate, trace
 
 from gateway.routes import route_of
-from protos.observability import tracer
+from base.observability import tracer
 
 
 UNTRACED = ("/health", "/metrics")

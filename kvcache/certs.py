@@ -1,5 +1,5 @@
 """`kvcache certs DIR`: a development CA and one certificate per member role, for TLS and
-mutual TLS between the cluster's members (protos/security.py reads them).
+mutual TLS between the cluster's members (base/security.py reads them).
 
 Writes DIR/ca.pem (give it to every daemon and client as --tls-ca), DIR/ca.key (keep it to sign
 more; no daemon needs it), and DIR/ROLE.pem + DIR/ROLE.key for coordinator, node, worker,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvcache.cluster_file import (CLIENT_TOKEN_FILE, CLUSTER_FILE, DEFAULT_RUN_DIR, ClusterFileError,
                                   read_cluster_file)
-from protos import security, tokens
+from base import security, tokens
 
 ENV_COORDINATORS = "KVCACHE_COORDINATORS"
 

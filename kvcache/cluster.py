@@ -94,7 +94,7 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
     --flush-interval and --disk-check when given); with `metrics`, every member serves Prometheus
     metrics on a free port (`Daemon.metrics_url`). With `tls_dir` (made by `kvcache certs`), every
     member serves and calls over mutual TLS with its role's certificate (tls_args); with
-    `tokens_file`, coordinators and workers want a client token from it (protos/tokens.py). With
+    `tokens_file`, coordinators and workers want a client token from it (base/tokens.py). With
     `gateway_port` (0: a free one), an HTTP gateway (`kvcache gateway`) serves the OpenAI API in
     front of the coordinators, with /metrics when `metrics`. With `otlp_endpoint`, every member
     (and the gateway) exports trace spans there (--otlp-endpoint; needs the `otel` extra), of

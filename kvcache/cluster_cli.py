@@ -25,8 +25,8 @@ from kvcache.launch import Daemon, DaemonFailed
 from kvcache.model_pages import VllmBlockPages, model_page_bytes
 from kvnode.disk_tier import CHECK_AT_START, DISK_CHECKS
 from kvnode.flusher import DEFAULT_FLUSH_INTERVAL_S
-from protos import tokens
-from protos.units import parse_size
+from base import tokens
+from base.units import parse_size
 from worker.model.named import DEFAULT_MODEL
 
 MONITOR_TOKEN_FILE = "monitor.token"

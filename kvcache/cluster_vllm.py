@@ -12,9 +12,9 @@ import argparse
 import json
 from pathlib import Path
 
+from base.units import parse_size
 from kvcache.model_pages import VLLM_CPU_BLOCK_SIZE, VLLM_DTYPE_BYTES, VllmBlockPages, vllm_block_pages
 from kvnode.service import DEFAULT_MAX_KEYS
-from protos.units import parse_size
 from worker.model.config import CheckpointError
 from worker.model.named import DEFAULT_MODEL
 

@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass
 
 import grpc
 
+from base import security
 from coordinator.client import Client, ClusterError
 from kvcache import client_target
 from kvcache.chat_sessions import ChatSession
-from protos import security
 from worker.client import Finished, Piece, WorkerClient, WorkerError
 
 UINT32_MAX = 2**32 - 1

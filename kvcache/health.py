@@ -11,7 +11,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import security
+from base import security
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

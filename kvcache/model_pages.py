@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from protos.pages import DEFAULT_PAGE_TOKENS
+from base.pages import DEFAULT_PAGE_TOKENS
 from worker.model import read_model_config
 from worker.model.config import PRESETS, read_config
 from worker.model.named import NAMED_GGUF

@@ -16,10 +16,10 @@ import sys
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from base.units import format_size
 from coordinator.client import Client, ClusterError
 from kvcache import client_target
 from kvcache.bench.report import print_table
-from protos.units import format_size
 
 LEGEND = ("holds: a kvnode's pages of its capacity; a worker's KV blocks running requests hold (cached ones are free)\n"
           "activity: a kvnode's pages found by lookups; a worker's requests running, waiting, and in flight from here")

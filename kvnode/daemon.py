@@ -11,6 +11,8 @@ import logging
 import sys
 import time
 
+from base import addresses, observability, security, serving
+from base.units import format_size, parse_size
 from coordinator import agent
 from kvnode.data_dir import DataDir
 from kvnode.eviction import ALIASES, NODE_POLICIES, POLICIES, PREFIX_LRU
@@ -21,8 +23,6 @@ from kvnode.metrics import NodeMetrics
 from kvnode.service import DEFAULT_MAX_KEYS, SERVICE_NAME, KVStoreService, handler
 from kvnode.store import PageStore
 from protos import kvcache_pb2 as pb
-from protos import addresses, observability, security, serving
-from protos.units import format_size, parse_size
 
 log = logging.getLogger("kvnode")
 

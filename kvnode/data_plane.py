@@ -8,7 +8,7 @@ Design notes
 1. One thread per connection, at most `max_connections`; one over the bound is answered
    RESOURCE_EXHAUSTED and closed (NodeClient then makes that call over gRPC, as it does when a
    new connection closes before any reply). Those refusals are logged as one line per 10 s
-   with their count (protos/log_limits.py), so a crowd of clients cannot flood the log. Sockets
+   with their count (base/log_limits.py), so a crowd of clients cannot flood the log. Sockets
    are blocking (send and recv release the GIL; no poll runs before each call); kernel timeouts
    (SO_RCVTIMEO, SO_SNDTIMEO) drop a peer that stalls or idles longer than `timeout_s`, a
    request's bytes must all arrive within `timeout_s` of its first (data_plane_connection.py),
@@ -24,7 +24,7 @@ Design notes
    at once, and lets the requests being served finish within its timeout, then cuts the rest.
    A request is being served once its header is read and taken under the lock; a header read
    after the drain began is answered UNAVAILABLE, its rest read away first (the client goes elsewhere).
-5. With `credentials` (protos/security.py) every connection is TLS and the peer must present a
+5. With `credentials` (base/security.py) every connection is TLS and the peer must present a
    certificate of the cluster's CA (mutual TLS), as on the node's gRPC port. The handshake runs
    on the connection's thread, whole within `timeout_s`, with the context current at that moment
    (a SIGHUP may have re-read the files). A connection over the bound is closed without an
@@ -62,10 +62,10 @@ import time
 
 import grpc
 
+from base import security
+from base.log_limits import CountedEvent
 from kvnode import data_wire as dw
 from kvnode.checksum import CHECKSUM_BYTES
-from protos import security
-from protos.log_limits import CountedEvent
 from kvnode.data_plane_connection import Connection, Dropped, Idle, refuse, shutdown_all, unix_listener
 from kvnode.data_plane_puts import DEFAULT_MAX_PUT_BYTES_IN_FLIGHT, PutReceiver
 from kvnode.recv_buffers import DEFAULT_KEEP_PER_CONNECTION, DEFAULT_KEEP_TOTAL, BufferBudget, ReceiveBuffer
@@ -226,7 +226,7 @@ class DataPlaneServer:
             if self.credentials is not None:
                 conn = self._handshake(conn, peer)
                 refusal = security.not_member_reason(security.socket_role(conn), ("worker",), "the data plane")
-                if refusal is not None:  # protos/security.py note 4
+                if refusal is not None:  # base/security.py note 4
                     raise Dropped(refusal)
             connection = Connection(conn, self.timeout_s, ReceiveBuffer(self.buffers))
             while not self._stopping.is_set():

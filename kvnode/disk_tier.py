@@ -39,7 +39,7 @@ from pathlib import Path
 
 import xxhash
 
-from protos.pages import KEY_BYTES
+from base.pages import KEY_BYTES
 
 SLOTS_FILE = "pages.slots"
 MAGIC = b"KVPG"

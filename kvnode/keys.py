@@ -1,10 +1,10 @@
 """The key check the node and its client share: a page key is KEY_BYTES bytes on every wire
-and in every store (protos/pages.py). Here, apart from the store, so that the client
+and in every store (base/pages.py). Here, apart from the store, so that the client
 (kvnode/client/) refuses a bad key as the node would without importing the node."""
 
 from __future__ import annotations
 
-from protos.pages import KEY_BYTES
+from base.pages import KEY_BYTES
 
 
 class InvalidRequest(ValueError):

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from base.observability import DURATION_BUCKETS
 from kvnode.store import PageStore, PutOutcome
-from protos.observability import DURATION_BUCKETS
 
 GRPC, DATA_PLANE = "grpc", "data_plane"
 OUTCOMES = {PutOutcome.STORED: "stored", PutOutcome.ALREADY_PRESENT: "already_present",

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
+from base.log_limits import CountedEvent
 from kvnode.store_types import PutOutcome
-from protos.log_limits import CountedEvent
 
 log = logging.getLogger("kvnode")
 

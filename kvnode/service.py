@@ -11,20 +11,20 @@ import uuid
 
 import grpc
 
-from protos.version import __version__
+from base import security
+from base.serving import DEFAULT_MAX_MESSAGE_BYTES, Malformed, tolerant
+from base.version import __version__
 from kvnode import wire
 from kvnode.checksum import CHECKSUM_BYTES
 from kvnode.put_refusals import log_refused
 from kvnode.store import InvalidRequest, LeaseRefused, PageNotFound, PageStore, check_key
 from protos import kvcache_pb2 as pb
-from protos import security
 from protos.methods import service_name
-from protos.serving import DEFAULT_MAX_MESSAGE_BYTES, Malformed, tolerant
 
 log = logging.getLogger("kvnode")
 
 SERVICE_NAME = service_name("KVStore")
-READERS = ("worker",)  # whose certificates may look pages up, get, put and drop them (protos/security.py note 4)
+READERS = ("worker",)  # whose certificates may look pages up, get, put and drop them (base/security.py note 4)
 # Trailing metadata of a Lookup whose hits the node's leased-pages bound cut short, so the client knows why it got fewer hits.
 LEASE_LIMITED_KEY = "kvcache-lease-limited"
 DEFAULT_MAX_KEYS = 256

@@ -21,7 +21,7 @@ Design notes
    large as the node said. Populating the page tables costs ~80 ms a GiB, so it is done once
    mapped, off the request path (on the reader's mapping thread), for pools up to
    POPULATE_MAX_BYTES; a larger pool, or a kernel before 5.14, maps lazily, each page's first copy
-   paying its faults (protos/mappings.py: how, without stalling the reader's other threads).
+   paying its faults (base/mappings.py: how, without stalling the reader's other threads).
 3. Linux only (memfd_create, SO_PEERCRED, SCM_RIGHTS); elsewhere the pool is a plain array and
    nothing is shared.
 """
@@ -37,7 +37,7 @@ import struct
 
 import numpy as np
 
-from protos import mappings
+from base import mappings
 
 POPULATE_MAX_BYTES = 8 << 30  # design note 2
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid

@@ -42,6 +42,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from base.pages import KEY_BYTES
 from kvnode import store_invariants
 from kvnode.checksum import CHECKSUM_BYTES, page_checksum
 from kvnode.disk_tier import DiskTier
@@ -55,7 +56,6 @@ from kvnode.store_drops import PageDrops
 from kvnode.store_pins import PagePins
 from kvnode.store_types import MAX_LEASE_MS, LeaseRefused, PageNotFound, PutOutcome, StoreStats, _Page
 from kvnode.tiers import Tiers
-from protos.pages import KEY_BYTES
 
 
 class PageStore:

@@ -20,11 +20,11 @@ from typing import Callable, Iterator, Sequence
 
 import grpc
 
+from base import serving
 from kvcache.launch import Daemon
 from kvnode.client import NodeClient
 from kvnode.service import SERVICE_NAME, KVStoreService, handler
 from kvnode.store import PageStore
-from protos import serving
 
 STOP_GRACE_S = 0.5
 # The test nodes' shape unless a test asks for another: small, so everything stays fast.

@@ -12,11 +12,11 @@ from typing import Iterator
 
 import grpc
 
+from base import serving
 from coordinator.agent import MembershipAgent
 from coordinator.client import Client
 from kvcache.launch import Daemon
 from protos import kvcache_pb2 as pb
-from protos import serving
 
 HOLD_LIMIT_S = 15.0  # a held stream ends by itself after this, whatever the test does
 BUSY_MESSAGE = "worker busy: no room for another stream"

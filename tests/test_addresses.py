@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, node_process, run_kvcache, wait_for
+from base.addresses import advertised, host_port, split_host_port
 from coordinator.client import Client
 from coordinator_fakes import coordinator_process
 from kvcache.launch import Daemon
 from kvnode.client import NodeClient
-from protos.addresses import advertised, host_port, split_host_port
 from store_helpers import key
 
 NODE_ARGS = ("--capacity", "64KiB", "--page-bytes", str(NODE_PAGE_BYTES))

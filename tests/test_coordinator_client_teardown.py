@@ -14,10 +14,10 @@ from typing import Iterator
 import grpc
 import pytest
 
+from base import serving
 from coordinator.client import Client, Finished, Piece
 from worker.client import WorkerClient, WorkerError
 from protos import kvcache_pb2 as pb
-from protos import serving
 
 
 def failing(request, context):  # one token, then the coordinator is gone

@@ -15,11 +15,11 @@ import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, wait_for
 from data_plane_helpers import GOOD, GOOD_PARENTS, INVALID, MAX_KEYS, assert_unharmed, pages, put_head, raw_connection
+from base.log_limits import CountedEvent
 from kvnode import data_wire as dw
 from kvnode.checksum import page_checksum
 from kvnode.client import NodeError
 from kvnode.data_plane import DataPlaneServer
-from protos.log_limits import CountedEvent
 from store_helpers import key
 
 pytestmark = pytest.mark.usefixtures("no_kvnode_errors_logged")  # a bad peer gets an info line, never an error

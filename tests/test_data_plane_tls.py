@@ -16,11 +16,11 @@ import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, wait_for
 from data_plane_helpers import put_head
+from base import security
 from kvnode import data_wire as dw
 from kvnode.data_plane import DataPlaneServer
 from kvnode.store import PageStore
 from kvnode.tls_stream import TlsStream
-from protos import security
 from store_helpers import key
 
 pytestmark = pytest.mark.usefixtures("no_kvnode_errors_logged")  # a bad peer gets an info line, never an error

@@ -1,4 +1,4 @@
-"""protos/mappings.py: a reader of a kvnode's shared pool (the node's client, the worker's block
+"""base/mappings.py: a reader of a kvnode's shared pool (the node's client, the worker's block
 arena) fills its mapping's page tables before it returns, while the process's other threads go on:
 Python's mmap held the GIL through MAP_POPULATE and one madvise over the whole range held the
 memory-map lock, so a worker's engine step (which allocates arrays) stalled ~80 ms a GiB of the
@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from base import mappings
 from kvnode import shared_pool
-from protos import mappings
 from worker.block_arena import BlockArena
 
 pytestmark = pytest.mark.skipif(not shared_pool.supported(), reason="the shared pool needs Linux (memfd, SO_PEERCRED)")

@@ -1,4 +1,4 @@
-"""The metrics port's HTTP server (protos/metrics_server.py) on real loopback sockets: bounded
+"""The metrics port's HTTP server (base/metrics_server.py) on real loopback sockets: bounded
 connections and threads, a flood of idle or half-sent connections does not keep a scrape out,
 a silent peer is dropped, and stop closes everything it opened."""
 
@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from metrics_helpers import scrape, tls_context
-from protos import security
-from protos.metrics_server import MetricsServer
+from base import security
+from base.metrics_server import MetricsServer
 
 CAP = 4
 

@@ -9,9 +9,9 @@ import logging
 import numpy as np
 import pytest
 
+from base.log_limits import CountedEvent
 from kvnode import put_refusals
 from kvnode.store_types import PutOutcome
-from protos.log_limits import CountedEvent
 from store_helpers import key
 
 NO_PARENT, NO_ROOM = PutOutcome.REFUSED_NO_PARENT, PutOutcome.REFUSED_NO_ROOM

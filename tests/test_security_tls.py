@@ -15,6 +15,7 @@ import pytest
 from cryptography import x509
 
 from cluster_helpers import collect
+from base import security
 from coordinator.client import Client
 from kvcache.certs import ROLES, make_certs
 from kvcache.cluster import client_tls, start_cluster, wait_healthy
@@ -23,7 +24,6 @@ from kvnode.client import NodeClient
 from kvnode.client.data_client import DataPlaneClient
 from kvnode.client.data_client_io import DataPlaneError
 from protos import kvcache_pb2 as pb
-from protos import security
 from worker.engine import Engine
 
 PROMPT = "The bakery opens at seven and closes when the bread is gone. Do you sell rye bread?"
@@ -135,7 +135,7 @@ def test_tls_without_a_cluster_certificate_cannot_register_beat_put_or_get(secur
 
 def test_a_client_certificate_reaches_client_calls_only_not_a_members(secure_cluster, certs):
     """The CA signed it, but it is not a member's: it may not join the cluster nor read or write
-    pages on a kvnode, over gRPC or the data plane (protos/security.py note 4)."""
+    pages on a kvnode, over gRPC or the data plane (base/security.py note 4)."""
     client = member_credentials(certs, "client")
     credentials = grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes(), (certs / "client.key").read_bytes(),
                                                (certs / "client.pem").read_bytes())

@@ -14,13 +14,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from cluster_helpers import collect, wait_for
+from base import security
+from base.tokens import TokenCheck, Tokens, authorization
 from coordinator.client import Client, ClusterError
 from coordinator.daemon import MEMBER_METHODS
 from coordinator.ring import placement_key
 from kvcache.cluster import client_tls, start_cluster, wait_healthy
 from kvnode.client import NodeClient
-from protos import security
-from protos.tokens import TokenCheck, Tokens, authorization
 from worker.client import WorkerClient
 from worker.engine import Engine
 from worker.pages import tenant_root

@@ -1,4 +1,4 @@
-"""protos.serving: addresses and binding errors that read clearly (in-process, 127.0.0.1 only)."""
+"""base.serving: addresses and binding errors that read clearly (in-process, 127.0.0.1 only)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from protos import serving
+from base import serving
 
 
 @pytest.mark.parametrize(

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from base import security
 from kvnode import data_wire as dw
 from kvnode.client.data_client_io import DataPlaneError, receive
 from kvnode.tls_stream import TlsStream
-from protos import security
 
 RECORD = 16384  # a TLS record's most plaintext
 

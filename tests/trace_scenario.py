@@ -40,7 +40,7 @@ def main() -> int:
     from kvnode.client import NodeClient
     from protos import kvcache_pb2 as pb
     from kvnode.store import PageStore
-    from protos import observability, serving
+    from base import observability, serving
     from worker import service as worker_service
     from worker.client import WorkerClient
     from worker.engine import Engine

@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from protos.pages import KEY_BYTES
+from base.pages import KEY_BYTES
 from worker.pages import page_key, tenant_root
 
 

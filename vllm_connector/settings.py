@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from protos import security
+from base import security
 
 
 class SettingsError(ValueError):

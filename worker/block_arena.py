@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from protos import mappings
+from base import mappings
 
 log = logging.getLogger("worker.arena")
 

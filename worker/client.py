@@ -7,11 +7,11 @@ from typing import Iterator, Mapping, Sequence
 
 import grpc
 
+from base import security
+from base.observability import traced_channel
+from base.tokens import authorization
 from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
-from protos import security
-from protos.observability import traced_channel
-from protos.tokens import authorization
 from worker.usage import Usage
 
 
@@ -114,7 +114,7 @@ class WorkerClient:
                  token: str | None = None):
         self.address = address
         self.timeout = timeout
-        self.metadata = authorization(token)  # protos/tokens.py: a worker started with --tokens-file needs one
+        self.metadata = authorization(token)  # base/tokens.py: a worker started with --tokens-file needs one
         self._channel = traced_channel(security.channel(address, credentials, security.KEEPALIVE_OPTIONS))
         stub = pb_grpc.WorkerStub(self._channel)
         self._generate = stub.Generate

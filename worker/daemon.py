@@ -14,11 +14,11 @@ import sys
 import threading
 import time
 
+from base import observability, security, serving, tokens
+from base.pages import DEFAULT_PAGE_TOKENS
+from base.units import format_size, parse_size
 from coordinator import agent
 from protos import kvcache_pb2 as pb
-from protos import observability, security, serving, tokens
-from protos.pages import DEFAULT_PAGE_TOKENS
-from protos.units import format_size, parse_size
 from worker.engine import Engine
 from worker.metrics import WorkerMetrics
 from worker.model import blas

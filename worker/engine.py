@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from protos.pages import DEFAULT_PAGE_TOKENS
+from base.pages import DEFAULT_PAGE_TOKENS
 from worker.block_pool import BlockPool
 from worker.connector import KVConnector, Tier
 from worker.model import load_model

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from protos.observability import DURATION_BUCKETS
+from base.observability import DURATION_BUCKETS
 from worker.engine import Completion, Engine
 
 SOURCES = ("local", "remote", "computed")

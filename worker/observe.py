@@ -13,7 +13,7 @@ Design notes
 3. Queue wait, prefill chunks and decode are read from the engine's step records (`on_step`) and
    the completion (`on_finish`), and written as spans with their measured start and end times:
    nothing is timed twice, and the engine's steps carry no tracing code. Only with tracing on.
-4. Only a sampled request's work makes spans (protos/observability.py note 6): a request whose
+4. Only a sampled request's work makes spans (base/observability.py note 6): a request whose
    trace was not sampled is not tracked at all, and a write-back batch with no sampled request's
    page in it makes none (it used to start a trace of its own).
 """
@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from typing import Callable, Sequence
 
-from protos.observability import current_context, sampled, tracer
+from base.observability import current_context, sampled, tracer
 from worker.remote import Placement, RemoteTier
 
 MAX_TRACKED = 4096  # requests or pages whose trace context is kept at once (bounded if a hook is missed)

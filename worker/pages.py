@@ -3,7 +3,7 @@
 A page's key is the 16-byte BLAKE2b digest of its parent page's key followed by its token ids
 as fixed-width little-endian unsigned 32-bit ints. The first page's parent is the model
 fingerprint (architecture, weights, KV dtype, page size), so a key names a page's whole prefix
-and KV of different models never mix. A tenant's namespace (protos/tokens.py) is mixed into that
+and KV of different models never mix. A tenant's namespace (base/tokens.py) is mixed into that
 root, so the same prompt from two tenants has unrelated keys on every tier.
 """
 
@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from protos.pages import KEY_BYTES
+from base.pages import KEY_BYTES
 
 TOKEN_DTYPE = np.dtype("<u4")  # vocabularies stay far below 2**32
 

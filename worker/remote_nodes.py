@@ -75,7 +75,7 @@ class NodeTable:
         self.max_probes = max_probes
         self.on_failure = on_failure
         self.on_answered = on_answered  # after a node's first answer, on the probe thread
-        self.credentials = credentials  # protos.security.Credentials: mutual TLS to kvnodes
+        self.credentials = credentials  # base.security.Credentials: mutual TLS to kvnodes
         self._nodes: OrderedDict[str, Node] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
         self._num_probes = 0

@@ -29,9 +29,9 @@ from typing import Callable
 
 import grpc
 
-from protos.version import __version__
+from base import serving
+from base.version import __version__
 from protos import kvcache_pb2 as pb
-from protos import serving
 from protos.methods import service_name
 from worker.client import usage_to_proto
 from worker.engine import Engine
@@ -43,7 +43,7 @@ from worker.sampling import FINISH_ERROR, SamplingParams
 log = logging.getLogger("worker")
 
 SERVICE_NAME = service_name("Worker")
-TRACE_ROOTS = ("Generate",)  # where a request's trace starts when its caller sent none (protos/observability.py)
+TRACE_ROOTS = ("Generate",)  # where a request's trace starts when its caller sent none (base/observability.py)
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
 MAX_PLACEMENT = 8  # kvnodes a request may name (replicas); more is refused
 MAX_REQUEST_ID_CHARS = 128
@@ -58,7 +58,7 @@ class WorkerService:
                  max_streams: int = DEFAULT_MAX_STREAMS, step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
                  on_broken: Callable[[str], None] | None = None, tokens=None):
         self.engine = engine
-        self.tokens = tokens  # protos.tokens.Tokens (--tokens-file): the caller's tenant roots its page keys
+        self.tokens = tokens  # base.tokens.Tokens (--tokens-file): the caller's tenant roots its page keys
         self.worker_id = worker_id or uuid.uuid4().hex[:12]
         self.max_tokens_limit = max_tokens_limit
         self.max_streams = max_streams

@@ -185,7 +185,7 @@ def _check(args) -> list[str]:
     if unknown or not kinds:
         raise ValueError(f"--faults takes kinds among {', '.join(KINDS)}, got {args.faults!r}")
     from kvcache.model_pages import model_page_bytes
-    from protos.units import parse_size
+    from base.units import parse_size
 
     model_page_bytes(args.model, "float32")  # ValueError for an unknown model
     parse_size(args.node_capacity), parse_size(args.worker_kv_cache)

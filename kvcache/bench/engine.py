@@ -23,9 +23,9 @@ import time
 
 import numpy as np
 
+from base.pages import DEFAULT_PAGE_TOKENS
 from kvcache.bench.chat_prompt import BenchChat
 from kvcache.bench.report import dump_json, machine, print_table
-from protos.pages import DEFAULT_PAGE_TOKENS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

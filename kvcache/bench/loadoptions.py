@@ -136,7 +136,7 @@ def check(args) -> tuple[wl.WorkloadConfig, list[int]]:
     config.check()
     if args.coordinators is None:
         from kvcache.model_pages import model_page_bytes
-        from protos.units import parse_size
+        from base.units import parse_size
 
         model_page_bytes(args.model, args.kv_dtype)  # ValueError for an unknown model
         parse_size(args.node_capacity), parse_size(args.worker_kv_cache)

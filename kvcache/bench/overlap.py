@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
+from base import serving
 from kvcache.bench.report import dump_json, machine, print_table
 from kvcache.launch import Daemon
 from kvcache.model_pages import model_page_bytes
-from protos import serving
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from base.units import parse_size
 from kvcache.bench.report import dump_json, machine, print_table
 from kvcache.launch import Daemon
 from kvnode.client import NodeClient
@@ -34,7 +35,6 @@ from kvnode.client.data_client import DataPlaneClient
 from kvnode.data_plane import DataPlaneServer
 from kvnode.disk_tier import CHECK_ALWAYS, CHECK_AT_START, HEADER_BYTES, DiskTier
 from kvnode.store import PageStore
-from protos.units import parse_size
 
 TINY_FP32_PAGE = 4 * 2 * 4 * 16 * 64 * 4  # 131,072 bytes: the default node page
 

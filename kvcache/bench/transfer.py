@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from base import security, serving
 from kvcache.bench import redis_baseline
 from kvcache.bench.loopback import SocketBaseline
 from kvcache.bench.node import GPT2_SMALL_FP16_PAGE
@@ -38,7 +39,6 @@ from kvcache.bench.report import dump_json, latency_summary_ms, machine, print_t
 from kvcache.cluster import tls_args
 from kvcache.launch import Daemon
 from kvnode.client import NodeClient
-from protos import security, serving
 
 TRANSPORTS = ("kvnode", "kvnode_grpc", "redis", "socket")  # "kvnode": its data plane
 TLS = "kvnode_tls"  # with --tls: a kvnode's data plane over mutual TLS

@@ -65,7 +65,7 @@ log = logging.getLogger("kvnode.client")
 
 
 class DataPlaneClient:
-    """`tls`: an ssl client context (protos.security.Credentials.client_context): every connection
+    """`tls`: an ssl client context (base.security.Credentials.client_context): every connection
     is TLS, checked against the node's certificate, and presents ours (mutual TLS). `unix_name`:
     the node's abstract Unix socket, used when `host` is a loopback address (design note 7);
     `shared_memory=False` never maps the node's pool (shared_pool_reader.py)."""

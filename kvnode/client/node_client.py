@@ -29,6 +29,8 @@ from typing import Callable, Sequence
 import grpc
 import numpy as np
 
+from base import security
+from base.observability import traced_channel
 from kvnode import data_wire as dw
 from kvnode.checksum import CHECKSUM_BYTES, page_checksum
 from kvnode.client import grpc_pages, shared_pool_pins, stepwise_gets
@@ -40,9 +42,7 @@ from kvnode.client.types import (NodeError, NodeInfo, PageRejected, PutResult, c
                                  time_left, verified)
 from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
-from protos import security
 from protos.methods import method_path
-from protos.observability import traced_channel
 
 log = logging.getLogger("kvnode.client")
 
@@ -77,7 +77,7 @@ class NodeClient:
     `unix_socket=False` keeps the data plane on TCP when the node also offers its same-host
     socket (the bench compares the two); `shared_memory=False` keeps it on that socket when the
     node would also let it copy pages out of its shared pool (shared_pool_reader.py);
-    `credentials` (protos.security) make both gRPC and the data plane mutual TLS."""
+    `credentials` (base.security) make both gRPC and the data plane mutual TLS."""
 
     def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S, use_data_plane: bool = True,
                  credentials: security.Credentials | None = None, unix_socket: bool = True,

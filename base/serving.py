@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos import addresses
+from base import addresses
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def make_server(
     interceptors: Iterable[grpc.ServerInterceptor] = (),
 ) -> tuple[grpc.Server, health.HealthServicer]:
     """A threaded gRPC server with health and reflection on; not yet bound or started.
-    `interceptors`: metrics and tracing (protos/observability.py), none unless they are on."""
+    `interceptors`: metrics and tracing (base/observability.py), none unless they are on."""
     options = [
         # KV pages are far larger than gRPC's 4 MiB default; the node chunks replies to this size.
         ("grpc.max_send_message_length", max_message_bytes),
@@ -146,7 +146,7 @@ host_port = addresses.host_port  # kept here too: daemons print their address wi
 
 def bind(server: grpc.Server, host: str, port: int, credentials=None) -> int:
     """Bind host:port (port 0 picks a free one) and return the port, or raise a clear error.
-    With `credentials` (protos.security.Credentials) the port takes mutual TLS only."""
+    With `credentials` (base.security.Credentials) the port takes mutual TLS only."""
     where = host_port(host, port)
     reason = _why_unbindable(host.strip("[]"), port)
     if reason:

@@ -29,7 +29,7 @@ from typing import Iterable
 
 import grpc
 
-from protos.log_limits import CountedEvent
+from base.log_limits import CountedEvent
 
 log = logging.getLogger("security")
 

@@ -21,7 +21,7 @@ Design notes
    Deregister with a coordinator, and only workers may Lookup, get and put pages on a kvnode, over
    gRPC or the data plane. A client's certificate (`kvcache-client`) reaches only client calls,
    which its token then names; a scraper's (`kvcache-monitor`) is the only one the metrics port
-   takes (protos/metrics_server.py). Plaintext calls (a loopback development cluster)
+   takes (base/metrics_server.py). Plaintext calls (a loopback development cluster)
    are not checked.
 """
 
@@ -126,7 +126,7 @@ def _read(path: Path, option: str) -> bytes:
 # without pings its caller would wait out the call's whole deadline. These channels ping every
 # 10 s, also while no data flows (a long prefill); no answer within 5 s ends their calls
 # UNAVAILABLE, so the caller resumes them elsewhere. Servers take a ping every 5 s at most
-# (protos/serving.py), so these never count as abuse.
+# (base/serving.py), so these never count as abuse.
 KEEPALIVE_OPTIONS = (
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),

@@ -11,7 +11,7 @@ Design notes
 3. The metrics port listens on the daemon's --host, on TLS with the daemon's certificate when it
    has one, for scrapers holding a `kvcache-monitor` certificate; its connections are bounded in
    number and time, and a peer that connects and sends nothing, or garbage, is dropped by the
-   HTTP server's own threads, never reaching the daemon's others (protos/metrics_server.py).
+   HTTP server's own threads, never reaching the daemon's others (base/metrics_server.py).
 4. Tracing is on when an SDK tracer provider is set: by `--otlp-endpoint` (the `otel` extra) or by
    a test. With the API alone every span is a no-op and channels are not wrapped at all.
    Server spans take their parent from the call's `traceparent`; client channels made while
@@ -43,8 +43,8 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Status, StatusCode
 from prometheus_client import CollectorRegistry, Histogram
 
-from protos import security
-from protos.metrics_server import MetricsServer
+from base import security
+from base.metrics_server import MetricsServer
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from protos import addresses, security
+from base import addresses, security
 
 log = logging.getLogger(__name__)
 
