@@ -19,15 +19,16 @@ from typing import AsyncIterator, Mapping, Sequence
 import grpc
 
 from base import security
+from base.generation import Finished, Piece
 from base.observability import trace_metadata
 from base.tokens import authorization
-from coordinator.client import (TRY_ELSEWHERE, ClusterError, Finished, Piece, client_credentials, none_served,
-                                not_resumable, resumable, resumed)
+from coordinator.client import (TRY_ELSEWHERE, ClusterError, client_credentials, none_served, not_resumable, resumable,
+                                resumed)
 from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
 from worker.client import generate_request, parse_reply
 
-__all__ = ["AsyncClient", "ClusterError", "Finished", "Piece"]
+__all__ = ["AsyncClient", "ClusterError"]
 
 
 class AsyncClient:

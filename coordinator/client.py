@@ -27,13 +27,14 @@ from typing import Iterator, Mapping, Sequence
 import grpc
 
 from base import security
+from base.generation import Finished, Piece
 from base.observability import traced_channel
 from base.tokens import authorization
 from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
-from worker.client import Finished, Piece, Usage, generate_request, parse_reply
+from worker.client import generate_request, parse_reply
 
-__all__ = ["Cancel", "Client", "ClusterError", "Finished", "Piece", "Usage"]
+__all__ = ["Cancel", "Client", "ClusterError"]
 
 # A coordinator that is down, or at its limit of streams (RESOURCE_EXHAUSTED): try the next one.
 TRY_ELSEWHERE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from coordinator.client import Finished, Piece
+from base.generation import Finished, Piece
 from gateway import sse
 from gateway.bodies import CLIENT_GONE, read_json
 from gateway.errors import ApiError

@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from gateway.routes import route_of
 from base.observability import DURATION_BUCKETS
-from worker.client import Finished
+from base.generation import Finished
 
 class GatewayMetrics:
     def __init__(self):

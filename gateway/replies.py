@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
-from worker.client import Usage
+from base.generation import Usage
 
 OWNED_BY = "kvcache"
 

@@ -9,7 +9,7 @@ import logging
 from contextlib import aclosing
 from typing import AsyncIterator
 
-from coordinator.client import Finished, Piece
+from base.generation import Finished, Piece
 from gateway.errors import ApiError
 from gateway.replies import Reply, combined
 

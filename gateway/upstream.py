@@ -25,7 +25,8 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import AsyncIterator, Awaitable, Callable
 
-from coordinator.aio_client import AsyncClient, ClusterError, Finished, Piece
+from base.generation import Finished, Piece
+from coordinator.aio_client import AsyncClient, ClusterError
 from gateway.errors import ApiError, from_cluster
 from gateway.shapes import Call
 

@@ -18,7 +18,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from coordinator.client import Client, Finished, Piece
+from base.generation import Finished, Piece
+from coordinator.client import Client
 from kvcache.bench.report import print_table
 from kvcache.cluster import start_cluster, wait_healthy
 from kvcache.generate import printable

@@ -19,10 +19,11 @@ from dataclasses import asdict, dataclass
 import grpc
 
 from base import security
+from base.generation import Finished, Piece
 from coordinator.client import Client, ClusterError
 from kvcache import client_target
 from kvcache.chat_sessions import ChatSession
-from worker.client import Finished, Piece, WorkerClient, WorkerError
+from worker.client import WorkerClient, WorkerError
 
 UINT32_MAX = 2**32 - 1
 NO_TEMPLATE = "has no chat template"   # a worker's refusal of messages for a model without one

@@ -135,7 +135,7 @@ def raw_channel(address: str, max_message_bytes: int = 256 * 1024 * 1024) -> grp
 
 def collect(events) -> tuple[list[int], object]:
     """Token ids of a generate() stream and its Finished event (asserting there is one)."""
-    from worker.client import Finished, Piece
+    from base.generation import Finished, Piece
 
     tokens, finished = [], None
     for event in events:

@@ -150,7 +150,8 @@ class Hosts:
 # time.time()), an error as {"error": ...} (the run goes on).
 CLIENT = """
 import json, sys, time
-from coordinator.client import Client, Finished, Piece
+from base.generation import Finished, Piece
+from coordinator.client import Client
 command, coordinator = sys.argv[1], sys.argv[2]
 with Client(coordinator.split(","), timeout=60.0) as client:
     if command == "busy":  # poll every 20 ms, up to 60 s, for a worker running a request; print it
@@ -191,7 +192,8 @@ with Client(coordinator.split(","), timeout=60.0) as client:
 # tokens, usage and when it started and ended (time.time()), or its index and {"error": ...}.
 LOAD = """
 import itertools, json, sys, threading, time
-from coordinator.client import Client, Finished, Piece
+from base.generation import Finished, Piece
+from coordinator.client import Client
 coordinators, requests = sys.argv[1].split(","), json.loads(sys.argv[2])
 threads, pause_s, max_requests, max_seconds = int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
 stop, lock, counter = threading.Event(), threading.Lock(), itertools.count()

@@ -13,7 +13,8 @@ import grpc
 import pytest
 
 from cluster_helpers import cluster_down, collect, wait_for
-from coordinator.client import Client, ClusterError, Finished, Piece
+from base.generation import Finished, Piece
+from coordinator.client import Client, ClusterError
 from coordinator.ring import Ring, placement_key
 from kvcache import launch
 from kvcache.cluster import add_worker, default_blas_threads, disk_tier_args, start_cluster, wait_healthy

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.client import Client, Finished
+from base.generation import Finished
+from coordinator.client import Client
 from cluster_helpers import cluster_down
 from kvcache.cluster import start_cluster, wait_healthy
 from kvcache.prometheus import file_sd_targets

@@ -15,7 +15,8 @@ import grpc
 import pytest
 
 from base import serving
-from coordinator.client import Client, Finished, Piece
+from base.generation import Finished, Piece
+from coordinator.client import Client
 from worker.client import WorkerClient, WorkerError
 from protos import kvcache_pb2 as pb
 

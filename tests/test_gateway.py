@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from cluster_helpers import wait_for
-from coordinator.client import Client, Finished, Piece
+from base.generation import Finished, Piece
+from coordinator.client import Client
 from metrics_helpers import scrape
 from gateway_helpers import PAGE_TOKENS, cluster_with_gateway, http, post_json
 from kvcache.launch import Daemon

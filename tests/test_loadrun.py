@@ -1,12 +1,12 @@
 """One pass of the load bench against a scripted client: a session's turns carry the model's
 replies as token ids (workload note 2), other requests go as text, and a failed turn ends its session."""
 
-from coordinator.client import ClusterError, Finished, Piece
+from base.generation import Finished, Piece, Usage
+from coordinator.client import ClusterError
 from kvcache.bench import loadrun
 from kvcache.bench.loadrun import PassRun, run_pass
 from kvcache.bench.workload import WorkloadConfig, build_workload
 from worker.model.tokenizer import ByteTokenizer
-from worker.usage import Usage
 
 import grpc
 

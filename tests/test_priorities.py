@@ -111,7 +111,8 @@ def test_priority_goes_through_a_coordinator_to_the_worker(tmp_path):
     import threading
 
     from cluster_helpers import collect
-    from coordinator.client import Client, Finished, Piece
+    from base.generation import Finished, Piece
+    from coordinator.client import Client
     from kvcache.cluster import wait_healthy
     from kvcache.launch import Daemon
 

@@ -16,9 +16,10 @@ import grpc
 import pytest
 
 from cluster_helpers import collect, wait_for
+from base.generation import Finished, Piece
 from kvcache.launch import Daemon
 from kvnode.client import NodeClient
-from worker.client import Finished, Piece, WorkerClient, WorkerError
+from worker.client import WorkerClient, WorkerError
 
 PAGE_TOKENS = 16
 SYSTEM = "You are a careful assistant. Answer briefly and precisely, citing the page you used. "

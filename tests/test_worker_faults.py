@@ -16,9 +16,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster_helpers import collect, started, wait_for
+from base.generation import Finished, Piece
 from coordinator.client import Client
 from kvcache.launch import Daemon
-from worker.client import Finished, Piece, WorkerClient, WorkerError
+from worker.client import WorkerClient, WorkerError
 from worker.engine import Engine
 from worker.service import WorkerService
 

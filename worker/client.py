@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Iterator, Mapping, Sequence
 
 import grpc
 
 from base import security
+from base.generation import Finished, Piece, Usage
 from base.observability import traced_channel
 from base.tokens import authorization
 from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
-from worker.usage import Usage
 
 
 class WorkerError(Exception):
@@ -31,20 +31,6 @@ def usage_from_proto(usage: pb.Usage) -> Usage:
 
 def usage_to_proto(usage: Usage) -> pb.Usage:
     return pb.Usage(**asdict(usage))
-
-
-@dataclass(frozen=True)
-class Piece:
-    """New text and the token ids it came from."""
-
-    text: str
-    token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Finished:
-    usage: Usage
-    finish_reason: str
 
 
 @dataclass(frozen=True)

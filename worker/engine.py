@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from base.generation import Usage
 from base.pages import DEFAULT_PAGE_TOKENS
 from worker.block_pool import BlockPool
 from worker.connector import KVConnector, Tier
@@ -49,7 +50,6 @@ from worker.sampling import FINISH_ABORT, FINISH_ERROR, SamplingParams, StopChec
 from worker.scheduler import PREFILL_TOKENS_PER_STEP, Scheduler
 from worker.outputs import Completion, RequestHandle, RequestIdInUse, StreamDelta
 from worker.step_runner import StepRunner
-from worker.usage import Usage
 from worker.window import release_window
 
 log = logging.getLogger("worker.engine")

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from worker.usage import Usage
+from base.generation import Usage
 
 
 @dataclass

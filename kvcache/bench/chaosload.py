@@ -14,7 +14,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from coordinator.client import Client, ClusterError, Finished, Piece
+from base.generation import Finished, Piece
+from coordinator.client import Client, ClusterError
 from kvcache.bench import workload as wl
 
 SEEDED_TEMPERATURE = 0.8

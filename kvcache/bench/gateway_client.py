@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from coordinator.client import ClusterError, Finished, Piece
-from worker.client import Usage
+from base.generation import Finished, Piece, Usage
+from coordinator.client import ClusterError
 
 
 class GatewayClient:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from coordinator.client import Client, ClusterError, Finished, Piece
+from base.generation import Finished, Piece
+from coordinator.client import Client, ClusterError
 from kvcache.bench.gateway_client import GatewayClient
 from kvcache.bench.report import Progress
 from kvcache.bench.stats import RequestResult
