@@ -48,7 +48,7 @@ def tolerant(parse: Callable[[bytes], object], name: str) -> Callable[[bytes], o
 
 def add_listen_arguments(parser, default_port: int, reached: bool = False) -> None:
     """--host and --port, the same for every daemon; `reached`: --advertise for a daemon that
-    registers nowhere (members add theirs with coordinator.agent)."""
+    registers nowhere (members add theirs with base.member)."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=default_port,
                         help=f"port to listen on; 0 picks a free one (default {default_port})")

@@ -11,9 +11,8 @@ import logging
 import sys
 import time
 
-from base import addresses, observability, security, serving
+from base import addresses, member, observability, security, serving
 from base.units import format_size, parse_size
-from coordinator import agent
 from kvnode.data_dir import DataDir
 from kvnode.eviction import ALIASES, NODE_POLICIES, POLICIES, PREFIX_LRU
 from kvnode.data_plane import DEFAULT_MAX_CONNECTIONS, DataPlaneServer
@@ -128,7 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds the gRPC calls and data plane transfers already running get to finish "
              "before they are cut (default %(default)s; --grace is the old name)",
     )
-    agent.add_arguments(parser)
+    member.add_arguments(parser)
     security.add_arguments(parser)
     observability.add_arguments(parser)
 
@@ -163,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         max_leases_per_call = args.max_keys if args.max_leases_per_call is None else args.max_leases_per_call
         if max_leases_per_call < 1:
             raise ValueError(f"--max-leases-per-call must be at least 1, got {max_leases_per_call}")
-        agent.advertised_address(args, args.port)  # refused before the pool is allocated
+        member.advertised_address(args, args.port)  # refused before the pool is allocated
         credentials = security.from_args(args)
         serving.tune_allocator()
         data_dir, disk = open_disk_tier(args, capacity_pages)
@@ -182,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
             [handler(service)], [SERVICE_NAME], max_message_bytes,
             interceptors=observability.server_interceptors(SERVICE_NAME, metrics and metrics.durations))
         port = serving.bind(server, args.host, args.port, credentials)
-        address = agent.advertised_address(args, port)
+        address = member.advertised_address(args, port)
         data_plane = None
         if not args.no_data_plane:
             if not 0 <= args.data_port <= 65535:
@@ -231,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     registration = pb.RegisterRequest(
         role="node", capacity_bytes=store.capacity_pages * args.page_bytes, page_bytes=args.page_bytes
     )
-    membership = agent.start_from_args(args, address, registration, lambda: node_load(store), credentials)
+    membership = member.start_from_args(args, address, registration, lambda: node_load(store), credentials)
     serving.wait_until(stopping)
     drain(args.drain_timeout, membership, health, server, service, data_plane, flusher)
     if metrics_server is not None:

@@ -13,7 +13,7 @@ from typing import Iterator
 import grpc
 
 from base import serving
-from coordinator.agent import MembershipAgent
+from base.member import MembershipAgent
 from coordinator.client import Client
 from kvcache.launch import Daemon
 from protos import kvcache_pb2 as pb

@@ -14,10 +14,9 @@ import sys
 import threading
 import time
 
-from base import observability, security, serving, tokens
+from base import member, observability, security, serving, tokens
 from base.pages import DEFAULT_PAGE_TOKENS
 from base.units import format_size, parse_size
-from coordinator import agent
 from protos import kvcache_pb2 as pb
 from worker.engine import Engine
 from worker.metrics import WorkerMetrics
@@ -90,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds running requests get to finish before they are handed back to resume "
              "elsewhere (default %(default)s)",
     )
-    agent.add_arguments(parser)
+    member.add_arguments(parser)
     security.add_arguments(parser)
     tokens.add_arguments(parser)
     observability.add_arguments(parser)
@@ -112,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--blas-threads must be at least 1, got {args.blas_threads}")
             blas.cap_threads(args.blas_threads)
             log.info("BLAS capped at %d thread(s)", args.blas_threads)
-        agent.advertised_address(args, args.port)  # refused before the model loads
+        member.advertised_address(args, args.port)  # refused before the model loads
         credentials = security.from_args(args)
         client_tokens = tokens.from_args(args)  # the coordinators' file: they send their caller's token on
         serving.tune_allocator()
@@ -153,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
             interceptors=tokens.interceptors(client_tokens)
             + observability.server_interceptors(SERVICE_NAME, metrics and metrics.request_duration, TRACE_ROOTS))
         port = serving.bind(server, args.host, args.port, credentials)
-        address = agent.advertised_address(args, port)
+        address = member.advertised_address(args, port)
         metrics_server = (observability.start_metrics(metrics.registry, args, credentials)
                           if metrics is not None else None)
     except (ValueError, OSError, MemoryError) as exc:
@@ -176,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     registration = pb.RegisterRequest(
         role="worker", page_bytes=page_bytes, model=engine.model.name, fingerprint=engine.fingerprint.hex()
     )
-    membership = agent.start_from_args(args, address, registration, lambda: worker_load(engine), credentials)
+    membership = member.start_from_args(args, address, registration, lambda: worker_load(engine), credentials)
     while not stopping.wait(0.5) and not broken.is_set():
         pass
     service.accepting = False

@@ -1,6 +1,7 @@
 """The member's side of membership: register with every coordinator, then beat.
 
-kvnode and worker daemons run one MembershipAgent when started with --coordinators.
+kvnode and worker daemons run one MembershipAgent when started with --coordinators; it lives in
+base/, not coordinator/, so neither daemon reaches into the coordinator's package.
 A coordinator that does not answer is retried every beat; one that forgot the member
 (it restarted) gets a fresh registration. Logs one line per change, not per beat.
 """
