@@ -7,6 +7,9 @@ from __future__ import annotations
 import ipaddress
 
 WILDCARDS = ("0.0.0.0", "::", "")
+COORDINATOR_PORT = 50050  # a coordinator's --port unless given
+# What the command line and the gateway dial when given no coordinators: a local cluster's.
+DEFAULT_COORDINATORS = f"127.0.0.1:{COORDINATOR_PORT}"
 
 
 def host_port(host: str, port: int) -> str:

@@ -22,7 +22,7 @@ MEMBER_METHODS = [method_path("Coordinator", name) for name in ("Register", "Hea
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    serving.add_listen_arguments(parser, default_port=50050, reached=True)
+    serving.add_listen_arguments(parser, default_port=addresses.COORDINATOR_PORT, reached=True)
     parser.add_argument("--replicas", type=int, default=2, help="kvnodes each sequence's pages go to (default 2)")
     parser.add_argument(
         "--prefix-chars",

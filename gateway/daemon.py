@@ -16,11 +16,11 @@ import socket
 import sys
 
 from base import addresses, observability, security, serving
+from base.addresses import DEFAULT_COORDINATORS
 from base.units import parse_size
 
 log = logging.getLogger("gateway")
 
-DEFAULT_COORDINATORS = "127.0.0.1:50050"
 DEFAULT_MAX_STREAMS = 64
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
