@@ -6,10 +6,8 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from base.pages import DEFAULT_PAGE_TOKENS
-from worker.model import read_model_config
+from worker.model import KV_DTYPES, page_bytes_of, read_model_config
 from worker.model.config import PRESETS, read_config
 from worker.model.named import NAMED_GGUF
 
@@ -19,11 +17,10 @@ MODELS = (f"a named model ({', '.join(NAMED_GGUF)}), a preset with random weight
 
 
 def model_page_bytes(model: str, kv_dtype: str = "float32", page_tokens: int = DEFAULT_PAGE_TOKENS) -> int:
-    """Bytes of one page [layers, 2, kv_heads, page_tokens, head_dim] of `model` in `kv_dtype`."""
-    if kv_dtype not in ("float32", "float16"):
+    """Bytes of one page of `model` in `kv_dtype` (worker.model.page_bytes_of), its config read alone."""
+    if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv dtype must be float32 or float16, got {kv_dtype!r}")
-    config = _config(model)
-    return config.n_layers * 2 * config.n_kv_heads * page_tokens * config.head_dim * np.dtype(kv_dtype).itemsize
+    return page_bytes_of(_config(model), kv_dtype, page_tokens)
 
 
 @functools.lru_cache(maxsize=8)

@@ -24,7 +24,8 @@ from .named import NAMED_GGUF, named_gguf_path
 from .layers import Attend, BetweenLayers, round_kv
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
-__all__ = ["load_model", "load_model_tokenizer", "read_model_config", "Model", "ForwardBatch", "ModelConfig", "CheckpointError", "ChatError", "KV_DTYPES"]
+__all__ = ["load_model", "load_model_tokenizer", "read_model_config", "Model", "ForwardBatch", "ModelConfig",
+           "CheckpointError", "ChatError", "KV_DTYPES", "page_bytes_of"]
 
 KV_DTYPES = {"float32": 4, "float16": 2}   # wire dtype -> bytes per element
 
@@ -80,8 +81,7 @@ class Model:
         return list(self.tokenizer.encode(self.chat_template.render(messages), add_special_tokens=False))
 
     def page_bytes(self, kv_dtype: str, page_tokens: int) -> int:
-        c = self.config
-        return c.n_layers * 2 * c.n_kv_heads * page_tokens * c.head_dim * KV_DTYPES[_check_kv_dtype(kv_dtype)]
+        return page_bytes_of(self.config, kv_dtype, page_tokens)
 
     def run(self, token_ids: np.ndarray, positions: np.ndarray, attend: Attend,
             head_rows: np.ndarray | None = None, between_layers: BetweenLayers | None = None) -> np.ndarray:
@@ -181,6 +181,12 @@ def weights_digest(tensors: dict[str, np.ndarray]) -> bytes:
         h.update(f"{name}\0{t.dtype.str}\0{list(t.shape)}\0".encode())
         h.update(memoryview(t).cast("B"))
     return h.digest()
+
+
+def page_bytes_of(c: ModelConfig, kv_dtype: str, page_tokens: int) -> int:
+    """Bytes of one page [layers, 2 (k, v), kv_heads, page_tokens, head_dim] in `kv_dtype`, from the
+    config alone: what a worker writes and its kvnodes must be started with."""
+    return c.n_layers * 2 * c.n_kv_heads * page_tokens * c.head_dim * KV_DTYPES[_check_kv_dtype(kv_dtype)]
 
 
 def _check_kv_dtype(kv_dtype: str) -> str:
