@@ -64,6 +64,7 @@ from typing import Sequence
 
 import grpc
 
+from base.pages import KEY_BYTES
 from kvnode.checksum import CHECKSUM_BYTES
 
 MAGIC = b"KVDP"
@@ -113,26 +114,26 @@ class RequestHeader:
 # ---- requests ---------------------------------------------------------------------
 
 
-def request_header(op: int, count: int, key_bytes: int = 16, page_bytes: int = 0,
+def request_header(op: int, count: int, key_bytes: int = KEY_BYTES, page_bytes: int = 0,
                    magic: bytes = MAGIC, version: int = VERSION) -> bytes:
     return REQUEST.pack(magic, version, op, key_bytes, count, page_bytes)
 
 
 def get_request(keys: Sequence[bytes], op: int = OP_GET) -> bytes:
     """A whole GET (or GET_SLOTS) request: header and keys (every key as long as the first)."""
-    key_bytes = len(keys[0]) if keys else 16
+    key_bytes = len(keys[0]) if keys else KEY_BYTES
     return request_header(op, len(keys), key_bytes) + b"".join(keys)
 
 
 def get_bands_request(keys: Sequence[bytes], band_bytes: int) -> bytes:
     """A whole GET_BANDS request (design note 6): header carrying the band size, then the keys."""
-    key_bytes = len(keys[0]) if keys else 16
+    key_bytes = len(keys[0]) if keys else KEY_BYTES
     return request_header(OP_GET_BANDS, len(keys), key_bytes, band_bytes) + b"".join(keys)
 
 
 def lookup_request(keys: Sequence[bytes], lease_ms: int) -> bytes:
     """A whole LOOKUP request (design note 8): header, keys, then lease_ms."""
-    key_bytes = len(keys[0]) if keys else 16
+    key_bytes = len(keys[0]) if keys else KEY_BYTES
     return request_header(OP_LOOKUP, len(keys), key_bytes) + b"".join(keys) + LEASE.pack(lease_ms)
 
 
@@ -167,7 +168,7 @@ def is_unknown_op(code: grpc.StatusCode, details: str) -> bool:
 def put_request_head(keys: Sequence[bytes], parents: Sequence[bytes], checksums: Sequence[bytes],
                      page_bytes: int) -> bytes:
     """A PUT request up to its pages: header, then (key, parent_len, parent, checksum) per page."""
-    key_bytes = len(keys[0]) if keys else 16
+    key_bytes = len(keys[0]) if keys else KEY_BYTES
     parts = [request_header(OP_PUT, len(keys), key_bytes, page_bytes)]
     for key, parent, checksum in zip(keys, parents, checksums):
         parts += [key, PARENT_LEN.pack(len(parent)), parent or bytes(key_bytes), checksum]
