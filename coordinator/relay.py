@@ -11,9 +11,9 @@ Failure handling (design notes)
 3. The request's own fault (INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION, and INTERNAL:
    a worker answers it only for a request that failed a step alone, its other requests going
    on) goes to the client as it is: another worker would say or fail the same.
-4. A busy worker (RESOURCE_EXHAUSTED) or one shutting down (UNAVAILABLE saying so) is skipped
-   for this request and left in the cluster; when every worker is busy the client gets
-   RESOURCE_EXHAUSTED, so it knows to retry shortly rather than that something broke.
+4. A busy worker (RESOURCE_EXHAUSTED) or one shutting down (UNAVAILABLE with its draining
+   trailer) is skipped for this request and left in the cluster; when every worker is busy the
+   client gets RESOURCE_EXHAUSTED, so it knows to retry shortly rather than that something broke.
 5. Only a worker that cannot be reached (UNAVAILABLE) is marked dead, until its next beat.
 6. Each attempt has its own id (the client's id, a tag of this call, the attempt number): a
    client reusing ids, or a retry, never collides with an attempt still running on a worker;
@@ -55,12 +55,14 @@ class Refused(Exception):
 
 
 class AttemptFailed(Exception):
-    """A worker's stream ended with a status (raised by the stream the caller opens)."""
+    """A worker's stream ended with a status (raised by the stream the caller opens); `draining`:
+    the worker said it is shutting down (worker.client.DRAINING_KEY)."""
 
-    def __init__(self, code: StatusCode, details: str):
+    def __init__(self, code: StatusCode, details: str, draining: bool = False):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self.draining = draining
 
 
 @dataclass
@@ -185,7 +187,7 @@ class Relay:
             busy.append(worker)
             log.info("worker %s is busy (%s); trying another (request %s)", worker, exc.details, attempt.request_id)
             return 0
-        if code == StatusCode.UNAVAILABLE and "shutting down" in exc.details:
+        if code == StatusCode.UNAVAILABLE and exc.draining:
             log.info("worker %s is shutting down; trying another (request %s)", worker, attempt.request_id)
             return 0
         if code == StatusCode.UNAVAILABLE:

@@ -15,7 +15,7 @@ import grpc
 from base import security
 from coordinator.relay import AttemptFailed, ClientCall
 from protos import kvcache_pb2 as pb
-from worker.client import WorkerClient
+from worker.client import WorkerClient, is_draining
 
 
 MAX_CHANNELS = 256
@@ -38,7 +38,7 @@ class WorkerStreams:
             try:
                 yield from stream
             except grpc.RpcError as exc:
-                raise AttemptFailed(exc.code(), exc.details() or "no details") from None
+                raise AttemptFailed(exc.code(), exc.details() or "no details", is_draining(exc)) from None
             finally:
                 stream.cancel()  # no-op once finished; frees the worker when the relay stops early
         finally:

@@ -41,8 +41,8 @@ class FakeWorkers:
         return [worker for worker, _, _ in self.attempts]
 
 
-def failed(code: StatusCode, details: str = "", tokens_first=()) -> AttemptFailed:
-    failure = AttemptFailed(code, details)
+def failed(code: StatusCode, details: str = "", tokens_first=(), draining: bool = False) -> AttemptFailed:
+    failure = AttemptFailed(code, details, draining)
     failure.tokens_first = list(tokens_first)
     return failure
 
@@ -112,11 +112,18 @@ def test_an_unreachable_worker_is_marked_dead_and_the_request_goes_elsewhere():
 
 
 def test_a_worker_shutting_down_is_skipped_but_not_marked_dead():
-    fakes = FakeWorkers(**{W1: [failed(StatusCode.UNAVAILABLE, "this worker is shutting down: send it elsewhere")],
-                           W2: [[1, 2, 3, 4]]})
+    shutting_down = failed(StatusCode.UNAVAILABLE, "this worker is shutting down: send it elsewhere", draining=True)
+    fakes = FakeWorkers(**{W1: [shutting_down], W2: [[1, 2, 3, 4]]})
     relay, membership = relay_for(fakes)
     assert run(relay)[0] == [1, 2, 3, 4]
     assert alive_workers(membership) == [W1, W2]
+
+
+def test_shutting_down_is_told_by_the_trailer_not_by_the_message():
+    fakes = FakeWorkers(**{W1: [failed(StatusCode.UNAVAILABLE, "shutting down, says the proxy")], W2: [[1, 2]]})
+    relay, membership = relay_for(fakes)
+    assert run(relay)[0] == [1, 2]
+    assert alive_workers(membership) == [W2]
 
 
 @pytest.mark.parametrize("code", [StatusCode.INVALID_ARGUMENT, StatusCode.OUT_OF_RANGE,

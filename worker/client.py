@@ -15,6 +15,16 @@ from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
 
 
+# Trailing metadata of a call a worker refused because it is shutting down: send the request to
+# another worker, and do not take this one for dead. Callers check the key, never the message.
+DRAINING_KEY = "kvcache-worker-draining"
+
+
+def is_draining(exc: grpc.RpcError) -> bool:
+    """Whether a worker ended the call because it is shutting down (DRAINING_KEY among its trailers)."""
+    return any(key == DRAINING_KEY for key, _ in exc.trailing_metadata() or ())
+
+
 class WorkerError(Exception):
     """A worker call failed; `code` is the grpc.StatusCode, `details` the worker's message."""
 

@@ -33,7 +33,7 @@ from base import serving
 from base.version import __version__
 from protos import kvcache_pb2 as pb
 from protos.methods import service_name
-from worker.client import usage_to_proto
+from worker.client import DRAINING_KEY, usage_to_proto
 from worker.engine import Engine
 from worker.model.chat import MAX_MESSAGES, ChatError, Message
 from worker.outputs import RequestIdInUse
@@ -183,6 +183,7 @@ class WorkerService:
             _abort(context, grpc.StatusCode.UNAVAILABLE,
                    f"worker {self.worker_id} {self.handed_back}: resume the request on another worker")
         if not self.accepting:
+            context.set_trailing_metadata(((DRAINING_KEY, "1"),))  # what a coordinator checks; the message is for people
             _abort(context, grpc.StatusCode.UNAVAILABLE, "this worker is shutting down: send the request to another")
 
     def info(self, request, context) -> pb.WorkerInfo:
