@@ -68,9 +68,6 @@ class MembershipAgent:
                              coordinator.address, exc.code().name)
             coordinator.channel.close()
 
-    def registered_with(self) -> list[str]:
-        return [c.address for c in self._coordinators if c.member_id]
-
     def _run(self) -> None:
         while not self._stopping.is_set():
             for coordinator in self._coordinators:

@@ -32,10 +32,6 @@ class TraceRequest:
     block_tokens: tuple[int, ...]  # tokens in each block: BLOCK_TOKENS but the last
     prompt_tokens: int
 
-    @property
-    def first_id(self) -> bytes:
-        return self.keys[0]
-
 
 def page_key(hash_id: int) -> bytes:
     return hash_id.to_bytes(KEY_BYTES, "big")
