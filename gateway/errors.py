@@ -57,7 +57,13 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-def from_cluster(code: grpc.StatusCode, details: str) -> ApiError:
+def from_cluster(code: grpc.StatusCode, details: str, key_sent: bool = False) -> ApiError:
+    """`key_sent`: the caller sent `Authorization: Bearer KEY`. A refusal for want of a key is said
+    in HTTP's words: the coordinators' own message names gRPC metadata, which an HTTP caller has not."""
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        problem = "the cluster does not know this API key" if key_sent else "this request needs an API key"
+        return ApiError(401, f"{problem}: send one the cluster knows in the header `Authorization: Bearer KEY`",
+                        code="invalid_api_key")
     status = _STATUS_OF_CODE.get(code, 500)
     return ApiError(status, details, code=code.name.lower())
 

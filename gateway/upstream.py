@@ -55,7 +55,7 @@ class Upstream:
     async def models(self, fresh: bool = False, token: str | None = None) -> dict[str, int]:
         cached = self._models.get(token)
         if fresh or cached is None or time.monotonic() - cached[0] > MODELS_TTL_S:
-            status = await self._refusals(self.client.status(STATUS_TIMEOUT_S, token))
+            status = await self._refusals(self.client.status(STATUS_TIMEOUT_S, token), token)
             now = int(time.time())
             names = {m.model for m in status.members if m.role == "worker" and m.alive and m.model}
             for name in names:
@@ -99,7 +99,7 @@ class Upstream:
             stream = self.client.generate(call.prompt, session_id=call.session_id, token=token, **call.options)
             async with aclosing(stream):
                 while True:
-                    event = await self._refusals(anext(stream, None))
+                    event = await self._refusals(anext(stream, None), token)
                     if event is None:
                         raise ApiError(503, "the cluster ended the stream without a final message")
                     yield event
@@ -111,12 +111,12 @@ class Upstream:
             self.running -= 1   # leaving early closed the stream, which cancelled the call (note 3)
 
     @staticmethod
-    async def _refusals(pending: Awaitable):
-        """pending's result, the cluster's refusals as ApiErrors."""
+    async def _refusals(pending: Awaitable, token: str | None):
+        """pending's result, the cluster's refusals as ApiErrors (`token`: the caller's key, if any)."""
         try:
             return await pending
         except ClusterError as exc:
-            raise from_cluster(exc.code, exc.details) from None
+            raise from_cluster(exc.code, exc.details, key_sent=token is not None) from None
 
 
 async def _numbered(events: AsyncIterator) -> AsyncIterator[tuple[int, Piece | Finished]]:

@@ -28,11 +28,17 @@ def write_chat_model(folder: Path, max_positions: int = 4096) -> Path:
 
 @contextlib.contextmanager
 def cluster_with_gateway(folder: Path, *gateway_args: str, metrics: bool = True, nodes: int = 2,
-                         workers: int = 1) -> Iterator[tuple[LocalCluster, Daemon]]:
+                         workers: int = 1, key: str | None = None) -> Iterator[tuple[LocalCluster, Daemon]]:
+    """`key`: the cluster wants this client key (a tokens file), which callers send as their API key."""
     model = write_chat_model(folder)
+    tokens_file = None
+    if key is not None:
+        tokens_file = folder / "tokens"
+        tokens_file.write_text(f"tests {key}\n")
     with start_cluster(folder / "logs", nodes=nodes, workers=workers, coordinators=1, replicas=1, model=str(model),
-                       node_capacity="16MiB", worker_kv_cache="16MiB", metrics=metrics) as cluster:
-        wait_healthy(cluster.coordinator_addresses, nodes=nodes, workers=workers)
+                       node_capacity="16MiB", worker_kv_cache="16MiB", metrics=metrics,
+                       tokens_file=tokens_file) as cluster:
+        wait_healthy(cluster.coordinator_addresses, nodes=nodes, workers=workers, client_options={"token": key})
         args = ["--host", "127.0.0.1", "--port", "0", "--coordinators", ",".join(cluster.coordinator_addresses)]
         gateway = Daemon("gateway", [*args, *gateway_args],
                          log_path=folder / "logs" / "gateway.log")
@@ -55,6 +61,7 @@ def http(url: str, method: str, path: str, body: bytes | None = None, headers: d
         connection.close()
 
 
-def post_json(url: str, path: str, body: object, timeout_s: float = 30.0) -> tuple[int, object]:
-    status, _, data = http(url, "POST", path, json.dumps(body).encode(), timeout_s=timeout_s)
+def post_json(url: str, path: str, body: object, timeout_s: float = 30.0, key: str | None = None) -> tuple[int, object]:
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    status, _, data = http(url, "POST", path, json.dumps(body).encode(), headers=headers, timeout_s=timeout_s)
     return status, json.loads(data)
