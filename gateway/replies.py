@@ -3,7 +3,12 @@
 usage is OpenAI's (prompt, completion and total tokens; prompt_tokens_details.cached_tokens =
 the prompt tokens the cluster served from a cache, a worker's own or a kvnode's) with our
 breakdown beside it under `kvcache`: where the cached tokens came from, how many were computed,
-and the worker's time to first token."""
+and the worker's time to first token.
+
+The bodies follow OpenAI's published schema (tests/openai_schema.py checks them): a required
+property is always there, null where the schema allows it (a chat message's `refusal`); an
+optional one that may not be null is left out rather than sent as null (`system_fingerprint`,
+a completion chunk's `usage`)."""
 
 from __future__ import annotations
 
@@ -56,7 +61,7 @@ class Reply:
     def whole(self, choices: list[tuple[str, str]], usage: Usage) -> dict:
         """The whole response: each choice's (text, finish reason), in order."""
         if self.chat:
-            bodies = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            bodies = [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": None,
                        "finish_reason": finish_reason} for i, (text, finish_reason) in enumerate(choices)]
         else:
             bodies = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
@@ -76,8 +81,8 @@ class Reply:
         if token_ids is not None:
             choice["token_ids"] = token_ids
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
-        if with_usage_field:
-            body["usage"] = None   # OpenAI's shape while include_usage is on: the last chunk carries it
+        if with_usage_field and self.chat:
+            body["usage"] = None   # OpenAI's chat chunks while include_usage is on: the last chunk carries it
         return body
 
     def usage_chunk(self, usage: Usage) -> dict:
@@ -85,5 +90,4 @@ class Reply:
                 "usage": usage_body(usage)}
 
     def _head(self, kind: str) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "system_fingerprint": None}
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}

@@ -11,9 +11,13 @@ from pathlib import Path
 from typing import Iterator
 from urllib.parse import urlsplit
 
+import httpx2
+import openai
+
 from gguf_helpers import write_gguf
 from kvcache.cluster import LocalCluster, start_cluster, wait_healthy
 from kvcache.launch import Daemon
+from openai_schema import CheckedTransport
 from worker.model.testing import llama_config, random_tensors_for
 
 PAGE_TOKENS = 16
@@ -46,6 +50,13 @@ def cluster_with_gateway(folder: Path, *gateway_args: str, metrics: bool = True,
             yield cluster, gateway
         finally:
             gateway.stop(timeout_s=10.0)
+
+
+def openai_client(gateway_url: str, key: str = "unused", timeout_s: float = 60.0) -> openai.OpenAI:
+    """The real openai client; every reply and streamed chunk it gets is checked against OpenAI's
+    published schema as it arrives (openai_schema.py), so every test that uses it checks the shapes."""
+    return openai.OpenAI(base_url=gateway_url + "/v1", api_key=key, max_retries=0, timeout=timeout_s,
+                         http_client=httpx2.Client(transport=CheckedTransport()))
 
 
 def http(url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None,

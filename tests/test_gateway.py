@@ -17,7 +17,7 @@ from cluster_helpers import wait_for
 from base.generation import Finished, Piece
 from coordinator.client import Client
 from metrics_helpers import scrape
-from gateway_helpers import PAGE_TOKENS, cluster_with_gateway, http, post_json
+from gateway_helpers import PAGE_TOKENS, cluster_with_gateway, http, openai_client, post_json
 from kvcache.launch import Daemon
 from worker.client import WorkerClient
 
@@ -43,7 +43,7 @@ def cluster(served):
 
 @pytest.fixture(scope="module")
 def api(gateway):
-    with openai.OpenAI(base_url=gateway.address + "/v1", api_key="unused", max_retries=0, timeout=60.0) as client:
+    with openai_client(gateway.address) as client:
         yield client
 
 
@@ -296,7 +296,7 @@ def test_a_coordinator_that_is_down_is_skipped(api, cluster, model, tmp_path):
     prompt = "Rye, spelt and"
     expected = api.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
     with Daemon("gateway", args, log_path=tmp_path / "skips.log") as skipping, \
-            openai.OpenAI(base_url=skipping.address + "/v1", api_key="unused", max_retries=0, timeout=60.0) as other:
+            openai_client(skipping.address) as other:
         assert [m.id for m in other.models.list().data] == [model]
         assert other.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0).choices[0].text == expected
 
@@ -318,7 +318,7 @@ def test_a_saturated_gateway_answers_429_and_one_without_a_cluster_503(cluster, 
     args = ["--host", "127.0.0.1", "--port", "0"]
     with Daemon("gateway", [*args, "--coordinators", ",".join(cluster.coordinator_addresses), "--max-streams", "1"],
                 log_path=tmp_path / "busy.log") as busy, \
-            openai.OpenAI(base_url=busy.address + "/v1", api_key="unused", max_retries=0, timeout=60.0) as api:
+            openai_client(busy.address) as api:
         holding = api.completions.create(model=model, prompt="Hold on", max_tokens=3000, temperature=0, stream=True,
                                          extra_body={"ignore_eos": True})
         try:
@@ -329,7 +329,7 @@ def test_a_saturated_gateway_answers_429_and_one_without_a_cluster_503(cluster, 
         finally:
             holding.close()
     with Daemon("gateway", [*args, "--coordinators", "127.0.0.1:1"], log_path=tmp_path / "alone.log") as alone, \
-            openai.OpenAI(base_url=alone.address + "/v1", api_key="unused", max_retries=0, timeout=60.0) as api:
+            openai_client(alone.address) as api:
         with pytest.raises(openai.APIStatusError) as raised:
             api.completions.create(model=model, prompt="Anyone?", max_tokens=2)
         assert raised.value.status_code == 503

@@ -5,9 +5,9 @@ partly from the cache. One cluster for the module: the model loads once."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
+from gateway_helpers import openai_client
 from kvcache.cluster import start_cluster, wait_healthy
 from worker.model.named import DEFAULT_MODEL, named_model_installed
 
@@ -24,8 +24,7 @@ def api(tmp_path_factory):
     with start_cluster(logs, nodes=1, workers=1, coordinators=1, replicas=1, model=DEFAULT_MODEL,
                        node_capacity="64MiB", worker_kv_cache="64MiB", gateway_port=0) as cluster:
         wait_healthy(cluster.coordinator_addresses, nodes=1, workers=1, timeout_s=180.0)
-        with openai.OpenAI(base_url=cluster.gateway_url + "/v1", api_key="unused", max_retries=0,
-                           timeout=120.0) as client:
+        with openai_client(cluster.gateway_url, timeout_s=120.0) as client:
             yield client
 
 
