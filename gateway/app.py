@@ -23,6 +23,8 @@ from gateway.bodies import CLIENT_GONE, read_json
 from gateway.errors import ApiError
 from gateway.replies import Reply, combined, model_body
 from gateway.shapes import Call, parse_chat, parse_completion
+from gateway.tokenize import tokenizer_routes
+from gateway.tokenizers import Tokenizers
 from gateway.tracing import TraceRequests
 from gateway.upstream import Upstream
 from base.observability import tracing_enabled
@@ -38,9 +40,11 @@ def bearer(request: Request) -> str | None:
 
 
 def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, on_startup: Callable[[], None] | None = None,
-               metrics=None, metrics_need_key: bool = False) -> Starlette:
+               metrics=None, metrics_need_key: bool = False, tokenizers: Tokenizers | None = None) -> Starlette:
     """`metrics_need_key`: /metrics wants a key the coordinators know, as every other route of a
-    gateway in front of a secure cluster does (401 without one)."""
+    gateway in front of a secure cluster does (401 without one). `tokenizers`: the models' (for
+    the tokenizer routes), by default those of presets and named models only."""
+    tokenizers = tokenizers or Tokenizers()
 
     async def list_models(request: Request) -> Response:
         models = await upstream.models(token=bearer(request))
@@ -106,6 +110,8 @@ def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, o
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        *tokenizer_routes(upstream, tokenizers, lambda request: read_json(request, max_body_bytes, body_timeout_s),
+                          bearer),
     ]
     async def metrics_page(request: Request) -> Response:
         if metrics_need_key:

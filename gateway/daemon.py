@@ -1,8 +1,8 @@
 """`kvcache gateway`: an OpenAI-compatible HTTP API in front of the coordinators.
 
 Serves GET /v1/models, POST /v1/completions and /v1/chat/completions (stream: true sends
-server-sent events ending in `data: [DONE]`), GET /health, and with --metrics GET /metrics, on
-uvicorn. In front of a secure cluster (--tls-*), /metrics wants a key the coordinators know
+server-sent events ending in `data: [DONE]`), vLLM's POST /tokenize, POST /detokenize and GET
+/tokenizer_info, GET /health, and with --metrics GET /metrics, on uvicorn. In front of a secure cluster (--tls-*), /metrics wants a key the coordinators know
 (`Authorization: Bearer KEY`), as the OpenAI routes do. Prints `gateway listening on
 http://HOST:PORT` once it serves; stops on SIGTERM, giving running requests --grace seconds."""
 
@@ -40,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"seconds a request body may take to arrive; then 408 (default {DEFAULT_BODY_TIMEOUT_S:g})")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds one generation may take on the cluster (default 600)")
+    parser.add_argument("--tokenizer", action="append", default=[], metavar="MODEL",
+                        help="a model the workers run, as their --model names it (a GGUF file or folder): "
+                             "/tokenize, /detokenize, /tokenizer_info and continuous usage stats load its tokenizer "
+                             "from there; repeatable. Presets and named models need none (default: none)")
     parser.add_argument("--grace", type=float, default=5.0, help="seconds running requests get on stop (default 5)")
     parser.add_argument("--send-timeout", type=float, default=DEFAULT_SEND_TIMEOUT_S,
                         help="seconds a client may take nothing the gateway sends it (it stopped reading, or is "
@@ -59,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
     from coordinator.aio_client import AsyncClient
     from gateway.app import create_app
+    from gateway.tokenizers import Tokenizers
     from gateway.upstream import Upstream
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
@@ -95,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if metrics is not None:
         metrics.watch(upstream)
     app = create_app(upstream, max_body_bytes, args.body_timeout, on_startup=started, metrics=metrics,
-                     metrics_need_key=credentials is not None)
+                     metrics_need_key=credentials is not None, tokenizers=Tokenizers(args.tokenizer))
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=args.grace,
                             # Connections beyond this get 503 from uvicorn before any work is done.

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/tokenizer_info",
+          "/health", "/metrics")
 
 
 def route_of(path: str) -> str | None:

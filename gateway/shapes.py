@@ -97,23 +97,28 @@ class Call:
 
 
 def parse_completion(body: object) -> Call:
-    request = _validate(CompletionRequest, body)
-    _refuse_if(request.echo, "echo")
-    _refuse_if(request.best_of not in (None, 1), "best_of")
-    _refuse_if(request.suffix, "suffix")
+    request = validate(CompletionRequest, body)
+    refuse_if(request.echo, "echo")
+    refuse_if(request.best_of not in (None, 1), "best_of")
+    refuse_if(request.suffix, "suffix")
     return _call(request, _one_prompt(request.prompt), request.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
 
 
 def parse_chat(body: object) -> Call:
-    request = _validate(ChatRequest, body)
-    _refuse_if(request.tools, "tools")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
-                for m in request.messages]
+    request = validate(ChatRequest, body)
+    refuse_if(request.tools, "tools")
+    messages = chat_messages(request.messages)
     max_tokens = request.max_completion_tokens or request.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     return _call(request, messages, max_tokens)
 
 
-def _validate(model: type[BaseModel], body: object) -> BaseModel:
+def chat_messages(messages: list[Message]) -> list[dict]:
+    """Messages as the worker takes them: a developer's are a system's, content parts joined."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)} for m in messages]
+
+
+def validate(model: type[BaseModel], body: object) -> BaseModel:
+    """The body as `model`, or a 400 that names the first field it gets wrong."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     try:
@@ -125,9 +130,9 @@ def _validate(model: type[BaseModel], body: object) -> BaseModel:
 
 
 def _call(request: _Common, prompt: object, max_tokens: int) -> Call:
-    _refuse_if(request.logprobs, "logprobs")
-    _refuse_if(request.presence_penalty, "presence_penalty")
-    _refuse_if(request.frequency_penalty, "frequency_penalty")
+    refuse_if(request.logprobs, "logprobs")
+    refuse_if(request.presence_penalty, "presence_penalty")
+    refuse_if(request.frequency_penalty, "frequency_penalty")
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options: only allowed when stream is true", param="stream_options")
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
@@ -168,6 +173,6 @@ def _text(content) -> str:
     return "".join(part.text for part in content)
 
 
-def _refuse_if(value, param: str, message: str | None = None) -> None:
+def refuse_if(value, param: str, message: str | None = None) -> None:
     if value:
         raise ApiError(400, message or f"{param}: not supported by this server", param=param)

