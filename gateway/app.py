@@ -65,13 +65,15 @@ def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, o
         token = bearer(request)
         call = parse(await read_json(request, max_body_bytes, body_timeout_s))
         await upstream.check_model(call.model, token)
+        # The worker reports the prompt's tokens only at the end (shapes note 6).
+        prompt_tokens = await tokenizers.prompt_tokens(call.model, call.prompt) if call.continuous_usage else None
         reply = Reply(call.model, chat)
         events = upstream.choices(call, token)
         finished = metrics.finished if metrics is not None else None
         if call.stream:
             first = await _unless_disconnected(request, events.__anext__)
             return StreamingResponse(sse.stream(reply, call.n, first, events, call.include_usage, finished,
-                                                call.return_token_ids),
+                                                call.return_token_ids, prompt_tokens),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
         async def collect() -> tuple[list[list[str]], dict[int, Finished]]:

@@ -2,9 +2,10 @@
 
 Serves GET /v1/models, POST /v1/completions and /v1/chat/completions (stream: true sends
 server-sent events ending in `data: [DONE]`), vLLM's POST /tokenize, POST /detokenize and GET
-/tokenizer_info, GET /health, and with --metrics GET /metrics, on uvicorn. In front of a secure cluster (--tls-*), /metrics wants a key the coordinators know
-(`Authorization: Bearer KEY`), as the OpenAI routes do. Prints `gateway listening on
-http://HOST:PORT` once it serves; stops on SIGTERM, giving running requests --grace seconds."""
+/tokenizer_info, GET /health, and with --metrics GET /metrics, on uvicorn. In front of a secure
+cluster (--tls-*), /metrics wants a key the coordinators know (`Authorization: Bearer KEY`), as
+the OpenAI routes do. Prints `gateway listening on http://HOST:PORT` once it serves; stops on
+SIGTERM, giving running requests --grace seconds."""
 
 from __future__ import annotations
 

@@ -36,6 +36,12 @@ def usage_body(usage: Usage) -> dict:
     }
 
 
+def usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict:
+    """A streamed chunk's usage with continuous usage stats (vLLM's shape: the counts alone)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 def combined(usages: list[Usage]) -> Usage:
     """The usage of n choices of one prompt, as OpenAI counts it: the prompt once (the first
     choice's, with where its tokens came from), the completion tokens of all."""
@@ -70,9 +76,11 @@ class Reply:
                 "usage": usage_body(usage)}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-              with_usage_field: bool = False, token_ids: list[int] | None = None, index: int = 0) -> dict:
+              with_usage_field: bool = False, token_ids: list[int] | None = None, index: int = 0,
+              usage: dict | None = None) -> dict:
         """A streamed chunk of choice `index`: new text, or the finish reason; `role` opens a chat's
-        assistant message; `token_ids` (the return_token_ids extension) the ids the text came from."""
+        assistant message; `token_ids` (the return_token_ids extension) the ids the text came from;
+        `usage` the usage so far (continuous usage stats)."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -81,7 +89,9 @@ class Reply:
         if token_ids is not None:
             choice["token_ids"] = token_ids
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
-        if with_usage_field and self.chat:
+        if usage is not None:
+            body["usage"] = usage
+        elif with_usage_field and self.chat:
             body["usage"] = None   # OpenAI's chat chunks while include_usage is on: the last chunk carries it
         return body
 

@@ -14,6 +14,9 @@ Notes
 5. Extensions vLLM also takes: `top_k` (0 or -1: no cut), `ignore_eos`, and `return_token_ids`
    (each streamed chunk carries the token ids of its text: a client can send a conversation back
    as token ids, as the load bench does).
+6. `stream_options.continuous_usage_stats` with `include_usage` (vLLM's): every chunk carries the
+   usage so far. The worker reports the prompt's tokens only at the end, so the gateway counts
+   them itself, with the model's tokenizer (tokenizers.py), before the request starts.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ _U32 = 2**32 - 1
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM's: with include_usage, usage so far on every chunk (note 6)
 
 
 class TextPart(BaseModel):
@@ -92,6 +96,7 @@ class Call:
     options: dict = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False      # usage so far on every chunk (note 6)
     return_token_ids: bool = False
     n: int = 1                          # choices: n requests (note 4)
 
@@ -138,6 +143,7 @@ def _call(request: _Common, prompt: object, max_tokens: int) -> Call:
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     if len(stop) > MAX_STOP or any(not s for s in stop):
         raise bad_request(f"stop: at most {MAX_STOP} non-empty strings, got {len(stop)}", param="stop")
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
     options = dict(
         max_tokens=max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
@@ -149,7 +155,8 @@ def _call(request: _Common, prompt: object, max_tokens: int) -> Call:
     )
     return Call(model=request.model, prompt=prompt, session_id=request.prompt_cache_key or request.user or "",
                 options=options, stream=bool(request.stream),
-                include_usage=bool(request.stream_options and request.stream_options.include_usage),
+                include_usage=include_usage,
+                continuous_usage=include_usage and request.stream_options.continuous_usage_stats,
                 return_token_ids=request.return_token_ids, n=request.n or 1)
 
 

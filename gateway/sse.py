@@ -1,5 +1,7 @@
 """Server-sent events of a streamed completion: one `data: {json}` event per chunk, the finish
-reason, with include_usage a last chunk carrying usage, and `data: [DONE]`."""
+reason, with include_usage a last chunk carrying usage, and `data: [DONE]`. With continuous usage
+stats every chunk carries its choice's usage so far, as vLLM's do: the prompt's tokens (counted by
+the gateway; a finish chunk has the worker's counts) and the tokens the choice has made."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import AsyncIterator
 
 from base.generation import Finished, Piece
 from gateway.errors import ApiError
-from gateway.replies import Reply, combined
+from gateway.replies import Reply, combined, usage_so_far
 
 log = logging.getLogger("gateway")
 
@@ -23,24 +25,33 @@ def event(body: dict) -> bytes:
 
 
 async def stream(reply: Reply, n: int, first: tuple[int, Piece | Finished], events: AsyncIterator,
-                 include_usage: bool, on_finish=None, token_ids: bool = False) -> AsyncIterator[bytes]:
+                 include_usage: bool, on_finish=None, token_ids: bool = False,
+                 prompt_tokens: int | None = None) -> AsyncIterator[bytes]:
     """The events of one response of n choices; `events` gives (choice index, event) pairs. Leaving
     early (the client went away, or took nothing for the gateway's --send-timeout and was dropped)
     closes `events`, which cancels the requests on their workers, with one log line.
-    `on_finish(finished)` runs as each choice's final event is sent."""
+    `on_finish(finished)` runs as each choice's final event is sent. `prompt_tokens`: given, each
+    chunk carries usage so far (continuous usage stats)."""
     tokens = 0
+    made = [0] * n   # tokens each choice has made so far
     finished: dict[int, Finished] = {}
+
+    def so_far(i: int) -> dict | None:
+        return None if prompt_tokens is None else usage_so_far(prompt_tokens, made[i])
+
     async with aclosing(events):
         index, current = first
         try:
             if reply.chat:
                 for i in range(n):
-                    yield event(reply.chunk(role=True, with_usage_field=include_usage, index=i))
+                    yield event(reply.chunk(role=True, with_usage_field=include_usage, index=i, usage=so_far(i)))
             while True:
                 if isinstance(current, Finished):
                     finished[index] = current
+                    final = current.usage
                     yield event(reply.chunk(finish_reason=current.finish_reason, with_usage_field=include_usage,
-                                            index=index))
+                                            index=index, usage=None if prompt_tokens is None else
+                                            usage_so_far(final.prompt_tokens, final.completion_tokens)))
                     if on_finish is not None:
                         on_finish(current)
                     if len(finished) == n:
@@ -50,8 +61,9 @@ async def stream(reply: Reply, n: int, first: tuple[int, Piece | Finished], even
                 else:
                     # Every token is sent as it comes, also one whose text is still empty (a character
                     # split across tokens): a client sees the first token when the worker makes it.
+                    made[index] += len(current.token_ids)
                     yield event(reply.chunk(current.text, with_usage_field=include_usage, index=index,
-                                            token_ids=current.token_ids if token_ids else None))
+                                            token_ids=current.token_ids if token_ids else None, usage=so_far(index)))
                     tokens += 1
                 index, current = await events.__anext__()
         except ApiError as exc:   # the status line is sent already: the error goes in the stream, as vLLM does

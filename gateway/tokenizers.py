@@ -44,7 +44,8 @@ class ModelTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def chat(self, messages: list[dict], add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True,
+             add_special_tokens: bool = False) -> list[int]:
         """A 400 in the worker's words for messages the template refuses, or a model without one."""
         from worker.model import ChatError
 
@@ -135,6 +136,20 @@ class Tokenizers:
             return loaded
         async with self._locks.setdefault(name, asyncio.Lock()):
             return self._loaded.get(name) or await self._load(name)
+
+    async def prompt_tokens(self, name: str, prompt: str | list) -> int:
+        """How many tokens the worker will make of `prompt` (continuous usage stats); a 400 naming
+        stream_options when the gateway cannot load the model's tokenizer to count them."""
+        if isinstance(prompt, list) and not (prompt and isinstance(prompt[0], dict)):
+            return len(prompt)   # token ids: no tokenizer needed
+        try:
+            model = await self.get(name)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            raise bad_request(f"stream_options.continuous_usage_stats: the gateway counts the prompt's tokens "
+                              f"itself, and {exc.message}", param="stream_options") from None
+        return await anyio.to_thread.run_sync(model.prompt_tokens, prompt)
 
     async def _load(self, name: str) -> ModelTokenizer:
         source = self.source(name)

@@ -54,7 +54,8 @@ def check_body(body: dict, streamed: bool = False) -> BaseModel:
     for path, required in REQUIRED[kind].items():
         for part in _parts(body, path):
             missing = required - part.keys()
-            assert not missing, f"{'.'.join(path) or 'the body'} lacks {sorted(missing)}, which the spec requires: {body}"
+            where = ".".join(path) or "the body"
+            assert not missing, f"{where} lacks {sorted(missing)}, which the spec requires: {body}"
     if isinstance(body.get("usage"), dict):
         assert USAGE_REQUIRED <= body["usage"].keys(), f"usage lacks {sorted(USAGE_REQUIRED - body['usage'].keys())}"
     nulls = sorted(name for name in NOT_NULL[kind] if name in body and body[name] is None)

@@ -1,9 +1,10 @@
 """The gateway as evaluation and load tools expect OpenAI's API (and vLLM's additions to it) to
 be, on a cluster that wants client keys (a tokens file): every kind of reply and streamed chunk
-in OpenAI's published schema (openai_schema.py); vLLM's /tokenize, /detokenize and
-/tokenizer_info, used as lm-eval's remote tokenizer uses them, giving the ids the worker makes;
-and a refusal for want of a key in HTTP's words. A real `kvcache gateway` process, spoken to with the real `openai` client and plain HTTP
-(httpx2, which the openai package is built on)."""
+in OpenAI's published schema (openai_schema.py); vLLM's continuous usage stats; vLLM's
+/tokenize, /detokenize and /tokenizer_info, used as lm-eval's remote tokenizer uses them, giving
+the ids the worker makes; and a refusal for want of a key in HTTP's words. A real `kvcache
+gateway` process, spoken to with the real `openai` client and plain HTTP (httpx2, which the
+openai package is built on)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def post(gateway, path: str, body: dict) -> tuple[int, list[dict]]:
 
 CHAT = {"messages": [{"role": "user", "content": "Which bread keeps longest?"}], "max_tokens": 4, "temperature": 0}
 TEXT = {"prompt": "Rye, spelt and", "max_tokens": 4, "temperature": 0}
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
 SHAPES = [
     ("/v1/chat/completions", CHAT), ("/v1/chat/completions", {**CHAT, "n": 2, "temperature": 1, "seed": 5}),
     ("/v1/chat/completions", {**CHAT, "stream": True}),
@@ -66,6 +68,8 @@ SHAPES = [
     ("/v1/completions", TEXT), ("/v1/completions", {**TEXT, "prompt": [5, 17, 42], "n": 2}),
     ("/v1/completions", {**TEXT, "stream": True}),
     ("/v1/completions", {**TEXT, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}),
+    ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": CONTINUOUS}),
+    ("/v1/completions", {**TEXT, "stream": True, "stream_options": CONTINUOUS, "n": 2}),
 ]
 
 
@@ -103,7 +107,8 @@ def test_the_schema_check_refuses_what_openais_schema_does():
         with pytest.raises(Exception):
             check_body(bad)
     with pytest.raises(AssertionError):
-        check_body({**whole, "object": "text_completion", "choices": [{"index": 0, "text": "a", "finish_reason": "stop"}]})
+        check_body({**whole, "object": "text_completion",
+                    "choices": [{"index": 0, "text": "a", "finish_reason": "stop"}]})
 
 
 @pytest.mark.parametrize("key, problem", [(None, "this request needs an API key"),
@@ -121,8 +126,51 @@ def test_a_missing_or_unknown_key_is_told_to_send_the_http_header(gateway, model
     if key:   # the openai client will not go without one
         with openai.OpenAI(base_url=gateway.address + "/v1", api_key=key, max_retries=0) as stranger:
             with pytest.raises(openai.AuthenticationError) as refused:
-                stranger.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+                stranger.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=2)
         assert refused.value.body["message"].startswith(problem)
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(api, model):
+    """vLLM's: the prompt's tokens (the gateway counts them; the worker agrees) and each choice's
+    tokens so far, on every chunk; the last chunk has the whole usage, as with include_usage alone."""
+    messages = [{"role": "user", "content": "Name a bread."}]
+    chunks = list(api.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0,
+                                              stream=True, stream_options=CONTINUOUS, extra_body={"ignore_eos": True}))
+    *streamed, last = chunks
+    assert all(c.usage is not None for c in chunks) and last.choices == []
+    assert last.usage.completion_tokens == 5 and last.usage.model_extra["kvcache"]["ttft_ms"] > 0
+    assert {c.usage.prompt_tokens for c in chunks} == {last.usage.prompt_tokens}
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    made = [c.usage.completion_tokens for c in streamed]
+    assert made[0] == 0 and streamed[0].choices[0].delta.role == "assistant"
+    assert made == sorted(made) and made[-1] == 5 and streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_continuous_usage_counts_each_choice_and_needs_include_usage(api, model):
+    stream = api.completions.create(model=model, prompt=[5, 17, 42, 99], max_tokens=3, temperature=1, seed=2, n=2,
+                                    stream=True, stream_options=CONTINUOUS, extra_body={"ignore_eos": True,
+                                                                                        "return_token_ids": True})
+    made = {0: 0, 1: 0}
+    for chunk in stream:
+        for choice in chunk.choices:
+            made[choice.index] += len(choice.model_extra.get("token_ids") or [])   # none on a finish chunk
+            assert chunk.usage.completion_tokens == made[choice.index] and chunk.usage.prompt_tokens == 4
+    assert made == {0: 3, 1: 3} and chunk.usage.completion_tokens == 6   # the last chunk: both choices
+    alone = list(api.completions.create(model=model, prompt="Rye", max_tokens=2, stream=True,
+                                        stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in alone)   # as vLLM: only with include_usage
+
+
+def test_continuous_usage_of_text_needs_the_tokenizer_and_says_so(served, model, tmp_path):
+    args = ["--host", "127.0.0.1", "--port", "0", "--coordinators", ",".join(served[0].coordinator_addresses)]
+    with Daemon("gateway", args, log_path=tmp_path / "untold.log") as untold, openai_client(untold.address, KEY) as api:
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.completions.create(model=model, prompt="Rye", max_tokens=2, stream=True, stream_options=CONTINUOUS)
+        assert refused.value.body["param"] == "stream_options" and "--tokenizer" in refused.value.body["message"]
+        ids = list(api.completions.create(model=model, prompt=[5, 17], max_tokens=2, stream=True,
+                                          stream_options=CONTINUOUS))
+        assert all(c.usage.prompt_tokens == 2 for c in ids)
 
 
 def tokenize(gateway, **body) -> dict:
@@ -195,5 +243,6 @@ def test_a_model_whose_tokenizer_the_gateway_cannot_load_is_404(served, gateway,
             reply = httpx2.request(method, untold.address + path, json=body, headers=AUTH, timeout=30.0)
             assert reply.status_code == 404, reply.text
             check_error(reply.json())
-            assert reply.json()["error"]["code"] == "model_not_found" and "--tokenizer" in reply.json()["error"]["message"]
+            error = reply.json()["error"]
+            assert error["code"] == "model_not_found" and "--tokenizer" in error["message"]
         assert httpx2.post(untold.address + "/tokenize", json={"prompt": "a"}, timeout=30.0).status_code == 401

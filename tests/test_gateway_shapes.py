@@ -52,3 +52,11 @@ def test_refusals_name_the_parameter(extra, param):
 def test_n_choices_up_to_the_limit():
     assert parse_completion({"model": "m", "prompt": "x"}).n == 1
     assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": MAX_CHOICES}).n == MAX_CHOICES
+
+
+def test_continuous_usage_stats_only_with_include_usage_as_vllm():
+    def call(**options):
+        return parse_completion({"model": "m", "prompt": "x", "stream": True, "stream_options": options})
+
+    assert call(include_usage=True, continuous_usage_stats=True).continuous_usage
+    assert not call(continuous_usage_stats=True).continuous_usage and not call(include_usage=True).continuous_usage
