@@ -15,13 +15,19 @@ import time
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 
+# The answers get stdout to themselves: vLLM and its engine process (which inherits our descriptors)
+# print to stdout too, and a line of theirs could land inside a long RESULT line.
+answers = os.fdopen(os.dup(1), "w", buffering=1)
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
 if __name__ == "__main__":  # vLLM spawns its engine process: the entry point must sit under this guard
     from vllm import LLM, SamplingParams
 
     config = json.loads(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2] else None
     llm = LLM(sys.argv[1], enforce_eager=True, dtype="bfloat16", max_model_len=8192, seed=0,
               kv_transfer_config=config, disable_log_stats=False)
-    print("READY", flush=True)
+    print("READY", file=answers, flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
         params = SamplingParams(max_tokens=ask.get("max_tokens", 8), temperature=0)
@@ -36,4 +42,4 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the entry point mu
             ttft = getattr(out.metrics, "first_token_latency", 0.0) or None
             results.append({"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0,
                             "prompt_tokens": len(out.prompt_token_ids), "seconds": seconds, "ttft": ttft})
-        print("RESULT " + json.dumps(results), flush=True)
+        print("RESULT " + json.dumps(results), file=answers, flush=True)

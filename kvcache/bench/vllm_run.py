@@ -45,7 +45,11 @@ class Engine:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        self._expect("READY", START_TIMEOUT_S)
+        try:
+            self._expect("READY", START_TIMEOUT_S)
+        except BaseException:
+            self.close(timeout_s=0)
+            raise
 
     def ask(self, prompts: list[str], max_tokens: int = 8, cache_salt: str | None = None) -> list[dict]:
         self.process.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens,
@@ -70,9 +74,8 @@ class Engine:
         self._log.close()
 
     def _read(self) -> None:
-        for line in self.process.stdout:
+        for line in self.process.stdout:  # the answers alone: the engine logs straight into log_path
             self._lines.put(line.rstrip("\n"))
-            self._log.write(line)
         self._lines.put(None)
 
     def _expect(self, prefix: str, timeout_s: float) -> str:
