@@ -122,7 +122,8 @@ class WorkerSide:
                 node.client.get_pages_in_batches(batches, out_for, count, timeout=max(0.001, deadline - time.monotonic()))
             except PageRejected as exc:
                 bad = exc.index // num_layers
-                self.counters.pages_altered += 1
+                with self._lock:  # two loader threads count
+                    self.counters.pages_altered += 1
                 log.warning("kvcache: a page of request %s from kvnode %s failed its checksum; it is dropped there and "
                             "%d blocks are recomputed", load.req_id, node.address, len(load.block_ids) - bad)
                 self._drop(node, exc.key)
