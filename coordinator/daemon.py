@@ -17,7 +17,8 @@ from protos.methods import method_path
 
 log = logging.getLogger("coordinator")
 
-# Called by members, not clients: open to any holder of a cluster certificate, no token (base/tokens.py note 2).
+# Called by members, not clients: open to any holder of a cluster certificate, no token: members
+# hold certificates, not client tokens.
 MEMBER_METHODS = [method_path("Coordinator", name) for name in ("Register", "Heartbeat", "Deregister")]
 
 

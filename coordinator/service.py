@@ -26,7 +26,7 @@ log = logging.getLogger("coordinator")
 
 SERVICE_NAME = service_name("Coordinator")
 TRACE_ROOTS = ("Generate",)  # where a request's trace starts when its caller sent none (base/observability.py)
-MEMBERS = ("node", "worker")  # whose certificates may join a secure cluster (base/security.py note 4)
+MEMBERS = ("node", "worker")  # whose certificates may join a secure cluster: a client's may not register
 
 
 class CoordinatorService:

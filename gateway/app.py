@@ -65,7 +65,8 @@ def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, o
         token = bearer(request)
         call = parse(await read_json(request, max_body_bytes, body_timeout_s))
         await upstream.check_model(call.model, token)
-        # The worker reports the prompt's tokens only at the end (shapes note 6).
+        # The worker reports the prompt's tokens only at the end: with continuous usage the gateway
+        # counts them itself, before the first chunk.
         prompt_tokens = await tokenizers.prompt_tokens(call.model, call.prompt) if call.continuous_usage else None
         reply = Reply(call.model, chat)
         events = upstream.choices(call, token)

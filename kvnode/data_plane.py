@@ -226,7 +226,7 @@ class DataPlaneServer:
             if self.credentials is not None:
                 conn = self._handshake(conn, peer)
                 refusal = security.not_member_reason(security.socket_role(conn), ("worker",), "the data plane")
-                if refusal is not None:  # base/security.py note 4
+                if refusal is not None:  # only a worker's certificate may read or write pages
                     raise Dropped(refusal)
             connection = Connection(conn, self.timeout_s, ReceiveBuffer(self.buffers))
             while not self._stopping.is_set():

@@ -24,7 +24,7 @@ from protos.methods import service_name
 log = logging.getLogger("kvnode")
 
 SERVICE_NAME = service_name("KVStore")
-READERS = ("worker",)  # whose certificates may look pages up, get, put and drop them (base/security.py note 4)
+READERS = ("worker",)  # whose certificates may look pages up, get, put and drop them: a client's certificate may not
 # Trailing metadata of a Lookup whose hits the node's leased-pages bound cut short, so the client knows why it got fewer hits.
 LEASE_LIMITED_KEY = "kvcache-lease-limited"
 DEFAULT_MAX_KEYS = 256

@@ -135,7 +135,7 @@ def test_tls_without_a_cluster_certificate_cannot_register_beat_put_or_get(secur
 
 def test_a_client_certificate_reaches_client_calls_only_not_a_members(secure_cluster, certs):
     """The CA signed it, but it is not a member's: it may not join the cluster nor read or write
-    pages on a kvnode, over gRPC or the data plane (base/security.py note 4)."""
+    pages on a kvnode, over gRPC or the data plane."""
     client = member_credentials(certs, "client")
     credentials = grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes(), (certs / "client.key").read_bytes(),
                                                (certs / "client.pem").read_bytes())
