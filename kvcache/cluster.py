@@ -16,8 +16,8 @@ from pathlib import Path
 from coordinator.client import Client, ClusterError
 from kvcache.launch import Daemon
 from kvcache.model_pages import model_page_bytes
-from kvnode.disk_tier import DISK_CHECKS
-from kvnode.flusher import check_flush_interval
+from kvnode.disk.tier import DISK_CHECKS
+from kvnode.store.flusher import check_flush_interval
 
 
 def disk_tier_args(data_dir: Path | str | None, flush_interval: float | None, disk_check: str | None) -> list[str]:

@@ -23,8 +23,8 @@ from kvcache.cluster import LocalCluster, client_tls, disk_tier_args, start_clus
 from kvcache.cluster_file import CLIENT_TOKEN_FILE, CLUSTER_FILE, DEFAULT_RUN_DIR, ClusterFileError, read_cluster_file
 from kvcache.launch import Daemon, DaemonFailed
 from kvcache.model_pages import VllmBlockPages, model_page_bytes
-from kvnode.disk_tier import CHECK_AT_START, DISK_CHECKS
-from kvnode.flusher import DEFAULT_FLUSH_INTERVAL_S
+from kvnode.disk.tier import CHECK_AT_START, DISK_CHECKS
+from kvnode.store.flusher import DEFAULT_FLUSH_INTERVAL_S
 from base import tokens
 from base.units import parse_size
 from worker.model.named import DEFAULT_MODEL

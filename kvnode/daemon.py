@@ -13,14 +13,14 @@ import time
 
 from base import addresses, member, observability, security, serving
 from base.units import format_size, parse_size
-from kvnode.data_dir import DataDir
+from kvnode.disk.data_dir import DataDir
 from kvnode.eviction import ALIASES, NODE_POLICIES, POLICIES, PREFIX_LRU
-from kvnode.data_plane import DEFAULT_MAX_CONNECTIONS, DataPlaneServer
-from kvnode.disk_tier import CHECK_AT_START, DISK_CHECKS, DiskTier
-from kvnode.flusher import DEFAULT_FLUSH_INTERVAL_S, Flusher, check_flush_interval
+from kvnode.data_plane.server import DEFAULT_MAX_CONNECTIONS, DataPlaneServer
+from kvnode.disk.tier import CHECK_AT_START, DISK_CHECKS, DiskTier
+from kvnode.store.flusher import DEFAULT_FLUSH_INTERVAL_S, Flusher, check_flush_interval
 from kvnode.metrics import NodeMetrics
 from kvnode.service import DEFAULT_MAX_KEYS, SERVICE_NAME, KVStoreService, handler
-from kvnode.store import PageStore
+from kvnode.store.page_store import PageStore
 from protos import kvcache_pb2 as pb
 
 log = logging.getLogger("kvnode")
@@ -133,7 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def shares_pool(args, credentials) -> bool:
-    """Whether the pool goes in shared memory (kvnode/shared_pool.py): only where it can be offered."""
+    """Whether the pool goes in shared memory (kvnode/wire/shared_pool.py): only where it can be offered."""
     return not (args.no_shared_pool or args.no_data_unix or args.no_data_plane or credentials is not None)
 
 

@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from base.observability import DURATION_BUCKETS
-from kvnode.store import PageStore, PutOutcome
+from kvnode.store.page_store import PageStore, PutOutcome
 
 GRPC, DATA_PLANE = "grpc", "data_plane"
 OUTCOMES = {PutOutcome.STORED: "stored", PutOutcome.ALREADY_PRESENT: "already_present",

@@ -1,6 +1,6 @@
 """The KVStore gRPC service: unpacks messages, calls the PageStore, turns its errors
 into status codes. Bulk messages (PageChunk, PutItem) are framed by kvnode.wire. Pages go
-out with their checksums and come in with them (kvnode/checksum.py)."""
+out with their checksums and come in with them (kvnode/wire/checksum.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import grpc
 from base import security
 from base.serving import DEFAULT_MAX_MESSAGE_BYTES, Malformed, tolerant
 from base.version import __version__
-from kvnode import wire
-from kvnode.checksum import CHECKSUM_BYTES
-from kvnode.put_refusals import log_refused
-from kvnode.store import InvalidRequest, LeaseRefused, PageNotFound, PageStore, check_key
+from kvnode.wire import grpc_frames as wire
+from kvnode.wire.checksum import CHECKSUM_BYTES
+from kvnode.store.put_refusals import log_refused
+from kvnode.store.page_store import InvalidRequest, LeaseRefused, PageNotFound, PageStore, check_key
 from protos import kvcache_pb2 as pb
 from protos.methods import service_name
 

@@ -24,7 +24,7 @@ from base import serving
 from kvcache.launch import Daemon
 from kvnode.client import NodeClient
 from kvnode.service import SERVICE_NAME, KVStoreService, handler
-from kvnode.store import PageStore
+from kvnode.store.page_store import PageStore
 
 STOP_GRACE_S = 0.5
 # The test nodes' shape unless a test asks for another: small, so everything stays fast.

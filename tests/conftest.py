@@ -11,8 +11,8 @@ import pytest
 
 from cluster_helpers import NODE_CAPACITY_PAGES, NODE_PAGE_BYTES, node_process, serve_node
 from data_plane_helpers import GOOD, GOOD_PARENTS, MAX_KEYS, pages
-from kvnode.data_plane import DataPlaneServer
-from kvnode.store import PageStore
+from kvnode.data_plane.server import DataPlaneServer
+from kvnode.store.page_store import PageStore
 from store_helpers import FakeClock
 
 

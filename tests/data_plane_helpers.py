@@ -11,8 +11,8 @@ import grpc
 import numpy as np
 
 from cluster_helpers import NODE_PAGE_BYTES, wait_for
-from kvnode import data_wire as dw
-from kvnode.checksum import page_checksum
+from kvnode.wire import data_frames as dw
+from kvnode.wire.checksum import page_checksum
 from store_helpers import key
 
 MAX_KEYS = 8

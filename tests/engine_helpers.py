@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from worker.engine import Engine
+from worker.engine.engine import Engine
 from worker.model.tokenizer import ByteTokenizer
 
 P = 8

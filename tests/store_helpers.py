@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 
-from kvnode.store import PageStore, PutOutcome
+from kvnode.store.page_store import PageStore, PutOutcome
 
 
 def key(n: int) -> bytes:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from worker.attention import (KEYS, VALUES, AttentionMetadata, causal_attention, dense_attention, paged_attention,
+from worker.model.attention import (KEYS, VALUES, AttentionMetadata, causal_attention, dense_attention, paged_attention,
                               write_kv)
 
 

@@ -16,7 +16,7 @@ from coordinator.client import Client
 from kvcache.launch import Daemon
 from protos import kvcache_pb2 as pb
 from reflection_helpers import GARBAGE, UNCLEAN, call, field_cases, list_methods
-from worker.engine import Engine
+from worker.engine.engine import Engine
 
 INVALID, OK = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OK
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # every daemon's default

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.block_pool import BlockPool
+from worker.kv.block_pool import BlockPool
 
 SHAPE = (1, 2, 1, 4, 2)
 

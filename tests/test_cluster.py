@@ -20,7 +20,7 @@ from kvcache import launch
 from kvcache.cluster import add_worker, default_blas_threads, disk_tier_args, start_cluster, wait_healthy
 from kvnode.client import NodeClient
 from worker.client import WorkerClient
-from worker.engine import Engine
+from worker.engine.engine import Engine
 
 PAGE_TOKENS = 16
 SYSTEM = "You are the support assistant of a small bakery. Be kind, be brief, and never invent prices. "

@@ -9,11 +9,11 @@ import pytest
 
 from cluster_helpers import serve_node
 from kvnode.service import KVStoreService
-from kvnode.store import PageStore
-from worker.connector import Tier
-from worker.engine import Engine
+from kvnode.store.page_store import PageStore
+from worker.connector.connector import Tier
+from worker.engine.engine import Engine
 from worker.model import load_model
-from worker.remote import Placement, RemoteTier
+from worker.remote.tier import Placement, RemoteTier
 
 SHARED = "You are a helpful assistant. Answer briefly, and cite what you read. "  # 4 full pages of 16 tokens
 DELAY_S = 2.0
@@ -258,7 +258,7 @@ def test_close_is_bounded_by_a_hung_call_and_a_closed_connector_answers_a_miss_a
     close is a miss without a call, and once the hung call ends no connector thread is left."""
     from types import SimpleNamespace
 
-    from worker.connector import KVConnector, Landed
+    from worker.connector.connector import KVConnector, Landed
 
     release, entered, calls = threading.Event(), threading.Event(), []
 
@@ -315,7 +315,7 @@ def joined_early(tier, **options):
     """A connector over `tier` and a request whose layer-wise load started and joined a step early."""
     from types import SimpleNamespace
 
-    from worker.connector import KVConnector
+    from worker.connector.connector import KVConnector
 
     connector = KVConnector(tier, **options)
     request = SimpleNamespace(request_id="early", tier_context=None)

@@ -1,4 +1,4 @@
-"""Loads given up before they started (worker/connector.py note 4): the loader never runs them, and
+"""Loads given up before they started (worker/connector/connector.py note 4): the loader never runs them, and
 their blocks come back at the next step, while a load that started keeps its blocks until it ends."""
 
 import threading
@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from worker.connector import Tier
-from worker.engine import Engine
+from worker.connector.connector import Tier
+from worker.engine.engine import Engine
 from worker.model import load_model
 
 SHARED = "You are a helpful assistant. Answer briefly, and cite what you read. "  # 4 full pages of 16 tokens

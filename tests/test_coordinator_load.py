@@ -14,7 +14,7 @@ import pytest
 from coordinator.client import Client
 from kvcache.cluster import start_cluster, wait_healthy
 from protos import kvcache_pb2 as pb
-from worker.engine import Engine
+from worker.engine.engine import Engine
 
 STREAMS = 200
 MAX_TOKENS = 128

@@ -1,4 +1,4 @@
-"""The kvnode's data plane (kvnode/data_plane.py) at the byte level: raw requests are answered
+"""The kvnode's data plane (kvnode/data_plane/server.py) at the byte level: raw requests are answered
 as framed, every bad input gets its status or is dropped cleanly while the node goes on serving
 with its invariants intact (docs/architecture.md, invariants), and no peer holds pins or memory for
 long. NodeClient over it: tests/test_data_plane_client.py."""
@@ -16,10 +16,10 @@ import pytest
 from cluster_helpers import NODE_PAGE_BYTES, wait_for
 from data_plane_helpers import GOOD, GOOD_PARENTS, INVALID, MAX_KEYS, assert_unharmed, pages, put_head, raw_connection
 from base.log_limits import CountedEvent
-from kvnode import data_wire as dw
-from kvnode.checksum import page_checksum
+from kvnode.wire import data_frames as dw
+from kvnode.wire.checksum import page_checksum
 from kvnode.client import NodeError
-from kvnode.data_plane import DataPlaneServer
+from kvnode.data_plane.server import DataPlaneServer
 from store_helpers import key
 
 pytestmark = pytest.mark.usefixtures("no_kvnode_errors_logged")  # a bad peer gets an info line, never an error

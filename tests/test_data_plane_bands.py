@@ -15,11 +15,11 @@ import pytest
 from cluster_helpers import NODE_PAGE_BYTES
 from data_plane_helpers import GOOD, INVALID, assert_unharmed, pages, raw_connection
 from base import security
-from kvnode import data_wire as dw
+from kvnode.wire import data_frames as dw
 from kvnode.client import NodeError, PageRejected
 from kvnode.client.data_client import DataPlaneClient
 from kvnode.client.data_client_io import DataPlaneError
-from kvnode.data_plane import DataPlaneServer
+from kvnode.data_plane.server import DataPlaneServer
 from test_node_checksums import flip_byte_in_pool
 
 pytestmark = pytest.mark.usefixtures("no_kvnode_errors_logged")

@@ -1,4 +1,4 @@
-"""Memory the data plane holds between requests (kvnode/recv_buffers.py): a connection keeps a
+"""Memory the data plane holds between requests (kvnode/data_plane/recv_buffers.py): a connection keeps a
 small PUT buffer for reuse, drops a large one after its request, and all connections together
 keep at most a bound; a closed connection gives its buffer back."""
 
@@ -11,10 +11,10 @@ import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, wait_for
 from data_plane_helpers import pages, put_head, raw_connection
-from kvnode import data_wire as dw
-from kvnode.data_plane import DataPlaneServer
-from kvnode.recv_buffers import BufferBudget, ReceiveBuffer
-from kvnode.store import PutOutcome
+from kvnode.wire import data_frames as dw
+from kvnode.data_plane.server import DataPlaneServer
+from kvnode.data_plane.recv_buffers import BufferBudget, ReceiveBuffer
+from kvnode.store.page_store import PutOutcome
 from store_helpers import key
 
 pytestmark = pytest.mark.usefixtures("no_kvnode_errors_logged")

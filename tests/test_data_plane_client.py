@@ -19,11 +19,11 @@ import pytest
 from cluster_helpers import NODE_PAGE_BYTES, wait_for
 from data_plane_helpers import GOOD, GOOD_PARENTS, INVALID, MAX_KEYS, assert_unharmed, pages, raw_connection
 from kvnode.client import node_client
-from kvnode import data_wire as dw
-from kvnode.checksum import page_checksum
+from kvnode.wire import data_frames as dw
+from kvnode.wire.checksum import page_checksum
 from kvnode.client import NodeError, PageRejected
 from kvnode.client.data_client import DataPlaneClient
-from kvnode.data_plane import DataPlaneServer
+from kvnode.data_plane.server import DataPlaneServer
 from store_helpers import key
 from test_node_checksums import flip_byte_in_pool
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, node_process, read_log, run_kvcache
-from kvnode import data_wire as dw
+from kvnode.wire import data_frames as dw
 from kvnode.client import NodeClient
 from store_helpers import key
 

@@ -1,4 +1,4 @@
-"""LOOKUP, the data plane's lookup (kvnode/data_wire.py note 8): NodeClient.lookup goes over the
+"""LOOKUP, the data plane's lookup (kvnode/wire/data_frames.py note 8): NodeClient.lookup goes over the
 data plane when the client uses one and answers what gRPC's Lookup answers, hits and leases alike;
 its refusals carry gRPC's codes (a RESOURCE_EXHAUSTED, a refused lease or a node at its connection
 bound, is asked over gRPC, which refuses the one and serves the other); a refused LOOKUP is read
@@ -15,9 +15,9 @@ import pytest
 
 from cluster_helpers import NODE_CAPACITY_PAGES, wait_for
 from data_plane_helpers import GOOD, INVALID, MAX_KEYS, assert_unharmed, pages, raw_connection
-from kvnode import data_wire as dw
+from kvnode.wire import data_frames as dw
 from kvnode.client import NodeError
-from kvnode.store_types import LeaseRefused
+from kvnode.store.types import LeaseRefused
 from store_helpers import key
 from test_data_plane import closed_by_node, read_reply
 

@@ -1,4 +1,4 @@
-"""The shared pool (kvnode/shared_pool.py, shared_pool_serving.py): a client on the node's host
+"""The shared pool (kvnode/wire/shared_pool.py, shared_pool_serving.py): a client on the node's host
 maps the node's pool read-only and copies pinned pages out of it. The bytes equal every other
 path's, pins last exactly until the client releases them (or goes away, or stalls), the mapping
 cannot be written, a page on disk only still arrives, an altered page is still refused, and the
@@ -18,16 +18,16 @@ import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, free_port, node_process, read_log, serve_node, wait_for
 from data_plane_helpers import GOOD, GOOD_PARENTS, pages
-from kvnode import data_wire as dw
-from kvnode import shared_pool
+from kvnode.wire import data_frames as dw
+from kvnode.wire import shared_pool
 from kvnode.client import NodeClient, PageRejected
 from kvnode.client.data_client import DataPlaneClient
-from kvnode.data_plane import DataPlaneServer
-from kvnode.disk_tier import DiskTier
-from kvnode.store import PageStore
+from kvnode.data_plane.server import DataPlaneServer
+from kvnode.disk.tier import DiskTier
+from kvnode.store.page_store import PageStore
 from store_helpers import key
 from test_node_checksums import flip_byte_in_pool
-from worker.remote import Placement, RemoteTier
+from worker.remote.tier import Placement, RemoteTier
 
 pytestmark = pytest.mark.skipif(not shared_pool.supported(), reason="the shared pool needs Linux (memfd, SO_PEERCRED)")
 ARGS = ("--capacity", "64KiB", "--page-bytes", str(NODE_PAGE_BYTES))

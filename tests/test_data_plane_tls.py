@@ -1,4 +1,4 @@
-"""The data plane server with TLS (kvnode/data_plane.py), in process: a handshake trickled
+"""The data plane server with TLS (kvnode/data_plane/server.py), in process: a handshake trickled
 a byte at a time ends at timeout_s (a deadline, not a kernel timeout), a request's deadline leaves the
 wait for the next request its whole timeout, and a connection whose handshake ends as the node
 starts stopping leaves no entry in the connection table. The cluster's TLS:
@@ -17,10 +17,10 @@ import pytest
 from cluster_helpers import NODE_PAGE_BYTES, wait_for
 from data_plane_helpers import put_head
 from base import security
-from kvnode import data_wire as dw
-from kvnode.data_plane import DataPlaneServer
-from kvnode.store import PageStore
-from kvnode.tls_stream import TlsStream
+from kvnode.wire import data_frames as dw
+from kvnode.data_plane.server import DataPlaneServer
+from kvnode.store.page_store import PageStore
+from kvnode.wire.tls_stream import TlsStream
 from store_helpers import key
 
 pytestmark = pytest.mark.usefixtures("no_kvnode_errors_logged")  # a bad peer gets an info line, never an error

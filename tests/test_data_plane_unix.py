@@ -1,4 +1,4 @@
-"""The data plane's same-host path (kvnode/data_plane.py, its abstract Unix socket) with real node processes: Info
+"""The data plane's same-host path (kvnode/data_plane/server.py, its abstract Unix socket) with real node processes: Info
 advertises an abstract Unix socket, a client on the node's loopback address uses it and gets
 the bytes TCP and gRPC give, tokens computed from pages it brought equal the cold ones, it
 shares TCP's connection bound, and a socket that does not answer, a host that is not loopback
@@ -20,14 +20,14 @@ import pytest
 from cluster_helpers import NODE_PAGE_BYTES, free_port, node_process, read_log, wait_for
 from kvcache.launch import Daemon
 from kvnode.client import data_client
-from kvnode import data_wire as dw
+from kvnode.wire import data_frames as dw
 from kvnode.client import NodeClient
 from kvnode.client.data_client import DataPlaneClient
 from kvnode.client.data_client_io import DataPlaneError
 from store_helpers import key
-from worker.engine import Engine
+from worker.engine.engine import Engine
 from worker.model import load_model
-from worker.remote import Placement, RemoteTier
+from worker.remote.tier import Placement, RemoteTier
 
 ARGS = ("--capacity", "64KiB", "--page-bytes", str(NODE_PAGE_BYTES))
 
@@ -214,7 +214,7 @@ def test_a_node_restarted_under_a_new_name_is_found_again_through_info(tmp_path)
 # name fixed, so a test can hold that name first.
 _FIXED_NAME = """
 import runpy, sys
-from kvnode import data_plane_connection
+from kvnode.data_plane import connection as data_plane_connection
 name = sys.argv.pop(1)
 data_plane_connection.new_unix_name = lambda: name
 sys.argv = ["kvcache", *sys.argv[4:]]

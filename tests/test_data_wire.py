@@ -1,4 +1,4 @@
-"""The data plane's framing (kvnode/data_wire.py): what one side writes the other reads back,
+"""The data plane's framing (kvnode/wire/data_frames.py): what one side writes the other reads back,
 and a header that is not ours says why."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from kvnode import data_wire as dw
+from kvnode.wire import data_frames as dw
 from store_helpers import key
 
 

@@ -1,5 +1,5 @@
-"""The disk tier when its disk fails (kvnode/tiers.py), a flush under way, and a
-page dropped while pinned (kvnode/store_drops.py). The slot file is real (tmp_path);
+"""The disk tier when its disk fails (kvnode/store/tiers.py), a flush under way, and a
+page dropped while pinned (kvnode/store/drops.py). The slot file is real (tmp_path);
 failures come from a DiskTier whose writes or reads raise the OSError a failing disk gives
 (EIO, ENOSPC) at the system-call boundary, where os.pwritev and os.preadv would raise it."""
 
@@ -15,9 +15,9 @@ import pytest
 
 from kvnode.client.data_client import DataPlaneClient
 from kvnode.client.data_client_io import DataPlaneError
-from kvnode.data_plane import DataPlaneServer
-from kvnode.disk_tier import CHECK_ALWAYS, SLOTS_FILE, DiskTier
-from kvnode.store import PageNotFound, PageStore, PutOutcome
+from kvnode.data_plane.server import DataPlaneServer
+from kvnode.disk.tier import CHECK_ALWAYS, SLOTS_FILE, DiskTier
+from kvnode.store.page_store import PageNotFound, PageStore, PutOutcome
 from store_helpers import CheckedStore, FakeClock, key, page
 from test_disk_tier import flip_byte
 from test_store_tiers import PAGE_BYTES, in_ram, put_chain

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from kvnode.checksum import page_checksum
-from kvnode.disk_tier import BLOCK_BYTES, CHECK_ALWAYS, CHECK_AT_START, DISK_CHECKS, HEADER_BYTES, SLOTS_FILE, DiskTier
-from kvnode.recovery import recover
+from kvnode.wire.checksum import page_checksum
+from kvnode.disk.tier import BLOCK_BYTES, CHECK_ALWAYS, CHECK_AT_START, DISK_CHECKS, HEADER_BYTES, SLOTS_FILE, DiskTier
+from kvnode.disk.recovery import recover
 from store_helpers import key, page
 
 PAGE_BYTES = 1000

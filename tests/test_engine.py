@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from engine_helpers import PROMPTS, P, ToyModel, alone, make_engine
-from worker.connector import Tier
-from worker.engine import Engine
-from worker.pages import page_keys
+from worker.connector.connector import Tier
+from worker.engine.engine import Engine
+from worker.kv.pages import page_keys
 
 
 def test_prompts_generated_together_give_the_tokens_each_gives_alone_even_chunked():

@@ -1,5 +1,5 @@
 """The engine under faults and misuse: duplicate request ids, a step that fails for one request,
-and resumed requests that must end exactly as an uninterrupted run would (worker/step_runner.py
+and resumed requests that must end exactly as an uninterrupted run would (worker/engine/step_runner.py
 note 2, engine notes 5-6)."""
 
 import threading
@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from engine_helpers import PROMPTS, ToyModel, alone, make_engine
-from worker.engine import Engine
-from worker.outputs import RequestIdInUse
+from worker.engine.engine import Engine
+from worker.engine.outputs import RequestIdInUse
 
 POISON = ord("#")
 

@@ -4,7 +4,7 @@ caching or preemption."""
 import numpy as np
 import pytest
 
-from worker.engine import Engine
+from worker.engine.engine import Engine
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_a_prompt_whose_every_page_is_cached_computes_its_last_token_alone(tiny,
     assert len(prompt.encode()) == 64
     engine = tiny_engine(tiny, kv_dtype=kv_dtype)
     first = engine.generate([prompt], max_new_tokens=6)[0]
-    from worker.pages import page_keys
+    from worker.kv.pages import page_keys
 
     blocks = engine.pool.lookup(page_keys(engine.fingerprint, list(first.prompt_token_ids), 16))
     assert len(blocks) == 4

@@ -1,4 +1,4 @@
-"""The flusher (kvnode/flusher.py) writes dirty pages on its own thread every interval; an
+"""The flusher (kvnode/store/flusher.py) writes dirty pages on its own thread every interval; an
 unexpected failure of a flush (a bug, not the disk's OSError) is logged once with its reason and
 the thread keeps flushing, rather than dying silently with the node's pages left unwritten."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 import time
 
-from kvnode.disk_tier import DiskTier
-from kvnode.flusher import Flusher
-from kvnode.store import PageStore, PutOutcome
+from kvnode.disk.tier import DiskTier
+from kvnode.store.flusher import Flusher
+from kvnode.store.page_store import PageStore, PutOutcome
 from store_helpers import key, page
 
 PAGE_BYTES = 64

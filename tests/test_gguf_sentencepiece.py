@@ -8,10 +8,10 @@ import random
 import pytest
 
 from gguf_helpers import LLAMA2_CHAT, sentencepiece_metadata, train_sentencepiece, write_gguf
-from worker.engine import Engine
+from worker.engine.engine import Engine
 from worker.model import CheckpointError, load_model, load_model_tokenizer
 from worker.model.testing import llama_config, random_tensors_for
-from worker.sampling import SamplingParams, StopChecker
+from worker.engine.sampling import SamplingParams, StopChecker
 
 SEP = "<sep>"
 TEXTS = ["", " ", "   ", "Hello world", " leading space", "trailing space ", "multiple   spaces    here",

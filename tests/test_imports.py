@@ -3,6 +3,8 @@
 1. Each part imports only the parts below it: protos (the wire contract) < base (what they all
    share) < kvnode < worker < coordinator < gateway, vllm_connector < kvcache (the command line).
    Read from the source (ast), every import, at the top or inside a function.
+   Inside worker/ and kvnode/ the same holds for their folders (INNER_FLOORS); the modules at
+   a part's top (its daemon, service, metrics) may import any of its folders.
 2. No import circles between modules; a circle is a pair of files that cannot be read apart.
 3. kvnode's client loads none of the node's server: a worker, a gateway or a vLLM engine that
    imports kvnode.client does not import the store, the eviction policies, the disk tier or
@@ -18,12 +20,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVER = ("kvnode.store", "kvnode.store_types", "kvnode.eviction", "kvnode.disk_tier", "kvnode.recovery",
-          "kvnode.tiers", "kvnode.leases", "kvnode.service", "kvnode.data_plane", "kvnode.daemon")
+SERVER = ("kvnode.store", "kvnode.eviction", "kvnode.disk", "kvnode.service", "kvnode.data_plane",
+          "kvnode.daemon")
 # From the ground up; a part may import those on lower floors, none on its own floor or above.
 FLOORS = [("protos",), ("base",), ("kvnode",), ("worker",), ("coordinator",), ("gateway", "vllm_connector"),
           ("kvcache",)]
 PARTS = [part for floor in FLOORS for part in floor]
+INNER_FLOORS = {
+    "worker": [("worker.kv",), ("worker.model", "worker.connector"), ("worker.engine",), ("worker.remote",)],
+    "kvnode": [("kvnode.wire",), ("kvnode.eviction", "kvnode.disk"), ("kvnode.store",),
+               ("kvnode.data_plane", "kvnode.client")],
+}
 # Known before the rule was written, to be broken: the observability-cost run reuses the load
 # bench's private pass (_bench), and the load bench dispatches to it. No other circle may join.
 KNOWN_CIRCLES = [{"kvcache.bench.load", "kvcache.bench.observability_cost"}]
@@ -107,6 +114,31 @@ def test_each_part_imports_only_the_parts_below_it():
                       f"{' < '.join('/'.join(floor) for floor in FLOORS)}):\n" + "\n".join(wrong)
 
 
+def folder_of(name: str, part: str) -> str | None:
+    """The folder of `part` that holds module `name` (None for a module at the part's top)."""
+    folders = {folder for floor in INNER_FLOORS[part] for folder in floor}
+    return next((f for f in folders if name == f or name.startswith(f + ".")), None)
+
+
+def test_each_folder_of_worker_and_kvnode_imports_only_the_folders_below_it():
+    wrong = []
+    for part, floors in INNER_FLOORS.items():
+        floor_of = {folder: number for number, floor in enumerate(floors) for folder in floor}
+        for name, targets in import_graph().items():
+            if not name.startswith(part + "."):
+                continue
+            own = folder_of(name, part)
+            for target in targets:
+                if own is None or not target.startswith(part + "."):
+                    continue  # the part's top modules may import any of its folders
+                other = folder_of(target, part)
+                if other is None:
+                    wrong.append(f"{name} imports {target} (the part's top, above every folder)")
+                elif other != own and floor_of[other] >= floor_of[own]:
+                    wrong.append(f"{name} imports {target}")
+    assert not wrong, "folders importing sideways or up:\n" + "\n".join(sorted(wrong))
+
+
 def test_no_import_circles():
     new = [sorted(c) for c in circles(import_graph()) if c not in KNOWN_CIRCLES]
     assert not new, f"modules that import each other in a loop: {new}"
@@ -125,5 +157,5 @@ def test_importing_the_kvnode_client_loads_none_of_the_server():
     loaded = modules_loaded_by("from kvnode.client import NodeClient, NodeError, NodeInfo, PageRejected, "
                                "PinnedPages, PutResult, SharedPoolFile, page_checksum")
     assert "kvnode.client.node_client" in loaded
-    server = sorted(m for m in loaded if m in SERVER or m.startswith("kvnode.eviction."))
+    server = sorted(m for m in loaded if any(m == s or m.startswith(s + ".") for s in SERVER))
     assert not server, f"importing kvnode.client loaded the node's server modules {server}"

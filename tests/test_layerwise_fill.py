@@ -13,14 +13,14 @@ import grpc
 import pytest
 
 from kvnode.client import NodeError
-from kvnode.data_plane import DataPlaneServer
-from kvnode.store import PageStore
+from kvnode.data_plane.server import DataPlaneServer
+from kvnode.store.page_store import PageStore
 from cluster_helpers import serve_node
-from worker.engine import Engine
+from worker.engine.engine import Engine
 from worker.model import load_model
 from worker.model.testing import gpt2_config, llama_config, random_model
-from worker.pages import page_keys, tenant_root
-from worker.remote import Placement, RemoteTier
+from worker.kv.pages import page_keys, tenant_root
+from worker.remote.tier import Placement, RemoteTier
 
 PAGE_TOKENS = 16
 SHARED = "You are a helpful assistant. Answer briefly, and cite what you read. " * 2  # 8 full pages and more

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from base import mappings
-from kvnode import shared_pool
-from worker.block_arena import BlockArena
+from kvnode.wire import shared_pool
+from worker.kv.block_arena import BlockArena
 
 pytestmark = pytest.mark.skipif(not shared_pool.supported(), reason="the shared pool needs Linux (memfd, SO_PEERCRED)")
 PAGES, PAGE_BYTES = 256, 4 << 20  # 1 GiB: populating takes tens of ms at least

@@ -113,7 +113,7 @@ def test_biases_change_the_logits_and_the_paged_forward_equals_a_full_recompute(
 def test_the_engine_generates_what_a_full_recompute_does(tmp_path, tok):
     """The engine on a Qwen2 GGUF with its ChatML template: a chat prefilled in chunks over 4-token
     pages, then greedy tokens; the same again from the prefix cache."""
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     config = _config(tie_word_embeddings=True)
     write_gguf(tmp_path / "q.gguf", config, random_tensors_for(config, seed=37), T.Q8_0, arch="qwen2", tok=tok,

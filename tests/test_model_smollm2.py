@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(not named_model_installed(DEFAULT_MODEL),
 
 @pytest.fixture(scope="module")
 def engine():
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     return Engine.load(DEFAULT_MODEL, kv_cache_bytes=64 << 20)
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, raw_channel, serve_node
-from kvnode import wire
+from kvnode.wire import grpc_frames as wire
 from kvnode.client import NodeError
 from kvnode.service import SERVICE_NAME, KVStoreService
-from kvnode.store import MAX_LEASE_MS, PageStore
+from kvnode.store.page_store import MAX_LEASE_MS, PageStore
 from protos import kvcache_pb2 as pb
 from store_helpers import key
 

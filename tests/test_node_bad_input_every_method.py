@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, node_process, read_log
-from kvnode import wire
+from kvnode.wire import grpc_frames as wire
 from kvnode.client import NodeClient
 from reflection_helpers import GARBAGE, UNCLEAN, call, field_cases, list_methods
 from store_helpers import key

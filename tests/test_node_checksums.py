@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from data_plane_helpers import GOOD, GOOD_PARENTS, pages
-from kvnode.checksum import page_checksum
+from kvnode.wire.checksum import page_checksum
 from kvnode.client import PageRejected
 
 PATHS = pytest.mark.parametrize("use_data_plane", [True, False], ids=["data plane", "gRPC"])

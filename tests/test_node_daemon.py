@@ -15,7 +15,7 @@ import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, node_process, raw_channel, read_log, run_kvcache
 from kvcache import cli
-from kvnode import wire
+from kvnode.wire import grpc_frames as wire
 from kvnode.client import NodeClient
 from kvnode.service import SERVICE_NAME
 from store_helpers import key

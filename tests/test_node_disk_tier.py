@@ -14,8 +14,8 @@ import pytest
 
 from cluster_helpers import node_process, read_log, run_kvcache, wait_for
 from kvnode.client import NodeClient, NodeError, PageRejected
-from kvnode.disk_tier import BLOCK_BYTES, DISK_CHECKS, HEADER, HEADER_BYTES, MAGIC, SLOTS_FILE, DiskTier
-from kvnode.data_dir import NODE_ID_FILE
+from kvnode.disk.tier import BLOCK_BYTES, DISK_CHECKS, HEADER, HEADER_BYTES, MAGIC, SLOTS_FILE, DiskTier
+from kvnode.disk.data_dir import NODE_ID_FILE
 from store_helpers import key
 from test_disk_tier import flip_byte
 from test_node_daemon import assert_one_clear_error
@@ -129,7 +129,7 @@ def flip_page_byte(data_dir, page_key: bytes, page_bytes: int = PAGE_BYTES) -> N
 @pytest.mark.parametrize("check", DISK_CHECKS)
 def test_a_page_altered_on_disk_while_the_node_runs_is_never_used_and_is_dropped_with_its_descendants(tmp_path,
                                                                                                     check):
-    """The disk check (kvnode/disk_tier.py). Checked at start (the default), the node serves the altered
+    """The disk check (kvnode/disk/tier.py). Checked at start (the default), the node serves the altered
     page's bytes with its writer's checksum: NodeClient refuses it (PageRejected), and the report
     (DropPages) drops it and its descendants. With --disk-check always the node refuses it itself.
     Either way a page altered on disk is found again at the next start."""

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from cluster_helpers import node_process, raw_channel, read_log, run_kvcache, wait_for
-from kvnode import data_wire as dw
-from kvnode import wire
+from kvnode.wire import data_frames as dw
+from kvnode.wire import grpc_frames as wire
 from kvnode.client import NodeClient
 from kvnode.service import SERVICE_NAME
 from protos import kvcache_pb2 as pb

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, raw_channel
-from kvnode import wire
+from kvnode.wire import grpc_frames as wire
 from kvnode.service import SERVICE_NAME
 from protos import kvcache_pb2 as pb
 from store_helpers import key

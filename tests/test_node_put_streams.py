@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster_helpers import raw_channel, serve_node
-from kvnode import wire
+from kvnode.wire import grpc_frames as wire
 from kvnode.service import SERVICE_NAME
-from kvnode.store import PageStore
+from kvnode.store.page_store import PageStore
 from protos import kvcache_pb2 as pb
 from store_helpers import key
 

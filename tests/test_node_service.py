@@ -15,11 +15,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cluster_helpers import NODE_CAPACITY_PAGES, NODE_PAGE_BYTES, raw_channel, serve_node
 from kvcache import __version__
-from kvnode import wire
-from kvnode.checksum import page_checksum
+from kvnode.wire import grpc_frames as wire
+from kvnode.wire.checksum import page_checksum
 from kvnode.client import NodeClient, NodeError
 from kvnode.service import SERVICE_NAME, KVStoreService
-from kvnode.store import PageStore
+from kvnode.store.page_store import PageStore
 from protos import kvcache_pb2 as pb
 from store_helpers import key
 

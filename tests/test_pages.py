@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from worker.pages import KEY_BYTES, page_key, page_keys
+from worker.kv.pages import KEY_BYTES, page_key, page_keys
 
 ROOT = bytes(range(16))
 

@@ -1,4 +1,4 @@
-"""Fetched pages read where they lie (worker/pages_in_place.py, remote_joins.py note 2): a request's
+"""Fetched pages read where they lie (worker/kv/pages_in_place.py, remote_joins.py note 2): a request's
 first step reads its prefix out of a node's pool mapped into the engine's block arena, the next
 step copies it into the request's blocks and gives the pins back.
 
@@ -16,11 +16,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from worker.block_arena import BlockArena
-from worker.connector import Tier
-from worker.engine import Engine
+from worker.kv.block_arena import BlockArena
+from worker.connector.connector import Tier
+from worker.engine.engine import Engine
 from worker.model import ARCH_MODULES, PRESET_SEEDS, Model, load_model, random_tensors
-from worker.pages_in_place import PagesInPlace
+from worker.kv.pages_in_place import PagesInPlace
 
 PROMPT = "You are a helpful assistant. Answer briefly, and cite what you read. What does a kvnode store?"
 
@@ -148,7 +148,7 @@ def test_pages_held_too_long_are_not_copied_in(tiny, monkeypatch):
     """The node drops pins a reader holds past its timeout and may reuse the slots: pages read in
     place whose pins are older than LAND_WITHIN_S are given back uncopied, and a request that
     still needed them computes its prompt again."""
-    import worker.pages_in_place as in_place
+    import worker.kv.pages_in_place as in_place
 
     tier = PoolTier()
     writer = Reader(tiny, tier)
@@ -261,7 +261,7 @@ def test_the_window_of_a_node_whose_client_let_its_pool_go_is_unmapped():
     from types import SimpleNamespace
 
     from kvnode.client import SharedPoolFile
-    from worker.pages_in_place import InPlaceReader
+    from worker.kv.pages_in_place import InPlaceReader
 
     shape = (2, 2, 1, 16, 8)
     arena = BlockArena(3, shape, np.float32)
@@ -293,7 +293,7 @@ def test_a_node_met_while_a_pins_attach_runs_is_still_mapped_once_its_client_map
     from types import SimpleNamespace
 
     from kvnode.client import SharedPoolFile
-    from worker.pages_in_place import InPlaceReader
+    from worker.kv.pages_in_place import InPlaceReader
 
     shape = (2, 2, 1, 16, 8)
     arena = BlockArena(3, shape, np.float32)
@@ -339,7 +339,7 @@ def test_the_arena_waits_for_the_mapping_its_nodes_client_says_is_under_way(stat
     in slices while it says "mapping" (pages_in_place note 3)."""
     from types import SimpleNamespace
 
-    from worker.pages_in_place import _MAPPING_SLICE_S, InPlaceReader
+    from worker.kv.pages_in_place import _MAPPING_SLICE_S, InPlaceReader
 
     waits = []
 
@@ -360,7 +360,7 @@ def test_close_ends_the_wait_for_a_nodes_client_still_mapping():
     import threading
     from types import SimpleNamespace
 
-    from worker.pages_in_place import _MAPPING_WAIT_S, InPlaceReader
+    from worker.kv.pages_in_place import _MAPPING_WAIT_S, InPlaceReader
 
     waiting = threading.Event()
 

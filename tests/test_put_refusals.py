@@ -1,5 +1,5 @@
 """Pages a put was refused are logged as one line per reason and interval with their count
-(kvnode/put_refusals.py): a full or restarted node refuses pages of most puts, and a line per
+(kvnode/store/put_refusals.py): a full or restarted node refuses pages of most puts, and a line per
 put filled its log."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from base.log_limits import CountedEvent
-from kvnode import put_refusals
-from kvnode.store_types import PutOutcome
+from kvnode.store import put_refusals
+from kvnode.store.types import PutOutcome
 from store_helpers import key
 
 NO_PARENT, NO_ROOM = PutOutcome.REFUSED_NO_PARENT, PutOutcome.REFUSED_NO_ROOM

@@ -17,7 +17,7 @@ from kvnode.client import NodeClient
 from metrics_helpers import scrape
 from test_node_disk_tier import flip_page_byte
 from worker.client import WorkerClient
-from worker.pages import page_keys
+from worker.kv.pages import page_keys
 
 FAULTS = Path(__file__).parent / "fault_injection"
 PAGE_TOKENS = 16
@@ -81,7 +81,7 @@ def _reads_in_place(writer, reader_client, reader, node, node_client, root) -> b
 
 
 def test_a_page_altered_in_a_kvnodes_slot_file_is_refused_by_the_worker_and_dropped_by_the_node(tmp_path):
-    """The disk tier checks each slot whole once per process (kvnode/disk_tier.py): a byte flipped
+    """The disk tier checks each slot whole once per process (kvnode/disk/tier.py): a byte flipped
     in the slot file while the node runs, in a page on disk only, goes out with its writer's
     checksum; the real worker refuses it, its answer stays exact, and its report drops the page
     and its descendants on the node."""

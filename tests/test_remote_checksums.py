@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import test_remote_fill as fill
-from kvnode.data_plane import DataPlaneServer
+from kvnode.data_plane.server import DataPlaneServer
 from test_remote_tier import BLOCK_SHAPE, chain_keys, make_tier
-from worker.remote import Placement
+from worker.remote.tier import Placement
 
 
 @pytest.mark.parametrize("use_data_plane", [True, False], ids=["data plane", "gRPC"])

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from kvnode.client import NodeClient, NodeError
-from worker import half
-from worker.half import float16_to_float32
-from worker.remote import Placement, RemoteTier
+from worker.kv import half
+from worker.kv.half import float16_to_float32
+from worker.remote.tier import Placement, RemoteTier
 
 BLOCK_SHAPE = (2, 2, 2, 4, 8)  # layers, k/v, kv_heads, page_tokens, head_dim
 PAGES = 11

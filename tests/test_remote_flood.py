@@ -10,9 +10,9 @@ import time
 import pytest
 
 from test_remote_nodes import Blackholes
-from worker.engine import Engine
+from worker.engine.engine import Engine
 from worker.model import load_model
-from worker.remote import Placement, RemoteTier
+from worker.remote.tier import Placement, RemoteTier
 
 FLOOD = 24  # requests, each naming 8 fresh silent addresses: 192, past the table's 64 and the 16 probes
 PARAMS = dict(max_new_tokens=40, ignore_eos=True)

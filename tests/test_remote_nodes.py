@@ -17,9 +17,9 @@ import pytest
 
 from kvnode.client import NodeClient, NodeError
 from kvnode.service import KVStoreService
-from worker import remote_nodes
-from worker.remote import Placement, RemoteTier
-from worker.remote_nodes import NodeTable
+from worker.remote import nodes as remote_nodes
+from worker.remote.tier import Placement, RemoteTier
+from worker.remote.nodes import NodeTable
 
 BLOCK_SHAPE = (2, 2, 2, 4, 8)  # layers, k/v, kv_heads, page_tokens, head_dim
 PAGE_FLOAT16 = int(np.prod(BLOCK_SHAPE)) * 2

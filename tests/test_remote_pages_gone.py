@@ -1,5 +1,5 @@
 """A page gone from its kvnode between the lookup and the fetch (evicted once its lease lapsed, or
-dropped by another worker's DropPages) is a miss, not a failing node (worker/remote.py note 9):
+dropped by another worker's DropPages) is a miss, not a failing node (worker/remote/tier.py note 9):
 the request computes those tokens, and the node is still used by the next request. Each of the
 tier's three fetches: whole pages (`fill`), layer by layer, and read in place."""
 
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, serve_node, wait_for
-from kvnode import shared_pool
-from kvnode.store import PageStore
+from kvnode.wire import shared_pool
+from kvnode.store.page_store import PageStore
 from test_remote_fill import chain_keys
-from worker.engine import Engine
+from worker.engine.engine import Engine
 from worker.model import load_model
-from worker.remote import Placement, RemoteTier
+from worker.remote.tier import Placement, RemoteTier
 
 SHARED = "You are a helpful assistant. Answer briefly, and cite what you read. "  # 4 full pages of 16 tokens
 BLOCK_SHAPE = (2, 2, 2, 8, 8)  # layers, k/v, kv_heads, page_tokens, head_dim: 1,024 bytes in float16
@@ -109,7 +109,7 @@ def test_a_layerwise_fill_whose_pages_went_leaves_the_node_in_use(make_node, cap
 @pytest.mark.skipif(not shared_pool.supported(), reason="the shared pool needs Linux (memfd, SO_PEERCRED)")
 def test_pages_gone_before_their_pin_in_place_leave_the_node_in_use():
     from test_data_plane_shared_pool import shared_node
-    from worker.block_arena import BlockArena
+    from worker.kv.block_arena import BlockArena
 
     arena = BlockArena(16, BLOCK_SHAPE, np.float16)
     arena.local[:] = np.random.default_rng(0).standard_normal((16, *BLOCK_SHAPE))

@@ -9,7 +9,7 @@ import pytest
 from cluster_helpers import free_port
 from kvcache.launch import Daemon
 from kvnode.client import NodeClient
-from worker.remote import Placement, RemoteTier
+from worker.remote.tier import Placement, RemoteTier
 
 BLOCK_SHAPE = (2, 2, 2, 4, 8)  # layers, k/v, kv_heads, page_tokens, head_dim
 PAGE_FLOAT16 = int(np.prod(BLOCK_SHAPE)) * 2

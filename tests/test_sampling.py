@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from worker.sampling import FINISH_LENGTH, FINISH_STOP, SamplingParams, StopChecker, sample
+from worker.engine.sampling import FINISH_LENGTH, FINISH_STOP, SamplingParams, StopChecker, sample
 from worker.model.tokenizer import ByteTokenizer
 
 

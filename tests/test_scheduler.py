@@ -5,10 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.block_pool import BlockPool
-from worker.sampling import SamplingParams
-from worker.request import Request, RequestStatus
-from worker.scheduler import Scheduler
+from worker.kv.block_pool import BlockPool
+from worker.engine.sampling import SamplingParams
+from worker.engine.request import Request, RequestStatus
+from worker.engine.scheduler import Scheduler
 
 P = 4
 ROOT = bytes(16)

@@ -19,12 +19,12 @@ from base import security
 from coordinator.client import Client
 from kvcache.certs import ROLES, make_certs
 from kvcache.cluster import client_tls, start_cluster, wait_healthy
-from kvnode import data_wire as dw
+from kvnode.wire import data_frames as dw
 from kvnode.client import NodeClient
 from kvnode.client.data_client import DataPlaneClient
 from kvnode.client.data_client_io import DataPlaneError
 from protos import kvcache_pb2 as pb
-from worker.engine import Engine
+from worker.engine.engine import Engine
 
 PROMPT = "The bakery opens at seven and closes when the bread is gone. Do you sell rye bread?"
 
@@ -249,7 +249,7 @@ def test_sighup_re_reads_the_certificate_files_for_new_connections(tmp_path):
 @pytest.mark.parametrize("transport", ["tcp", "unix"])
 def test_a_worker_certificate_of_another_ca_cannot_fetch_from_the_data_port(secure_cluster, certs, tmp_path,
                                                                            transport):
-    """The data plane's TLS runs over memory BIOs (kvnode/tls_stream.py): its handshake still
+    """The data plane's TLS runs over memory BIOs (kvnode/wire/tls_stream.py): its handshake still
     checks the peer's certificate against the cluster's CA, on both ends."""
     make_certs(tmp_path / "other")
     foreign = security.Credentials(tmp_path / "other" / "ca.pem", tmp_path / "other" / "worker.pem",

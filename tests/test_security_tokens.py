@@ -22,8 +22,8 @@ from coordinator.ring import placement_key
 from kvcache.cluster import client_tls, start_cluster, wait_healthy
 from kvnode.client import NodeClient
 from worker.client import WorkerClient
-from worker.engine import Engine
-from worker.pages import tenant_root
+from worker.engine.engine import Engine
+from worker.kv.pages import tenant_root
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789", "carol": "carol-token-0123456789",
           "docs": "docs-token-0123456789", "demo": "demo-token-0123456789"}

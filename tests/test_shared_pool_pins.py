@@ -15,11 +15,11 @@ import pytest
 
 from cluster_helpers import NODE_PAGE_BYTES, free_port, node_process, wait_for
 from data_plane_helpers import GOOD, GOOD_PARENTS, pages
-from kvnode import shared_pool
+from kvnode.wire import shared_pool
 from kvnode.client import NodeClient, NodeError, PageRejected, PinnedPages, SharedPoolFile
 from kvnode.client.data_client import DataPlaneClient
-from kvnode.disk_tier import DiskTier
-from kvnode.store import PageStore
+from kvnode.disk.tier import DiskTier
+from kvnode.store.page_store import PageStore
 from store_helpers import key
 from test_data_plane_shared_pool import ARGS, shared_node
 from test_node_checksums import flip_byte_in_pool

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gguf_helpers import T, as_stored, train_tokenizer, write_gguf, write_hf_folder
-from worker.engine import Engine
+from worker.engine.engine import Engine
 from worker.model import ForwardBatch, load_model
 from worker.model.dense import DenseRunner, reference_logits
 from worker.model.testing import llama_config, random_tensors_for

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvnode.store import MAX_LEASE_MS, InvalidRequest, PageNotFound, PageStore
+from kvnode.store.page_store import MAX_LEASE_MS, InvalidRequest, PageNotFound, PageStore
 # clock: a FakeClock fixture (conftest)
 from store_helpers import NO_PARENT, NO_ROOM, PAGE_BYTES, PRESENT, STORED, a, b, c, cached, d, e, f, make_store, page, put
 

@@ -1,4 +1,4 @@
-"""The page store keeps each page's writer's checksum (kvnode/checksum.py) beside it, in RAM and
+"""The page store keeps each page's writer's checksum (kvnode/wire/checksum.py) beside it, in RAM and
 through the disk tier (kept as sent: readers check it, the node does not); a page a reader
 reports altered goes with its descendants, also when it is pinned or leased at that moment."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvnode.checksum import first_mismatch, page_checksum
-from kvnode.disk_tier import DiskTier
-from kvnode.store import InvalidRequest, PageNotFound, PageStore, PutOutcome
+from kvnode.wire.checksum import first_mismatch, page_checksum
+from kvnode.disk.tier import DiskTier
+from kvnode.store.page_store import InvalidRequest, PageNotFound, PageStore, PutOutcome
 from store_helpers import CheckedStore, key, page
 
 PAGE_BYTES = 64

@@ -1,5 +1,5 @@
 """A page dropped from the store, not evicted (a reader reports it altered, or the disk tier lost
-it: kvnode/store_drops.py), leaves the eviction order too (the order is told: removed()),
+it: kvnode/store/drops.py), leaves the eviction order too (the order is told: removed()),
 under every policy: afterwards gets, lookups, puts and evictions work as before, every candidate
 heap is rebuilt without tripping on it, no pin is left behind, and the invariants hold after
 every call (CheckedStore)."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvnode.checksum import page_checksum
-from kvnode.disk_tier import CHECK_ALWAYS, SLOTS_FILE, DiskTier
+from kvnode.wire.checksum import page_checksum
+from kvnode.disk.tier import CHECK_ALWAYS, SLOTS_FILE, DiskTier
 from kvnode.eviction import NODE_POLICIES, POLICIES
-from kvnode.store import PageNotFound, PageStore, PutOutcome
+from kvnode.store.page_store import PageNotFound, PageStore, PutOutcome
 from store_helpers import CheckedStore, FakeClock, key, page
 from test_disk_tier import flip_byte
 

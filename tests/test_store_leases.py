@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvnode.store import LeaseRefused, PageStore
+from kvnode.store.page_store import LeaseRefused, PageStore
 from store_helpers import PAGE_BYTES, CheckedStore, a, b, c, d, e, key, make_store, put, cached, NO_ROOM, STORED
 
 

@@ -1,4 +1,4 @@
-"""Pins (kvnode/store_pins.py): a page whose bytes the data plane is sending from the pool is
+"""Pins (kvnode/store/pins.py): a page whose bytes the data plane is sending from the pool is
 never evicted, so its slot is not overwritten mid-send; releasing the last pin makes it
 evictable again. Whatever fails partway through a pin, an unpin or a flush, no pin is left
 behind (note 2)."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvnode.disk_tier import DiskTier
+from kvnode.disk.tier import DiskTier
 from kvnode.eviction import NODE_POLICIES
-from kvnode.store import PageNotFound, PageStore, PutOutcome
+from kvnode.store.page_store import PageNotFound, PageStore, PutOutcome
 from store_helpers import key, page
 
 PAGE_BYTES = 32

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from kvnode.eviction import POLICIES
-from kvnode.store import PageStore, PutOutcome
+from kvnode.store.page_store import PageStore, PutOutcome
 # clock: a FakeClock fixture (conftest)
 from store_helpers import (NO_PARENT, NO_ROOM, PAGE_BYTES, PRESENT, STORED, FakeClock, a, b, c, cached, d, e, key,
                            make_store, page, put)

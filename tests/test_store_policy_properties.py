@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvnode.eviction import POLICIES
-from kvnode.store import InvalidRequest, PageNotFound, PageStore, PutOutcome
+from kvnode.store.page_store import InvalidRequest, PageNotFound, PageStore, PutOutcome
 from store_helpers import FakeClock, key, page
 
 PAGE_BYTES = 4

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvnode.store import InvalidRequest, PageNotFound, PageStore, PutOutcome
+from kvnode.store.page_store import InvalidRequest, PageNotFound, PageStore, PutOutcome
 from store_helpers import FakeClock, key, page
 
 PAGE_BYTES = 4

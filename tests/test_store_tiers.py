@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcache.bench import prefix_trace
-from kvnode.checksum import page_checksum
-from kvnode.disk_tier import CHECK_ALWAYS, CHECK_AT_START, SLOTS_FILE, DiskTier
-from kvnode.store import PageNotFound, PageStore, PutOutcome
+from kvnode.wire.checksum import page_checksum
+from kvnode.disk.tier import CHECK_ALWAYS, CHECK_AT_START, SLOTS_FILE, DiskTier
+from kvnode.store.page_store import PageNotFound, PageStore, PutOutcome
 from store_helpers import CheckedStore, FakeClock, key, page
 from test_disk_tier import flip_byte
 from test_store_properties import ReferenceStore
@@ -106,7 +106,7 @@ def test_a_page_corrupted_on_disk_is_dropped_with_its_descendants_and_never_serv
 @pytest.mark.parametrize("where", ["on disk only", "promoted"])
 def test_checked_at_start_a_page_altered_on_disk_is_served_as_it_is_and_dropped_when_its_reader_reports_it(
         tmp_path, where):
-    """The default disk check (kvnode/disk_tier.py: each slot checked whole at start only): the node serves the bytes it finds,
+    """The default disk check (kvnode/disk/tier.py: each slot checked whole at start only): the node serves the bytes it finds,
     each with its writer's checksum, which they no longer match; the reader's report (DropPages)
     then finds the node's copy, promoted or read again from disk, altered too, and drops the page
     with its descendants."""

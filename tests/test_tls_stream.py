@@ -1,4 +1,4 @@
-"""TlsStream (kvnode/tls_stream.py) on its own, over a socket pair: a receive
+"""TlsStream (kvnode/wire/tls_stream.py) on its own, over a socket pair: a receive
 takes every record already there, stops short when asked, and a peer that closes, cleanly
 or mid-record, ends the stream without a hang."""
 
@@ -12,9 +12,9 @@ import time
 import pytest
 
 from base import security
-from kvnode import data_wire as dw
+from kvnode.wire import data_frames as dw
 from kvnode.client.data_client_io import DataPlaneError, receive
-from kvnode.tls_stream import TlsStream
+from kvnode.wire.tls_stream import TlsStream
 
 RECORD = 16384  # a TLS record's most plaintext
 

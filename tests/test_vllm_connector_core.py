@@ -15,7 +15,7 @@ from vllm_connector.placement import Placement
 from vllm_connector.scheduler_side import SchedulerSide
 from vllm_connector.settings import Settings, SettingsError
 from vllm_connector_helpers import BLOCK_SIZE, LAYOUT, NUM_LAYERS, PAGE_BYTES, node_table, settings, tokens
-from worker.pages import KEY_BYTES
+from worker.kv.pages import KEY_BYTES
 
 # ---- keys ---------------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cluster_helpers import node_process, started
-from kvnode.data_plane import DataPlaneServer
+from kvnode.data_plane.server import DataPlaneServer
 from test_remote_altered_page import altering_env
 from test_remote_nodes import Blackholes, HangingLookup
 from vllm_connector.keys import block_keys, block_pages, layer_page_key

@@ -1,4 +1,4 @@
-"""Pages a sliding window has left behind (worker/window.py): a running sequence releases them, holds
+"""Pages a sliding window has left behind (worker/kv/window.py): a running sequence releases them, holds
 a bounded number of blocks however long it grows, and computes exactly what it computes holding
 them all; released pages stay cached until evicted, and evicting one drops the cached pages below it."""
 
@@ -7,12 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from worker.block_pool import BlockPool
-from worker.engine import Engine
+from worker.kv.block_pool import BlockPool
+from worker.engine.engine import Engine
 from worker.model import ForwardBatch
 from worker.model.dense import reference_logits
 from worker.model.testing import llama_config, random_model
-from worker.window import RELEASED, first_read_block, release_window
+from worker.kv.window import RELEASED, first_read_block, release_window
 
 W, P = 8, 2
 HELD_BOUND = math.ceil(W / P) + 1

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvnode import wire
+from kvnode.wire import grpc_frames as wire
 from protos import kvcache_pb2 as pb
 
 uint32 = st.integers(0, 2**32 - 1)

@@ -20,7 +20,7 @@ from base.generation import Finished, Piece
 from coordinator.client import Client
 from kvcache.launch import Daemon
 from worker.client import WorkerClient, WorkerError
-from worker.engine import Engine
+from worker.engine.engine import Engine
 from worker.service import WorkerService
 
 FAULTS = Path(__file__).parent / "fault_injection"

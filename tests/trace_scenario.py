@@ -39,11 +39,11 @@ def main() -> int:
     from kvnode import service as node_service
     from kvnode.client import NodeClient
     from protos import kvcache_pb2 as pb
-    from kvnode.store import PageStore
+    from kvnode.store.page_store import PageStore
     from base import observability, serving
     from worker import service as worker_service
     from worker.client import WorkerClient
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
     from worker.observe import ObservedRemoteTier, attach
 
     received = []  # (method, traceparent or None) as each server saw them

@@ -20,7 +20,7 @@ from vllm_connector.plan import StepPlan
 from vllm_connector.scheduler_side import SchedulerSide
 from vllm_connector.settings import Settings
 from vllm_connector.worker_side import WorkerSide
-from worker.remote_nodes import NodeTable
+from worker.remote.nodes import NodeTable
 
 BLOCK_SIZE = 16
 NUM_LAYERS = 4

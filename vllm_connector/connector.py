@@ -24,7 +24,7 @@ from vllm_connector.plan import StepPlan
 from vllm_connector.scheduler_side import SchedulerSide
 from vllm_connector.settings import Settings, SettingsError
 from vllm_connector.worker_side import WorkerSide
-from worker.remote_nodes import NodeTable
+from worker.remote.nodes import NodeTable
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

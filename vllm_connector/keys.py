@@ -1,6 +1,6 @@
 """Keys of vLLM's blocks in kvcache: one page per block and layer, chained so a node's prefix rules hold.
 
-A block's key chains like the worker's pages (worker/pages.py): the digest of the previous block's
+A block's key chains like the worker's pages (worker/kv/pages.py): the digest of the previous block's
 key and the block's token ids, the first block's parent being the root. The root mixes the
 fingerprint (model, dtype, block size, KV layout, vLLM version) with the request's cache_salt, so
 blocks of another layout or tenant never match. Page (block b, layer l) has the parent page
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from base.pages import KEY_BYTES
-from worker.pages import page_key, tenant_root
+from worker.kv.pages import page_key, tenant_root
 
 
 @dataclass(frozen=True)

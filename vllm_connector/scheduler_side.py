@@ -2,7 +2,7 @@
 
 It never waits on the network: a lookup runs on a thread, and while it runs vLLM is told to ask
 again (None) after at most `INLINE_WAIT_S`; one not answered within lookup_timeout_s is a miss,
-and its node is skipped for a back-off (worker/remote_nodes.py). Hits are leased on the node that
+and its node is skipped for a back-off (worker/remote/nodes.py). Hits are leased on the node that
 reported them, so the load that follows finds them. Saving is planned here (which full blocks
 are new), carried out by the worker side after the forward step.
 """
@@ -22,7 +22,7 @@ from vllm_connector.keys import BlockLayout, block_keys, last_layer_keys
 from vllm_connector.placement import Placement
 from vllm_connector.plan import BlockLoad, BlockSave, StepPlan
 from vllm_connector.settings import Settings
-from worker.remote_nodes import NodeTable
+from worker.remote.nodes import NodeTable
 
 log = logging.getLogger("vllm_connector")
 

@@ -24,7 +24,7 @@ from kvnode.client import NodeError, PageRejected
 from vllm_connector.keys import block_pages, last_layer_keys
 from vllm_connector.plan import BlockLoad, BlockSave
 from vllm_connector.settings import Settings
-from worker.remote_nodes import Node, NodeTable
+from worker.remote.nodes import Node, NodeTable
 
 log = logging.getLogger("vllm_connector")
 

@@ -18,12 +18,12 @@ from base import member, observability, security, serving, tokens
 from base.pages import DEFAULT_PAGE_TOKENS
 from base.units import format_size, parse_size
 from protos import kvcache_pb2 as pb
-from worker.engine import Engine
+from worker.engine.engine import Engine
 from worker.metrics import WorkerMetrics
 from worker.model import blas
 from worker.observe import ObservedRemoteTier, attach
-from worker.remote import RemoteTier
-from worker.scheduler import PREFILL_TOKENS_PER_STEP
+from worker.remote.tier import RemoteTier
+from worker.engine.scheduler import PREFILL_TOKENS_PER_STEP
 from worker.service import (DEFAULT_MAX_STREAMS, DEFAULT_STEP_TIMEOUT_S, SERVICE_NAME, TRACE_ROOTS, WorkerService,
                             handler)
 from worker.step_log import StepLog

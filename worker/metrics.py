@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from base.observability import DURATION_BUCKETS
-from worker.engine import Completion, Engine
+from worker.engine.engine import Completion, Engine
 
 SOURCES = ("local", "remote", "computed")
 FINISH_REASONS = ("stop", "length", "abort", "error")

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from typing import Callable, Sequence
 
 from base.observability import current_context, sampled, tracer
-from worker.remote import Placement, RemoteTier
+from worker.remote.tier import Placement, RemoteTier
 
 MAX_TRACKED = 4096  # requests or pages whose trace context is kept at once (bounded if a hook is missed)
 

@@ -11,7 +11,7 @@ Design notes
    is broken: `on_broken` runs once (the daemon turns health NOT_SERVING and stops beating, so
    coordinators stop routing here), and every call, waiting or new, ends with UNAVAILABLE so
    its request resumes elsewhere. A step failure that the engine pins on some requests fails
-   only those (worker/step_runner.py note 2), with INTERNAL. A drain that runs out of time
+   only those (worker/engine/step_runner.py note 2), with INTERNAL. A drain that runs out of time
    hands its requests back the same way (`hand_back`).
 4. Every wait on a handle wakes at least once a second to check the call is still wanted and
    the worker not broken, so no handler thread waits forever.
@@ -34,11 +34,11 @@ from base.version import __version__
 from protos import kvcache_pb2 as pb
 from protos.methods import service_name
 from worker.client import DRAINING_KEY, usage_to_proto
-from worker.engine import Engine
+from worker.engine.engine import Engine
 from worker.model.chat import MAX_MESSAGES, ChatError, Message
-from worker.outputs import RequestIdInUse
-from worker.remote import Placement
-from worker.sampling import FINISH_ERROR, SamplingParams
+from worker.engine.outputs import RequestIdInUse
+from worker.remote.tier import Placement
+from worker.engine.sampling import FINISH_ERROR, SamplingParams
 
 log = logging.getLogger("worker")
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvcache import __version__
 from kvcache.bench.report import dump_json, machine, print_table
-from worker.engine import Engine
+from worker.engine.engine import Engine
 from worker.model.blas import threads_for_rows
 
 PROMPTS = [

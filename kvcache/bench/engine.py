@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
     from worker.model import load_model
     from worker.model.dense import DenseRunner
 

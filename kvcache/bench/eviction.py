@@ -32,7 +32,7 @@ from kvcache.bench.mooncake_trace import TraceError, TraceRequest, infinite_cach
 from kvcache.bench.prefix_trace import TraceConfig, generate
 from kvcache.bench.report import dump_json, machine, print_table, progress, pyplot
 from kvnode.eviction import ALIASES, NODE_POLICIES, POLICIES
-from kvnode.store import PageStore
+from kvnode.store.page_store import PageStore
 
 PAGE_BYTES = 16  # the bench counts pages, not bytes: keep the pool small
 DEFAULT_CAPACITIES = "10,20,30,40,50,60,70,80,90,100"

@@ -21,7 +21,7 @@ import time
 
 from kvcache import __version__
 from kvcache.bench.report import dump_json, machine, print_table, progress
-from kvnode.store import KEY_BYTES, PageStore
+from kvnode.store.page_store import KEY_BYTES, PageStore
 
 CHAIN_PAGES = 4
 TIMED_REQUESTS = 20_000

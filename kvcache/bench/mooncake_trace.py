@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvnode.store import KEY_BYTES
+from kvnode.store.page_store import KEY_BYTES
 
 BLOCK_TOKENS = 512
 

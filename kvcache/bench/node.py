@@ -21,7 +21,7 @@ from kvcache.bench.loopback import SocketBaseline
 from kvcache.bench.report import dump_json, latency_summary_ms, machine, print_table, rotated_order
 from kvcache.launch import Daemon
 from kvnode.client import NodeClient
-from kvnode.store import PageStore
+from kvnode.store.page_store import PageStore
 
 GPT2_SMALL_FP16_PAGE = 12 * 2 * 12 * 16 * 64 * 2  # 589,824 bytes
 

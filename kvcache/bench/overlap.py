@@ -43,9 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from worker.engine import Engine
-    from worker.pages import page_keys, tenant_root
-    from worker.remote import Placement, RemoteTier
+    from worker.engine.engine import Engine
+    from worker.kv.pages import page_keys, tenant_root
+    from worker.remote.tier import Placement, RemoteTier
 
     if args.rounds < 1:
         print("kvcache bench overlap: error: --rounds must be positive", file=sys.stderr)

@@ -32,9 +32,9 @@ from kvcache.bench.report import dump_json, machine, print_table
 from kvcache.launch import Daemon
 from kvnode.client import NodeClient
 from kvnode.client.data_client import DataPlaneClient
-from kvnode.data_plane import DataPlaneServer
-from kvnode.disk_tier import CHECK_ALWAYS, CHECK_AT_START, HEADER_BYTES, DiskTier
-from kvnode.store import PageStore
+from kvnode.data_plane.server import DataPlaneServer
+from kvnode.disk.tier import CHECK_ALWAYS, CHECK_AT_START, HEADER_BYTES, DiskTier
+from kvnode.store.page_store import PageStore
 
 TINY_FP32_PAGE = 4 * 2 * 4 * 16 * 64 * 4  # 131,072 bytes: the default node page
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from worker.pages import page_keys
+from worker.kv.pages import page_keys
 
 VOCAB = 50257
 ROOT = hashlib.blake2b(b"kvcache bench eviction trace", digest_size=16).digest()  # stands in for a model fingerprint

@@ -57,8 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from worker.engine import Engine
-    from worker.remote import Placement, RemoteTier
+    from worker.engine.engine import Engine
+    from worker.remote.tier import Placement, RemoteTier
 
     if min(args.prompt_tokens, args.repeats) < 1:
         print("kvcache bench remote: error: --prompt-tokens and --repeats must be positive", file=sys.stderr)

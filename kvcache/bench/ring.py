@@ -37,7 +37,7 @@ from kvcache.bench.eviction import replay
 from kvcache.bench.mooncake_trace import TraceError, TraceRequest, read_trace, unique_pages
 from kvcache.bench.report import dump_json, machine, print_table, progress
 from coordinator.ring import Ring, placement_key
-from kvnode.store import PageStore
+from kvnode.store.page_store import PageStore
 
 PAGE_BYTES = 16
 SAMPLE_KEYS = 100_000

@@ -1,4 +1,4 @@
-"""The client side of a kvnode's data plane (framing: kvnode/data_wire.py): GET into the
+"""The client side of a kvnode's data plane (framing: kvnode/wire/data_frames.py): GET into the
 caller's buffer with recv_into, PUT straight from the caller's pages, LOOKUP. NodeClient uses it;
 nothing else should. One request's socket I/O: data_client_io.py; pages copied out of the
 node's shared pool: shared_pool_reader.py.
@@ -17,7 +17,7 @@ Design notes
    before the first reply is read, and the node, which reads a connection's requests one at a
    time, answers them in order without waiting for us. Across hosts each request asked after
    the previous reply would cost a round trip of its own (one per batch of a fetch).
-5. TLS runs over memory BIOs on the plain socket (kvnode/tls_stream.py), not an ssl.SSLSocket:
+5. TLS runs over memory BIOs on the plain socket (kvnode/wire/tls_stream.py), not an ssl.SSLSocket:
    one recv takes up to a MiB of records, each decrypted into the caller's buffer, and the
    socket keeps its kernel timeouts (note 2). The context, and so the certificate checks and
    the certificate we present, are the same as wrap_socket's.
@@ -50,12 +50,12 @@ from typing import Callable, Sequence
 import grpc
 import numpy as np
 
-from kvnode import data_wire as dw
-from kvnode.checksum import CHECKSUM_BYTES
+from kvnode.wire import data_frames as dw
+from kvnode.wire.checksum import CHECKSUM_BYTES
 from kvnode.client.data_client_io import (DataPlaneError, StaleConnection, receive, receive_scattered,
                                           reply_header, send_request)
 from kvnode.client.shared_pool_reader import MAP_TIMEOUT_S, SharedPoolFile, SharedPoolReader, page_arrays
-from kvnode.tls_stream import TlsStream
+from kvnode.wire.tls_stream import TlsStream
 
 _MAX_IDLE = 4
 _UNIX_GONE = (errno.ECONNREFUSED, errno.ENOENT)  # nobody listens on the name: the node exited or restarted
@@ -190,7 +190,7 @@ class DataPlaneClient:
 
     def lookup(self, keys: Sequence[bytes], lease_ms: int, timeout_s: float) -> int:
         """How many of `keys`, from the first, the node holds, leased for lease_ms when > 0 (LOOKUP,
-        kvnode/data_wire.py). A node that predates the op raises DataPlaneError(INVALID_ARGUMENT) that
+        kvnode/wire/data_frames.py). A node that predates the op raises DataPlaneError(INVALID_ARGUMENT) that
         data_wire.is_unknown_op tells."""
         request = dw.lookup_request(keys, lease_ms)
 

@@ -11,7 +11,7 @@ import time
 
 import grpc
 
-from kvnode import data_wire as dw
+from kvnode.wire import data_frames as dw
 
 _MAX_MESSAGE_BYTES = 64 << 10  # of a node's error message read
 

@@ -1,6 +1,6 @@
 """The client's side of the gRPC page methods (GetPages, PutPages), NodeClient's way for page
 bytes when the node has no data plane it can use: the PageChunk stream received into the
-caller's array, and the PutItem stream cut from the caller's pages (framing: kvnode/wire.py)."""
+caller's array, and the PutItem stream cut from the caller's pages (framing: kvnode/wire/grpc_frames.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Iterable, Iterator, Sequence
 import grpc
 import numpy as np
 
-from kvnode import wire
-from kvnode.checksum import CHECKSUM_BYTES
+from kvnode.wire import grpc_frames as wire
+from kvnode.wire.checksum import CHECKSUM_BYTES
 from kvnode.client.types import NodeError
 
 

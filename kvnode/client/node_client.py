@@ -1,7 +1,7 @@
 """NodeClient: the one way other parts talk to a kvnode.
 
 Every call has a deadline; failures raise NodeError, which keeps the gRPC status code.
-get_pages, put_pages and lookup go over the node's data plane (kvnode/data_plane.py) when its
+get_pages, put_pages and lookup go over the node's data plane (kvnode/data_plane/server.py) when its
 Info advertises one, else over gRPC (lookup also from a node whose data plane predates its
 LOOKUP op); a data plane never reached (a firewall, or a node that died before
 the first connection) sends calls over gRPC, and Info and the data plane are tried again after
@@ -9,7 +9,7 @@ DATA_PLANE_RETRY_S, doubled at each failure up to MAX_DATA_PLANE_RETRY_S, a log 
 up for good, a node met while it restarted stayed on gRPC for the client's life). When the node's
 same-host Unix socket name has nobody listening (the node exited or restarted), the next call
 reads Info again first: a node restarted since gives its new name.
-Pages carry checksums (kvnode/checksum.py): put_pages sends them (computed here unless the
+Pages carry checksums (kvnode/wire/checksum.py): put_pages sends them (computed here unless the
 caller did once for several nodes), get_pages checks every page it received against its own
 before returning, and raises PageRejected at the first that does not match; get_pages_in_batches
 checks each batch so before handing it over; get_pages_in_bands hands each band over as it
@@ -31,8 +31,8 @@ import numpy as np
 
 from base import security
 from base.observability import traced_channel
-from kvnode import data_wire as dw
-from kvnode.checksum import CHECKSUM_BYTES, page_checksum
+from kvnode.wire import data_frames as dw
+from kvnode.wire.checksum import CHECKSUM_BYTES, page_checksum
 from kvnode.client import grpc_pages, shared_pool_pins, stepwise_gets
 from kvnode.client.data_client import DataPlaneClient
 from kvnode.client.data_client_io import DataPlaneError
@@ -46,7 +46,7 @@ from protos.methods import method_path
 
 log = logging.getLogger("kvnode.client")
 
-# GetPages and PutPages carry page bytes framed by kvnode/wire.py, not parsed by protobuf: hand-built calls.
+# GetPages and PutPages carry page bytes framed by kvnode/wire/grpc_frames.py, not parsed by protobuf: hand-built calls.
 _GET_PAGES = method_path("KVStore", "GetPages")
 _PUT_PAGES = method_path("KVStore", "PutPages")
 DEFAULT_TIMEOUT_S = 5.0
@@ -136,7 +136,7 @@ class NodeClient:
                     self._lookups_refused = True
                 elif exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self._data_plane_failed(plane, exc)  # returns only to fall back to gRPC
-                # else a refused lease or a node at its connection bound (kvnode/data_wire.py, LOOKUP): gRPC's Lookup
+                # else a refused lease or a node at its connection bound (kvnode/wire/data_frames.py, LOOKUP): gRPC's Lookup
                 # refuses the one with the same code and message and serves the other; not a busy sign
             timeout = time_left(self.address, deadline)
         return self._call(self._lookup, pb.LookupRequest(keys=keys, lease_ms=lease_ms), timeout).hits
@@ -181,7 +181,7 @@ class NodeClient:
     def get_pages_in_bands(self, keys: Sequence[bytes], outs: Sequence[np.ndarray], band_bytes: int,
                            landed: Callable[[int], None], timeout: float | None = None) -> None:
         """The pages of `keys` into outs[i] (a C-contiguous uint8 array of page_bytes each), sent
-        band-major in bands of band_bytes (GET_BANDS, kvnode/data_wire.py); landed(b) once band b of
+        band-major in bands of band_bytes (GET_BANDS, kvnode/wire/data_frames.py); landed(b) once band b of
         every page arrived, in band order. Each page is hashed band by band as it lands and checked
         once its last band did: PageRejected names the first that fails, after every landed call
         (the bands handed over must then be thrown away). Over gRPC, or from a node whose data

@@ -1,7 +1,7 @@
 """Pages pinned in the node's shared pool for a caller that reads them in place
-(NodeClient.pin_pages): GET_SLOTS (kvnode/data_wire.py) without the copy and without the
+(NodeClient.pin_pages): GET_SLOTS (kvnode/wire/data_frames.py) without the copy and without the
 release, which is the caller's to send once it is done with the pages (PinnedPages.release).
-The reader's side of the pool: shared_pool_reader.py; the node's: kvnode/shared_pool_serving.py.
+The reader's side of the pool: shared_pool_reader.py; the node's: kvnode/data_plane/shared_pool_serving.py.
 
 Design notes
 1. Why: a worker that reads fetched pages straight out of the node's pool for one engine step
@@ -19,7 +19,7 @@ Design notes
    the slots may then be reused for other pages while the caller still reads them. Pins also
    hold RAM that eviction cannot take back: a page pinned is a page the node cannot evict.
 4. The pages are checked against their checksums in the client's own mapping of the same
-   generation before they are handed over (kvnode/checksum.py): the node's bytes, not a
+   generation before they are handed over (kvnode/wire/checksum.py): the node's bytes, not a
    copy's, so the caller need not check them again while they stay pinned (the pool is sealed
    against writes by anyone but the node, which does not write a pinned slot). A caller that
    would rather check them while it already computes with them (the worker, which throws such
@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import grpc
 
-from kvnode import data_wire as dw
-from kvnode.checksum import first_mismatch, first_mismatch_in_two
+from kvnode.wire import data_frames as dw
+from kvnode.wire.checksum import first_mismatch, first_mismatch_in_two
 from kvnode.client.data_client_io import DataPlaneError, StaleConnection, send_request
 from kvnode.client.shared_pool_reader import receive_slot_table, table_checksum
 from kvnode.client.types import NodeError, NodeInfo, PageRejected, check_keys

@@ -1,11 +1,11 @@
-"""The client's side of a node's shared pool (kvnode/shared_pool.py; the node's side:
-kvnode/shared_pool_serving.py): the pool mapped read-only, and pages copied out of it. Each
+"""The client's side of a node's shared pool (kvnode/wire/shared_pool.py; the node's side:
+kvnode/data_plane/shared_pool_serving.py): the pool mapped read-only, and pages copied out of it. Each
 DataPlaneClient (data_client.py) holds one SharedPoolReader and fetches through it while
 the pool is mapped.
 
 Design notes
 1. Over the Unix socket of a plaintext node the client maps the node's page pool read-only
-   (kvnode/shared_pool.py) and fetches by slot: GET_SLOTS (kvnode/data_wire.py) pins the pages
+   (kvnode/wire/shared_pool.py) and fetches by slot: GET_SLOTS (kvnode/wire/data_frames.py) pins the pages
    and tells where they are, the client copies them out of the mapping and releases them; a
    page the node has in no slot (on disk only, no RAM slot to be had) comes with the reply,
    after its table. The mapping is made by a thread of its own, started by the first call (or NodeClient.prepare_data_plane),
@@ -37,9 +37,9 @@ from typing import Callable, Sequence
 import grpc
 import numpy as np
 
-from kvnode import data_wire as dw
-from kvnode import shared_pool
-from kvnode.checksum import CHECKSUM_BYTES
+from kvnode.wire import data_frames as dw
+from kvnode.wire import shared_pool
+from kvnode.wire.checksum import CHECKSUM_BYTES
 from kvnode.client.data_client_io import (DataPlaneError, payload_or_status, receive, receive_scattered,
                                           reply_header, send_request)
 

@@ -1,6 +1,6 @@
 """NodeClient's GETs that hand the pages over as they land rather than all at once (node_client.py):
 get_pages_in_batches, batch by batch, and get_pages_in_bands, band by band (GET_BANDS,
-kvnode/data_wire.py); each falls back to gRPC, or to whole pages, as NodeClient's other calls do. Each method
+kvnode/wire/data_frames.py); each falls back to gRPC, or to whole pages, as NodeClient's other calls do. Each method
 of StepwiseGets is the NodeClient method of its name, whose docstring says what it does.
 
 StepwiseGets is handed exactly what these calls use of their NodeClient (its Info, its data plane
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from kvnode import data_wire as dw
-from kvnode.checksum import CHECKSUM_BYTES, page_digest
+from kvnode.wire import data_frames as dw
+from kvnode.wire.checksum import CHECKSUM_BYTES, page_digest
 from kvnode.client.data_client_io import DataPlaneError
 from kvnode.client.types import NodeError, NodeInfo, PageRejected, check_keys, checked_pages, time_left, verified
 

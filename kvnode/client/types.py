@@ -14,8 +14,8 @@ from typing import Sequence
 import grpc
 import numpy as np
 
-from kvnode.checksum import CHECKSUM_BYTES, first_mismatch
-from kvnode.keys import InvalidRequest, check_key
+from kvnode.wire.checksum import CHECKSUM_BYTES, first_mismatch
+from kvnode.wire.keys import InvalidRequest, check_key
 
 
 class NodeError(Exception):

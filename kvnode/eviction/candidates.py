@@ -15,7 +15,7 @@ Design notes
    that touch, so an order that counts uses (ARC, S3-FIFO, LFU) tells the two apart by
    the child count it saw last. Otherwise a chain stored once would count every page but
    the last as used twice.
-4. A page leaves the store's index by the order's pop, or by a drop (kvnode/store_drops.py:
+4. A page leaves the store's index by the order's pop, or by a drop (kvnode/store/drops.py:
    lost on disk, or reported altered, with its descendants), which the store tells the order
    through removed(). An order that keeps an entry per page (ARC, S3-FIFO, LFU) forgets it
    there, or it would later read a page the index no longer has; the page's heap entries go

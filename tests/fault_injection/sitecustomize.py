@@ -33,21 +33,21 @@ if _POISON or _STALL:
     worker.model.Model.forward = _faulty_forward
 
 if _ALTER or _ALTER_NTH:
-    import kvnode.store
+    import kvnode.store.page_store
 
-    _put = kvnode.store.PageStore.put
+    _put = kvnode.store.page_store.PageStore.put
     _altered = []
     _stored = []
 
     def _altering_put(self, key, parent, data, checksum=None):
         outcome = _put(self, key, parent, data, checksum)
-        if outcome == kvnode.store.PutOutcome.STORED:
+        if outcome == kvnode.store.page_store.PutOutcome.STORED:
             _stored.append(None)
         chosen = key.hex() == _ALTER if _ALTER else len(_stored) == _ALTER_NTH
-        if chosen and outcome == kvnode.store.PutOutcome.STORED and not _altered:
+        if chosen and outcome == kvnode.store.page_store.PutOutcome.STORED and not _altered:
             with self._lock:
                 self._pool[self._index[key].slot, 5] ^= 0x04
             _altered.append(key)
         return outcome
 
-    kvnode.store.PageStore.put = _altering_put
+    kvnode.store.page_store.PageStore.put = _altering_put

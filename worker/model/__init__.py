@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..attention import AttentionMetadata, paged_attention, write_kv
-from ..window import first_read_block
+from .attention import AttentionMetadata, paged_attention, write_kv
+from ..kv.window import first_read_block
 from .blas import attention_threads, threads_for_rows
 from .chat import ChatError, ChatTemplate, folder_chat_template
 from .checkpoint import ARCH_MODULES, load_checkpoint
@@ -37,7 +37,7 @@ class ForwardBatch:
     query_starts: np.ndarray    # int64 [S+1]: sequence s's new tokens are token_ids[query_starts[s]:query_starts[s+1]]
     context_lens: np.ndarray    # int64 [S]: tokens of sequence s after this step (cached + new)
     # per sequence: block i holds positions [iP, (i+1)P); with a sliding window, entries before
-    # the first block its queries see are not read (worker/window.py: RELEASED there)
+    # the first block its queries see are not read (worker/kv/window.py: RELEASED there)
     block_tables: list[np.ndarray] = field(default_factory=list)
     all_logits: bool = False    # False: [S, vocab] at each sequence's last new token; True: [T, vocab]
     # int64 [S] or None: sequence s's positions below cached_lens[s] hold their K/V in a cached page

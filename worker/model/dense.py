@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..attention import causal_attention, dense_attention
+from .attention import causal_attention, dense_attention
 from . import Model
 from .blas import single_thread
 from .layers import round_kv

@@ -1,0 +1,1 @@
+"""The disk tier's mechanism: the slot file, its recovery at start, the data folder."""

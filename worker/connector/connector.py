@@ -1,0 +1,374 @@
+"""The KV connector: the remote tier's lookups and fetches off the engine's thread.
+
+The scheduler and the engine see it as `Connector` (below), after vLLM's KV connector: how many
+pages of a chain the tier holds (`get_num_matched_pages`, None while the lookup is in flight),
+start loading them into blocks the scheduler allocated (`start_load`), which loads have landed
+(`take_finished_loads`). It knows nothing of the network; a `Tier` (worker/remote/tier.py's
+RemoteTier over kvnodes) does the I/O.
+
+Design notes
+1. Lookups run on `lookup_threads` threads, fetches on one loader thread (the tier receives one
+   fill at a time into its staging buffers anyway). The engine's lock is never held while they
+   run: the scheduler only submits work and reads finished results.
+2. A request whose pages are being fetched is parked by the scheduler: its blocks allocated, not
+   scheduled, never preempted (the loader writes into its blocks). It joins the batch in the
+   first step after its load finished, with what landed counted as computed; the rest of the
+   prompt is computed, so a fetch that fails or returns fewer pages costs time, never tokens.
+3. Prefetch on arrival: the engine starts a request's lookup when the request is received
+   (`start_lookup`, any thread), so by the time the scheduler first considers it the node has
+   usually answered. A result the tier gave more than half its lease ago is asked again (its
+   pages may have been evicted on the node since the lease lapsed).
+4. Every wait is bounded: a lookup or load not finished `timeout_s` after it was asked for is
+   given up and the request computed. The bound is on the request's wait, time queued behind
+   other loads included. A load given up (overdue, or its request ended) that has not started
+   is cancelled, its blocks back in the next `take_finished_loads`; the blocks of one that
+   started come back only when it does finish (`take_finished_loads` reports them).
+5. Each finished lookup or load calls `wake` (the engine's loop sleeps on it when nothing else
+   can run).
+6. `close(timeout_s)` is bounded: queued work is dropped, running calls get `timeout_s` to end
+   (the tier's own deadlines end them sooner), and what is asked of a closed connector is
+   answered at once as a miss, so a step that races the close never waits for it.
+7. Layer-wise loads: with a tier whose `layerwise_fill` is on, a load reports each layer of its
+   pages as it lands, and the request may join a step of its own before the load ends, the
+   engine waiting briefly for each layer (worker/connector/layers.py, its note 1).
+8. Pages read in place (worker/kv/pages_in_place.py): a load first asks the tier to pin the pages
+   where they lie in a same-host node's pool (`fill_in_place`); when it can, the load leaves them
+   as `Landed.in_place`, read where they lie for one step, then copied (in_place_joins.py). A
+   load given up that ends with pages in place releases them at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, TimeoutError, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+from worker.connector.layers import LayerwiseLoad, LayerwiseLoads
+from worker.connector.lookups import Lookups
+from worker.kv.pages_in_place import PagesInPlace
+
+log = logging.getLogger("worker.connector")
+
+DEFAULT_TIMEOUT_S = 30.0  # a backstop: RemoteTier bounds its own calls far sooner (deadlines per call)
+DEFAULT_CLOSE_TIMEOUT_S = 5.0
+DEFAULT_LAYER_WAIT_S = 0.1  # the engine's wait for one layer of a layer-wise load (design note 7)
+DEFAULT_STEP_WAIT_S = 0.3  # ... and for all the layers of its early step together
+DEFAULT_SETTLE_TIMEOUT_S = 1.0  # ... and for its outcome once its last layer landed
+
+
+class Tier:
+    """A second cache level behind the local prefix cache (worker/remote/tier.py's RemoteTier over
+    kvnodes), called on the connector's threads. `context` is the request's opaque `tier_context`
+    (e.g. its placement); the tier reads and writes the engine's pool array in the page layout.
+    A tier implements the first three methods; the abilities after them are off unless it offers them."""
+
+    lease_ms: int | None = None  # its lookups lease pages this long: older answers are asked again (note 3)
+    layerwise_fill: bool = False  # loads use fill_layerwise (design note 7)
+
+    def lookup(self, keys: Sequence[bytes], context: Any) -> int:
+        """How many of these page keys (a request's chain, from its first page) do you hold?"""
+        raise NotImplementedError
+
+    def fill(self, keys: Sequence[bytes], block_ids: Sequence[int], context: Any) -> int:
+        """Write page keys[i] into block block_ids[i], in order; how many were really filled."""
+        raise NotImplementedError
+
+    def on_page_full(self, key: bytes, parent_key: bytes, block_id: int, context: Any) -> None:
+        """A page became full (parent_key b"" for a first page); copy it now, without blocking."""
+        raise NotImplementedError
+
+    def fill_in_place(self, keys: Sequence[bytes], block_ids: Sequence[int], context: Any) -> PagesInPlace | None:
+        """All of `keys` pinned where they lie, meant for `block_ids` (design note 8); None: `fill` them."""
+        return None
+
+    def fill_layerwise(self, keys: Sequence[bytes], block_ids: Sequence[int], context: Any,
+                       landed: Callable[[int], None]) -> int:
+        """As `fill`, calling landed(l) once layer l of every page is in the pool (design note 7)."""
+        raise NotImplementedError
+
+
+@dataclass
+class _Load:
+    request: Any
+    future: Future
+    started: float
+    blocks: list[int] = field(default_factory=list)  # once given up: to release when the loader is done
+    layers: LayerwiseLoad | None = None  # a layer-wise load (design note 7)
+
+
+@dataclass(frozen=True)
+class Landed:
+    """What a load left: how many of its leading pages arrived in its blocks, or, pinned where they lie
+    in a same-host node's pool, all of them (`in_place`, design note 8)."""
+    num_pages: int = 0
+    in_place: PagesInPlace | None = None
+
+
+@dataclass
+class FinishedLoads:
+    landed: list[tuple[Any, Landed]] = field(default_factory=list)  # (request, what its load left)
+    released: list[list[int]] = field(default_factory=list)  # blocks of loads given up, the loader done with them
+    overdue: list[Any] = field(default_factory=list)  # requests whose load ran past timeout_s
+
+
+class Connector(Protocol):
+    """What the scheduler and the engine use of a connector; none of it waits on the network."""
+
+    timeout_s: float  # a lookup or load not done this long after it was asked for is given up (note 4)
+
+    # The scheduler, under the engine's lock (design notes 2-4, 7; worker/engine/remote_joins.py).
+    def get_num_matched_pages(self, request, keys: Sequence[bytes]) -> int | None: ...
+    def peek_matched_pages(self, request) -> int | None: ...
+    def is_looking_up(self, request) -> bool: ...
+    def write_back(self, request, keys: Sequence[bytes], local_blocks: Sequence[int], start: int) -> None: ...
+    def on_page_full(self, key: bytes, parent_key: bytes, block_id: int, context: Any) -> None: ...
+    def start_load(self, request, keys: Sequence[bytes], block_ids: Sequence[int]) -> None: ...
+    def take_finished_loads(self) -> FinishedLoads: ...
+    def drop(self, request, blocks: Sequence[int] = ()) -> None: ...
+    def can_join_early(self, request) -> bool: ...
+    def join_early(self, request) -> None: ...
+    def unjoin(self, request) -> None: ...
+    def settle_layerwise(self, request, blocks: Sequence[int], wait_s: float | None = None) -> int | None: ...
+
+    # The engine (design notes 3, 5, 6).
+    def start_lookup(self, request, keys: Sequence[bytes]) -> None: ...
+    def wait_layer(self, request, layer: int) -> bool: ...
+    def has_releases(self) -> bool: ...
+    def num_pending(self) -> int: ...
+    def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> bool: ...
+
+
+class KVConnector:
+    """The Connector over a Tier, its calls on threads of its own."""
+
+    def __init__(self, tier: Tier, lookup_threads: int = 4, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 wake: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic,
+                 layer_wait_s: float = DEFAULT_LAYER_WAIT_S, settle_timeout_s: float = DEFAULT_SETTLE_TIMEOUT_S,
+                 step_wait_s: float = DEFAULT_STEP_WAIT_S):
+        self.tier = tier
+        self.timeout_s = timeout_s
+        self.layerwise_loads = LayerwiseLoads(layer_wait_s, step_wait_s, settle_timeout_s)  # design note 7
+        self.layerwise = tier.layerwise_fill
+        self.wake = wake
+        self.clock = clock
+        self._loads: dict[int, _Load] = {}  # id(request) -> its load
+        self._detached: list[_Load] = []  # loads given up, still running
+        self._lookup_pool = ThreadPoolExecutor(lookup_threads, thread_name_prefix="kv-lookup")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
+        self._running: set[Future] = set()  # submitted and not done, for a bounded close
+        self._closed = False
+        self._pools_lock = threading.Lock()  # guards the two above; taken after the lookups' lock, never before
+        self.lookups = Lookups(tier, lambda fn, *args: self._submit(self._lookup_pool, (0, self.clock()), fn, *args),
+                               clock, tier.lease_ms)  # design note 3
+        self.num_loads_given_up = 0
+        self.num_loads_cancelled = 0  # ... of which had not started: never run (design note 4)
+
+    # ---- any thread -------------------------------------------------------------
+
+    def start_lookup(self, request, keys: Sequence[bytes]) -> None:
+        """Ask the tier about `keys` (the request's reusable chain) now, on a lookup thread."""
+        self.lookups.start(request, keys)
+
+    def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> bool:
+        """Stop taking work, drop what is queued, give running calls `timeout_s` to end (design
+        note 6); False, with one log line, when some still run then (their threads end with
+        the tier's deadlines)."""
+        with self._pools_lock:
+            self._closed = True
+            running = list(self._running)
+        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
+        self._loader.shutdown(wait=False, cancel_futures=True)
+        _, not_done = wait(running, timeout=timeout_s)
+        for load in [*list(self._loads.values()), *list(self._detached)]:  # pages pinned in place (note 8):
+            _release_in_place(load.future)  # a join of released ones computes them (in_place_joins.py)
+        if not_done:
+            log.warning("KV connector closed with %d remote calls still running after %.1fs; "
+                        "they end with the remote tier's deadlines", len(not_done), timeout_s)
+            return False
+        self._lookup_pool.shutdown(wait=True)  # every thread is idle: they exit at once
+        self._loader.shutdown(wait=True)
+        return True
+
+    # ---- the scheduler (under the engine's lock) -------------------------------------
+
+    def get_num_matched_pages(self, request, keys: Sequence[bytes]) -> int | None:
+        """How many of `keys`, from the first, the tier holds (local hits included), or None while
+        its lookup is in flight."""
+        return self.lookups.take(request, keys, self.timeout_s)
+
+    def write_back(self, request, keys: Sequence[bytes], local_blocks: Sequence[int], start: int) -> None:
+        """Hand the tier the local pages it lacks, keys[start:] held in `local_blocks` (those of the
+        locally cached keys), so their children will not be refused there; stops at a failure."""
+        for page in range(start, len(local_blocks)):
+            try:
+                self.tier.on_page_full(keys[page], keys[page - 1] if page else b"", local_blocks[page],
+                                       request.tier_context)
+            except Exception:  # a tier never fails a request
+                log.exception("remote tier on_page_full failed for request %s", request.request_id)
+                return
+
+    def peek_matched_pages(self, request) -> int | None:
+        """What the request's lookup found, if it answered (nothing is consumed or started)."""
+        return self.lookups.peek(request)
+
+    def is_looking_up(self, request) -> bool:
+        return self.lookups.in_flight(request)
+
+    def start_load(self, request, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        """Fetch `keys` into `block_ids` (allocated by the scheduler, not scheduled until the load ends)."""
+        if self.layerwise:  # design note 7
+            layers = LayerwiseLoad(self.wake)
+            future = self._submit(self._loader, Landed(), self._fill_layerwise, list(keys), list(block_ids),
+                                  request.tier_context, layers)
+            future.add_done_callback(lambda _: layers.end())  # also when closed or cancelled
+        else:
+            layers = None
+            future = self._submit(self._loader, Landed(), self._fill, list(keys), list(block_ids), request.tier_context)
+        self._loads[id(request)] = _Load(request, future, self.clock(), layers=layers)
+
+    def take_finished_loads(self) -> FinishedLoads:
+        """Loads that ended since the last call, those that let go of blocks given up before,
+        and requests whose load has run past `timeout_s` (design note 4)."""
+        finished, now = FinishedLoads(), self.clock()
+        for key, load in list(self._loads.items()):
+            if load.layers is not None and load.layers.joined:
+                continue  # settled by the step it joined (design note 7)
+            if load.future.done():
+                del self._loads[key]
+                finished.landed.append((load.request, Landed() if load.future.cancelled() else load.future.result()))
+            elif now - load.started >= self.timeout_s:
+                finished.overdue.append(load.request)
+        for load in list(self._detached):
+            if load.future.done():
+                self._detached.remove(load)
+                _release_in_place(load.future)
+                finished.released.append(load.blocks)
+        return finished
+
+    def drop(self, request, blocks: Sequence[int] = ()) -> None:
+        """The request no longer waits for the tier (it ended, or its load is overdue): its lookup is
+        dropped (a running one finishes unread) and its load, if any, given up (design note 4)."""
+        self.lookups.drop(request)
+        if id(request) in self._loads:
+            self._give_up(request, blocks)
+
+    def _give_up(self, request, blocks: Sequence[int]) -> None:
+        """`blocks` (those the loader may write) come back in `released` once the loader let go of
+        them: at the next call when the load had not started, as it is then cancelled."""
+        load = self._loads.pop(id(request))
+        load.blocks = list(blocks)
+        self._detached.append(load)
+        self.num_loads_given_up += 1
+        if load.future.cancel():
+            self.num_loads_cancelled += 1
+
+    def num_lookups_in_flight(self) -> int:
+        return self.lookups.num_in_flight()
+
+    def has_releases(self) -> bool:
+        """Loads given up that let go of their blocks: the next take_finished_loads releases them."""
+        return any(load.future.done() for load in self._detached)
+
+    def num_pending(self) -> int:
+        """Lookups and loads not yet taken by the scheduler (loads given up included)."""
+        return len(self.lookups) + len(self._loads) + len(self._detached)
+
+    def on_page_full(self, key: bytes, parent_key: bytes, block_id: int, context: Any) -> None:
+        try:
+            self.tier.on_page_full(key, parent_key, block_id, context)
+        except Exception:  # a tier never fails a request
+            log.exception("remote tier on_page_full failed")
+
+    # ---- layer-wise loads (design note 7; worker/connector/layers.py) ---------------------
+
+    def can_join_early(self, request) -> bool:
+        """Whether a parked request's load is layer-wise, under way (its first layer landed) and not
+        over, not overdue, and never joined early before."""
+        load = self._loads.get(id(request))
+        return (load is not None and load.layers is not None and self.layerwise_loads.can_join_early(load.layers)
+                and not load.future.done() and self.clock() - load.started < self.timeout_s)
+
+    def join_early(self, request) -> None:
+        """The request runs before its load ended; it is no longer reported by take_finished_loads."""
+        self.layerwise_loads.join_early(self._loads[id(request)].layers)
+
+    def unjoin(self, request) -> None:
+        """The request waits for its load again, reported by take_finished_loads as any."""
+        self.layerwise_loads.unjoin(self._loads[id(request)].layers)
+
+    def wait_layer(self, request, layer: int) -> bool:
+        """Wait, boundedly, until layer `layer` of the request's early-joined load is in the pool."""
+        load = self._loads.get(id(request))
+        return load is not None and load.layers is not None and self.layerwise_loads.wait_layer(load.layers, layer)
+
+    def settle_layerwise(self, request, blocks: Sequence[int], wait_s: float | None = None) -> int | None:
+        """An early-joined load's outcome: the pages that arrived intact (the tier's count), waiting for
+        it at most wait_s (settle_timeout_s when None); None when it still runs: it is given up and
+        `blocks` come back in `released` once the loader let go of them."""
+        load = self._loads[id(request)]
+        try:
+            filled = load.future.result(timeout=self.layerwise_loads.settle_timeout_s if wait_s is None else wait_s).num_pages
+        except TimeoutError:
+            self._give_up(request, blocks)
+            return None
+        except CancelledError:
+            filled = 0
+        del self._loads[id(request)]
+        return filled
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _submit(self, pool: ThreadPoolExecutor, when_closed: Any, fn, *args) -> Future:
+        """`fn(*args)` on `pool`; once closed, a future already holding `when_closed` (a miss)."""
+        with self._pools_lock:
+            if self._closed:
+                future: Future = Future()
+                future.set_result(when_closed)
+                return future
+            future = pool.submit(fn, *args)
+            self._running.add(future)
+
+        def done(_):
+            with self._pools_lock:
+                self._running.discard(future)
+            self.wake()
+
+        future.add_done_callback(done)
+        return future
+
+    def _fill_layerwise(self, keys: list[bytes], block_ids: list[int], context: Any, layers: LayerwiseLoad) -> Landed:
+        try:
+            filled = int(self.tier.fill_layerwise(keys, block_ids, context, layers.land))
+        except Exception:
+            log.exception("remote tier layer-wise fill failed; computing instead")
+            filled = 0
+        return Landed(max(0, min(filled, len(keys))))
+
+    def _fill(self, keys: list[bytes], block_ids: list[int], context: Any) -> Landed:
+        """How many leading pages landed in `block_ids`, or the pages pinned in place (design note 8)."""
+        try:
+            pages = self.tier.fill_in_place(keys, block_ids, context)
+        except Exception:
+            log.exception("remote tier fill in place failed; fetching the pages instead")
+            pages = None
+        if pages is not None:
+            if len(pages) == len(keys):
+                return Landed(len(pages), pages)
+            pages.release()
+        try:
+            filled = int(self.tier.fill(keys, block_ids, context))
+        except Exception:
+            log.exception("remote tier fill failed; computing instead")
+            filled = 0
+        return Landed(max(0, min(filled, len(keys))))
+
+
+def _release_in_place(future: Future) -> None:
+    """A given-up load's pages pinned in place go back to the node (design note 8)."""
+    if future.done() and not future.cancelled() and future.exception() is None:
+        in_place = future.result().in_place
+        if in_place is not None:
+            in_place.release()

@@ -1,0 +1,395 @@
+"""Continuous batching over the block pool: which requests run in the next step, and with how
+many new tokens each. Requests join and leave between steps.
+
+Design notes
+1. One rule for prefill and decode (vLLM v1): a request has `num_tokens` and
+   `num_computed_tokens` (tokens whose K/V are in its blocks); each step it gets
+   `min(num_tokens - num_computed_tokens, budget)` new tokens. A step that reaches
+   `num_tokens` yields logits for the next token; a shorter one is a prefill chunk.
+2. Decodes first: every running request with one token left is served each step, oldest
+   first, so decoding is never starved (the budget holds one token per seat).
+3. Then prefill, shortest first: of the running requests part-way through their prompt and
+   the waiting ones, the one with the fewest tokens left to compute (for a waiting request,
+   after its locally cached prefix, or the remote tier's hits once its lookup answered) gets at
+   most `max_prefill_tokens`; other prompts join its step only if they finish within
+   `join_tokens` more tokens. A mostly cached prompt thus starts at once instead of queueing
+   behind long uncached ones, and a long prompt is computed in chunks between them, even alone.
+   Why one prompt a step: on a CPU a prefill token costs about the same in any batch, so a
+   second prompt's chunk would delay the first one's first token by its whole cost, while a
+   step of its own costs only the weights' pass (figures: docs/benchmarks.md, "Earlier
+   (2026-11-30)"). Aging bounds the wait: a request that has waited through `aging_steps` steps
+   goes before every younger one (oldest first), so short prompts never starve a long one.
+4. When a request needs a block and none is available, a running request not yet in this step is
+   preempted (worker/engine/priority.py note 1).
+5. Admission reuses the longest locally cached prefix, then asks the KV connector
+   (worker/connector/connector.py) what the remote tier holds of the whole page chain (local hits
+   included, so the tier learns which of our pages it lacks). While that lookup is in flight
+   the request stays waiting and others go first. With remote pages past the local hits, the
+   request gets blocks for them and is parked (WAITING_FOR_REMOTE_KVS) while the connector
+   fetches them off the engine's thread: not scheduled, not preempted, holding a seat. In the
+   first step after its load ended it joins as a running request, what landed counted as
+   computed; whatever the tier did not fill is computed. Every full page of the prompt may be
+   reused, the last one too; at least one prompt token is always computed (its logits give the
+   next token), so a prompt whose every page is cached computes its last token alone, reading
+   its K/V from the cached page and writing nothing there (ForwardBatch.cached_lens), instead of
+   recomputing its whole last page.
+   A tier that fails counts as a miss; a load the connector reports overdue is given up (its
+   blocks released once the loader lets go of them) and the request computes its prompt.
+   No network call is made here: the connector only submits and reports.
+6. Each page that becomes full is indexed in the prefix cache and announced to the tier.
+7. A request that arrives while a step computes a prompt's chunk may go between two layers of
+   that step (the engine pauses the forward and asks `schedule_newcomer`): if all it has left
+   to compute is shorter than the chunk, it would have been the step's prompt had it come a
+   moment earlier (note 3), and waiting for the rest of the chunk would be most of its time to
+   first token. It is admitted alone and computed whole; nothing is preempted for it, nor is
+   anyone admitted in a step that preempted or found the pool short (the rules of note 4 and of
+   `schedule`), and a step whose prompt was chosen by aging is never paused, so aging still
+   bounds a long prompt's wait in steps (a step now lasts longer by the newcomers it carries, at
+   most one per layer).
+8. Priorities (lower values first, default 0) order the prefill (note 3) and preemption (note 4),
+   aging making a waiting request's priority better as it waits (worker/engine/priority.py note 2).
+9. Sliding windows (worker/kv/window.py): after each step a running request releases the blocks
+   no later query of its window reads, once its full pages are cached and copied for the
+   tier, so it holds at most about W / page_tokens + 1 blocks however long it grows.
+10. Layer-wise overlap (connector design note 7): a parked request whose layer-wise
+   load is under way may join before the load ends, in a step of its own
+   (`ScheduledBatch.layerwise`; worker/engine/remote_joins.py note 1).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from worker.kv.block_pool import BlockPool
+from worker.engine.block_tables import BlockTables, release_passed_blocks
+from worker.connector.connector import Connector
+from worker.engine.in_place_joins import InPlaceJoins
+from worker.engine.priority import PriorityPolicy
+from worker.engine.remote_joins import RemoteJoins
+from worker.engine.request import Request, RequestStatus
+from worker.engine.scheduled_batch import ScheduledBatch
+
+
+def _tokens_left(request: Request) -> int:
+    return request.num_tokens - request.num_computed_tokens
+
+
+PREFILL_TOKENS_PER_STEP = 128  # prompt tokens per step at most: bounds the wait of a newly arrived prompt
+AGING_STEPS = 64                # steps waited after which a request goes before every younger one
+JOIN_TOKENS = 16                # tokens other prompts may add to a step's prefill if they finish in it
+
+_LOOKUP_PENDING = -1  # _admit: the connector's lookup has not answered yet
+_PARKED = -2          # _admit: blocks given, remote pages on their way (design note 5)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, page_tokens: int, max_num_seqs: int = 32,
+                 max_num_batched_tokens: int = 1024, connector: Connector | None = None,
+                 max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP, aging_steps: int = AGING_STEPS,
+                 join_tokens: int = JOIN_TOKENS, release_window: int | None = None):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
+                             f"max_num_seqs ({max_num_seqs}), so every running request can decode each step")
+        if max_prefill_tokens < 1 or aging_steps < 0 or join_tokens < 0:
+            raise ValueError(f"max_prefill_tokens must be at least 1, aging_steps and join_tokens at least 0, "
+                             f"got {max_prefill_tokens}, {aging_steps} and {join_tokens}")
+        self.pool = pool
+        self.page_tokens = page_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens = max_prefill_tokens
+        self.join_tokens = join_tokens
+        self.release_window = release_window  # design note 9; None keeps every page to the end
+        self.tables = BlockTables(pool, page_tokens)
+        self.priority = PriorityPolicy(aging_steps)  # design note 8
+        self.in_place = InPlaceJoins(self.tables)  # pages read in place (worker/engine/in_place_joins.py)
+        self.remote = RemoteJoins(self.tables, self.in_place, max_prefill_tokens, connector)  # notes 5, 10
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order, oldest first
+        self.parked: list[Request] = []  # waiting for remote KV (design note 5): blocks held, not scheduled
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    @property
+    def connector(self) -> Connector | None:
+        return self.remote.connector
+
+    def set_connector(self, connector: Connector | None) -> None:
+        """Plug in (or remove) the remote tier's connector, while no request waits for the old one."""
+        assert not self.parked, "requests wait for the connector being replaced"
+        self.remote.connector = connector
+
+    def add(self, request: Request) -> None:
+        max_blocks = self.pool.num_blocks
+        if self.tables.num_pages(request.num_tokens) > max_blocks:
+            raise ValueError(f"request {request.request_id} has {request.num_tokens} tokens; the pool holds "
+                             f"at most {max_blocks * self.page_tokens} ({max_blocks} blocks of {self.page_tokens})")
+        request.arrival_step = self.num_steps
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.parked)
+
+    def num_seats_taken(self) -> int:
+        return len(self.running) + len(self.parked)
+
+    def schedule(self) -> ScheduledBatch:
+        self.num_steps += 1
+        for request in self.in_place.land():  # before anything may take blocks (in_place_joins.py note 1)
+            self._wait_again(request)
+        self._take_finished_loads()
+        early = self.remote.join_early(self.parked)
+        if early is not None:
+            request, num_new = early
+            self._move(request, self.parked, RequestStatus.RUNNING)
+            return ScheduledBatch([request], [num_new], layerwise=True)
+        self._preempt_for_priority()
+        batch = ScheduledBatch([], [])
+        preempted = False
+        for request in [r for r in self.running if _tokens_left(r) == 1]:  # decodes (design note 2)
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted to make room for an older one
+            preempted |= self._make_room(request, 1, batch)
+            if request.status is RequestStatus.RUNNING:
+                self._add_to_batch(batch, request, 1)
+        budget = min(self.max_num_batched_tokens - sum(batch.num_new_tokens), self.max_prefill_tokens)
+        pool_short = False
+        joining = None  # once the step has its prefill: tokens that prompts finishing with it may add (note 3)
+        for request, left in self._prefill_order(batch) if budget > 0 else []:  # design note 3
+            if joining is not None and left > joining:
+                continue
+            limit = budget if joining is None else joining
+            if request.status is RequestStatus.RUNNING:
+                num_new = min(_tokens_left(request), limit)
+                preempted |= self._make_room(request, num_new, batch)
+                if request.status is not RequestStatus.RUNNING:
+                    continue
+                self._add_to_batch(batch, request, num_new)
+            else:
+                if preempted or pool_short or self.num_seats_taken() >= self.max_num_seqs:
+                    continue  # no admission now; running requests later in the order may still compute
+                num_new = self._admit(request, limit)
+                if num_new == 0:
+                    pool_short = True  # no request later in the order is admitted before this one
+                    continue
+                if num_new < 0:
+                    continue  # its lookup is in flight, or it is parked while its pages arrive
+                self._move(request, self.waiting, RequestStatus.RUNNING)
+                batch.requests.append(request)
+                batch.num_new_tokens.append(num_new)
+            joining = min(self.join_tokens, budget - num_new) if joining is None else joining - num_new
+            if joining <= 0:
+                break
+        assert batch.requests or not self.running, "requests are running but none could be scheduled"
+        batch.admission_held = preempted or pool_short
+        return batch
+
+    def schedule_newcomer(self, step: ScheduledBatch) -> ScheduledBatch | None:
+        """Between two layers of `step`'s forward: a waiting request to compute whole before the
+        step goes on, or None (design note 7)."""
+        chunk = max(step.num_new_tokens)
+        if (chunk <= self.join_tokens or not self.waiting or self.num_seats_taken() >= self.max_num_seqs
+                or step.admission_held
+                or self.priority.aged(step.requests[step.num_new_tokens.index(chunk)], self.num_steps)):
+            return None
+        left, request = min(((self._tokens_to_compute(r), r) for r in self.waiting), key=lambda entry: entry[0])
+        if left >= chunk:
+            return None
+        num_new = self._admit(request, left)
+        if num_new <= 0:
+            return None  # the pool cannot take it without preempting, or it waits for its remote pages
+        self._move(request, self.waiting, RequestStatus.RUNNING)
+        return ScheduledBatch([request], [num_new])
+
+    def on_computed(self, request: Request, num_new_tokens: int) -> None:
+        """After the forward pass: the tokens are computed; index and announce pages that became
+        full, then release those a sliding window left behind."""
+        request.num_computed_tokens += num_new_tokens
+        if not request.bypass_cache:
+            self._cache_full_pages(request)
+        if self.release_window is not None:  # after the write-back copied the pages (design note 9)
+            release_passed_blocks(request, self.pool, self.release_window, self.page_tokens)
+
+    def finish(self, request: Request) -> None:
+        """Remove a request (done or aborted) wherever it is and release its blocks at once."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.parked.remove(request)
+        self.remote.finish(request)
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+
+    # ---- the engine's step: remote pages (worker/engine/remote_joins.py, worker/engine/in_place_joins.py) ----
+
+    def settle_layerwise(self, request: Request) -> bool:
+        """After an early-joined request's step: True when its remote pages all arrived intact; else
+        False, the step's work thrown away and the request waiting to compute its prompt (note 10)."""
+        if self.remote.settle_layerwise(request):
+            return True
+        self._wait_again(request)
+        return False
+
+    def repark(self, request: Request) -> None:
+        """An early-joined request whose step was cut short by a late layer waits for its load again."""
+        self.remote.repark(request)
+        self._move(request, self.running, RequestStatus.WAITING_FOR_REMOTE_KVS)
+
+    def settle_in_place(self, requests) -> set[int]:
+        """After a forward: the ids of those of `requests` whose pages read in place turned out
+        altered, their step's work thrown away, they waiting to compute their prompt again."""
+        altered = self.in_place.settle(requests)
+        for request in altered:
+            self._wait_again(request)
+        return {id(request) for request in altered}
+
+    # ---- internals -----------------------------------------------------------
+
+    def _move(self, request: Request, queue, status: RequestStatus) -> None:
+        """From `queue` to the end of the running or parked ones."""
+        queue.remove(request)
+        request.status = status
+        (self.running if status is RequestStatus.RUNNING else self.parked).append(request)
+
+    def _wait_again(self, request: Request) -> None:
+        """A running request gives its blocks up and waits, first in line, to compute again."""
+        self.running.remove(request)
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _take_finished_loads(self) -> None:
+        """Parked requests whose pages landed join the running ones (design note 5)."""
+        landed, overdue = self.remote.take_finished_loads(copy_in_place=self.release_window is not None)
+        for request in overdue:  # given up: it computes its prompt instead
+            self.parked.remove(request)
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        for request in landed:
+            self._move(request, self.parked, RequestStatus.RUNNING)
+
+    def _cache_full_pages(self, request: Request) -> None:
+        for key, parent, block_id in self.tables.cache_full_pages(request):
+            if self.connector is not None:
+                self.connector.on_page_full(key, parent or b"", block_id, request.tier_context)
+
+    def _release(self, request: Request) -> None:
+        self.in_place.stash(request)  # its pages read in place, cached by the next step (in_place_joins.py note 3)
+        self.tables.release(request)
+
+    def _add_to_batch(self, batch: ScheduledBatch, request: Request, num_new: int) -> None:
+        self.tables.grow(request, num_new)
+        batch.requests.append(request)
+        batch.num_new_tokens.append(num_new)
+
+    # ---- who goes first, who gives way (worker/engine/priority.py) ----
+
+    def _prefill_order(self, batch: ScheduledBatch) -> list[tuple[Request, int]]:
+        """Running requests mid-prompt and waiting ones, with the tokens each still has to compute,
+        in prefill order (design note 3); ties keep running before waiting, queue order."""
+        candidates = [r for r in self.running if r not in batch.requests] + list(self.waiting)
+        return self.priority.prefill_order([(r, self._tokens_to_compute(r)) for r in candidates], self.num_steps)
+
+    def _preempt(self, request: Request) -> None:
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._wait_again(request)
+
+    def _make_room(self, request: Request, num_new: int, batch: ScheduledBatch) -> bool:
+        """Preempt running requests outside the batch until `request` can grow (priority.py note 1);
+        it may be preempted itself. True if anything was preempted."""
+        preempted = False
+        while not self.tables.can_grow(request, num_new):
+            victim = self.priority.victim(self.running, batch.requests, self.num_steps)
+            self._preempt(victim)
+            preempted = True
+            if victim is request:
+                break
+        return preempted
+
+    def _preempt_for_priority(self) -> None:
+        """Before the step takes its decodes: if the first waiting request in the prefill order lacks
+        a seat or blocks, preempt running requests of a higher priority value for it (priority.py note 2)."""
+        if not self.waiting:
+            return
+        no_batch = ScheduledBatch([], [])
+        request = next((r for r, _ in self._prefill_order(no_batch) if r.status is RequestStatus.WAITING), None)
+        if request is None or (self.connector is not None and self.connector.is_looking_up(request)):
+            return  # it could not be admitted now anyway
+        hits = self.pool.lookup(request.page_keys(request.num_reusable_pages()))
+        first_chunk_end = min(request.num_tokens, self._num_cached(request) + self.max_prefill_tokens)
+        needed = self.tables.num_pages(first_chunk_end) - len(hits)
+        # Its own idle cached prefix counts among the free blocks, but admission takes a reference
+        # on it (_admit): those blocks are not there for its chunk.
+        while (self.num_seats_taken() >= self.max_num_seqs
+               or needed > self.pool.get_num_free_blocks() - self.pool.num_idle(hits)):
+            victim = self.priority.lower_victim(request, self.running, no_batch.requests, self.num_steps)
+            if victim is None:
+                return
+            self._preempt(victim)
+
+    # ---- admission (design note 5) ----
+
+    def _tokens_to_compute(self, request: Request) -> int:
+        """Prompt tokens a request still has to compute (a waiting one: after its cached prefix)."""
+        if request.status is RequestStatus.RUNNING:
+            return _tokens_left(request)
+        return request.num_tokens - self._num_cached(request)
+
+    def _num_cached(self, request: Request) -> int:
+        """Prompt tokens a waiting request would reuse from the local prefix cache now, or from
+        the remote tier if its lookup answered with more (design note 3)."""
+        if request.bypass_cache:
+            return 0
+        pages = len(self.pool.lookup(request.page_keys(request.num_reusable_pages())))
+        if self.connector is not None and not request.remote_given_up:
+            pages = max(pages, self.connector.peek_matched_pages(request) or 0)
+        return min(pages * self.page_tokens, request.num_tokens - 1)   # the last token is computed
+
+    def _admit(self, request: Request, budget: int) -> int:
+        """Give a waiting request its cached prefix and first chunk: its new tokens; 0 if the pool
+        cannot take it now; _LOOKUP_PENDING or _PARKED (design note 5)."""
+        P = self.page_tokens
+        reusable = request.num_reusable_pages()
+        keys = request.page_keys(reusable)
+        hits = self.pool.lookup(keys)
+        num_hits = len(hits)
+
+        def blocks_needed(num_remote: int) -> int:
+            end = min(request.num_tokens, (num_hits + num_remote) * P + budget)
+            return self.tables.num_pages(end) - num_hits
+
+        available = self.pool.get_num_free_blocks() - self.pool.num_idle(hits)
+        if blocks_needed(0) > available:
+            return 0
+        num_remote = 0
+        if self.connector is not None and reusable and not request.remote_given_up:
+            found = self.connector.get_num_matched_pages(request, keys)
+            if found is None:
+                return _LOOKUP_PENDING
+            if found < num_hits:
+                self.connector.write_back(request, keys, hits, found)
+            num_remote = max(0, found - num_hits)
+            while num_remote and blocks_needed(num_remote) > available:
+                num_remote -= 1
+        self.pool.ref(hits)
+        request.block_table = list(hits)
+        request.num_cached_pages = num_hits
+        request.num_computed_tokens = min(num_hits * P, request.num_tokens - 1)   # design note 5
+        if num_remote:
+            blocks = self.pool.allocate(num_remote)
+            request.block_table += blocks
+            self.connector.start_load(request, keys[num_hits:num_hits + num_remote], blocks)
+            self._move(request, self.waiting, RequestStatus.WAITING_FOR_REMOTE_KVS)
+            return _PARKED
+        if request.cached_tokens_local is None:
+            request.cached_tokens_local = request.num_computed_tokens
+            request.cached_tokens_remote = 0
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        assert self.tables.can_grow(request, num_new), "admission checked the blocks it needs"
+        self.tables.grow(request, num_new)
+        return num_new

@@ -1,0 +1,279 @@
+"""Paged attention over the worker's KV pool, and a dense reference.
+
+Pool layout (docs/architecture.md): kv_pool[block, layer, 0 = K | 1 = V, kv_head, offset, head_dim], in the
+KV dtype (float32 or float16); attention itself runs in float32.
+A sequence's block table maps its position p to block table[p // P], offset p % P.
+
+Notes:
+1. New tokens' K/V are written into the pool first, then attention reads every position from the
+   pool, so cached-prefix positions (filled by the engine) and new ones are treated alike.
+2. Reads gather a sequence's pages head-major, [kv_heads, blocks * P, head_dim]: one copy, after
+   which each head's keys are contiguous and attention is plain batched matmuls, as in a dense
+   cache. The gather is one np.take of (block, layer, k|v, head) rows of P * head_dim floats into a
+   scratch buffer that every layer of the forward reuses (fresh memory each layer cost more than
+   the copy itself here). Decode gathers the keys, computes the scores, then gathers the values
+   into the same buffer: half the buffer, which stays in cache between the copy and the matmul
+   that reads it (measured here: less attention time at batch 8 than gathering both at once).
+   With the page layout fixed by the wire (docs/architecture.md), a head's keys in two consecutive blocks
+   are a whole page apart, so even consecutive blocks are no matmul operand without this copy.
+3. Decode (one new token per sequence) runs many sequences in one pass: each group's tables are
+   padded to the group's longest (pad entries repeat a real block; positions past each context
+   length are masked). Sequences are grouped by length so padding stays under ~25% of the copy.
+4. Prefill (several new tokens of one sequence, on top of a cached prefix) loops over sequences;
+   within one, queries attend causally with one batched matmul per KV head (GQA: the G query heads
+   of a group share their K/V), in query chunks that each read only the keys up to their last
+   position and bound the score matrix's memory.
+5. With a sliding window, a sequence's blocks are read from the first one its step's queries can
+   see (worker/kv/window.py): the cost of a token stays bounded by the window, and the blocks
+   before, which the scheduler may have released (RELEASED in the table), are never touched.
+6. The softmax scale multiplies the queries (G * m * hd floats) rather than the scores (G * m *
+   context): for a 16-token step over 1,024 keys that is 64x fewer multiplications. With a
+   power-of-two scale (head_dim 64, 256, ...) the scores are bit-identical to scaling after the
+   matmul; otherwise they differ in the last bit.
+7. A float16 pool is gathered into a float16 scratch (half the bytes read from the pool), which
+   worker/kv/half.py converts into the float32 one: NumPy's matmul has no fast float16 path, and its
+   own float16 cast runs element by element. The conversion is exact, so the scores are those of a
+   float32 pool holding the same rounded values. New K/V are rounded by the assignment into the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from worker.kv.half import float16_to_float32
+from worker.kv.window import first_read_block
+
+# Largest score matrix a prefill builds at once (floats): 16 MiB. Also keeps chunks short enough
+# that skipping keys after a chunk's last query saves most of the causal triangle.
+MAX_SCORE_ELEMENTS = 4 * 1024 * 1024
+PREFILL_QUERY_CHUNK = 128
+# A decode group grows while its padded size stays within this factor of its real size.
+MAX_PADDING = 1.25
+
+
+KEYS, VALUES, KEYS_AND_VALUES = slice(0, 1), slice(1, 2), slice(0, 2)
+
+
+@dataclass
+class GatherPlan:
+    """Which pool rows to copy for a set of sequences, padded to [S, 2, KV, max_blocks]."""
+
+    rows: np.ndarray        # [S, 2, KV, MB] row of (block, layer 0, k|v, head) in the pool seen as [rows, P*hd]
+    layer_stride: int       # add layer * layer_stride for another layer
+
+    def gather(self, kv_pool: np.ndarray, layer: int, meta: "AttentionMetadata",
+               parts: slice = KEYS_AND_VALUES) -> np.ndarray:
+        """-> [S, len(parts), KV, MB * P, hd] (in the forward's scratch buffer, overwritten by the next gather)."""
+        rows = self.rows[:, parts]
+        S, n_parts, KV, MB = rows.shape
+        P, hd = kv_pool.shape[4], kv_pool.shape[5]
+        n = rows.size
+        if meta.scratch is None or meta.scratch.shape[0] < n:
+            meta.scratch = np.empty((meta.max_gather_rows, P * hd), dtype=np.float32)
+        out = meta.scratch[:n]
+        taken = out
+        if kv_pool.dtype == np.float16:  # note 7
+            if meta.half_scratch is None or meta.half_scratch.shape[0] < n:
+                meta.half_scratch = np.empty((meta.max_gather_rows, P * hd), dtype=np.float16)
+            taken = meta.half_scratch[:n]
+        # mode="clip" skips take's defensive copy (block ids were validated by the caller).
+        np.take(kv_pool.reshape(-1, P * hd), (rows + layer * self.layer_stride).reshape(-1), axis=0,
+                out=taken, mode="clip")
+        if taken is not out:
+            float16_to_float32(taken, out)
+        return out.reshape(S, n_parts, KV, MB * P, hd)
+
+
+def _plan(tables: list[np.ndarray], first_blocks: list[int], n_blocks: list[int],
+          pool_shape: tuple[int, ...]) -> GatherPlan:
+    """Rows of blocks table[first:n] of each sequence, padded to the longest run."""
+    _, n_layers, _, KV, _, _ = pool_shape
+    MB = max(n - f for f, n in zip(first_blocks, n_blocks))
+    padded = np.empty((len(tables), MB), dtype=np.int64)
+    for i, (table, first, nb) in enumerate(zip(tables, first_blocks, n_blocks)):
+        padded[i, : nb - first] = table[first:nb]
+        padded[i, nb - first:] = table[first]
+    kv_and_head = (np.arange(2)[:, None] * KV + np.arange(KV)[None, :])          # [2, KV]
+    rows = (padded[:, None, None, :] * n_layers) * (2 * KV) + kv_and_head[None, :, :, None]
+    return GatherPlan(rows, 2 * KV)
+
+
+@dataclass
+class DecodeGroup:
+    rows: np.ndarray        # [Sg] batch rows of these sequences' new tokens
+    plan: GatherPlan
+    bias: np.ndarray        # [Sg, MB * P]: 0 where a key is seen, -inf past the context length or the window
+
+
+@dataclass
+class PrefillSeq:
+    start: int              # first row of this sequence's new tokens in the batch
+    end: int                # one past its last row
+    context_len: int        # tokens after this step
+    positions: np.ndarray   # [end - start] absolute positions of the new tokens
+    plan: GatherPlan
+    first_position: int     # position of the first key gathered (a window skips the blocks before)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token's K/V goes and what each query reads; built once per forward."""
+
+    slot_blocks: np.ndarray     # [T] block of each new token
+    slot_offsets: np.ndarray    # [T] offset of each new token within its block
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillSeq]
+    max_gather_rows: int        # largest gather of any group or sequence
+    scratch: np.ndarray | None = None   # the gather buffer (note 2)
+    half_scratch: np.ndarray | None = None   # a float16 pool's rows before their conversion (note 7)
+    window: int | None = None   # sliding window: a query at p sees keys at p - window < j <= p
+    written: np.ndarray | None = None   # rows whose K/V is stored; None: every row (cached_lens)
+
+    @classmethod
+    def build(cls, positions: np.ndarray, query_starts: np.ndarray, context_lens: np.ndarray,
+              block_tables: list[np.ndarray], pool_shape: tuple[int, ...],
+              window: int | None = None, cached_lens: np.ndarray | None = None) -> "AttentionMetadata":
+        P = pool_shape[4]
+        counts = np.diff(query_starts)
+        written = None
+        if cached_lens is not None:   # positions a cached page holds already are not written
+            keep = positions >= np.repeat(np.asarray(cached_lens, dtype=np.int64), counts)
+            written = None if keep.all() else np.flatnonzero(keep)
+        slot_blocks = np.empty(len(positions), dtype=np.int64)
+        for s in range(len(context_lens)):
+            rows = slice(int(query_starts[s]), int(query_starts[s + 1]))
+            slot_blocks[rows] = np.asarray(block_tables[s])[positions[rows] // P]
+        n_blocks = [int(n) for n in (np.asarray(context_lens) + P - 1) // P]
+        first = [first_read_block(int(positions[query_starts[s]]), window, P) for s in range(len(context_lens))]
+
+        groups = []
+        decode_seqs = sorted(np.flatnonzero(counts == 1), key=lambda s: first[s] - n_blocks[s])
+        while decode_seqs:
+            group = [decode_seqs.pop(0)]
+            total = longest = n_blocks[group[0]] - first[group[0]]
+            while decode_seqs and (len(group) + 1) * longest <= MAX_PADDING * (
+                    total + n_blocks[decode_seqs[0]] - first[decode_seqs[0]]):
+                total += n_blocks[decode_seqs[0]] - first[decode_seqs[0]]
+                group.append(decode_seqs.pop(0))
+            plan = _plan([np.asarray(block_tables[s]) for s in group], [first[s] for s in group],
+                         [n_blocks[s] for s in group], pool_shape)
+            MB = plan.rows.shape[3]
+            # absolute position of each gathered key; the query is at lens - 1
+            key_positions = np.asarray([first[s] * P for s in group])[:, None] + np.arange(MB * P)[None, :]
+            lens = np.asarray(context_lens)[group][:, None]
+            hidden = key_positions >= lens
+            if window is not None:
+                hidden |= key_positions < lens - window
+            bias = np.where(hidden, np.float32(-np.inf), np.float32(0))
+            groups.append(DecodeGroup(np.asarray(query_starts)[group].astype(np.int64), plan, bias))
+
+        prefills = []
+        for s in np.flatnonzero(counts > 1):
+            start, end = int(query_starts[s]), int(query_starts[s + 1])
+            plan = _plan([np.asarray(block_tables[s])], [first[s]], [n_blocks[s]], pool_shape)
+            prefills.append(PrefillSeq(start, end, int(context_lens[s]), positions[start:end], plan, first[s] * P))
+        sizes = [g.plan.rows.size for g in groups] + [p.plan.rows.size for p in prefills]
+        return cls(slot_blocks, positions % P, groups, prefills, max(sizes), window=window, written=written)
+
+
+def write_kv(kv_pool: np.ndarray, layer: int, meta: AttentionMetadata, k: np.ndarray, v: np.ndarray) -> None:
+    """Store new tokens' keys and values ([T, kv_heads, head_dim] each) in their pool slots (only
+    the `written` rows when a cached page already holds the others'); a float16 pool rounds them."""
+    if meta.written is None:
+        kv_pool[meta.slot_blocks, layer, 0, :, meta.slot_offsets, :] = k
+        kv_pool[meta.slot_blocks, layer, 1, :, meta.slot_offsets, :] = v
+        return
+    rows = meta.written
+    kv_pool[meta.slot_blocks[rows], layer, 0, :, meta.slot_offsets[rows], :] = k[rows]
+    kv_pool[meta.slot_blocks[rows], layer, 1, :, meta.slot_offsets[rows], :] = v[rows]
+
+
+def paged_attention(q: np.ndarray, kv_pool: np.ndarray, layer: int, meta: AttentionMetadata,
+                    scale: float) -> np.ndarray:
+    """Attention of new queries over their sequences' pages. q [T, n_heads, hd] -> [T, n_heads, hd]."""
+    out = np.empty_like(q)
+    for group in meta.decode_groups:
+        out[group.rows] = _decode(q[group.rows], kv_pool, layer, meta, group, scale)
+    for seq in meta.prefills:
+        kv = seq.plan.gather(kv_pool, layer, meta)[0]         # [2, KV, nb*P, hd] from first_position on
+        n = seq.context_len - seq.first_position
+        k, v = kv[0, :, :n], kv[1, :, :n]
+        out[seq.start:seq.end] = causal_attention(q[seq.start:seq.end], k, v, seq.positions - seq.first_position,
+                                                  scale, meta.window)
+    return out
+
+
+def _decode(q: np.ndarray, kv_pool: np.ndarray, layer: int, meta: AttentionMetadata, group: DecodeGroup,
+            scale: float) -> np.ndarray:
+    # q [S, H, hd] -> [S, H, hd]; keys, then values, gathered [S, KV, L, hd] (L = padded context, note 2)
+    S, H, hd = q.shape
+    k = group.plan.gather(kv_pool, layer, meta, KEYS)[:, 0]
+    KV = k.shape[1]
+    G = H // KV
+    scores = np.matmul(q.reshape(S, KV, G, hd) * scale, k.swapaxes(-1, -2))   # [S, KV, G, L] (note 6)
+    scores += group.bias[:, None, None, :]
+    weights, denom = _exp_normalizer_(scores)
+    v = group.plan.gather(kv_pool, layer, meta, VALUES)[:, 0]          # overwrites k
+    out = np.matmul(weights, v)                                        # [S, KV, G, hd]
+    out /= denom
+    return out.reshape(S, H, hd)
+
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray,
+                     scale: float, window: int | None = None) -> np.ndarray:
+    """Queries q [n, H, hd] at increasing q_positions over one sequence's keys/values k, v
+    [KV, ctx, hd] (position j at index j), causal (and within `window` when given). Used by paged
+    prefill and the dense runner."""
+    n, H, hd = q.shape
+    KV, ctx, _ = k.shape
+    G = H // KV
+    out = np.empty((n, KV, G, hd), dtype=q.dtype)
+    chunk = max(1, min(PREFILL_QUERY_CHUNK, MAX_SCORE_ELEMENTS // (H * ctx)))
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        m = hi - lo
+        keys = int(q_positions[hi - 1]) + 1                 # no query of this chunk sees past this
+        qc = np.empty((KV, G, m, hd), dtype=q.dtype)      # the queries head-major, scaled (note 6)
+        np.multiply(q[lo:hi].reshape(m, KV, G, hd).transpose(1, 2, 0, 3), scale, out=qc)
+        scores = np.matmul(qc.reshape(KV, G * m, hd), k[:, :keys].transpose(0, 2, 1)).reshape(KV, G, m, keys)
+        # Without a window, the keys up to the chunk's first query are seen by all its queries:
+        # only the columns after it need the causal mask.
+        masked = 0 if window is not None and keys > window else int(q_positions[lo]) + 1
+        if masked < keys:
+            j, p = np.arange(masked, keys)[None, :], q_positions[lo:hi, None]
+            hidden = j > p if window is None else (j > p) | (j <= p - window)
+            scores[..., masked:] += np.where(hidden, np.float32(-np.inf), np.float32(0))   # [m, keys - masked]
+        weights, denom = _exp_normalizer_(scores)
+        o = np.matmul(weights.reshape(KV, G * m, keys), v[:, :keys]).reshape(KV, G, m, hd)
+        o /= denom
+        out[lo:hi] = o.transpose(2, 0, 1, 3)
+    return out.reshape(n, H, hd)
+
+
+def _exp_normalizer_(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax numerators in place over the last axis, and their sums (divide after the PV matmul:
+    fewer elements than dividing the probabilities)."""
+    x -= x.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
+    return x, x.sum(axis=-1, keepdims=True)
+
+
+def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray,
+                    scale: float, window: int | None = None) -> np.ndarray:
+    """Reference: queries [n, H, hd] at q_positions over contiguous keys/values [ctx, KV, hd]
+    (position j at row j), causal. Plain and unoptimized on purpose."""
+    n, H, hd = q.shape
+    ctx, KV, _ = k.shape
+    G = H // KV
+    k = np.repeat(k, G, axis=1)                            # [ctx, H, hd]
+    v = np.repeat(v, G, axis=1)
+    scores = np.einsum("nhd,chd->hnc", q, k) * scale       # [H, n, ctx]
+    j, p = np.arange(ctx)[None, None, :], np.asarray(q_positions)[None, :, None]
+    scores = np.where(j > p, -np.inf, scores)
+    if window is not None:
+        scores = np.where(j <= p - window, -np.inf, scores)
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs = scores / scores.sum(axis=-1, keepdims=True)
+    return np.einsum("hnc,chd->nhd", probs, v).astype(q.dtype)
