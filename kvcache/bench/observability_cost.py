@@ -44,6 +44,7 @@ from pathlib import Path
 
 from kvcache.bench import workload as wl
 from kvcache.bench.loadoptions import check_positions
+from kvcache.bench.loadpasses import bench_passes, blas_threads, cluster_members
 from kvcache.bench.loadrun import PassRun, run_pass, warm_up
 from kvcache.bench.report import dump_json, machine, versions
 from kvcache.bench.stats import summarize_pass
@@ -78,7 +79,6 @@ def cpu_seconds(daemons) -> dict[str, float]:
     return total
 
 def run(args: argparse.Namespace, config, levels: list[int], tokenizer) -> int:
-    from kvcache.bench.load import _bench, _blas_threads
     from kvcache.cluster import start_cluster, wait_healthy
 
     say = (lambda m: None) if args.no_progress else (lambda m: print(m, file=sys.stderr, flush=True))
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace, config, levels: list[int], tokenizer) -> int:
             clusters[arm] = stack.enter_context(start_cluster(
                 logs / arm, nodes=args.nodes, workers=args.workers, coordinators=2, replicas=args.replicas,
                 model=args.model, kv_dtype=args.kv_dtype, node_capacity=args.node_capacity,
-                worker_kv_cache=args.worker_kv_cache, blas_threads=_blas_threads(args),
+                worker_kv_cache=args.worker_kv_cache, blas_threads=blas_threads(args),
                 max_prefill_tokens=args.max_prefill_tokens, metrics=arm == "on",
                 otlp_endpoint=sink.url if arm == "on" and sink is not None else None,
                 trace_sample_ratio=args.trace_sample_ratio))
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace, config, levels: list[int], tokenizer) -> int:
                 scraper = (Scraper([d.metrics_url for d in clusters[arm].daemons], args.scrape_interval).start()
                            if arm == "on" else None)
                 try:
-                    result = _bench(quiet, config, levels, clusters[arm].coordinator_addresses, tokenizer,
+                    result = bench_passes(quiet, config, levels, clusters[arm].coordinator_addresses, tokenizer,
                                     quiet_json=True)
                 finally:
                     if scraper is not None:
@@ -157,9 +157,8 @@ def _side_by_side_pair(clusters: dict, args: argparse.Namespace, config, levels:
                        number: int, say) -> dict:
     """One pair with both arms at once: each pass starts on both clusters together (the same
     prompts, a fresh tag each pair so no pass finds an earlier pair's pages)."""
-    from kvcache.bench.load import _members
 
-    members = {arm: _members(clusters[arm].coordinator_addresses) for arm in ARMS}
+    members = {arm: cluster_members(clusters[arm].coordinator_addresses) for arm in ARMS}
     for arm in ARMS:
         check_positions(config, args, members[arm]["worker_limits"])
     run_id = uuid.uuid4().hex[:6]
