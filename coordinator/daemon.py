@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import threading
 
-from base import addresses, observability, security, serving, tokens
+from base import addresses, observability, security, serving, startup, tokens
 from coordinator.capacity import DEFAULT_MAX_STREAMS, server_threads
 from coordinator.membership import Membership
 from coordinator.metrics import CoordinatorMetrics
@@ -46,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    startup.log_to_stderr()
     try:
         if args.replicas < 1:
             raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
@@ -72,11 +71,8 @@ def run(args: argparse.Namespace) -> int:
         metrics_server = (observability.start_metrics(metrics.registry, args, credentials)
                           if metrics is not None else None)
     except (ValueError, OSError) as exc:
-        print(f"kvcache coordinator: error: {exc}", file=sys.stderr)
-        return 2
-    stopping = serving.stop_on_signals()
-    security.reload_on_sighup(credentials)
-    security.warn_if_exposed(args.host, credentials, log)
+        return startup.refuse("coordinator", exc)
+    stopping = startup.answer_signals(args.host, credentials, log)
     sweeper = threading.Thread(target=run_sweeper, args=(membership, stopping), name="sweeper", daemon=True)
     sweeper.start()
     server.start()

@@ -14,9 +14,8 @@ import logging
 import os
 import signal
 import socket
-import sys
 
-from base import addresses, observability, security, serving
+from base import addresses, observability, security, serving, startup
 from base.addresses import DEFAULT_COORDINATORS
 from base.units import parse_size
 
@@ -67,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from gateway.tokenizers import Tokenizers
     from gateway.upstream import Upstream
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    startup.log_to_stderr()
     try:
         coordinators = _addresses(args.coordinators)
         max_body_bytes = parse_size(args.max_body_bytes)
@@ -80,8 +79,7 @@ def run(args: argparse.Namespace) -> int:
         reached = addresses.reached_at(host, port, args.advertise)
         observability.setup_tracing(args, "kvcache-gateway")
     except (ValueError, OSError) as exc:
-        print(f"kvcache gateway: error: {exc}", file=sys.stderr)
-        return 2
+        return startup.refuse("gateway", exc)
     url = f"http://{addresses.host_port(host, port)}"
     metrics = None
     if args.metrics:

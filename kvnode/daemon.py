@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import time
 
-from base import addresses, member, observability, security, serving
+from base import addresses, member, observability, security, serving, startup
 from base.units import format_size, parse_size
 from kvnode.disk.data_dir import DataDir
 from kvnode.eviction import ALIASES, NODE_POLICIES, POLICIES, PREFIX_LRU
@@ -138,7 +137,7 @@ def shares_pool(args, credentials) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    startup.log_to_stderr()
     try:
         capacity_bytes = parse_size(args.capacity)
         max_message_bytes = parse_size(args.max_message_bytes)
@@ -202,12 +201,9 @@ def run(args: argparse.Namespace) -> int:
         metrics_server = (observability.start_metrics(metrics.registry, args, credentials)
                           if metrics is not None else None)
     except (ValueError, OSError, MemoryError) as exc:
-        print(f"kvcache node: error: {exc}", file=sys.stderr)
-        return 2
+        return startup.refuse("node", exc)
 
-    stopping = serving.stop_on_signals()
-    security.reload_on_sighup(credentials)
-    security.warn_if_exposed(args.host, credentials, log)
+    stopping = startup.answer_signals(args.host, credentials, log)
     flusher = Flusher(store, args.flush_interval).start() if disk is not None and args.flush_interval > 0 else None
     server.start()
     if data_plane is not None:

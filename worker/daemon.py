@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import threading
 import time
 
-from base import member, observability, security, serving, tokens
+from base import member, observability, security, serving, startup, tokens
 from base.pages import DEFAULT_PAGE_TOKENS
 from base.units import format_size, parse_size
 from protos import kvcache_pb2 as pb
@@ -96,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    startup.log_to_stderr()
     try:
         kv_cache_bytes = parse_size(args.kv_cache)
         if args.max_prefill_tokens < 1:
@@ -156,12 +155,9 @@ def run(args: argparse.Namespace) -> int:
         metrics_server = (observability.start_metrics(metrics.registry, args, credentials)
                           if metrics is not None else None)
     except (ValueError, OSError, MemoryError) as exc:
-        print(f"kvcache worker: error: {exc}", file=sys.stderr)
-        return 2
+        return startup.refuse("worker", exc)
 
-    stopping = serving.stop_on_signals()
-    security.reload_on_sighup(credentials)
-    security.warn_if_exposed(args.host, credentials, log)
+    stopping = startup.answer_signals(args.host, credentials, log)
     service.start()
     server.start()
     serving.freeze_startup_objects()
