@@ -1,14 +1,13 @@
-"""The page checksum: computed once by the page's writer, kept beside the page on the node (RAM
-and disk tier), sent with it on both wires, and recomputed by the reader before it uses the page.
+"""The page checksum: xxh3-128 of the page's key followed by its bytes. Its writer computes it
+once, the node keeps it beside the page (RAM and disk tier) and sends it with the page on both
+wires, and the reader checks it before using the page. xxh3 runs at several GB/s, so puts and
+fetches pay little for it. The key is hashed in so bytes cannot pass under another page's key; the
+parent is not: a key already names its whole prefix (worker/kv/pages.py), and a reader does not
+always know the parent of the first page it fetches.
 
-Design notes
-1. xxh3-128 of the page's key followed by its bytes: xxh3 runs at several GB/s, so a put and a
-   fetch pay little for it. The key is in it so bytes cannot pass under another page's key;
-   the parent is not: a key already names its whole prefix (worker/kv/pages.py), and a reader
-   does not always know the parent of the first page it fetches.
-2. Not keyed: anyone can compute it, so it catches pages altered after their put (a node's
-   memory or disk, a bug, a byte flipped on the way), not a writer that lies. Only members
-   may put pages (mutual TLS); README's threat model says what is left open.
+Not keyed: anyone can compute it, so it catches pages altered after their put (a node's memory or
+disk, a bug, a byte flipped on the way), not a writer that lies. Only members may put pages
+(mutual TLS); docs/operations.md's threat model says what is left open.
 """
 
 from __future__ import annotations

@@ -1,56 +1,16 @@
-"""Framing of the kvnode's data plane: GET and PUT of whole pages (and LOOKUP, note 8) over a
-plain TCP stream, shared by the server (kvnode/data_plane/server.py) and NodeClient.
+"""Framing of the kvnode's data plane, shared by its server (kvnode/data_plane/server.py) and
+NodeClient: GET, PUT, GET_BANDS and LOOKUP of whole pages over a plain stream socket, and the
+shared pool's MAP_POOL and GET_SLOTS on the Unix socket. It exists because grpcio moves page bytes
+far slower than a socket does (docs/architecture.md, "The data plane").
 
-Why not gRPC: grpcio moves at most ~1 GB/s here (Python-level message handling per
-chunk); a blocking socket with recv_into / sendmsg moves page bytes at about a raw socket's
-rate (0.93-0.99x of one in `kvcache bench node`).
-
-Design notes
-1. A request is one fixed header, then its keys, then (PUT) the pages back to back:
-     header   magic "KVDP", version, op, key_bytes, count (u32), page_bytes (u64; 0 for GET,
-              the band size for GET_BANDS)
-     GET      count x key
-     GET_BANDS count x key (note 6)
-     LOOKUP   count x key, then lease_ms (u64) (note 8)
-     PUT      count x (key, parent_len (u8: 0 for a root, else key_bytes), parent (key_bytes,
-              zeros for a root), checksum (16 bytes)), then count x page_bytes bytes of pages
-   Keys go before pages so the server validates them before it receives a byte of data.
-2. Every reply starts with one header: status (a grpc.StatusCode value, 0 = OK), the
-   length of a UTF-8 message and the payload's length. OK to a GET: the pages' checksums
-   (16 bytes each), then their bytes, back to back, in request order. OK to a PUT: one
-   outcome byte per page (kvnode.store.PutOutcome values). Not OK: the message, then the server closes the
-   connection (the rest of the request is not read as a request).
-3. A connection carries any number of requests, one at a time.
-4. Checksums (kvnode/wire/checksum.py) came with version 2. The server still takes version 1
-   requests, which carry none: a version 1 PUT's pages get theirs computed by the node, a
-   version 1 GET is answered with the pages alone. Clients speak version 2.
-5. Under TLS both ends run the session over memory BIOs on the plain socket, not an
-   ssl.SSLSocket: kvnode/wire/tls_stream.py (TlsStream, its design note 1).
-6. GET_BANDS (op 3, version 2) asks for the pages in bands of `band_bytes` (the header's
-   page_bytes field): the reply is the GET's (checksums, then count x page_bytes bytes), but
-   band-major: band 0 of every page in request order, then band 1, ..., the last band of each
-   page shorter when band_bytes does not divide it. A page laid out layer-major with one band
-   per layer lets the reader use layer l while later layers are on the way (issue 19). The
-   bands a page may be cut into are bounded (MAX_BANDS). A node older than the op answers
-   INVALID_ARGUMENT "unknown data plane op 3" and closes the connection (is_unknown_op).
-7. The shared pool (kvnode/wire/shared_pool.py), on the Unix socket only:
-     MAP_POOL  (op 4, count 0) OK: POOL_REPLY (pages, page_bytes), and with the reply header the
-               pool's read-only descriptor as SCM_RIGHTS ancillary data. Refused
-               FAILED_PRECONDITION where the node does not share its pool with this peer.
-     GET_SLOTS (op 5) count x key. OK: count x (checksum, slot u64; NO_SLOT for a page the
-               node has in no slot of the pool: on disk only, no RAM slot to be had), then the
-               bytes of the NO_SLOT pages back to back, in request order; every page pinned. The
-               reader copies the others out of its mapping and then sends the one byte RELEASE,
-               and only then does the node unpin them. A reader that sends anything else, or
-               nothing within the node's timeout, is dropped, and the pins with it.
-8. LOOKUP (op 6): gRPC's Lookup without its per-call cost (~770 us for 63 keys here; a data
-   plane round trip 100-200 us). Request: header (count = keys, page_bytes 0), keys, lease_ms
-   (LEASE, u64); OK: the hits (HITS, u64); refusals carry Lookup's codes. A refused lease is
-   RESOURCE_EXHAUSTED, as a connection over the node's bound is: the client then asks gRPC's
-   Lookup, which refuses the one alike and serves the other. A lookup cut short by the lease
-   bound is logged on the node.
-   Sent again after a stale connection it leases the same pages again. A node older than the op
-   answers "unknown data plane op 6" (is_unknown_op): the client then looks up over gRPC.
+A request is one header (REQUEST), then its keys, then what its op adds:
+     GET, GET_SLOTS  count x key
+     GET_BANDS       count x key; the header's page_bytes field is the band size
+     LOOKUP          count x key, then lease_ms (LEASE)
+     PUT             count x (key, parent_len, parent or zeros, checksum), then the pages back to back
+Keys come before pages so the server validates them before it receives a byte of data. A reply is
+one header (REPLY), then its payload, or its message when refused. A connection carries any number
+of requests, one at a time; under TLS the same frames go through a TlsStream (tls_stream.py).
 """
 
 from __future__ import annotations
@@ -69,21 +29,31 @@ from kvnode.wire.checksum import CHECKSUM_BYTES
 
 MAGIC = b"KVDP"
 VERSION = 2
-VERSIONS = (1, 2)  # spoken by the server (design note 4)
+# Version 2 added the pages' checksums (checksum.py). The server still takes version 1: a v1 PUT's
+# pages get their checksums computed by the node, a v1 GET is answered with the pages alone.
+VERSIONS = (1, 2)  # spoken by the server; clients speak VERSION
 OP_GET, OP_PUT, OP_GET_BANDS, OP_MAP_POOL, OP_GET_SLOTS, OP_LOOKUP = 1, 2, 3, 4, 5, 6
 OPS = {OP_GET: "GET", OP_PUT: "PUT", OP_GET_BANDS: "GET_BANDS", OP_MAP_POOL: "MAP_POOL", OP_GET_SLOTS: "GET_SLOTS",
        OP_LOOKUP: "LOOKUP"}
-MAX_BANDS = 1024  # bands a page may be cut into by one GET_BANDS (design note 6)
+MAX_BANDS = 1024  # bands a page may be cut into by one GET_BANDS
 MAX_BAND_SLICES = 16_384  # pages x bands of one GET_BANDS: each slice is a buffer to send (a TLS record)
 
 REQUEST = struct.Struct("!4sBBBxIQ")  # magic, version, op, key_bytes, count, page_bytes
+# A reply's status is a grpc.StatusCode value (0 = OK). OK to a GET: the pages' checksums, then their
+# bytes, in request order; to a PUT: one PutOutcome byte per page. Not OK: the message, then the
+# server closes the connection (the rest of the request is not read as a request).
 REPLY = struct.Struct("!BxxxIQ")  # status, message bytes, payload bytes
 PARENT_LEN = struct.Struct("!B")
-POOL_REPLY = struct.Struct("!QQ")  # MAP_POOL: pages, page_bytes (design note 7)
+# The shared pool (shared_pool.py), on the Unix socket only. MAP_POOL (count 0) is answered with
+# POOL_REPLY and the pool's read-only descriptor as SCM_RIGHTS, or FAILED_PRECONDITION where the
+# node does not share its pool with this peer. GET_SLOTS pins the pages and answers (checksum, SLOT)
+# each, then the bytes of the NO_SLOT pages; the node unpins them only at the reader's RELEASE, and
+# drops a reader that sends anything else, or nothing within its timeout, with its pins.
+POOL_REPLY = struct.Struct("!QQ")  # MAP_POOL: pages, page_bytes
 SLOT = struct.Struct("!Q")  # GET_SLOTS: a page's slot in the shared pool, after its checksum
-NO_SLOT = 2**64 - 1  # not in the shared pool: GET it
+NO_SLOT = 2**64 - 1  # in no slot of the pool (on disk only, no RAM slot to be had): its bytes follow
 RELEASE = b"R"  # GET_SLOTS: the reader copied the pages; the node may unpin them
-LEASE = struct.Struct("!Q")  # LOOKUP: lease_ms, after the keys (design note 8)
+LEASE = struct.Struct("!Q")  # LOOKUP: lease_ms, after the keys
 HITS = struct.Struct("!Q")  # LOOKUP: an OK reply's payload, the hits
 
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
@@ -107,7 +77,7 @@ class RequestHeader:
 
     @property
     def checksums(self) -> bool:
-        """Whether its pages' checksums travel with it (design note 4)."""
+        """Whether its pages' checksums travel with it (version 2 on)."""
         return self.version >= 2
 
 
@@ -126,13 +96,21 @@ def get_request(keys: Sequence[bytes], op: int = OP_GET) -> bytes:
 
 
 def get_bands_request(keys: Sequence[bytes], band_bytes: int) -> bytes:
-    """A whole GET_BANDS request (design note 6): header carrying the band size, then the keys."""
+    """A whole GET_BANDS request: header carrying the band size, then the keys. Its reply is a GET's,
+    but band-major: band 0 of every page in request order, then band 1, and so on (the last band
+    of a page shorter when the size does not divide it). A page laid out layer-major, one band per
+    layer, lets the reader use layer l while the later layers are on the way."""
     key_bytes = len(keys[0]) if keys else KEY_BYTES
     return request_header(OP_GET_BANDS, len(keys), key_bytes, band_bytes) + b"".join(keys)
 
 
 def lookup_request(keys: Sequence[bytes], lease_ms: int) -> bytes:
-    """A whole LOOKUP request (design note 8): header, keys, then lease_ms."""
+    """A whole LOOKUP request: header, keys, then lease_ms; an OK reply's payload is HITS.
+
+    gRPC's Lookup without its per-call cost, refused with Lookup's codes. A refused lease is
+    RESOURCE_EXHAUSTED, as a connection over the node's bound is, so the client then asks gRPC's
+    Lookup, which refuses the one alike and serves the other. Sent again after a stale connection,
+    it leases the same pages again."""
     key_bytes = len(keys[0]) if keys else KEY_BYTES
     return request_header(OP_LOOKUP, len(keys), key_bytes) + b"".join(keys) + LEASE.pack(lease_ms)
 
@@ -161,7 +139,9 @@ def caller_band_bounds(page_bytes: int, band_bytes: int) -> list[tuple[int, int]
 
 
 def is_unknown_op(code: grpc.StatusCode, details: str) -> bool:
-    """Whether a refusal is a node's that predates an op (design note 6)."""
+    """Whether a refusal is a node's that predates an op: it answers INVALID_ARGUMENT "unknown data
+    plane op N" and closes the connection, and the client falls back (plain GETs for GET_BANDS,
+    gRPC for LOOKUP)."""
     return code == grpc.StatusCode.INVALID_ARGUMENT and "unknown data plane op" in details
 
 

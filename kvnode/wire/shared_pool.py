@@ -1,29 +1,12 @@
 """The page pool in shared memory, for readers on the node's host: the node keeps its RAM pool in
 a memfd, and a client on the same host that may (same user, plaintext data plane) maps it read-only
-and copies pinned pages straight out of it, with no socket in between (who may: the node's
-side, kvnode/data_plane/shared_pool_serving.py; the reader's, kvnode/client/shared_pool_reader.py).
+and copies pinned pages straight out of it (who may: kvnode/data_plane/shared_pool_serving.py; the
+reader's side: kvnode/client/shared_pool_reader.py).
 
-Why: over a Unix socket a page is copied twice by the kernel (node -> socket buffer -> client)
-beside the syscalls of both ends; a copy out of a mapping runs at memory speed, about four times
-as fast (docs/benchmarks.md), so a fetched prefix starts nearly as soon as a local one.
-
-Design notes
-1. The node's pool is a MAP_SHARED mapping of a memfd (anonymous, in RAM, never on a file system),
-   sealed once the node mapped it: no one can shrink or grow it (a reader's copy never meets a
-   truncated page, which would kill it with SIGBUS), and no new writable mapping or write() can be
-   made of it (F_SEAL_FUTURE_WRITE), whatever descriptor of it a process holds: only the node's own
-   mapping writes, so a reader can copy pages, never alter them. A kernel without these seals
-   (before 5.1) or a sandbox without memfd gives a plain pool: nothing is shared.
-2. A reader maps the whole pool once per node process and drops the mapping when it drops its
-   client, or finds the node's socket gone (a restarted node has a new memfd; the old one's
-   memory is freed once no reader maps it). Before mapping, the reader checks that the peer on the
-   socket runs as its own user or root, and that the descriptor is sealed as note 1 says and as
-   large as the node said. Populating the page tables costs ~80 ms a GiB, so it is done once
-   mapped, off the request path (on the reader's mapping thread), for pools up to
-   POPULATE_MAX_BYTES; a larger pool, or a kernel before 5.14, maps lazily, each page's first copy
-   paying its faults (base/mappings.py: how, without stalling the reader's other threads).
-3. Linux only (memfd_create, SO_PEERCRED, SCM_RIGHTS); elsewhere the pool is a plain array and
-   nothing is shared.
+Why: over a Unix socket the kernel copies a page twice (node -> socket buffer -> client) beside
+both ends' syscalls; a copy out of a mapping runs at memory speed, about four times as fast
+(docs/benchmarks.md). Linux only (memfd_create, SO_PEERCRED, SCM_RIGHTS); elsewhere, or where the
+kernel lacks the seals (before 5.1) or a sandbox lacks memfd, the pool is a plain array.
 """
 
 from __future__ import annotations
@@ -39,11 +22,13 @@ import numpy as np
 
 from base import mappings
 
-POPULATE_MAX_BYTES = 8 << 30  # design note 2
+# A reader populates its mapping's page tables (~80 ms a GiB) once, off the request path, for pools
+# up to this; a larger one maps lazily, each page's first copy paying its faults (base/mappings.py).
+POPULATE_MAX_BYTES = 8 << 30
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 _F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1; Python names it from 3.12 on
 SEALS = (getattr(fcntl, "F_SEAL_SHRINK", 0x0002) | getattr(fcntl, "F_SEAL_GROW", 0x0004)
-         | _F_SEAL_FUTURE_WRITE)  # design note 1
+         | _F_SEAL_FUTURE_WRITE)  # see SharedPool: why these seals
 
 log = logging.getLogger("kvnode")
 
@@ -54,9 +39,14 @@ def supported() -> bool:
 
 
 class SharedPool:
-    """`pages` x `page_bytes` bytes in a sealed memfd (design note 1), as a writable uint8 array
-    (`array`), zero-filled and touched (serving never waits for the kernel to find a page); `fd`
-    is what readers are sent."""
+    """`pages` x `page_bytes` bytes in a sealed memfd, as a writable uint8 array (`array`),
+    zero-filled and touched (serving never waits for the kernel to find a page); `fd` is what
+    readers are sent.
+
+    Sealed once the node mapped it (SEALS): no one can shrink or grow it, so a reader's copy never
+    meets a truncated page (SIGBUS), and no new writable mapping or write() can be made of it
+    through any descriptor, so only the node's own mapping writes and a reader can copy pages,
+    never alter them."""
 
     def __init__(self, pages: int, page_bytes: int):
         self.pages, self.page_bytes = pages, page_bytes
@@ -96,8 +86,8 @@ def peer_uid(sock: socket.socket) -> int | None:
 
 def map_read_only(fd: int, pages: int, page_bytes: int) -> np.ndarray:
     """A node's pool as a read-only (pages, page_bytes) uint8 array, from the descriptor it sent,
-    once it is sealed and sized as design note 1 says (ValueError otherwise); the mapping lives
-    as long as the array."""
+    once it is sealed as SharedPool seals it and as large as announced (ValueError otherwise); the
+    mapping lives as long as the array."""
     if pages < 1 or page_bytes < 1:
         raise ValueError(f"a pool of {pages} pages of {page_bytes} bytes is not one to map")
     size = pages * page_bytes

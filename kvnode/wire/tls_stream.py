@@ -1,22 +1,10 @@
 """TLS over a plain blocking socket through memory BIOs, for both ends of the data plane
-(kvnode/data_plane/server.py, kvnode/client/data_client.py; framing: kvnode/wire/data_frames.py).
+(kvnode/data_plane/server.py, kvnode/client/data_client.py; framing: data_frames.py).
 
-Design notes
-1. Both ends of a TLS data plane connection run the session over memory BIOs on the plain socket,
-   not an ssl.SSLSocket, which reads one 16 KiB record per call in two syscalls, writes each
-   record with a syscall of its own, and needs a socket timeout (a poll before each call) because
-   over a kernel timeout it would retry forever: those syscalls, not the cipher, were most of
-   TLS's cost (docs/benchmarks.md). Each TlsStream keeps a 1 MiB buffer for the records it
-   receives (64 MiB on a node at its default 64 connections, all TLS). A receive decrypts every
-   record already there that fits in one call (OpenSSL gives one record a read), so a GET of
-   hundreds of records costs the caller's loop a few rounds.
-2. A kernel timeout bounds one socket call, not a loop of them: a peer trickling a byte at a
-   time could stretch a handshake, a record or a send without end. With a `deadline` set
-   (time.monotonic(); the handshake's is an argument) every socket call the stream makes ends
-   by then, or socket.timeout: a recv is given what is left of it as its kernel timeout (so the
-   socket's receive timeout changes: whoever sets a deadline sets it back), a send is
-   data_wire.send_within's (non-blocking, a poll while the socket's buffer is full: a kernel
-   timeout does not bound a whole send call on a Unix socket).
+Why not an ssl.SSLSocket: it reads one 16 KiB record per call in two syscalls, writes each record
+with a syscall of its own, and needs a socket timeout (a poll before each call), since over a
+kernel timeout it would retry forever. Those syscalls, not the cipher, were most of TLS's cost
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -27,23 +15,27 @@ import time
 
 from kvnode.wire.data_frames import send_within, set_kernel_timeouts
 
-TLS_READ_CHUNK = 1 << 20  # bytes of TLS records read from the socket at once (design note 1)
+# Bytes of TLS records read from the socket at once, a buffer per stream (64 MiB on a node at its
+# default 64 connections, all TLS); OpenSSL gives one record a read, so a recv_into drains them all.
+TLS_READ_CHUNK = 1 << 20
 TLS_SEND_BATCH = 256 << 10  # parts after the first are encrypted into one send while below this
 
 
 class TlsStream:
-    """TLS over a plain blocking socket through memory BIOs (design note 1), for both ends: the
-    socket keeps its kernel timeouts, one recv brings up to a MiB of records, each decrypted
-    straight into the caller's buffer, and each part sent (with the small ones after it) is
-    encrypted whole and written at once (sendall, or within a deadline: design note 2), not one
-    syscall a 16 KiB record as an ssl.SSLSocket does. The handshake checks certificates as the
-    context says, as wrap_socket would, within `deadline` (design note 2).
-    Offers what the data plane uses of a socket."""
+    """TLS over a plain blocking socket through memory BIOs, for both ends: the socket keeps its
+    kernel timeouts, one recv brings up to a MiB of records, each decrypted straight into the
+    caller's buffer, and each part sent (with the small ones after it) is encrypted whole and
+    written at once (sendall, or within `deadline`), not one syscall a 16 KiB record as an
+    ssl.SSLSocket does. The handshake checks certificates as the context says, as wrap_socket
+    would, within `deadline`. Offers what the data plane uses of a socket."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_side: bool = False,
                  server_hostname: str | None = None, deadline: float | None = None):
         self.sock = sock
-        self.deadline = deadline  # every socket call ends by then (design note 2); None: kernel timeouts only
+        # A kernel timeout bounds one socket call, not a loop of them: a peer trickling a byte at a time
+        # could stretch a handshake, a record or a send without end. So with a deadline (monotonic)
+        # every socket call ends by then, or socket.timeout; None: kernel timeouts only.
+        self.deadline = deadline
         self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._incoming, self._outgoing, server_side=server_side,
                                      server_hostname=server_hostname)
@@ -67,7 +59,8 @@ class TlsStream:
         self.deadline = None
 
     def _limit(self) -> None:
-        """The next recv's kernel timeout: what is left of the deadline (design note 2)."""
+        """The next recv's kernel timeout: what is left of the deadline. It changes the socket's
+        receive timeout: whoever sets a deadline sets it back."""
         if self.deadline is not None:
             left = self.deadline - time.monotonic()
             if left <= 0:
@@ -96,7 +89,7 @@ class TlsStream:
 
     def recv_into(self, buffer, nbytes: int = 0) -> int:
         """Up to nbytes (all of `buffer` when 0) bytes: every record already received that fits,
-        so one call a socket read, not one a 16 KiB record (design note 1); blocks only when none
+        so one call a socket read, not one a 16 KiB record; blocks only when none
         is there. 0 once the peer closed."""
         view = memoryview(buffer)
         if view.format != "B" or view.ndim != 1:
