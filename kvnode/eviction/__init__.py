@@ -60,7 +60,7 @@ class EvictionQueue:
     offer(key, page): stored, or its lease ended, or its last pin was released;
     touched(key, page); lost_last_child(key, page); pop(now, protect) -> the key to evict
     (never `protect`) or None; removed(key): it left the index otherwise, dropped
-    (candidates.py note 4); check(): the order's bookkeeping, for tests.
+    (candidates.py: Order.removed); check(): the order's bookkeeping, for tests.
     """
 
     def __init__(self, policy: EvictionPolicy, pages: Mapping[bytes, Page]):

@@ -2,20 +2,10 @@
 frequency list T2 (used again), each in LRU order, with ghost lists B1 and B2 of the keys
 they evicted lately; a target size p for T1 moves towards whichever ghost list gets hits.
 
-Design notes
-1. Each list is a Candidates heap ranked by the tick the page entered it or was last used
-   in it; only pages that may be evicted are queued (under the leaf rule, leaves), so
-   "the LRU page of T1" is the least recently used evictable page of T1. The sizes |T1|,
-   |T2| count every page in the list, evictable or not, as ARC's adaptation needs.
-2. The store asks for a victim before it tells the order which key it is storing, so a
-   ghost hit adapts p when the page is offered, one eviction after classic ARC would, and
-   REPLACE's tie rule for a B2 hit (evict from T1 when |T1| = p) is not applied.
-3. When the preferred list has no evictable page, the other list gives one. A use moves
-   a page to T2's most recent end; a child joining a page (candidates.py note 3) only
-   refreshes it in its list.
-4. c, the cache size, is the number of pages cached when the store first asks for a
-   victim (the pool is full then). Ghosts are bounded as in ARC: |T1| + |B1| <= c and
-   |T1| + |T2| + |B1| + |B2| <= 2c, the oldest ghost going first.
+Each list is a Candidates heap of its evictable pages (under the leaf rule, leaves) ranked by
+the tick the page entered it or was last used in it, so "the LRU page of T1" is T1's least
+recently used evictable page. The sizes |T1| and |T2| count every page in the list, evictable
+or not, as ARC's adaptation needs.
 """
 
 from __future__ import annotations
@@ -43,7 +33,7 @@ class ArcOrder(SegmentedOrder):
         self._entries: dict[bytes, _Entry] = {}
         self._ghosts: dict[int, OrderedDict[bytes, None]] = {T1: OrderedDict(), T2: OrderedDict()}  # B1, B2
         self.target_t1 = 0.0  # ARC's p
-        self.capacity = 0  # ARC's c (design note 4)
+        self.capacity = 0  # ARC's c: the pages cached when the store first asks for a victim (the pool is full)
 
     def offer(self, key: bytes, page: Page) -> None:
         entry = self._entries.get(key)
@@ -54,7 +44,9 @@ class ArcOrder(SegmentedOrder):
         self._queue(key, entry, page)
 
     def _admit(self, key: bytes) -> int:
-        """The list a stored page enters, adapting p on a ghost hit (design note 2)."""
+        """The list a stored page enters, adapting p on a ghost hit. The store asks for a victim before
+        it says which key it stores, so p adapts one eviction later than in classic ARC, and
+        REPLACE's tie rule for a B2 hit (evict from T1 when |T1| = p) is not applied."""
         b1, b2 = self._ghosts[T1], self._ghosts[T2]
         if key in b1:
             self.target_t1 = min(float(self.capacity), self.target_t1 + max(len(b2) / len(b1), 1.0))
@@ -68,7 +60,9 @@ class ArcOrder(SegmentedOrder):
 
     def touched(self, key: bytes, page: Page) -> None:
         entry = self._entries[key]
-        used = page.children <= entry.children  # not a child joining (candidates.py note 3)
+        # A use moves the page to T2's most recent end; a child joining (see CountingOrder) only
+        # refreshes it in its list.
+        used = page.children <= entry.children
         entry.children = page.children
         if used and entry.where == T1:
             self._sizes[T1] -= 1
@@ -81,7 +75,7 @@ class ArcOrder(SegmentedOrder):
         self.capacity = max(self.capacity, len(self._pages))
         t1 = self._sizes[T1]
         first = T1 if t1 and t1 > self.target_t1 else T2
-        for where in (first, T2 if first == T1 else T1):
+        for where in (first, T2 if first == T1 else T1):  # the other list when the first has no evictable page
             found = self._segments[where].pop(self._current_in(where), now, protect)
             if found is not None:
                 key = found[1]
@@ -93,6 +87,7 @@ class ArcOrder(SegmentedOrder):
         return None
 
     def _trim_ghosts(self) -> None:
+        # Bounded as in ARC, the oldest ghost first: |T1| + |B1| <= c, |T1| + |T2| + |B1| + |B2| <= 2c.
         b1, b2 = self._ghosts[T1], self._ghosts[T2]
         c = self.capacity
         while b1 and self._sizes[T1] + len(b1) > c:

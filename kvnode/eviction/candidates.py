@@ -1,26 +1,6 @@
-"""What every eviction order shares: the page as an order reads it, the base of the orders,
-and a heap of eviction candidates that is never edited in the middle.
-
-Design notes
-1. A Candidates heap holds (rank, key) for pages that may be evicted, smallest rank first.
-   Entries are never removed from the middle: when a page's rank changes, the order pushes
-   a new entry and the old one goes stale. An entry is valid only while the order says it
-   is current (the page exists, still has that rank in that queue, may be evicted); stale
-   entries are skipped when popped and dropped when the heap is rebuilt, which happens when
-   it holds more than twice the pages cached (+64): so every operation is O(log n) amortized.
-2. A leased or pinned candidate is dropped when popped; the store offers it again when its
-   lease ends or its last pin is released, and the order pushes it back at its unchanged rank.
-3. A touch is a use of the page, except the touch a page gets when a child joins it (the
-   store touches a parent as it stores the child): a page's child count grows by one with
-   that touch, so an order that counts uses (ARC, S3-FIFO, LFU) tells the two apart by
-   the child count it saw last. Otherwise a chain stored once would count every page but
-   the last as used twice.
-4. A page leaves the store's index by the order's pop, or by a drop (kvnode/store/drops.py:
-   lost on disk, or reported altered, with its descendants), which the store tells the order
-   through removed(). An order that keeps an entry per page (ARC, S3-FIFO, LFU) forgets it
-   there, or it would later read a page the index no longer has; the page's heap entries go
-   stale (note 1). A dropped page was not the order's choice and says nothing of its use:
-   it leaves no ghost (ARC, S3-FIFO) and does not age LFU.
+"""What every eviction order shares: the page as an order reads it, the bases of the orders, and
+Candidates, a heap of eviction candidates that is never edited in the middle, which keeps every
+order's operations O(log n) amortized.
 """
 
 from __future__ import annotations
@@ -43,7 +23,13 @@ class Page(Protocol):
 
 
 class Candidates:
-    """A min-heap of (rank, key) of pages that may be evicted, lazily invalidated (design notes 1, 2)."""
+    """A min-heap of (rank, key) of pages that may be evicted, smallest rank first, lazily invalidated.
+
+    Entries are never removed from the middle: when a page's rank changes, the order pushes a new
+    entry and the old one goes stale. An entry is valid only while the order says it is current
+    (the page exists, still has that rank in that queue, may be evicted); stale entries are
+    skipped when popped and dropped when the heap is rebuilt, once it holds more than twice the
+    pages cached (+64). So every operation is O(log n) amortized."""
 
     def __init__(self) -> None:
         self.heap: list[tuple] = []
@@ -55,7 +41,9 @@ class Candidates:
             heapq.heapify(self.heap)
 
     def pop(self, current: Callable[[object, bytes], Page | None], now: float, protect: bytes) -> tuple | None:
-        """The first (rank, key) whose page `current` returns, not leased or pinned, not `protect`; taken off."""
+        """The first (rank, key) whose page `current` returns, not leased or pinned, not `protect`; taken off.
+        A leased or pinned one is dropped: the store offers it again when its lease ends or its last
+        pin is released, and the order pushes it back at its unchanged rank."""
         heap = self.heap
         held = []
         found = None
@@ -103,7 +91,11 @@ class Order:
         raise NotImplementedError
 
     def removed(self, key: bytes) -> None:
-        """`key` left the store's index, not through pop(): dropped (note 4)."""
+        """`key` left the store's index, not through pop(): dropped (kvnode/store/drops.py: lost on
+        disk, or reported altered, with its descendants). An order that keeps an entry per page
+        forgets it here, or it would later read a page the index no longer has. A dropped page was
+        not the order's choice and says nothing of its use: it leaves no ghost (ARC, S3-FIFO) and
+        does not age LFU."""
         raise NotImplementedError
 
     def pop(self, now: float, protect: bytes) -> bytes | None:
@@ -117,7 +109,12 @@ class Order:
 
 class CountingOrder(Order):
     """An order that counts uses (ARC, S3-FIFO, LFU): an entry per page, with at least its `rank`
-    and the child count it saw last (note 3), and its own tick for ranks."""
+    and the child count it saw last, and its own tick for ranks.
+
+    A touch is a use, except the one a parent gets as a child joins it (the store touches the
+    parent as it stores the child): the child count grows by one with that touch, so the order
+    tells the two apart by the count it saw last. Otherwise a chain stored once would count every
+    page but the last as used twice."""
 
     def __init__(self, policy: EvictionPolicy, pages: Mapping[bytes, Page]):
         super().__init__(policy, pages)
@@ -131,7 +128,7 @@ class CountingOrder(Order):
             self._queue(key, entry, page)
 
     def removed(self, key: bytes) -> None:
-        """Forget `key`'s entry (note 4); its heap entries go stale."""
+        """Forget `key`'s entry (see Order.removed); its heap entries go stale."""
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._forget(entry)

@@ -2,16 +2,9 @@
 goes, where a page's priority is the cache's age plus its uses, and the cache's age is
 the priority of the last page evicted. Ties go to the least recently used.
 
-Design notes
-1. Without aging, pages used often long ago would hold the cache forever; with it, a new
-   page starts at the age of the last eviction, so old counts lose their weight as the
-   age rises. Uses are counted without a bound; priorities only grow.
-2. One Candidates heap ranked by (priority, last use), packed into one integer (priority
-   above the tick's TICK_BITS): a heap of 100,000s of entries compares ranks ~20 times a
-   pop, and one int compares faster than a nested tuple. Only evictable pages are queued
-   (under the leaf rule, leaves). O(log n) per operation, amortized.
-3. A child joining a page (candidates.py note 3) is not a use; it refreshes the page's
-   last use, as under prefix-lru.
+Why the aging: without it, pages used often long ago would hold the cache forever; with it a
+new page starts at the age of the last eviction, so old counts lose their weight as the age
+rises. Uses are counted without a bound; priorities only grow.
 """
 
 from __future__ import annotations
@@ -23,6 +16,9 @@ from kvnode.eviction.candidates import Candidates, CountingOrder, Page
 from kvnode.eviction.policy import EvictionPolicy
 
 
+# One Candidates heap of the evictable pages, ranked by (priority, last use) packed into one int
+# (priority above the tick's TICK_BITS): a pop over 100,000s of entries compares ranks ~20 times,
+# and one int compares faster than a nested tuple.
 TICK_BITS = 48  # ticks (uses) before a rank's tick would spill into its priority: 2.8e14
 
 
@@ -56,7 +52,7 @@ class LfuOrder(CountingOrder):
 
     def touched(self, key: bytes, page: Page) -> None:
         entry = self._entries[key]
-        if page.children <= entry.children:
+        if page.children <= entry.children:  # a use; a child joining (see CountingOrder) only refreshes its last use
             entry.uses += 1
             entry.rank = _rank(self.age + entry.uses, self._next_tick())
         else:

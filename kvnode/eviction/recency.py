@@ -20,7 +20,7 @@ class RecencyOrder(Order):
         return page.tick if self.by_last_touch else page.stored_tick
 
     def offer(self, key: bytes, page: Page) -> None:
-        # A pinned page is offered again when its last pin is released (candidates.py note 2).
+        # A pinned page is offered again when its last pin is released (see Candidates.pop).
         if not page.pins and self.may_evict(page):
             self._candidates.push(self.rank(page), key, len(self._pages), self._live)
 
@@ -33,7 +33,7 @@ class RecencyOrder(Order):
             self.offer(key, page)
 
     def removed(self, key: bytes) -> None:
-        """Nothing to forget: its heap entries go stale, `_current` reading the index (candidates.py note 4)."""
+        """Nothing to forget: its heap entries go stale, `_current` reading the index (see Order.removed)."""
 
     def pop(self, now: float, protect: bytes) -> bytes | None:
         found = self._candidates.pop(self._current, now, protect)

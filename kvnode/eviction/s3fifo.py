@@ -2,20 +2,10 @@
 enter, a main FIFO queue M, and a ghost queue G of keys S evicted lately. Each page counts
 its uses up to 3; a use never moves it.
 
-Design notes
-1. Evicting: while S holds at least its tenth, its oldest evictable page goes, unless it
-   was used since stored: then it moves to M's young end and the next one is looked at.
-   Otherwise M's oldest evictable page goes, unless its count is above 0: then the count
-   drops by one and it goes back to M's young end (a second chance per use). A page S
-   evicts leaves its key in G; a page stored while its key is in G enters M directly.
-2. Each queue is a Candidates heap ranked by the tick the page entered it (or got its
-   second chance); only evictable pages are queued (under the leaf rule, leaves), so a
-   queue's "oldest" is its oldest evictable page. Sizes count every page in a queue.
-   When the chosen queue has no evictable page, the other gives one.
-3. Every move is paid for by a use (a count of at most 3 per use) or by entering M once,
-   so a pop is O(log n) amortized. c, the cache size, is the number of pages cached when
-   the store first asks for a victim; G holds at most c keys, the oldest going first.
-4. A child joining a page (candidates.py note 3) is not a use.
+Each queue is a Candidates heap of its evictable pages (under the leaf rule, leaves) ranked by
+the tick the page entered it or got its second chance, so a queue's "oldest" is its oldest
+evictable page; sizes count every page in a queue. Every move is paid for by a use (at most 3
+per use) or by entering M once, so a pop is O(log n) amortized.
 """
 
 from __future__ import annotations
@@ -45,7 +35,7 @@ class S3FifoOrder(SegmentedOrder):
         super().__init__(policy, pages, (SMALL, MAIN))
         self._entries: dict[bytes, _Entry] = {}
         self._ghosts: OrderedDict[bytes, None] = OrderedDict()
-        self.capacity = 0
+        self.capacity = 0  # c: the pages cached when the store first asks for a victim; G holds at most c keys
 
     def offer(self, key: bytes, page: Page) -> None:
         entry = self._entries.get(key)
@@ -58,11 +48,16 @@ class S3FifoOrder(SegmentedOrder):
 
     def touched(self, key: bytes, page: Page) -> None:
         entry = self._entries[key]
-        if page.children <= entry.children:  # a use, not a child joining
+        if page.children <= entry.children:  # a use, not a child joining (see CountingOrder)
             entry.uses = min(entry.uses + 1, MAX_USES)
         entry.children = page.children
 
     def pop(self, now: float, protect: bytes) -> bytes | None:
+        """While S holds at least its tenth, its oldest evictable page goes, unless used since stored:
+        then it moves to M's young end and the next is looked at. Otherwise M's oldest goes, unless
+        its count is above 0: then the count drops by one and it goes back to M's young end (a
+        second chance per use). When the chosen queue has no evictable page, the other gives one.
+        A page S evicts leaves its key in G; a page stored while its key is in G enters M."""
         self.capacity = max(self.capacity, len(self._pages))
         small_full = self._sizes[SMALL] >= max(1, SMALL_SHARE * self.capacity)
         for where in ((SMALL, MAIN) if small_full else (MAIN, SMALL, MAIN)):
