@@ -1,20 +1,9 @@
 """Rebuild the disk tier's index at start from its slots' headers.
 
-Design notes
-1. Every slot is read whole and its checksum checked (xxh3 runs at several GB/s, so reading
-   the file is the cost: ~0.3 s per GiB from the page cache). A page read at start is then
-   known intact, so a lookup never counts a page that a fetch would find broken. A torn or
-   corrupted slot is emptied (its header zeroed) and counted.
-2. Only pages that reach a root through intact pages are kept: a page whose parent is missing
-   (torn, corrupted, never written before a crash) is unreachable by a lookup, so it is dropped
-   with all its descendants, and no orphan survives a restart. Keys name content, so a key
-   found in two slots (a crash between writing a page again and emptying its old slot) is the
-   same page twice: the later write is kept.
-3. Pages come out parents first, earlier writes first, so the store rebuilds its child counts
-   in one pass and its LRU order roughly as it was (by write order: last touches are not on disk).
-4. An append-only log of puts and evictions, checkpointed now and then, would restart without
-   reading the pages; it was not built: reading 1 GiB of slots takes well under the 3 s goal
-   (docs/benchmarks.md), and the log would trust pages it never read back.
+Every slot is read whole and its checksum checked, so a page indexed at start is known intact and
+a lookup never counts a page that a fetch would find broken; a torn or corrupted slot is emptied
+(its header zeroed) and counted. Why every slot is read rather than a log replayed:
+docs/architecture.md, "The disk tier".
 """
 
 from __future__ import annotations
@@ -59,7 +48,8 @@ def recover(tier: DiskTier) -> Recovered:
             out.free_slots.append(slot)
             continue
         other = found.get(header.key)
-        if other is not None:
+        if other is not None:  # keys name content: the same page twice (a crash between writing it
+            # again and emptying its old slot); the later write is kept
             older, header = sorted((other, header), key=lambda h: h.seq)
             out.duplicates += 1
             tier.free(older.slot)
@@ -78,7 +68,12 @@ def recover(tier: DiskTier) -> Recovered:
 
 
 def _reachable(found: dict[bytes, SlotHeader]) -> list[SlotHeader]:
-    """The pages that reach a root through found pages, parents first, earlier writes first."""
+    """The pages that reach a root through found pages, parents first, earlier writes first.
+
+    A page whose parent is missing (torn, corrupted, never written before a crash) is unreachable
+    by a lookup, so it is left out with all its descendants: no orphan survives a restart. The
+    order lets the store rebuild its child counts in one pass and its LRU order roughly as it was
+    (by write order: last touches are not on disk)."""
     children: dict[bytes, list[SlotHeader]] = {}
     ready: list[tuple[int, bytes]] = []
     for header in found.values():

@@ -1,33 +1,7 @@
 """The disk tier's mechanism: one preallocated file of fixed-size slots, a page per slot, each
 slot opening with a header that names its page. It knows slots, headers and checksums; which
-page goes in which slot, and when, is the store's (kvnode/store/page_store.py); rebuilding the index at
-start is kvnode/disk/recovery.py's.
-
-Design notes
-1. A slot is an 80-byte header, then the page's bytes, rounded up to 4 KiB: a write never
-   shares a file-system block with another slot, so a torn write damages its own page only.
-2. The header holds a magic, a format version, the page length, a write sequence number,
-   the page's key, its parent key (flag: none for a root), the page's own checksum (its
-   writer's, kvnode/wire/checksum.py: kept so a page read back is still checked by its reader
-   against what the writer computed) and an xxh3-64 checksum over the header's other fields
-   and the page's bytes. A slot whose magic is zero is empty; anything else that does not
-   check out (bad magic, version, length, checksum) is corrupted or torn. Version 1 slots
-   (64-byte headers, no page checksum) are not read: their pages are dropped at start.
-3. Writes are one os.pwritev of header and page (no copy in Python); reads are one os.preadv
-   into the caller's buffer (a RAM slot of the pool, so a promotion copies once). The file's
-   blocks are reserved at start (posix_fallocate): the disk cannot fill up mid-run.
-4. Freeing a slot zeroes its header's magic, so the file says what the index says: a page the
-   store dropped does not come back at the next start.
-5. pwrite puts the page in the OS page cache: it survives the process's crash (SIGKILL) at
-   once. sync() (fdatasync) puts it on the device, so it survives the machine's crash too.
-6. A slot is checked whole once per process (check=CHECK_AT_START, the default): recovery reads
-   and checks every slot at start, and a slot this process wrote was checksummed from the bytes
-   it wrote. So a read checks only the header (magic, version, length, key) and trusts the
-   page's bytes: the slot's checksum would cost a second pass over the page, about a quarter
-   of a disk hit's CPU time. Bytes altered on disk later (another process writing the file, the media) are
-   caught end to end: every reader checks a page against its writer's checksum and reports a
-   mismatch (DropPages), and the node then checks its own copy (the store's drop_reported).
-   CHECK_ALWAYS checks the slot's checksum on every read as well.
+page goes in which slot, and when, is the store's (kvnode/store/), and rebuilding the index at
+start is kvnode/disk/recovery.py's. The tier as a whole: docs/architecture.md, "The disk tier".
 """
 
 from __future__ import annotations
@@ -44,13 +18,23 @@ from base.pages import KEY_BYTES
 SLOTS_FILE = "pages.slots"
 MAGIC = b"KVPG"
 VERSION = 2
-# magic, version, flags, page bytes, reserved, seq, key, parent, page checksum, slot checksum
+# magic, version, flags, page bytes, reserved, seq, key, parent, page checksum, slot checksum.
+# The page checksum is its writer's (kvnode/wire/checksum.py), kept so a page read back is still
+# checked by its reader against what the writer computed; the slot checksum (xxh3-64) covers the
+# header's other fields and the page. A zero magic is an empty slot; any other header that does not
+# check out is a corrupted or torn slot.
 HEADER = struct.Struct(f"<4sHHIIQ{KEY_BYTES}s{KEY_BYTES}s16sQ")
 HEADER_BYTES = HEADER.size  # 80
 _CHECKED = HEADER_BYTES - 8  # the checksum covers the header up to itself, then the page
 _HAS_PARENT = 1
-BLOCK_BYTES = 4096
-CHECK_AT_START = "start"  # design note 6
+BLOCK_BYTES = 4096  # slots are whole blocks: a torn write damages its own page only
+# A slot is checked whole once per process by default: recovery checks every slot at start, and a
+# slot this process wrote was checksummed from the bytes it wrote, so a read checks the header only.
+# The slot's checksum would be a second pass over the page, about a quarter of a disk hit's CPU
+# time. Bytes altered on disk later are caught end to end: every reader checks a page against its
+# writer's checksum and reports a mismatch (DropPages), and the node then checks its own copy
+# (PageStore.drop_reported). CHECK_ALWAYS checks the slot's checksum on every read as well.
+CHECK_AT_START = "start"
 CHECK_ALWAYS = "always"
 DISK_CHECKS = (CHECK_AT_START, CHECK_ALWAYS)
 
@@ -67,7 +51,7 @@ class SlotHeader:
 
 class DiskTier:
     """`capacity_pages` slots for pages of `page_bytes` in DIR/pages.slots; not thread-safe (the store locks).
-    `check`: when read() checks a slot's checksum (design note 6)."""
+    `check`: when read() checks a slot's checksum (CHECK_AT_START, CHECK_ALWAYS)."""
 
     def __init__(self, directory: Path | str, capacity_pages: int, page_bytes: int, check: str = CHECK_AT_START):
         if check not in DISK_CHECKS:
@@ -95,8 +79,8 @@ class DiskTier:
             raise
 
     def _size_file(self) -> None:
-        """Exactly capacity slots: a shorter file (new, or truncated) grows, reserving its blocks;
-        slots past the capacity (it shrank) are cut off."""
+        """Exactly capacity slots: a shorter file (new, or truncated) grows, reserving its blocks so
+        the disk cannot fill up mid-run; slots past the capacity (it shrank) are cut off."""
         size = self.capacity_pages * self.slot_bytes
         if os.fstat(self._fd).st_size > size:
             os.ftruncate(self._fd, size)
@@ -115,7 +99,8 @@ class DiskTier:
     # ---- pages -----------------------------------------------------------------
 
     def write(self, slot: int, key: bytes, parent: bytes, seq: int, data, page_checksum: bytes) -> None:
-        """Write one page and its header into `slot` (os.pwritev; in the page cache when it returns)."""
+        """Write one page and its header into `slot` with one os.pwritev (no copy in Python). In the
+        page cache when it returns, so it survives the process's crash (SIGKILL) at once."""
         page = memoryview(data).cast("B")
         assert page.nbytes == self.page_bytes, f"page of {page.nbytes} bytes, slots hold {self.page_bytes}"
         head = self.header(key, parent, page_checksum, seq, page)
@@ -126,8 +111,9 @@ class DiskTier:
     def read(self, slot: int, key: bytes, out) -> bool:
         """Read slot's page into `out` (page_bytes, writable); False when the slot does not hold
         `key` (empty, overwritten, a bad header) or, with CHECK_ALWAYS, not intact: then `out`
-        holds garbage and must not be served. The hot path of a fetch from disk: one preadv, one
-        unpack, and the slot's checksum only with CHECK_ALWAYS (design note 6)."""
+        holds garbage and must not be served. The hot path of a fetch from disk: one preadv straight
+        into `out` (a RAM slot of the pool: a promotion copies once), one unpack, and the slot's
+        checksum only with CHECK_ALWAYS."""
         head, size = self._head, self.page_bytes
         assert 0 <= slot < self.capacity_pages, f"slot {slot} outside 0..{self.capacity_pages - 1}"
         if os.preadv(self._fd, [head, out], slot * self.slot_bytes) != HEADER_BYTES + size:
@@ -150,10 +136,12 @@ class DiskTier:
         return header
 
     def free(self, slot: int) -> None:
-        """Mark `slot` empty on disk (design note 4)."""
+        """Mark `slot` empty on disk (its magic zeroed), so the file says what the index says: a page
+        the store dropped does not come back at the next start."""
         os.pwrite(self._fd, bytes(4), self._offset(slot))
 
     def sync(self) -> None:
+        """fdatasync: the pages written are on the device, surviving the machine's crash too."""
         os.fdatasync(self._fd)
 
     # ---- headers ---------------------------------------------------------------
@@ -178,7 +166,8 @@ class DiskTier:
 
     @staticmethod
     def is_outdated(raw) -> bool:
-        """A slot an older node wrote (design note 2): not read, its page dropped."""
+        """A slot an older node wrote (version 1: a 64-byte header, no page checksum): not read, its
+        page dropped."""
         magic, version = struct.unpack_from("<4sH", raw)
         return magic == MAGIC and version < VERSION
 
