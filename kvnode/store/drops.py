@@ -1,21 +1,6 @@
-"""Dropping pages from the page store (kvnode/store/page_store.py): an evicted page, and a page lost on disk
-or reported altered with its descendants; the slots of one dropped while pinned wait for its last
-unpin. Callers hold the store's lock.
-
-Design notes
-1. A page whose slot fails its check, or cannot be read, is never served: it is dropped with
-   its descendants (unreachable without it). At start the index is rebuilt from the slots, each
-   checked whole (kvnode/disk/recovery.py); afterwards a read checks the slot's header only, unless
-   the disk check is `always`, and a page altered on disk since is caught by its reader, who
-   reports it (drop_reported).
-2. A page dropped while pinned (note 1: a descendant being sent, or flushed) leaves the index at
-   once, so no lookup counts it and no fetch pins it again; only its slots wait, in
-   `condemned`, for its last unpin (a sender is still reading them). Until then its key
-   cannot be stored again (REFUSED_NO_ROOM), so an unpin by key always finds the right page.
-3. A page leaves the index here only: evicted (the eviction order popped it) or dropped (notes
-   1 and 2). A dropped page is one the order did not choose, so `evict` tells it (removed):
-   an order that keeps an entry per page (ARC, S3-FIFO, LFU) would otherwise keep the page's
-   entry and fail on its next read of it.
+"""Dropping pages from the page store (kvnode/store/page_store.py): an evicted page, and a page
+lost on disk or reported altered, with its descendants; the slots of one dropped while pinned
+wait for its last unpin. A page leaves the index here only. Callers hold the store's lock.
 """
 
 from __future__ import annotations
@@ -41,7 +26,11 @@ class PageDrops:
     def __init__(self, index: dict[bytes, _Page], queue: EvictionQueue, leases: Leases, orphans: Orphans,
                  free_slots: list[int], tiers: Tiers | None,
                  bytes_of: Callable[[bytes, _Page], memoryview | None], stats: StoreStats):
-        self.condemned: dict[bytes, _Page] = {}  # dropped while pinned, slots held (note 2)
+        # Dropped while pinned (a descendant being sent, or flushed): out of the index at once, so no
+        # lookup counts it and no fetch pins it again; only its slots wait here, for its last unpin
+        # (a sender still reads them). Until then its key cannot be stored again (REFUSED_NO_ROOM),
+        # so an unpin by key always finds the right page.
+        self.condemned: dict[bytes, _Page] = {}
         self._index = index
         self._queue = queue
         self._leases = leases
@@ -71,7 +60,8 @@ class PageDrops:
         return dropped
 
     def drop_lost(self, key: bytes, why: str, corrupted: bool) -> None:
-        """The disk lost `key` (note 1): drop it and its descendants, with one log line."""
+        """The disk lost `key` (its slot failed its check, or cannot be read): it is never served, so
+        drop it and its descendants (unreachable without it), with one log line."""
         dropped = self.drop_subtree(key)
         self._stats.corrupted_dropped += corrupted
         self._stats.orphans_dropped += dropped - 1
@@ -79,7 +69,7 @@ class PageDrops:
 
     def drop_subtree(self, key: bytes) -> int:
         """Drop `key` and its descendants from the node at once (a pinned one's slots wait for its
-        last unpin: note 2); how many."""
+        last unpin: see `condemned`); how many."""
         children: dict[bytes, list[bytes]] = {}
         for k, p in self._index.items():
             if p.parent:
@@ -92,13 +82,14 @@ class PageDrops:
         return len(order)
 
     def evict(self, key: bytes, popped: bool = True) -> None:
-        """Drop `key` from the node, its slots back to the free lists (once unpinned: note 2).
-        `popped`: the eviction order chose it (an eviction; its pop forgot the page); otherwise
-        it is dropped, and the order is told (note 3)."""
+        """Drop `key` from the node, its slots back to the free lists (once unpinned: see `condemned`).
+        `popped`: the eviction order chose it (an eviction; its pop forgot the page); otherwise it
+        is dropped, and the order is told: one that keeps an entry per page (ARC, S3-FIFO, LFU)
+        would otherwise keep the page's entry and fail on its next read of it."""
         page = self._index.pop(key)
         if not popped:
             self._queue.removed(key)
-        self._leases.dropped(page)  # only a page dropped with a lost ancestor can be leased (note 1)
+        self._leases.dropped(page)  # only a page dropped with a lost ancestor can be leased
         self._stats.evictions += popped
         parent = self._index.get(page.parent) if page.parent else None
         if parent is not None:

@@ -1,37 +1,13 @@
 """The page store: a preallocated page pool, a content-addressed index, eviction in the caller's
 chosen policy (prefix-aware LRU by default) and short leases; plain Python over NumPy, no gRPC.
-Its parts, in kvnode/: leases.py, orphans.py, tiers.py (the disk tier's copies), eviction/ (the
-victims' order), store/pins.py, store/drops.py, store/invariants.py, and store/types.py (its
-errors, page record and counters).
+Its pieces are objects it holds: leases.py, orphans.py, pins.py, drops.py, tiers.py (with a disk
+tier, where each page's copies are), invariants.py, and types.py (errors, page record, counters);
+the victims' order is kvnode/eviction/'s.
 
-Design notes
-1. The policy (kvnode/eviction/) picks victims and says whether a put needs its parent
-   cached; the store carries it out. Under prefix-aware, the node's policy, only leaves are
-   evicted, least recently used first, and a put whose parent is not cached is refused: so
-   every cached page's whole prefix is cached. Under lru and fifo any page may go, leaving
-   orphans (cached pages whose parent is not), counted in O(1) per operation.
-2. A put never evicts the parent it names, under every policy.
-3. A leased or pinned page is never evicted. Leases expire lazily: each operation first
-   retires the ones that ran out, so an abandoned lease frees itself.
-4. Leases are bounded, so no client can hold the pool and starve eviction: a lookup may lease
-   at most `max_leases_per_call` keys (more is refused: LeaseRefused), and at most
-   `max_leased_pages` pages are leased at once. A lookup that would pass the total is not
-   refused: it renews the leases it holds and leases new pages while they fit, its hits
-   stopping at the first page it could not lease. Refusing would fail every client while one
-   holds the leases; answering hits it did not lease would send clients after pages that may
-   be gone. Under lease pressure a client computes more, and never fails.
-5. With a disk tier (kvnode/disk/tier.py) the tiers are inclusive: every page has a disk slot,
-   taken when it is stored, and the node's capacity, and eviction (note 1), are the disk's; RAM
-   keeps copies of the pages used last, dropping the one used least recently to make room
-   (kvnode/eviction/ram_queue.py). A put lands in RAM, dirty, written to its slot by flush()
-   (every --flush-interval) or when its copy is dropped, or before the put answers with
-   `write_through`. A page on disk only is read back into RAM when read. A page whose slot
-   fails its check, or cannot be read, goes with its descendants.
-6. Every page keeps its writer's checksum (kvnode/wire/checksum.py), on both tiers, sent with it: the
-   reader checks the bytes, not the node, which does not recompute it on a put (one xxh3 pass
-   per page, the writer's, keeps puts fast); a put without one gets one computed here. A reader
-   that finds a page altered reports it (drop_reported): the page goes, with its descendants,
-   only when the node's own copy fails too, so a report cannot delete good pages.
+The policy picks victims and says whether a put needs its parent cached; the store carries it
+out. Under prefix-aware, the node's policy, only leaves are evicted and a put whose parent is not
+cached is refused, so every cached page's whole prefix is cached; lru and fifo leave orphans
+(orphans.py). Under every policy a leased or pinned page is never evicted.
 """
 
 from __future__ import annotations
@@ -62,9 +38,10 @@ class PageStore:
     """A fixed pool of `capacity_pages` pages of `page_bytes` each, safe to share between threads.
 
     `policy` is an eviction policy's name ("prefix-aware", "lru", "fifo"; kvnode/eviction/).
-    `max_leased_pages` and `max_leases_per_call` bound leases (design note 4); None: no bound.
-    With a `disk` tier (design note 5) the node holds `disk.capacity_pages` pages, RAM a
-    copy of up to `capacity_pages` of them; its pages are recovered from it at once.
+    `max_leased_pages` and `max_leases_per_call` bound leases (see lookup_and_lease); None: no bound.
+    With a `disk` tier the tiers are inclusive: every page has a disk slot, taken when it is
+    stored, so the node holds `disk.capacity_pages` pages and evicts over them; RAM keeps a copy of
+    up to `capacity_pages` of those used last (tiers.py). Its pages are recovered from it at once.
     `shared_pool` puts the RAM pool in shared memory (`self.shared_pool`) for readers on this host.
     """
 
@@ -85,7 +62,7 @@ class PageStore:
                              f"got {max_leased_pages}")
         if max_leases_per_call is not None and max_leases_per_call < 1:
             raise ValueError(f"max_leases_per_call must be at least 1, got {max_leases_per_call}")
-        self.max_leased_pages = capacity_pages if max_leased_pages is None else max_leased_pages  # note 4
+        self.max_leased_pages = capacity_pages if max_leased_pages is None else max_leased_pages  # see lookup_and_lease
         self.max_leases_per_call = max_leases_per_call
         self.capacity_pages = capacity_pages
         self.page_bytes = page_bytes
@@ -180,7 +157,14 @@ class PageStore:
         return self.lookup_and_lease(keys, lease_ms)[0]
 
     def lookup_and_lease(self, keys: Sequence[bytes], lease_ms: int = 0) -> tuple[int, bool]:
-        """(hits, cut): as lookup; `cut` says the leased-pages bound stopped the hits short (note 4)."""
+        """(hits, cut): as lookup; `cut` says the leased-pages bound stopped the hits short.
+
+        Leases are bounded so no client can hold the pool and starve eviction: more than
+        `max_leases_per_call` keys is refused (LeaseRefused), but a lookup past `max_leased_pages`
+        is not: it leases while they fit, its hits stopping at the first page it could not lease.
+        Refusing would fail every client while one holds the leases; answering hits it did not
+        lease would send clients after pages that may be gone. Under lease pressure a client
+        computes more, and never fails."""
         for key in keys:
             check_key(key)
         if not 0 <= lease_ms <= MAX_LEASE_MS:
@@ -217,7 +201,7 @@ class PageStore:
                     raise PageNotFound(key)
 
     def checksums(self, keys: Sequence[bytes]) -> list[bytes]:
-        """The pages' checksums (design note 6), in order; PageNotFound for a key not cached."""
+        """The pages' writers' checksums, in order; PageNotFound for a key not cached."""
         with self._lock:
             try:
                 return [self._index[key].checksum for key in keys]
@@ -225,8 +209,11 @@ class PageStore:
                 raise PageNotFound(exc.args[0]) from None
 
     def put(self, key: bytes, parent: bytes, data, checksum: bytes | None = None) -> PutOutcome:
-        """Store one page whose parent is `parent` (b"" for a root page). `checksum`: its writer's,
-        kept as sent; None: computed here (design note 6)."""
+        """Store one page whose parent is `parent` (b"" for a root page); a put never evicts the
+        parent it names. `checksum`: its writer's, kept as sent and not checked, since the reader
+        checks the bytes (one xxh3 pass per page, the writer's, keeps puts fast); None: computed here.
+        With a disk tier the page lands in RAM, dirty, written to its slot by flush() or when its
+        copy is dropped, or before the put answers with `write_through`."""
         self._validate_shape(key, parent, data)
         if checksum is None:
             checksum = page_checksum(key, data)
@@ -261,7 +248,7 @@ class PageStore:
 
     def validate_put(self, key: bytes, parent: bytes, data, checksum: bytes | None = None) -> None:
         """InvalidRequest when the page cannot be stored as sent (its checksum is not checked
-        against its bytes here: design note 6)."""
+        against its bytes here: see put)."""
         self._validate_shape(key, parent, data)
         if checksum is not None and len(checksum) != CHECKSUM_BYTES:
             raise InvalidRequest(f"page {key.hex()}: a checksum is {CHECKSUM_BYTES} bytes, got {len(checksum)}")
@@ -277,7 +264,7 @@ class PageStore:
             raise InvalidRequest(f"page {key.hex()} has {size} bytes; this node stores pages of {self.page_bytes} bytes")
 
     def flush(self) -> int:
-        """Write the dirty pages to their disk slots (design note 5), then sync the file; how many.
+        """Write the dirty pages to their disk slots, then sync the file; how many.
         The writes run outside the lock, the pages pinned meanwhile; a failed write is logged and
         its pages stay dirty (kvnode/store/tiers.py)."""
         if self._tiers is None:
@@ -325,8 +312,8 @@ class PageStore:
 
     def drop_reported(self, key: bytes) -> int:
         """A reader found page `key`'s bytes do not match its checksum: drop it and its descendants
-        (design note 6) when the node's own bytes fail it too; how many went, 0 when it is not
-        cached or is intact here (so a reader cannot drop good pages, only report bad ones)."""
+        when the node's own bytes fail it too; how many went, 0 when it is not cached or is intact
+        here (so a reader cannot drop good pages, only report bad ones)."""
         check_key(key)
         with self._lock:
             return self._drops.drop_reported(key)
@@ -369,10 +356,13 @@ class PageStore:
         return self._pool_bytes[start : start + self.page_bytes]
 
     def _drop_lost(self, key: bytes, why: str, corrupted: bool) -> None:
-        """The disk tier lost `key` (design note 5): it goes with its descendants."""
+        """The disk tier lost `key` (its slot failed its check, or cannot be read): it goes with its
+        descendants."""
         self._drops.drop_lost(key, why, corrupted)
 
     def _retire_leases(self, now: float) -> None:
+        """Leases expire lazily: each operation first retires those that ran out, so an abandoned
+        lease frees itself."""
         self._leases.retire(now, self._lease_ended)
 
     def _lease_ended(self, key: bytes, page: _Page) -> None:

@@ -1,14 +1,7 @@
-"""Pins on the page store's pages (kvnode/store/page_store.py): the data plane's reads straight from the
-pool, and read()'s copies. A pin is a count on the page record; callers hold the store's lock.
-
-Design notes
-1. Pins are for the data plane, which sends pages straight from the pool: a pinned page
-   is never evicted, so its slot is not overwritten while its bytes are on their way.
-   Unlike a lease a pin does not expire: the pinner releases it in a `finally`.
-2. Pinning and unpinning cannot leave a pin behind, whatever fails partway: a pin of several
-   pages pins all of them or none (whatever raised, what it pinned is unpinned), and an unpin
-   releases every key it is given before it raises the first error it met. A pin left behind
-   would hold its page, and under a disk tier its RAM copy, for good.
+"""Pins on the page store's pages (kvnode/store/page_store.py): the data plane's reads straight from
+the pool, and read()'s copies. A pinned page is never evicted, so its slot is not overwritten while
+its bytes are on their way. Unlike a lease a pin does not expire: the pinner releases it in a
+`finally`. A pin is a count on the page record; callers hold the store's lock.
 """
 
 from __future__ import annotations
@@ -55,9 +48,10 @@ class PagePins:
 
     def pin(self, keys: Sequence[bytes]) -> list[memoryview]:
         """Read-only views of the pages' bytes, each pinned (read from disk first when it is there
-        only) and counted as sent; all or nothing (note 2): PageNotFound, or any other error,
-        unpins what it pinned. A page is pinned before it is touched, so the touch queues
-        nothing: its last unpin queues it."""
+        only) and counted as sent; all or nothing: PageNotFound, or any other error, unpins what
+        it pinned (a pin left behind would hold its page, and under a disk tier its RAM copy, for
+        good). A page is pinned before it is touched, so the touch queues nothing: its last unpin
+        queues it."""
         pages = []
         for key in keys:
             page = self._index.get(key)
@@ -79,7 +73,7 @@ class PagePins:
         except BaseException:
             try:
                 self.unpin(keys[:pinned])
-            except Exception:  # every pin is off all the same (note 2); the first error is the caller's
+            except Exception:  # every pin is off all the same (see unpin); the first error is the caller's
                 log.exception("releasing the pins of a pin that failed failed too")
             raise
         self._stats.get_pages += len(keys)
@@ -87,8 +81,8 @@ class PagePins:
         return views
 
     def unpin(self, keys: Sequence[bytes]) -> None:
-        """One pin off each of `keys`, each unpinned even when another fails (note 2); then the
-        first error, if any."""
+        """One pin off each of `keys`, each unpinned even when another fails, so no pin is left
+        behind; then the first error, if any."""
         index, drops, offer, ram_queue = self._index, self._drops, self._queue.offer, self._ram_queue
         condemned = drops.condemned
         error = None

@@ -1,22 +1,12 @@
 """With a disk tier: where a page's copies are, and moving them between RAM and disk. The tiers
 are inclusive: every page has a disk slot, RAM a copy of those used last. The store
-(kvnode/store/page_store.py) indexes pages and decides which leave the node; this module keeps their RAM
-copies and disk slots: a put landing in RAM dirty (or written through), the flush's
-bookkeeping, a RAM copy dropped to make room (demotion), a page read back from disk and
-checked (promotion), and the disk's I/O errors. Callers hold the store's lock, but for
-write_batch.
+(kvnode/store/page_store.py) indexes pages and decides which leave the node; this module keeps their
+RAM copies and disk slots: a put landing in RAM dirty (or written through), the flush's
+bookkeeping, a RAM copy dropped to make room (demotion), a page read back from disk and checked
+(promotion), and the disk's I/O errors. Callers hold the store's lock, but for write_batch.
 
-Design notes
-1. Dirty pages wait in `dirty`, in the order stored. A flush takes them into `flushing` and
-   writes them outside the lock; only once written do they count as on disk, so num_on_disk()
-   never counts a page whose write is still under way (or failed).
-2. An I/O error of the disk (EIO, ENOSPC, ...) costs the pages it touches, never the node: one
-   log line, and the page is treated as not on disk. A failed flush leaves its pages dirty in
-   RAM, served from there, written again at the next flush. A dirty RAM copy whose write fails
-   stays in RAM and another copy makes room (a clean one, dropped without a write); with none,
-   a put lands on disk directly, and a failed write of a new page refuses the put. A page that
-   cannot be read back is lost (`lose`: the store drops it with its descendants), as a
-   corrupted one is.
+An I/O error of the disk (EIO, ENOSPC, ...) costs the pages it touches, never the node: one log
+line, and the page is treated as not on disk.
 """
 
 from __future__ import annotations
@@ -45,7 +35,9 @@ class Tiers:
         self.ram_queue = RamQueue(index)
         self.free_disk_slots: list[int] = []
         self.dirty: dict[bytes, None] = {}  # pages to write to disk, in the order stored
-        self.flushing: set[bytes] = set()  # taken by a flush, being written (design note 1)
+        # Taken by a flush, written outside the lock; only once written do they count as on disk, so
+        # num_on_disk() never counts a page whose write is still under way (or failed).
+        self.flushing: set[bytes] = set()
         self._pool = pool
         self._page_bytes = disk.page_bytes
         self._flat = memoryview(pool).cast("B")  # slot n: [n * page_bytes, (n + 1) * page_bytes)
@@ -103,7 +95,9 @@ class Tiers:
 
     def take_ram_slot(self) -> int | None:
         """A free RAM slot, dropping the least recently used copy if needed (written first when
-        dirty); None when every copy is pinned or dirty with the disk failing (design note 2)."""
+        dirty); None when every copy is pinned or dirty with the disk failing. A dirty copy whose
+        write fails stays in RAM and a clean one makes room; with none, a put lands on disk
+        directly (and a failed write of it refuses the put)."""
         if self._free_slots:
             return self._free_slots.pop()
         kept: list[bytes] = []
@@ -171,7 +165,8 @@ class Tiers:
 
     def write_batch(self, batch: list[tuple[bytes, Page, int]]) -> int:
         """Write a taken batch (without the store's lock: its pages pinned), then sync; how many
-        were written before the first failure (one log line for it; the rest wait: design note 2)."""
+        were written before the first failure (one log line for it); the rest stay dirty in RAM,
+        served from there and written again at the next flush."""
         written = 0
         try:
             for key, page, seq in batch:
