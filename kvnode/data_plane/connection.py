@@ -1,20 +1,6 @@
 """One connection of the kvnode's data plane server (kvnode/data_plane/server.py), on the node's side:
 its blocking socket I/O with kernel timeouts, the answer to a refused request, and the
 listeners' helpers (the abstract Unix socket, for clients on the node's host).
-
-Design notes
-1. A refused request is answered with its status and message, then the connection closes.
-   While the rest of the request may still be coming, the server first stops sending and
-   reads it away (bounded in bytes and time), so the answer is not lost to a reset.
-2. A request's bytes must all arrive within `timeout_s` of its first: a kernel timeout bounds
-   one recv only, and a peer trickling a byte every timeout_s - e would hold its PUT's bytes in
-   flight (16 such peers blocked every PUT) and its connection without end. Each recv after the
-   first is given what is left as its receive timeout (a TlsStream gets the deadline for its own
-   socket calls); a peer over it is dropped. A recv while more than
-   90% is left keeps the whole timeout_s, so a request may take up to 1.1 x timeout_s: most
-   requests arrive in a few ms, and spare the two setsockopt calls (shorten, restore) that way.
-   Once the reply is sent the deadline ends (GET_SLOTS' RELEASE has timeout_s of its own), and
-   the wait for the next request has the whole timeout_s again.
 """
 
 from __future__ import annotations
@@ -35,7 +21,9 @@ log = logging.getLogger("kvnode")
 
 _DRAIN_LIMIT_BYTES = 512 * 2**20
 _DRAIN_TIMEOUT_S = 1.0
-_KEEP_FULL_TIMEOUT = 0.9  # a recv with more of the request's deadline left keeps timeout_s (design note 2)
+# A recv while more than this share of the request's deadline is left keeps the whole timeout_s, so a
+# request may take up to 1.1 x timeout_s: most arrive in a few ms and spare two setsockopt calls.
+_KEEP_FULL_TIMEOUT = 0.9
 
 
 class Dropped(Exception):
@@ -55,14 +43,19 @@ class Connection:
         self.pending = 0  # bytes of the current request not yet read
         self.buffer = buffer
         self._small = bytearray(dw.REQUEST.size)
-        self.deadline: float | None = None  # the request's bytes arrive by then (design note 2)
+        self.deadline: float | None = None  # the request's bytes arrive by then (see receive)
         self._shortened = False  # the receive timeout is less than timeout_s
         dw.set_no_delay(conn)
         dw.set_kernel_timeouts(conn, timeout_s)
 
     def receive(self, size: int, first: bool = False, into_buffer: bool = False) -> memoryview | None:
-        """Exactly `size` bytes; None when `first` and the peer closed before sending any. A
-        request's bytes must all arrive within timeout_s of its first (design note 2)."""
+        """Exactly `size` bytes; None when `first` and the peer closed before sending any.
+
+        A request's bytes must all arrive within timeout_s of its first: a kernel timeout bounds
+        one recv only, and a peer trickling a byte every timeout_s - e would hold its PUT's bytes
+        in flight (16 such peers blocked every PUT) and its connection without end. Each recv after
+        the first gets what is left as its receive timeout (a TlsStream, the deadline for its own
+        socket calls); a peer over it is dropped."""
         view = self.buffer.view(size) if into_buffer else memoryview(
             self._small if size <= len(self._small) else bytearray(size))[:size]
         if first:
@@ -83,13 +76,13 @@ class Connection:
                     return None
                 raise Dropped(f"disconnected after {got} of {size} bytes of a request")
             if self.deadline is None:
-                self.deadline = time.monotonic() + self.timeout_s  # the request's first bytes (design note 2)
+                self.deadline = time.monotonic() + self.timeout_s  # the request's first bytes
             got += n
         return view
 
     def _limit(self, got: int) -> None:
         """The next recv's kernel timeout: what is left of the request's deadline, or timeout_s
-        between requests (design note 2)."""
+        between requests."""
         if self.deadline is None:
             if self._shortened:
                 dw.set_kernel_timeouts(self.conn, self.timeout_s, send=False)
@@ -110,7 +103,8 @@ class Connection:
         return f"stalled after {got} of {size} bytes"
 
     def _end_request(self) -> None:
-        """The request was received (or the next is awaited): no deadline (design note 2)."""
+        """The request was received (or the next is awaited): no deadline. Once the reply is sent the
+        wait for the next request has the whole timeout_s again (GET_SLOTS' RELEASE has its own)."""
         self.deadline = None
         if isinstance(self.conn, TlsStream):
             self.conn.deadline = None
@@ -143,8 +137,9 @@ class Connection:
 
 
 def refuse(conn: socket.socket, code: grpc.StatusCode, message: str, pending: int) -> None:
-    """Answer `code`, then close; first read away up to `pending` bytes the peer may still send
-    (design note 1)."""
+    """Answer `code`, then close. While the rest of the request may still be coming, first stop
+    sending and read away up to `pending` bytes of it (bounded in bytes and time), so the answer is
+    not lost to a reset."""
     try:
         conn.sendall(dw.error_reply(code, message))
         conn.shutdown(socket.SHUT_WR)

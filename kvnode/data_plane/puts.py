@@ -1,16 +1,6 @@
 """The data plane server's PUT (kvnode/data_plane/server.py): receiving a request's pages, checking them
 and storing them, under the bound on the bytes of puts received at once. Apart from the
 server because that budget, and the state it keeps, are the PUT path's alone.
-
-Design notes
-1. PUT reads the keys and parents first, then the pages with recv_into into the connection's
-   buffer (reused while small, bounded in total: kvnode/data_plane/recv_buffers.py), checks every page
-   as PutPages does, and stores only once the whole request arrived and passed: a request
-   cut short stores nothing. Each page keeps the checksum sent with it, unchecked here (the
-   readers check it). One outcome per page, as PutPages.
-   The bytes of puts being received at once, over all connections, are bounded
-   (`max_bytes_in_flight`); a put beyond it is refused RESOURCE_EXHAUSTED, unless it is
-   the only one (pages of a large model may make one request larger than the bound).
 """
 
 from __future__ import annotations
@@ -32,7 +22,14 @@ DEFAULT_MAX_PUT_BYTES_IN_FLIGHT = 512 * 2**20  # PUT pages received at once, ove
 
 
 class PutReceiver:
-    """Serves the PUTs of every connection of one server into `store` (design note 1)."""
+    """Serves the PUTs of every connection of one server into `store`.
+
+    A PUT's keys and parents come first, then its pages, received with recv_into into the
+    connection's buffer (recv_buffers.py); every page is checked as PutPages checks it, and stored
+    only once the whole request arrived and passed, so a request cut short stores nothing. Each
+    page keeps the checksum sent with it, unchecked here (its readers check it). The bytes received
+    at once over all connections are bounded; a put beyond it is refused RESOURCE_EXHAUSTED unless
+    it is the only one (a large model's pages may make one request larger than the bound)."""
 
     def __init__(self, store: PageStore, max_bytes_in_flight: int = DEFAULT_MAX_PUT_BYTES_IN_FLIGHT):
         self.store = store

@@ -1,55 +1,12 @@
-"""The kvnode's data plane: GET and PUT of whole pages, and LOOKUP, over plain TCP, beside the
-gRPC service and on the same PageStore. Framing in kvnode/wire/data_frames.py; Info advertises the port.
-One connection's I/O, and the answer to a refused request: kvnode/data_plane/connection.py; PUT,
-and the bound on the bytes of puts in flight: kvnode/data_plane/puts.py; the shared pool's
-requests (MAP_POOL, GET_SLOTS): kvnode/data_plane/shared_pool_serving.py.
+"""The kvnode's data plane: GET and PUT of whole pages, and LOOKUP, over plain TCP (and on Linux an
+abstract Unix socket), beside the gRPC service and on the same PageStore; Info advertises both.
+Framing: kvnode/wire/data_frames.py. One connection's I/O and timeouts: connection.py; PUT and the
+bound on the bytes of puts in flight: puts.py; the shared pool's MAP_POOL and GET_SLOTS:
+shared_pool_serving.py. Why it exists and what it measured: docs/architecture.md, "The data plane".
 
-Design notes
-1. One thread per connection, at most `max_connections`; one over the bound is answered
-   RESOURCE_EXHAUSTED and closed (NodeClient then makes that call over gRPC, as it does when a
-   new connection closes before any reply). Those refusals are logged as one line per 10 s
-   with their count (base/log_limits.py), so a crowd of clients cannot flood the log. Sockets
-   are blocking (send and recv release the GIL; no poll runs before each call); kernel timeouts
-   (SO_RCVTIMEO, SO_SNDTIMEO) drop a peer that stalls or idles longer than `timeout_s`, a
-   request's bytes must all arrive within `timeout_s` of its first (data_plane/connection.py),
-   and a GET's whole reply must be sent within `timeout_s` (its pages stay pinned meanwhile).
-   TCP_NODELAY.
-2. GET sends the pages' checksums, then the pages straight from the pool (sendmsg over the reply
-   header, the checksums and the pages' slots, no copy in Python), pinned in the store while they
-   are sent so no slot is evicted and overwritten mid-send. Copying them out under the store's
-   lock first held the lock, and the GIL, through much of the send (docs/architecture.md).
-3. PUT: received whole, checked, then stored, within a bound on the bytes of puts in flight
-   (`max_put_bytes_in_flight`, kvnode/data_plane/puts.py).
-4. drain() (the node's SIGTERM) stops accepting, closes the connections idle between requests
-   at once, and lets the requests being served finish within its timeout, then cuts the rest.
-   A request is being served once its header is read and taken under the lock; a header read
-   after the drain began is answered UNAVAILABLE, its rest read away first (the client goes elsewhere).
-5. With `credentials` (base/security.py) every connection is TLS and the peer must present a
-   certificate of the cluster's CA (mutual TLS), as on the node's gRPC port. The handshake runs
-   on the connection's thread, whole within `timeout_s`, with the context current at that moment
-   (a SIGHUP may have re-read the files). A connection over the bound is closed without an
-   answer (no handshake is spent on it); the client sends that call over gRPC. The session runs
-   over memory BIOs on the blocking socket (kvnode/wire/tls_stream.py), which keeps its kernel
-   timeouts: each page is encrypted from its slot whole and sent as one write (the reply's
-   header with the first page, a banded GET's slices ~256 KiB a write), all within the reply's
-   deadline.
-6. GET_BANDS is a GET whose pages are sent band-major: the same pins and deadline, one sendmsg
-   list of (band, page) slices of the pinned slots, cut by send_parts into calls of at most
-   IOV_MAX buffers; no copy.
-7. With `unix` the same server also listens on a Linux abstract Unix socket under a random name
-   (Info advertises it), for clients on the node's host, faster than TCP over loopback. Abstract
-   names belong to the network namespace, so whoever reaches it could reach the loopback port
-   already (firewall rules on the TCP port do not apply to it; `--no-data-unix` turns it off),
-   and its connections are served exactly as TCP ones: the same connection bound (shared),
-   kernel timeouts, deadlines and, with `credentials`, the same mutual TLS. The name is random,
-   not derived from the port or node id, so no other local process can bind it before the node
-   starts; a node restarted gets a new one, which its clients read from Info once the old name
-   has nobody listening. A name already bound (EADDRINUSE) does not stop the node: one log
-   line, and it serves on TCP alone. A process that binds a freed name gets the connections of
-   clients still holding the old Info, as one that binds a freed TCP port would: with
-   `credentials` it cannot complete the handshake (the client checks the node's certificate).
-8. LOOKUP is the gRPC Lookup's store call (lookup_and_lease) and its refusals, answered with
-   the hits; a lookup the leased-pages bound cut short is logged as the gRPC path logs it.
+One thread per connection, on blocking sockets: send and recv release the GIL and no poll runs
+before each call; kernel timeouts (SO_RCVTIMEO, SO_SNDTIMEO) drop a peer that stalls or idles
+longer than `timeout_s`.
 """
 
 from __future__ import annotations
@@ -88,18 +45,24 @@ class DataPlaneServer:
                  keep_buffer_bytes: int = DEFAULT_KEEP_PER_CONNECTION, max_kept_buffer_bytes: int = DEFAULT_KEEP_TOTAL,
                  credentials=None, unix: bool = False, share_pool: bool = True):
         self.store = store
-        self.credentials = credentials  # design note 5
+        # With credentials (base/security.py) every connection is mutual TLS, as on the node's gRPC port.
+        self.credentials = credentials
         self.buffers = BufferBudget(keep_buffer_bytes, max_kept_buffer_bytes)
         self.max_keys = max_keys
         self.max_connections = max_connections
         self.timeout_s = timeout_s
-        self.puts = PutReceiver(store, max_put_bytes_in_flight)  # design note 3
+        self.puts = PutReceiver(store, max_put_bytes_in_flight)  # bounds the bytes of puts in flight
         self.metrics = None  # kvnode.metrics.NodeMetrics with --metrics-port: one call per request
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=128)
         self._listener.settimeout(0.2)  # the accept loop wakes to see stop()
         self.host, self.port = host, self._listener.getsockname()[1]
-        self.unix_name = ""  # the abstract socket's name, without its leading NUL (design note 7)
+        # With `unix`, an abstract Unix socket for clients on this host, faster than loopback TCP and
+        # served exactly as TCP (the same connection bound, timeouts and TLS). Its name lives in the
+        # network namespace, so whoever reaches it could reach the loopback port already; random, so no
+        # local process can bind it before the node (connection.unix_listener). A restarted node has a
+        # new name, which clients read from Info once the old one has nobody listening.
+        self.unix_name = ""  # the abstract socket's name, without its leading NUL
         self._unix_listener = unix_listener() if unix else None
         if self._unix_listener is not None:
             self.unix_name = self._unix_listener.getsockname()[1:].decode("ascii")
@@ -108,8 +71,11 @@ class DataPlaneServer:
                             else None)
         self.pages_by_slot = 0  # pages readers copied out of the shared pool (GET_SLOTS), since start
         self._connections: dict[socket.socket, threading.Thread] = {}
-        self._busy: set[socket.socket] = set()  # connections serving a request (design note 4)
-        self._refusals = CountedEvent()  # connections over the bound: a line per interval (design note 1)
+        self._busy: set[socket.socket] = set()  # connections serving a request (see drain)
+        # Connections over max_connections are answered RESOURCE_EXHAUSTED and closed (NodeClient makes
+        # that call over gRPC); logged as one line per interval with their count, so a crowd of
+        # clients cannot flood the log.
+        self._refusals = CountedEvent()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._acceptors = [threading.Thread(target=self._accept_loop, args=(listener,), name="data-plane-accept",
@@ -152,7 +118,10 @@ class DataPlaneServer:
 
     def drain(self, timeout_s: float) -> tuple[int, int]:
         """Stop taking connections and requests, let those being served finish within timeout_s,
-        then cut what is left (design note 4); (requests that ended, requests cut)."""
+        then cut what is left; (requests that ended, requests cut). Connections idle between
+        requests close at once. A request is being served once its header is read and taken
+        under the lock; a header read after the drain began is answered UNAVAILABLE, its rest
+        read away first, so the client goes elsewhere."""
         deadline = time.monotonic() + timeout_s
         with self._lock:  # what is being served is taken as the drain begins, not after the acceptors woke
             self._stopping.set()
@@ -204,7 +173,7 @@ class DataPlaneServer:
             if full:
                 self._log_refusal(peer)
             if full and self.credentials is not None:
-                conn.close()  # design note 5
+                conn.close()  # under TLS: closed without an answer, no handshake spent; the client goes to gRPC
                 continue
             if full:
                 refuse(conn, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -216,7 +185,7 @@ class DataPlaneServer:
         self._refusals.happened()
         count = self._refusals.to_log()
         if count:
-            how = "closed" if self.credentials is not None else "refused"  # design note 5
+            how = "closed" if self.credentials is not None else "refused"  # see _accept_loop
             log.info("data plane %s %d connection(s) since the last such line, the last from %s: %d connections open",
                      how, count, peer, self.max_connections)
 
@@ -253,11 +222,14 @@ class DataPlaneServer:
                 self._connections.pop(conn, None)
 
     def _handshake(self, conn: socket.socket, peer) -> TlsStream:
-        """Mutual TLS on an accepted connection (design note 5); it takes the socket's place."""
+        """Mutual TLS on an accepted connection; it takes the socket's place. It runs on the
+        connection's thread, whole within timeout_s, with the context current at that moment (a
+        SIGHUP may have re-read the files), over memory BIOs (TlsStream) so the socket keeps its
+        kernel timeouts."""
         raw = conn
         try:
             dw.set_kernel_timeouts(raw, self.timeout_s)
-            conn = TlsStream(raw, self.credentials.server_context(), server_side=True,  # design note 5:
+            conn = TlsStream(raw, self.credentials.server_context(), server_side=True,  # the context now:
                              deadline=time.monotonic() + self.timeout_s)  # the whole handshake within timeout_s
         except (ssl.SSLError, OSError) as exc:
             raw.close()
@@ -324,10 +296,15 @@ class DataPlaneServer:
         return [bytes(raw_keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]) for i in range(header.count)]
 
     def _get(self, connection: Connection, header: dw.RequestHeader) -> None:
+        """GET: the pages' checksums, then the pages straight from their pool slots (sendmsg, no copy in
+        Python), pinned while they are sent so no slot is evicted and overwritten mid-send. Copying
+        them out under the store's lock instead held the lock, and the GIL, through much of the send."""
         started = time.perf_counter()
         keys = self._receive_keys(connection, header)
         bands = None
-        if header.op == dw.OP_GET_BANDS:  # design note 6
+        # GET_BANDS is a GET sent band-major: the same pins and deadline, the (band, page) slices of the
+        # pinned slots one list for send_parts to cut into sendmsg calls; no copy.
+        if header.op == dw.OP_GET_BANDS:
             if not header.checksums:
                 raise dw.FrameError(grpc.StatusCode.INVALID_ARGUMENT,
                                     "GET_BANDS needs a version 2 request (pages with checksums)")
@@ -369,7 +346,9 @@ class DataPlaneServer:
             self.metrics.data_get(header.count * self.store.page_bytes, time.perf_counter() - started)
 
     def _lookup(self, connection: Connection, header: dw.RequestHeader) -> None:
-        """LOOKUP (design note 8): the hits among the keys, leased for lease_ms when > 0."""
+        """LOOKUP: gRPC's Lookup on the data plane, the same store call and refusals; the hits among
+        the keys, leased for lease_ms when > 0. A lookup the leased-pages bound cut short is logged
+        as the gRPC path logs it."""
         started = time.perf_counter()
         keys_bytes = header.count * KEY_BYTES
         raw = connection.receive(keys_bytes + dw.LEASE.size)

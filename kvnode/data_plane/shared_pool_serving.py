@@ -1,19 +1,10 @@
 """The node's side of its shared pool (kvnode/wire/shared_pool.py): the data plane server's MAP_POOL and
-GET_SLOTS requests (framed in kvnode/wire/data_frames.py), served by kvnode/data_plane/server.py on its Unix socket.
-The reader's side: kvnode/client/shared_pool_reader.py.
+GET_SLOTS requests (framed in kvnode/wire/data_frames.py), served by kvnode/data_plane/server.py on its
+Unix socket: a peer maps the pool read-only and copies pages out by their slots, a copy at memory
+speed instead of a socket's two. The reader's side: kvnode/client/shared_pool_reader.py.
 
-Design notes
-1. With `share_pool` and a store whose pool is in shared memory (kvnode/wire/shared_pool.py), a peer
-   on the Unix socket may map the pool read-only (MAP_POOL) and fetch pages by their slots
-   (GET_SLOTS): a copy at memory speed instead of a socket's two. Only
-   where no more is revealed than the peer could read already: a plaintext node (with
-   `credentials` the same host goes over TLS on the Unix socket, as a member's certificate is
-   the rule there), and a peer process of the node's own user or root (SO_PEERCRED), who may
-   read the pages over the socket anyway (and could attach to the node where ptrace is not
-   restricted). The pool is sealed against writes by anyone but the node (kvnode/wire/shared_pool.py): a
-   reader cannot alter a page. Pages stay pinned until the peer says it copied them, or
-   until `timeout_s` passes and the connection is dropped, as a GET's reply must be sent
-   within it.
+Pages stay pinned until the peer says it copied them, or until `timeout_s` passes and the
+connection is dropped, as a GET's reply must be sent within it.
 """
 
 from __future__ import annotations
@@ -31,7 +22,11 @@ from kvnode.store.page_store import PageNotFound, PageStore
 
 
 def not_shared_reason(pool: shared_pool.SharedPool | None, conn) -> str | None:
-    """Why this peer may not read the shared pool `pool` (design note 1); None when it may."""
+    """Why this peer may not read the shared pool `pool`; None when it may. Only where no more is
+    revealed than the peer could read already: a plaintext node (under TLS the same host goes over
+    TLS on the Unix socket, a member's certificate being the rule), and a peer process of the
+    node's own user or root, which may read the pages over the socket anyway. The pool is sealed
+    against writes by anyone but the node, so a reader cannot alter a page."""
     if pool is None:
         return ("this node does not share its page pool (it runs with TLS, --no-shared-pool or without a unix "
                 "socket, or the platform has no memfd): fetch with GET")
