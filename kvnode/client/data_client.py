@@ -3,37 +3,11 @@ caller's buffer with recv_into, PUT straight from the caller's pages, LOOKUP. No
 nothing else should. One request's socket I/O: data_client_io.py; pages copied out of the
 node's shared pool: shared_pool_reader.py.
 
-Design notes
-1. A small pool of connections, safe to share between threads: a call takes an idle
-   connection (or opens one) and gives it back once its reply was read in full; any
-   failure closes it instead.
-2. Sockets are blocking with kernel timeouts set to what is left of the call's deadline
-   (no poll before each recv); the deadline is also checked after every recv.
-3. A pooled connection may have been closed by the node while idle: a call that fails on
-   a reused connection before any byte of its reply arrived is sent once more on a new
-   connection (GET, PUT and LOOKUP are all idempotent), and the other idle connections, closed by
-   the node alike, are dropped.
-4. Several GETs can share one connection's round trip (`get_batches`): every request is sent
-   before the first reply is read, and the node, which reads a connection's requests one at a
-   time, answers them in order without waiting for us. Across hosts each request asked after
-   the previous reply would cost a round trip of its own (one per batch of a fetch).
-5. TLS runs over memory BIOs on the plain socket (kvnode/wire/tls_stream.py), not an ssl.SSLSocket:
-   one recv takes up to a MiB of records, each decrypted into the caller's buffer, and the
-   socket keeps its kernel timeouts (note 2). The context, and so the certificate checks and
-   the certificate we present, are the same as wrap_socket's.
-6. `get_bands` receives a GET_BANDS reply into one buffer per page, band by band, and calls
-   back after each band: the caller may use band b of every page while the later bands are on
-   the way.
-7. Same host: given the node's abstract Unix socket name and a host that is a loopback address,
-   connections go to that socket, faster than TCP over loopback (docs/architecture.md); both
-   live in the network namespace, so reaching one means reaching the other. A name nobody
-   listens on (the node exited or restarted under a new name, or lives in another namespace
-   behind a forwarded port) puts the client on TCP for good, with one log line, and sets
-   `unix_gone`: NodeClient then reads Info again before its next data plane call, and a node
-   that restarted gives its new name. Any other failure to connect (EAGAIN from a full
-   backlog, say) sends only that connection over TCP. A process that may not make Unix sockets
-   at all (a sandbox) uses TCP for good. Everything else is as over TCP: TLS, kernel timeouts,
-   deadlines, the pool.
+A small pool of connections, safe to share between threads: a call takes an idle connection (or
+opens one) and gives it back once its reply was read in full; any failure closes it instead.
+Sockets are blocking, with kernel timeouts set to what is left of the call's deadline (no poll
+before each recv), also under TLS, which runs over memory BIOs on the plain socket (TlsStream)
+with wrap_socket's certificate checks.
 """
 
 from __future__ import annotations
@@ -67,8 +41,10 @@ log = logging.getLogger("kvnode.client")
 class DataPlaneClient:
     """`tls`: an ssl client context (base.security.Credentials.client_context): every connection
     is TLS, checked against the node's certificate, and presents ours (mutual TLS). `unix_name`:
-    the node's abstract Unix socket, used when `host` is a loopback address (design note 7);
-    `shared_memory=False` never maps the node's pool (shared_pool_reader.py)."""
+    the node's abstract Unix socket, used when `host` is a loopback address: faster than TCP over
+    loopback, and both live in the network namespace, so reaching one means reaching the other;
+    everything else (TLS, timeouts, deadlines, the pool) is as over TCP (see _connect_unix for a
+    name gone). `shared_memory=False` never maps the node's pool (shared_pool_reader.py)."""
 
     def __init__(self, host: str, port: int, tls: ssl.SSLContext | None = None, unix_name: str = "",
                  shared_memory: bool = True):
@@ -76,7 +52,7 @@ class DataPlaneClient:
         self.tls = tls
         self.offered_unix = unix_name
         self.unix_name = unix_name if unix_name and _is_loopback(host) else ""
-        self.unix_gone = False  # the node's unix socket name had nobody listening (design note 7)
+        self.unix_gone = False  # the node's unix socket name had nobody listening (see _connect_unix)
         self._told_unix_busy = False
         self.connected_once = False
         self._idle: list[socket.socket] = []
@@ -97,7 +73,9 @@ class DataPlaneClient:
     def get_batches(self, batches: Sequence[Sequence[bytes]],
                     out_for: Callable[[int], tuple[memoryview | list[memoryview], memoryview]],
                     landed: Callable[[int], None], timeout_s: float) -> None:
-        """GETs of several batches of keys on one connection, all sent at once (design note 4).
+        """GETs of several batches of keys on one connection, all sent before the first reply is read:
+        the node reads a connection's requests one at a time and answers them in order, so across
+        hosts a fetch in batches costs one round trip, not one per batch.
         out_for(i) gives (pages, checksums), where batch i's pages (one buffer, or a list of one a
         page) and their checksums (16 bytes each) are received; it is asked once that batch's reply
         began (it may wait until that memory is free). landed(i) is called once both arrived, in
@@ -134,11 +112,12 @@ class DataPlaneClient:
 
     def get_bands(self, keys: Sequence[bytes], outs: Sequence[memoryview], checksums: memoryview, band_bytes: int,
                   landed: Callable[[int], None], timeout_s: float) -> None:
-        """The pages of `keys` in bands of band_bytes (design note 6): page i into outs[i] (each
+        """The pages of `keys` in bands of band_bytes, so the caller may use band b of every page while
+        the later bands are on the way: page i into outs[i] (each
         page_bytes long), the checksums into `checksums` (16 bytes a page) before any band, then
         landed(b) once band b of every page arrived; the caller checks the checksums. A band size
         the node refuses raises DataPlaneError(INVALID_ARGUMENT); so does a node that predates the op
-        (data_wire.is_unknown_op tells that one)."""
+        (data_frames.is_unknown_op tells that one)."""
         if len(outs) != len(keys) or not keys:
             raise ValueError(f"{len(outs)} page buffers for {len(keys)} keys: give one per key, at least one")
         page_bytes = outs[0].nbytes
@@ -191,7 +170,7 @@ class DataPlaneClient:
     def lookup(self, keys: Sequence[bytes], lease_ms: int, timeout_s: float) -> int:
         """How many of `keys`, from the first, the node holds, leased for lease_ms when > 0 (LOOKUP,
         kvnode/wire/data_frames.py). A node that predates the op raises DataPlaneError(INVALID_ARGUMENT) that
-        data_wire.is_unknown_op tells."""
+        data_frames.is_unknown_op tells."""
         request = dw.lookup_request(keys, lease_ms)
 
         def exchange(sock: socket.socket, deadline: float, reused: bool) -> int:
@@ -242,6 +221,9 @@ class DataPlaneClient:
     # ---- plumbing ----------------------------------------------------------------
 
     def _call(self, exchange, timeout_s: float):
+        """`exchange` on a connection. A pooled one may have been closed by the node while idle: a call
+        that fails on it before any byte of its reply arrived (StaleConnection) is sent once more on a
+        new one (GET, PUT and LOOKUP are all idempotent)."""
         if self.pool_state == "unasked":
             self.start_mapping()  # in the background: this call does not wait for it
         deadline = time.monotonic() + timeout_s
@@ -270,7 +252,7 @@ class DataPlaneClient:
         sock = self._connect_unix(deadline) if self.unix_name else None
         if sock is None:
             sock = self._connect_tcp(deadline)
-        sock.settimeout(None)  # blocking; deadlines come from kernel timeouts (note 2)
+        sock.settimeout(None)  # blocking; deadlines come from kernel timeouts (_call sets them)
         dw.set_no_delay(sock)
         if self.tls is not None:
             sock = self._handshake(sock, deadline)
@@ -280,7 +262,7 @@ class DataPlaneClient:
     @property
     def transport(self) -> str:
         """"shared memory" once the node's pool is mapped, "unix" while
-        the node's Unix socket is used (design note 7), else "tcp"."""
+        the node's Unix socket is used, else "tcp"."""
         if self.unix_name and self.shared_pool.pool is not None:
             return "shared memory"
         return "unix" if self.unix_name else "tcp"
@@ -340,7 +322,7 @@ class DataPlaneClient:
                                  connect_failed=not self.connected_once, closed_unanswered=True) from None
 
     def drop_idle(self) -> None:
-        """Close the idle connections (one was found closed by the node: so are the others, note 3)."""
+        """Close the idle connections (one was found closed by the node: so are the others)."""
         with self._lock:
             idle, self._idle = self._idle, []
         for sock in idle:

@@ -3,33 +3,9 @@
 release, which is the caller's to send once it is done with the pages (PinnedPages.release).
 The reader's side of the pool: shared_pool_reader.py; the node's: kvnode/data_plane/shared_pool_serving.py.
 
-Design notes
-1. Why: a worker that reads fetched pages straight out of the node's pool for one engine step
-   copies each page once (into its own blocks), not twice (out of the pool, then into its
-   blocks). It maps the pool itself (NodeClient.shared_pool_file) and reads slot s of the
-   mapping of generation g, as PinnedPages says (a restarted node's pool has another).
-2. The node reads one request at a time on a connection and answers the next only after the
-   release, so each request holds a connection of its own while pinned: up to MAX_REQUESTS,
-   each of at most the node's per-request key limit, taken from the data plane client's idle
-   pool (or new) and given back by the release; all are sent before the first table is read,
-   so the node serves them side by side. More keys than that: None, and nothing is sent.
-3. Release soon: the node keeps the pins only while it waits for the release byte, which must
-   come within its data plane timeout (DataPlaneServer's timeout_s, DEFAULT_TIMEOUT_S = 60 s
-   unless the node was started otherwise); past that it drops the connection and the pins, and
-   the slots may then be reused for other pages while the caller still reads them. Pins also
-   hold RAM that eviction cannot take back: a page pinned is a page the node cannot evict.
-4. The pages are checked against their checksums in the client's own mapping of the same
-   generation before they are handed over (kvnode/wire/checksum.py): the node's bytes, not a
-   copy's, so the caller need not check them again while they stay pinned (the pool is sealed
-   against writes by anyone but the node, which does not write a pinned slot). A caller that
-   would rather check them while it already computes with them (the worker, which throws such
-   work away if they fail) asks `check=False` and calls `first_altered()` itself, before release.
-5. None, with nothing left pinned, whenever the pages cannot be read in place and a normal fetch
-   (get_pages) should be made instead: no mapping (yet, or refused: TLS, another user,
-   --no-shared-pool), a connection that is not the Unix socket's, a page the node has in no
-   slot (on disk only, no RAM slot to be had; that connection is closed, so its unread bytes
-   are never read), a busy node (RESOURCE_EXHAUSTED, a connection closed unanswered), or more
-   keys than note 2 allows.
+Why: a worker that reads fetched pages straight out of the node's pool for one engine step copies
+each page once (into its own blocks), not twice (out of the pool, then into its blocks). It maps
+the pool itself (NodeClient.shared_pool_file) and reads the slots PinnedPages names.
 """
 
 from __future__ import annotations
@@ -51,7 +27,11 @@ from kvnode.client.types import NodeError, NodeInfo, PageRejected, check_keys
 if TYPE_CHECKING:
     from kvnode.client.data_client import DataPlaneClient
 
-MAX_REQUESTS = 4  # GET_SLOTS requests (connections) a pin_pages may hold (design note 2)
+# GET_SLOTS requests a pin_pages may hold, each of at most the node's per-request key limit. The node
+# answers a connection's next request only after the release, so each pinned request holds a
+# connection of its own; all are sent before the first table is read, so the node serves them side
+# by side. More keys than that: None, nothing sent.
+MAX_REQUESTS = 4
 
 log = logging.getLogger("kvnode.client")
 
@@ -59,7 +39,12 @@ log = logging.getLogger("kvnode.client")
 class PinnedPages:
     """Pages pinned by the node in its shared pool: page i of the request is `slots[i]` of the
     pool's mapping of `generation` (NodeClient.shared_pool_file), `page_bytes` long, unchanged
-    until release(). Release soon (design note 3). Safe to release from any thread."""
+    until release(). Safe to release from any thread.
+
+    Release soon: the node keeps the pins only while it waits for the release, within its data
+    plane timeout (60 s by default); past that it drops the connection and the pins, and the slots
+    may be reused for other pages while the caller still reads them. A pinned page is also RAM the
+    node's eviction cannot take back."""
 
     def __init__(self, slots: list[int], generation: int, page_bytes: int, held: list, give_back):
         self.slots = slots
@@ -69,12 +54,16 @@ class PinnedPages:
         # Collected unreleased: the connections are closed (the node unpins as they go), not leaked.
         self._finalizer = weakref.finalize(self, _close_all, held)
         self._give_back = give_back
-        self._check: tuple | None = None  # (keys, the mapped pool, checksums) with check=False (note 4)
+        self._check: tuple | None = None  # (keys, the mapped pool, checksums) with check=False (see first_altered)
 
     def first_altered(self) -> int | None:
         """Index of the first page whose bytes in the pool do not match its checksum, None when all
-        do (design note 4); only meaningful while pinned. Every page is checked when pin_pages
-        was asked to (the default), and this answers None then."""
+        do; only meaningful while pinned. Every page is checked when pin_pages was asked to (the
+        default), and this answers None then. The check reads the node's bytes, not a copy's, so
+        pages checked need no second check while pinned (the pool is sealed against writes by
+        anyone but the node, which does not write a pinned slot). A caller that would rather check
+        them while it already computes with them (the worker, which throws that work away if they
+        fail) asks check=False and calls this itself, before release."""
         if self._check is None:
             return None
         if self.released:
@@ -135,12 +124,12 @@ def pin_pages(address: str, known_info: Callable[[], NodeInfo], data_plane: Call
         taken = _take_pins(plane, keys, max(1, info.max_keys_per_request), deadline)
     except DataPlaneError as exc:
         if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED or exc.closed_unanswered:
-            return None  # busy: the caller fetches as usual (design note 5)
+            return None  # busy: the caller fetches as usual
         raise NodeError(address, exc.code, exc.details) from None
     if taken is None:
         return None
     pinned, pool, checksums = taken
-    if not check:  # design note 4: the caller calls first_altered()
+    if not check:  # the caller calls first_altered() (see PinnedPages.first_altered)
         pinned._check = (keys, pool, checksums)
         return pinned
     try:
@@ -155,8 +144,11 @@ def pin_pages(address: str, known_info: Callable[[], NodeInfo], data_plane: Call
 
 
 def _take_pins(plane, keys: list[bytes], max_keys: int, deadline: float):
-    """(PinnedPages, the mapped pool, the checksums) for `keys`, or None (design note 5) with
-    nothing left pinned; DataPlaneError for anything else, with every connection it opened closed."""
+    """(PinnedPages, the mapped pool, the checksums) for `keys`; or None, with nothing left pinned,
+    whenever the pages cannot be read in place and a normal fetch should be made instead: no
+    mapping (yet, or refused), a connection that is not the Unix socket's, a page the node has in
+    no slot (on disk only; that connection is closed, its unread bytes never read), or more keys
+    than MAX_REQUESTS allows. DataPlaneError for anything else, every connection it opened closed."""
     pool, generation = plane.shared_pool.mapping()
     batches = [keys[i : i + max_keys] for i in range(0, len(keys), max_keys)]
     if pool is None or len(batches) > MAX_REQUESTS:
@@ -227,7 +219,7 @@ def _table(plane, held: list, batch: list[bytes], deadline: float) -> tuple[memo
 
 
 def _give_up(plane, held: list, answered) -> None:
-    """None for pin_pages (design note 5): the pins of the connections numbered in `answered` (their
+    """None for pin_pages (see _take_pins): the pins of the connections numbered in `answered` (their
     replies read in full) released and those given back; the others closed (a reply not read in full
     must not meet the next request), which unpins theirs."""
     answered = set(answered)

@@ -1,26 +1,13 @@
 """The client's side of a node's shared pool (kvnode/wire/shared_pool.py; the node's side:
 kvnode/data_plane/shared_pool_serving.py): the pool mapped read-only, and pages copied out of it. Each
-DataPlaneClient (data_client.py) holds one SharedPoolReader and fetches through it while
-the pool is mapped.
+DataPlaneClient (data_client.py) holds one SharedPoolReader and, over the Unix socket of a
+plaintext node, fetches through it while the pool is mapped: GET_SLOTS pins the pages and names
+their slots, the client copies them out and releases them (a round trip of its own per batch). The
+caller checks the checksums as always.
 
-Design notes
-1. Over the Unix socket of a plaintext node the client maps the node's page pool read-only
-   (kvnode/wire/shared_pool.py) and fetches by slot: GET_SLOTS (kvnode/wire/data_frames.py) pins the pages
-   and tells where they are, the client copies them out of the mapping and releases them; a
-   page the node has in no slot (on disk only, no RAM slot to be had) comes with the reply,
-   after its table. The mapping is made by a thread of its own, started by the first call (or NodeClient.prepare_data_plane),
-   so no request waits for it; until it is there, pages come over the socket as before: for good
-   once the node refused it (TLS, another user, --no-shared-pool, a node before the op) or its
-   descriptor was not sealed against writes and resizing, else (a busy socket, a timeout) the
-   mapping is tried again after _MAP_RETRY_S. Each batch costs a round trip of its own (the
-   request, then the release). The caller checks the checksums as always. A socket name found
-   gone drops the mapping with it.
-2. A caller that reads pages in place (NodeClient.pin_pages, shared_pool_pins.py) maps the
-   pool itself from a descriptor of its own (shared_pool_file): the reader keeps the memfd's
-   descriptor open while the pool is mapped, to dup it, and closes it as the mapping is dropped,
-   under its lock, so a dup never meets a closed (or reused) descriptor. Each mapping gets a
-   generation, unique in the process, so the caller tells a remapped pool (a restarted node's)
-   from the one its slots index.
+The pool is mapped once per node process, only from a peer of this user or root and a descriptor
+sealed against writes and resizing, and dropped with the client or when the node's socket name is
+found gone (a restarted node has a new memfd; the old one is freed once no reader maps it).
 """
 
 from __future__ import annotations
@@ -43,7 +30,7 @@ from kvnode.wire.checksum import CHECKSUM_BYTES
 from kvnode.client.data_client_io import (DataPlaneError, payload_or_status, receive, receive_scattered,
                                           reply_header, send_request)
 
-MAP_TIMEOUT_S = 30.0  # the shared pool's mapping (design note 1), on its own thread
+MAP_TIMEOUT_S = 30.0  # the shared pool's mapping, on its own thread (see start_mapping)
 _MAP_RETRY_S = 30.0  # after a mapping failed for a reason that may pass (a busy socket, a timeout)
 _SLOT_ENTRY = CHECKSUM_BYTES + dw.SLOT.size
 
@@ -53,13 +40,16 @@ Connect = Callable[[float], "socket.socket | None"]
 GiveBack = Callable[[socket.socket], None]
 
 log = logging.getLogger("kvnode.client")
-_GENERATIONS = itertools.count(1)  # of every mapping made in this process (design note 2)
+# Of every mapping made in this process, unique, so a caller that maps the pool itself tells a
+# remapped pool (a restarted node's) from the one its slots index.
+_GENERATIONS = itertools.count(1)
 
 
 @dataclass(frozen=True)
 class SharedPoolFile:
-    """The node's pool as the caller may map it (design note 2): `fd` is the caller's own descriptor
-    of the sealed memfd (it closes it), `pages` x `page_bytes` its shape, `generation` the mapping's."""
+    """The node's pool as a caller that reads pages in place maps it (NodeClient.pin_pages): `fd` is
+    the caller's own descriptor of the sealed memfd (it closes it), `pages` x `page_bytes` its shape,
+    `generation` the mapping's."""
 
     fd: int
     pages: int
@@ -68,15 +58,17 @@ class SharedPoolFile:
 
 
 class SharedPoolReader:
-    """The node's pool as one DataPlaneClient maps it (design note 1): `state` is "unasked",
-    "mapping", "mapped" or "refused"; `pool` the mapping once it is made."""
+    """The node's pool as one DataPlaneClient maps it: `state` is "unasked", "mapping", "mapped" or
+    "refused"; `pool` the mapping once it is made."""
 
     def __init__(self, address: str, enabled: bool):
         self.address = address  # the node's data plane, for log lines and errors
         self.state = "unasked" if enabled else "refused"
         self.pool: np.ndarray | None = None
-        self.generation = 0  # of the mapping in `pool` (design note 2); 0: none yet
-        self._fd: int | None = None  # the mapped memfd's, kept to dup (design note 2)
+        self.generation = 0  # of the mapping in `pool` (_GENERATIONS); 0: none yet
+        # The mapped memfd's, kept open to dup (pool_file) and closed as the mapping is dropped, under
+        # the lock, so a dup never meets a closed (or reused) descriptor.
+        self._fd: int | None = None
         self._lock = threading.Lock()
         self._closed = False
         self._mapping_done = threading.Event()  # a new one each time a mapping is begun
@@ -94,13 +86,13 @@ class SharedPoolReader:
                 self.state = "refused"
 
     def mapping(self) -> tuple[np.ndarray | None, int]:
-        """The mapped pool and its generation, read together (design note 2); (None, 0) when unmapped."""
+        """The mapped pool and its generation, read together; (None, 0) when unmapped."""
         with self._lock:
             return (self.pool, self.generation) if self.pool is not None else (None, 0)
 
     def pool_file(self) -> SharedPoolFile | None:
-        """A new descriptor of the mapped pool's memfd, for the caller to map and close (design note 2);
-        None while nothing is mapped."""
+        """A new descriptor of the mapped pool's memfd, for the caller to map and close; None while
+        nothing is mapped."""
         with self._lock:
             if self.pool is None or self._fd is None:
                 return None
@@ -123,7 +115,9 @@ class SharedPoolReader:
         return self.state
 
     def start_mapping(self, connect: Connect, give_back: GiveBack) -> None:
-        """Map the node's pool on a thread of its own, unless asked already (design note 1)."""
+        """Map the node's pool on a thread of its own, unless asked already: started by the first call
+        (or NodeClient.prepare_data_plane), so no request waits for it; until it is mapped, pages
+        come over the socket."""
         if self._claim_mapping():
             threading.Thread(target=self._map_pool, args=(connect, give_back, MAP_TIMEOUT_S), name="kvnode-pool-map",
                              daemon=True).start()
@@ -137,8 +131,9 @@ class SharedPoolReader:
 
     def _map_pool(self, connect: Connect, give_back: GiveBack, timeout_s: float) -> None:
         """MAP_POOL on a new connection to the Unix socket (`connect`, given back once the pool is
-        mapped): the pool mapped; refused for good when the node or its descriptor says no (design
-        note 1); else asked again after _MAP_RETRY_S."""
+        mapped): the pool mapped; refused for good when the node says no (TLS, another user,
+        --no-shared-pool, a node before the op) or its descriptor is not sealed and sized as
+        promised; else (a busy socket, a timeout) asked again after _MAP_RETRY_S."""
         pool, fd, why, for_good, sock = None, None, "", False, None
         deadline = time.monotonic() + timeout_s
         try:
@@ -183,7 +178,7 @@ class SharedPoolReader:
     @staticmethod
     def _receive_pool(sock: socket.socket, deadline: float) -> tuple[np.ndarray, int]:
         """The MAP_POOL reply: its descriptor mapped (shared_pool.map_read_only), and the descriptor, kept
-        open (design note 2); or the node's status raised."""
+        open (see `_fd`); or the node's status raised."""
         data, fds, _, _ = socket.recv_fds(sock, dw.REPLY.size, 1, getattr(socket, "MSG_CMSG_CLOEXEC", 0))
         kept = None
         try:
