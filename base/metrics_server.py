@@ -1,23 +1,9 @@
 """The HTTP server behind `--metrics-port`: prometheus_client's WSGI app, bounded, and on TLS
-when the daemon is.
-
-Design notes
-1. A secure daemon (--tls-*) serves its metrics over HTTPS with its own certificate and wants
-   mutual TLS like its other ports: a scraper presents a certificate of the cluster's CA whose
-   common name is `kvcache-monitor` (`kvcache certs` writes monitor.pem; Prometheus gives it as
-   tls_config's cert_file and key_file). A handshake without a client certificate fails; one
-   with another role's certificate is answered 403 naming the role it needs. Each connection
-   takes the daemon's current certificate, so a SIGHUP reload applies to the next scrape.
-   A plaintext daemon serves plain HTTP to anyone, as its other ports do.
-2. At most `max_connections` connections are served at once, one thread each. A connection is
-   "reading" from its accept until its request line and headers have arrived (the TLS handshake
-   included), then "answering". A new connection beyond the cap closes the connection that has
-   been reading longest, so a flood of idle or slow connections cannot keep a well-behaved
-   scrape out; when every slot is answering, the new connection is closed instead. Each
-   connection carries one request (wsgiref closes it after), and each read or write waits at
-   most `timeout_s`.
-3. The TLS handshake runs on the connection's thread, never on the accepting one: a peer that
-   stalls in it holds only its own slot (and is the first to go, note 2).
+when the daemon is. A secure daemon (--tls-*) serves its metrics over HTTPS and wants mutual TLS
+like its other ports: a scraper presents a `kvcache-monitor` certificate of the cluster's CA
+(`kvcache certs` writes monitor.pem; Prometheus gives it as tls_config's cert_file and key_file).
+Each connection takes the daemon's current certificate, so a SIGHUP reload applies to the next
+scrape. A plaintext daemon serves plain HTTP to anyone, as its other ports do.
 """
 
 from __future__ import annotations
@@ -90,7 +76,10 @@ class _Handler(WSGIRequestHandler):
         self.timeout = self.server.timeout_s  # each read and write (StreamRequestHandler sets it)
         if self.server.credentials is not None:
             self.request.settimeout(self.timeout)
-            self.request.do_handshake()  # note 3; no client certificate: ssl.SSLError, handled quietly
+            # On the connection's thread, never the accepting one: a peer that stalls in the handshake
+            # holds only its own slot (and is the first to go). No client certificate: ssl.SSLError,
+            # handled quietly.
+            self.request.do_handshake()
             self.peer_role = security.socket_role(self.request)
         super().setup()
 
@@ -117,14 +106,18 @@ class _Server(ThreadingMixIn, WSGIServer):
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.credentials, self.max_connections, self.timeout_s = credentials, max_connections, timeout_s
         self._lock = threading.Lock()
-        self._reading: dict[socket.socket, float] = {}   # connection -> accepted at (note 2), oldest first
+        # At most max_connections at once, one thread each. A connection is "reading" from its accept
+        # until its request line and headers arrived (TLS handshake included), then "answering"; one
+        # more closes the one reading longest, so a flood of idle or slow peers cannot keep a scrape
+        # out (see process_request). Each connection carries one request (wsgiref closes it after).
+        self._reading: dict[socket.socket, float] = {}   # connection -> accepted at, oldest first
         self._answering: set[socket.socket] = set()
         super().__init__((host.strip("[]"), port), _Handler)
 
     def get_request(self):
         conn, address = super().get_request()
         conn.settimeout(self.timeout_s)
-        if self.credentials is not None:  # no I/O here: the handshake is the connection thread's (note 3)
+        if self.credentials is not None:  # no I/O here: the handshake is the connection thread's (_Handler.setup)
             conn = self.credentials.server_context().wrap_socket(conn, server_side=True,
                                                                  do_handshake_on_connect=False)
         return conn, address
@@ -186,7 +179,8 @@ def _close(conn: socket.socket) -> None:
 
 
 def _only_scrapers(app):
-    """The WSGI app, answering 403 to a TLS peer whose certificate is not a scraper's (note 1)."""
+    """The WSGI app, answering 403 to a TLS peer whose certificate is not a scraper's, naming the
+    role it needs (a handshake without any client certificate fails before this)."""
 
     def guarded(environ, start_response):
         role = environ.get(_PEER_ROLE)

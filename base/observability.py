@@ -1,34 +1,13 @@
 """What every daemon shares to be watched: `--metrics-port` (Prometheus text over HTTP, written by
-prometheus_client) and tracing with opentelemetry-api (W3C `traceparent` in gRPC metadata).
+prometheus_client; its server: base/metrics_server.py) and tracing with opentelemetry-api (W3C
+`traceparent` in gRPC metadata).
 
-Design notes
-1. Off unless asked: without `--metrics-port` no HTTP server runs and no metric is observed; the
-   gRPC interceptors are installed only when metrics or tracing are on, so a daemon without them
-   runs the code it ran before.
-2. Each daemon has its own CollectorRegistry (not the library's global one), so several daemons in
-   one process (tests) keep their numbers apart. Numbers the parts already count (store stats,
-   remote tier stats, engine queues) are read when scraped, by a collector, not counted twice.
-3. The metrics port listens on the daemon's --host, on TLS with the daemon's certificate when it
-   has one, for scrapers holding a `kvcache-monitor` certificate; its connections are bounded in
-   number and time, and a peer that connects and sends nothing, or garbage, is dropped by the
-   HTTP server's own threads, never reaching the daemon's others (base/metrics_server.py).
-4. Tracing is on when an SDK tracer provider is set: by `--otlp-endpoint` (the `otel` extra) or by
-   a test. With the API alone every span is a no-op and channels are not wrapped at all.
-   Server spans take their parent from the call's `traceparent`; client channels made while
-   tracing is on add it, and only inside a trace. A streaming handler's span is made current
-   around each step of its generator, never across a `yield` (the caller may resume it in
-   another context).
-5. Spans only for requests. A trace starts at a service's entry methods (`trace_roots`: Generate
-   on coordinators and workers) when the call brings none; any other call gets a server span only
-   when it carries a caller's sampled trace context. So heartbeats, registrations, Info and Stats
-   polled by tools, health checks make no span, and a kvnode's spans all sit inside a request's
-   trace. (Each heartbeat was a trace of its own: ~2 a request on the coordinators.)
-6. Sampling is decided once, where the trace starts (`--trace-sample-ratio`, else the SDK's
-   OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG), and followed downstream: a call whose caller
-   did not sample runs under the caller's context without making a span, so its own calls carry
-   the context on, still unsampled; nothing is recorded or exported for it anywhere.
-7. The data plane's framing has no room for a trace context: a page transfer shows as the
-   worker's fetch or write-back span, not as a span on the node.
+Off unless asked: without `--metrics-port` no HTTP server runs and no metric is observed, and the
+gRPC interceptors are installed only when metrics or tracing are on, so a daemon without them runs
+the code it ran before. Each daemon has its own CollectorRegistry, not the library's global one, so
+several daemons in one process (tests) keep their numbers apart; numbers the parts count anyway
+are read when scraped, by a collector, not counted twice. The data plane's framing has no room for
+a trace context: a page transfer shows as the worker's fetch or write-back span, not on the node.
 """
 
 from __future__ import annotations
@@ -117,12 +96,15 @@ def tracer() -> trace.Tracer:
 
 def sampled(context) -> bool:
     """Whether `context` (a captured trace context, or None) holds a span of a sampled trace: what
-    decides if work done later for the same request makes spans (design note 6)."""
+    decides if work done later for the same request makes spans. Sampling is decided once, where
+    the trace starts (`--trace-sample-ratio`, else the SDK's OTEL_TRACES_SAMPLER), and followed
+    downstream: nothing is recorded or exported anywhere for a request not sampled."""
     return context is not None and trace.get_current_span(context).get_span_context().trace_flags.sampled
 
 
 def tracing_enabled() -> bool:
-    """True when an SDK tracer provider is set (design note 4)."""
+    """True when an SDK tracer provider is set (by --otlp-endpoint, or a test). With the API alone
+    every span is a no-op and channels are not wrapped at all."""
     return not isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
 
 
@@ -172,7 +154,8 @@ def trace_metadata() -> tuple[tuple[str, str], ...]:
 
 
 def traced_channel(channel: grpc.Channel) -> grpc.Channel:
-    """`channel`, adding `traceparent` to every call's metadata while tracing is on (note 4)."""
+    """`channel`, adding `traceparent` to every call's metadata while tracing is on, and only inside
+    a trace."""
     if not tracing_enabled():
         return channel
     return grpc.intercept_channel(channel, _InjectContext())
@@ -214,7 +197,14 @@ class _CallDetails(grpc.ClientCallDetails):
 class ServerObserver(grpc.ServerInterceptor):
     """Times each call of `service_name` into `histogram` (by method) and, while tracing is on,
     runs it in a server span whose parent is the caller's `traceparent`, or a new trace for the
-    methods in `trace_roots` (design notes 5 and 6)."""
+    methods in `trace_roots`.
+
+    Spans only for requests: a trace starts at a service's entry methods (Generate on coordinators
+    and workers) when the call brings none; any other call gets a server span only inside a
+    caller's sampled trace, and runs under an unsampled caller's context without one, so its own
+    calls carry that context on. So heartbeats, registrations, Info and Stats polls and health
+    checks make no span (each heartbeat was a trace of its own before), and a kvnode's spans all
+    sit in a request's trace."""
 
     def __init__(self, service_name: str, histogram: Histogram | None, trace_calls: bool,
                  trace_roots: Collection[str] = ()):
@@ -247,7 +237,7 @@ class ServerObserver(grpc.ServerInterceptor):
 def server_interceptors(service_name: str, histogram: Histogram | None,
                         trace_roots: Collection[str] = ()) -> list[grpc.ServerInterceptor]:
     """What make_server needs for this daemon: nothing when neither metrics nor tracing is on.
-    `trace_roots`: the methods that start a trace when the caller sends none (note 5)."""
+    `trace_roots`: the methods that start a trace when the caller sends none (see ServerObserver)."""
     trace_calls = tracing_enabled()
     if histogram is None and not trace_calls:
         return []
@@ -256,7 +246,8 @@ def server_interceptors(service_name: str, histogram: Histogram | None,
 
 class _Traced(NamedTuple):
     """How one call is traced: a server span named `span_name` under `context` (None: a new
-    trace), or, without `span_name`, the caller's unsampled `context` made current (note 6)."""
+    trace), or, without `span_name`, the caller's unsampled `context` made current, so the calls
+    it makes carry the unsampled context on."""
     span_name: str | None
     context: object
 
@@ -323,7 +314,7 @@ def _streaming(behavior: Callable, timer, traced: _Traced | None):
                     reply = _step(current, span, lambda: next(replies))
                 except StopIteration:
                     return
-                yield reply  # never inside the context (note 4)
+                yield reply  # never inside the context: the caller may resume the generator in another
         finally:
             if span is not None:
                 span.end()

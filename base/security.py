@@ -1,28 +1,13 @@
 """Who may talk to a kvcache daemon: TLS and mutual TLS for gRPC and the data plane.
 
-Design notes
-1. One Credentials per process, from --tls-cert, --tls-key and --tls-ca. A daemon gives all
-   three: its gRPC port and its data port then take TLS only, and only from a peer presenting a
-   certificate signed by the CA (mutual TLS); its own calls to other members present its
-   certificate. grpcio's Python API can require a client certificate or not ask for one, not
-   ask and check it when given (tried: require_client_auth=False never sees the peer's
-   certificate), so every port of a secure daemon requires one, a coordinator's too: clients
-   hold a certificate of the CA (`kvcache certs` makes `client.pem`) and a token says who they
-   are (note 3 of the token check).
-2. Without the options a daemon stays plaintext, for a loopback development cluster; bound to
-   another address it says so in one warning line at start.
-3. The files are read at start (a bad file is a clear error then) and again on SIGHUP: new
-   gRPC connections and data plane connections use the new certificate, running ones keep
-   theirs (rotation without a restart). gRPC asks for the current certificate at each new
-   handshake (dynamic server credentials).
-4. A certificate says who the peer is, not only that the CA signed it: a member's has the common
-   name `kvcache-ROLE` (`kvcache certs` writes them so; a deployment's own CA must too). Member
-   calls check it (`refuse_unless_member`): only kvnodes and workers may Register, Heartbeat and
-   Deregister with a coordinator, and only workers may Lookup, get and put pages on a kvnode, over
-   gRPC or the data plane. A client's certificate (`kvcache-client`) reaches only client calls,
-   which its token then names; a scraper's (`kvcache-monitor`) is the only one the metrics port
-   takes (base/metrics_server.py). Plaintext calls (a loopback development cluster)
-   are not checked.
+One Credentials per process, from --tls-cert, --tls-key and --tls-ca. A daemon given all three
+takes TLS only on its gRPC and data ports, and only from a peer presenting a certificate of the CA
+(mutual TLS); its own calls to other members present its certificate. Every port requires one, a
+coordinator's too: grpcio's Python API can require a client certificate or not ask for one, but
+not ask and check it when given (require_client_auth=False never sees the peer's certificate).
+So clients hold a certificate of the CA (`kvcache certs` makes `client.pem`), and a token says who
+they are (base/tokens.py). Without the options a daemon stays plaintext, for a loopback
+development cluster.
 """
 
 from __future__ import annotations
@@ -71,7 +56,7 @@ class Credentials:
                 server_context.minimum_version = ssl.TLSVersion.TLSv1_2
                 server_context.load_cert_chain(self.cert, self.key)
                 server_context.load_verify_locations(cadata=ca.decode())
-                server_context.verify_mode = ssl.CERT_REQUIRED  # mutual TLS (note 1)
+                server_context.verify_mode = ssl.CERT_REQUIRED  # mutual TLS, as every secure port requires
         except (ssl.SSLError, ValueError) as exc:
             raise ValueError(f"TLS files {self.cert or ''} {self.key or ''} {self.ca} do not make a certificate, "
                              f"key and CA that fit: {exc}") from None
@@ -83,7 +68,8 @@ class Credentials:
     # ---- gRPC --------------------------------------------------------------------
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        """Mutual TLS: a peer must present a certificate of the CA; re-read on reload (note 3)."""
+        """Mutual TLS: a peer must present a certificate of the CA. gRPC asks for the current
+        certificate at each new handshake, so a reload (SIGHUP) reaches new connections."""
         if self._cert is None:
             raise ValueError("a server needs --tls-cert and --tls-key")
         served = [0]
@@ -173,7 +159,9 @@ def from_args(args: argparse.Namespace, client: bool = False) -> Credentials | N
 
 
 def reload_on_sighup(credentials: Credentials | None) -> None:
-    """Re-read the certificate files on SIGHUP (note 3); a file that fails keeps the old ones."""
+    """Re-read the certificate files on SIGHUP; a file that fails keeps the old ones. New gRPC and
+    data plane connections use the new certificate, running ones keep theirs: rotation without a
+    restart. (The files are also read at start, where a bad one is a clear error.)"""
     if credentials is None:
         return
 
@@ -188,7 +176,7 @@ def reload_on_sighup(credentials: Credentials | None) -> None:
 
 
 def warn_if_exposed(host: str, credentials: Credentials | None, logger: logging.Logger) -> None:
-    """One warning line for a plaintext daemon listening beyond loopback (note 2)."""
+    """One warning line at start for a plaintext daemon listening beyond loopback."""
     if credentials is None and not is_loopback(host):
         logger.warning("listening on %s without TLS: anyone who reaches this port can use it "
                        "(give --tls-cert, --tls-key and --tls-ca)", host)
@@ -233,7 +221,15 @@ def socket_role(conn: socket.socket) -> str | None:
 
 
 def not_member_reason(role: str | None, roles: tuple[str, ...], what: str) -> str | None:
-    """Why a peer of `role` may not do `what` (note 4); None when it may (or the call is plaintext)."""
+    """Why a peer of `role` may not do `what`; None when it may (or the call is plaintext: a loopback
+    development cluster is not checked).
+
+    A certificate says who the peer is, not only that the CA signed it: a member's has the common
+    name `kvcache-ROLE` (`kvcache certs` writes them so; a deployment's own CA must too). Only
+    kvnodes and workers may Register, Heartbeat and Deregister with a coordinator, and only workers
+    may look up, get and put pages on a kvnode. A client's certificate reaches only client calls,
+    which its token then names; a scraper's (`kvcache-monitor`) is the only one the metrics port
+    takes."""
     if role is None or role in roles:
         return None
     return (f"{what} is for {' and '.join(roles)} members: the caller's certificate is "
@@ -242,7 +238,8 @@ def not_member_reason(role: str | None, roles: tuple[str, ...], what: str) -> st
 
 def refuse_unless_member(context: grpc.ServicerContext, roles: tuple[str, ...], what: str,
                          logger: logging.Logger) -> None:
-    """Abort the call with PERMISSION_DENIED unless its certificate names one of `roles` (note 4)."""
+    """Abort the call with PERMISSION_DENIED unless its certificate names one of `roles` (see
+    not_member_reason)."""
     reason = not_member_reason(peer_role(context), roles, what)
     if reason is not None:
         logger.info("refused request: PERMISSION_DENIED: %s", reason)

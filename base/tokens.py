@@ -1,19 +1,11 @@
 """Client tokens: who is calling, and so which tenant's pages a request may share.
 
-Design notes
-1. A tokens file has one `TENANT TOKEN` per line (`# ...` comments and blank lines ignored);
-   a third word `shared` puts that tenant's pages in the shared namespace, which every
-   `shared` tenant reads and writes (a public system prompt). Other tenants each have a
-   namespace of their own: their name, mixed into the root of the page-key chain and into the
-   coordinator's placement key, so the same prompt from two tenants has unrelated keys.
-2. A caller sends `authorization: Bearer TOKEN` metadata. TokenCheck, a server interceptor,
-   ends every call of the daemon's own services and of reflection without a known token with
-   UNAUTHENTICATED before its handler runs; health stays open for probes, and the methods a
-   daemon names as open (a coordinator's Register, Heartbeat and Deregister: members, not
-   clients, call them, and mutual TLS is what keeps strangers out of them).
-3. A token is compared with every known one in constant time (hmac.compare_digest of
-   digests, no early exit), and never logged: refusals say only that the token was missing
-   or unknown.
+A tokens file has one `TENANT TOKEN` per line (`# ...` comments and blank lines ignored); a
+third word `shared` puts that tenant's pages in the shared namespace, which every `shared` tenant
+reads and writes (a public system prompt). Other tenants each have a namespace of their own,
+their name, mixed into the root of the page-key chain and into the coordinator's placement key,
+so the same prompt from two tenants has unrelated keys. A caller sends `authorization: Bearer
+TOKEN` metadata; tokens are never logged.
 """
 
 from __future__ import annotations
@@ -78,7 +70,8 @@ class Tokens:
         return len(self._entries)
 
     def tenant(self, token: str | None) -> Tenant | None:
-        """The token's tenant, or None; the same work for any token (design note 3)."""
+        """The token's tenant, or None; the same work for any token: compared with every known one in
+        constant time (digests, no early exit), so the time taken says nothing of the tokens."""
         if not token:
             return None
         presented = hashlib.sha256(token.encode()).digest()
@@ -110,7 +103,10 @@ def forwarded(metadata) -> tuple[tuple[str, str], ...]:
 
 
 class TokenCheck(grpc.ServerInterceptor):
-    """UNAUTHENTICATED for any call without a known token, but health and `open_methods` (note 2)."""
+    """UNAUTHENTICATED for any call without a known token, before its handler runs, but health (open
+    for probes) and `open_methods`: a coordinator's Register, Heartbeat and Deregister, which
+    members, not clients, call, and which mutual TLS keeps strangers out of. Refusals say only
+    that the token was missing or unknown."""
 
     def __init__(self, tokens: Tokens, open_methods: Iterable[str] = ()):
         self.tokens = tokens
