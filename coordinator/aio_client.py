@@ -2,14 +2,10 @@
 gateway). Same coordinators tried in turn, same resume of a greedy or seeded request through
 another coordinator; its replies are read on the caller's loop, with no thread between them and it.
 
-Notes
-1. Made, used and closed on one running event loop (grpc.aio's channels belong to the loop they
-   were made on).
-2. Leaving `generate`'s loop early (closing it, or cancelling the task that reads it) cancels the
-   call: the coordinator cancels the worker's stream and the worker frees the request's blocks.
-3. While tracing is on, each call carries the caller's trace context (`traceparent`) in its
-   metadata, so the coordinator's span is a child of the gateway's (grpc.aio takes no sync
-   interceptor; the context is read on the caller's task when the call is made).
+Made, used and closed on one running event loop: grpc.aio's channels belong to the loop they were
+made on. While tracing is on, each call carries the caller's trace context (`traceparent`), read
+on the caller's task as the call is made (grpc.aio takes no sync interceptor), so the
+coordinator's span is a child of the gateway's.
 """
 
 from __future__ import annotations
@@ -44,7 +40,9 @@ class AsyncClient:
 
     async def generate(self, prompt: str | Sequence[int] | Sequence[Mapping[str, str]], session_id: str = "",
                        token: str | None = None, **options) -> AsyncIterator[Piece | Finished]:
-        """Pieces as they come, then one Finished; as Client.generate (note 2 for cancelling)."""
+        """Pieces as they come, then one Finished; as Client.generate. Leaving the loop early (closing
+        it, or cancelling the task that reads it) cancels the call: the coordinator cancels the
+        worker's stream and the worker frees the request's blocks."""
         metadata = (self._metadata if token is None else authorization(token)) + trace_metadata()
         request = generate_request(prompt, **options)
         request.session_id = session_id

@@ -7,14 +7,6 @@ is resumed through another without repeating or losing a token.
 A secure cluster: `token` is sent with every call (`authorization: Bearer TOKEN`; it names the
 tenant whose cached pages the requests share), `tls_ca` (the cluster's CA file) checks the
 coordinators, `tls_cert` and `tls_key` (a client certificate of that CA) are presented to them.
-
-Notes
-1. No gRPC object is left for the interpreter's exit. Its last garbage collection runs after
-   grpc's daemon threads were stopped where they stood; a call or channel freed then takes its
-   lock first, and waits forever if a stopped thread held it (seen: a client that had printed its
-   whole answer never exited). So a failed attempt's exception, which is the call itself, loses
-   its traceback at once: kept, it holds a cycle (the call's frame and generate's, with the next
-   attempt's call in it) that only a collection frees. And close() lets go of the channels.
 """
 
 from __future__ import annotations
@@ -158,7 +150,9 @@ class Client:
                         return
                 errors.append(f"{coordinator.address}: stream ended without finishing")
             except grpc.RpcError as exc:
-                exc.__traceback__ = None  # note 1
+                # The exception is the call itself: its traceback would hold a cycle (this frame, with the
+                # next attempt's call) that only a garbage collection frees, perhaps at exit (see close).
+                exc.__traceback__ = None
                 if cancel is not None and cancel.cancelled:
                     raise ClusterError(grpc.StatusCode.CANCELLED, "cancelled by the caller") from None
                 if exc.code() not in TRY_ELSEWHERE:
@@ -190,10 +184,14 @@ class Client:
         return self._coordinators[first:] + self._coordinators[:first]
 
     def close(self) -> None:
+        """Close the channels and let go of them now. No gRPC object may be left for the interpreter's
+        exit: its last garbage collection runs after grpc's daemon threads were stopped where they
+        stood, and a call or channel freed then takes its lock first, waiting forever if a stopped
+        thread held it (seen: a client that had printed its whole answer never exited)."""
         self._closed = True
         for coordinator in self._coordinators:
             coordinator.channel.close()
-        self._coordinators = []  # freed now, while grpc's threads still run (note 1)
+        self._coordinators = []  # freed now, while grpc's threads still run
 
     def __enter__(self) -> "Client":
         return self

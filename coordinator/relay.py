@@ -1,25 +1,8 @@
 """Generate's core, apart from gRPC: place the sequence, pick a worker, relay its stream,
 and after each failed attempt decide whether to try another worker, resume there, or give up.
-
-Failure handling (design notes)
-1. A worker that fails before its first token: the request goes to another worker, unseen.
-2. After tokens were sent: a greedy or seeded request is resumed on another worker with the
-   tokens so far as resume_token_ids (seeded draws depend only on seed and position), so no
-   token repeats or goes missing: the worker goes on as if it had generated them, within the
-   same max_tokens, and counts them in its usage. Any other request ends with UNAVAILABLE
-   saying it may be retried.
-3. The request's own fault (INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION, and INTERNAL:
-   a worker answers it only for a request that failed a step alone, its other requests going
-   on) goes to the client as it is: another worker would say or fail the same.
-4. A busy worker (RESOURCE_EXHAUSTED) or one shutting down (UNAVAILABLE with its draining
-   trailer) is skipped for this request and left in the cluster; when every worker is busy the
-   client gets RESOURCE_EXHAUSTED, so it knows to retry shortly rather than that something broke.
-5. Only a worker that cannot be reached (UNAVAILABLE) is marked dead, until its next beat.
-6. Each attempt has its own id (the client's id, a tag of this call, the attempt number): a
-   client reusing ids, or a retry, never collides with an attempt still running on a worker;
-   ALREADY_EXISTS is retried with the next id.
-7. A worker gets what is left of the client's deadline (at most the request timeout); when
-   the client's deadline ends the call, it ends DEADLINE_EXCEEDED and membership is untouched.
+A worker that fails before its first token is invisible to the client (the request goes to
+another); after tokens were sent, only a request that can be resumed exactly goes on elsewhere.
+The rules as a whole: docs/architecture.md, "Failures and isolation".
 """
 
 from __future__ import annotations
@@ -41,6 +24,8 @@ log = logging.getLogger("coordinator")
 MAX_FAILURES = 3  # attempts that failed (busy or draining workers are skipped, not counted)
 MAX_WORKERS_TRIED = 16
 MAX_CLIENT_ID_CHARS = 64  # of the client's request id kept in the attempt ids
+# The request's own fault goes to the client as it is: another worker would say or fail the same
+# (a worker answers INTERNAL only for a request that failed a step alone, its others going on).
 REQUEST_FAULTS = {StatusCode.INVALID_ARGUMENT, StatusCode.OUT_OF_RANGE, StatusCode.FAILED_PRECONDITION,
                   StatusCode.INTERNAL}
 
@@ -81,7 +66,9 @@ OpenStream = Callable[[str, pb.GenerateRequest, float, ClientCall], Iterable[pb.
 
 
 def attempt_ids(client_id: str) -> Iterator[str]:
-    """`<client id>.<tag of this call>.<attempt>`: unique per attempt, still readable in logs."""
+    """`<client id>.<tag of this call>.<attempt>`: unique per attempt, still readable in logs, so a
+    client reusing ids, or a retry, never collides with an attempt still running on a worker
+    (ALREADY_EXISTS is retried with the next id)."""
     base = client_id[:MAX_CLIENT_ID_CHARS] or "req"
     tag = uuid.uuid4().hex[:8]
     attempt = 0
@@ -113,6 +100,8 @@ class Relay:
         del forward.placement[:]
         forward.placement.extend(self.membership.ring.placement(key, self.replicas))
         ids = attempt_ids(request.request_id)
+        # Seeded draws depend only on seed and position, so a greedy or seeded request resumes on another
+        # worker with the tokens so far, none repeated or lost; any other ends UNAVAILABLE, retryable.
         resumable = request.temperature == 0 or request.HasField("seed")
         sent: list[int] = []
         skipped: list[str] = []  # workers this request will not go to again
@@ -156,14 +145,16 @@ class Relay:
                 raise Refused(StatusCode.UNAVAILABLE,
                               f"{failure} after {len(sent)} tokens; a sampled request without a seed cannot be "
                               f"resumed exactly: retry it (or give a seed)")
-        if busy and failures < MAX_FAILURES:
+        if busy and failures < MAX_FAILURES:  # so the client knows to retry shortly, not that something broke
             raise Refused(StatusCode.RESOURCE_EXHAUSTED,
                           f"all workers are busy ({len(busy)} refused the request, {len(skipped) - len(busy)} "
                           f"failed): retry shortly or use another coordinator")
         raise Refused(StatusCode.UNAVAILABLE, f"{failure}; tried {len(skipped)} workers: retry later")
 
     def _timeout(self, call: ClientCall, num_sent: int) -> tuple[float, bool]:
-        """Seconds the next attempt may take, and whether the client's deadline is what bounds it."""
+        """Seconds the next attempt may take, and whether the client's deadline is what bounds it: a
+        worker gets what is left of it (at most the request timeout), and when it ends the call, the
+        call ends DEADLINE_EXCEEDED with membership untouched."""
         remaining = call.time_remaining()
         if remaining is None or remaining >= self.request_timeout_s:
             return self.request_timeout_s, False
@@ -183,6 +174,7 @@ class Relay:
         if code == StatusCode.ALREADY_EXISTS:
             return 1  # the worker still runs an attempt of that id: the next attempt has a new one
         skipped.append(worker)
+        # Busy, or draining (below): skipped for this request and left in the cluster.
         if code == StatusCode.RESOURCE_EXHAUSTED:
             busy.append(worker)
             log.info("worker %s is busy (%s); trying another (request %s)", worker, exc.details, attempt.request_id)
@@ -190,7 +182,7 @@ class Relay:
         if code == StatusCode.UNAVAILABLE and exc.draining:
             log.info("worker %s is shutting down; trying another (request %s)", worker, attempt.request_id)
             return 0
-        if code == StatusCode.UNAVAILABLE:
+        if code == StatusCode.UNAVAILABLE:  # only a worker that cannot be reached is dead, until its next beat
             self.membership.mark_dead(worker)
             log.warning("worker %s unreachable (%s): no requests to it until it beats again", worker, exc.details)
         return 1
