@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         return 141  # what a shell shows for a command its pipe's SIGPIPE ended
     finally:
         # gRPC objects in reference cycles are freed now, while grpc's threads run: left for the
-        # interpreter's exit, freeing one could hang it for good (coordinator/client.py note 1).
+        # interpreter's exit, freeing one could hang it for good (coordinator/client.py: Client.close).
         gc.collect()
 
 

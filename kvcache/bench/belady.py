@@ -2,16 +2,10 @@
 whose next use is farthest goes, or the missing page is not stored when its own next use is
 the farthest. No online policy hits more blocks on the same trace and capacity.
 
-Design notes
-1. Every block of every request is a use, in order. A hit counts as a prefix hit only while
-   every earlier block of its request hit too (what a lookup can use). On a trace whose ids
-   name their whole prefix the two counts are equal: a parent's next use always comes before
-   its child's, so MIN never keeps a child whose parent it evicted.
-2. A max-heap of (-next use, key), lazily invalidated like the store's queues: an entry is
-   current while the cached page still has that next use. O(log n) per use.
-3. The token count is that of the blocks MIN hits; MIN maximises blocks, not tokens, and the
-   last block of a request may hold fewer tokens, so its token hit rate is close to, not
-   strictly, the ceiling for tokens.
+Every block of every request is a use, in order. A hit counts as a prefix hit only while every
+earlier block of its request hit too (what a lookup can use). On a trace whose ids name their
+whole prefix the two counts are equal: a parent's next use always comes before its child's, so
+MIN never keeps a child whose parent it evicted.
 """
 
 from __future__ import annotations
@@ -23,7 +17,9 @@ NEVER = float("inf")
 
 
 def belady(requests: Sequence, capacity: int) -> dict:
-    """Hits under MIN: {"hit_blocks", "hit_tokens", "any_hit_blocks"}; requests have keys and block_tokens."""
+    """Hits under MIN: {"hit_blocks", "hit_tokens", "any_hit_blocks"}; requests have keys and block_tokens.
+    The token count is that of the blocks MIN hits: MIN maximises blocks, not tokens, and a request's
+    last block may hold fewer tokens, so its token hit rate is close to, not strictly, the ceiling."""
     uses = [(key, n) for n, request in enumerate(requests) for key in request.keys]
     next_use = [NEVER] * len(uses)
     last: dict[bytes, int] = {}
@@ -32,6 +28,8 @@ def belady(requests: Sequence, capacity: int) -> dict:
         next_use[position] = last.get(key, NEVER)
         last[key] = position
     cached: dict[bytes, float] = {}  # key -> next use
+    # (-next use, key), lazily invalidated like the store's queues: an entry is current while the
+    # cached page still has that next use. O(log n) per use.
     heap: list[tuple[float, bytes]] = []
     hit_blocks = hit_tokens = any_hits = 0
     position = 0

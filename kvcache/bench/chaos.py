@@ -16,12 +16,11 @@ differing 0, PASS or FAIL; the exit code is 0 either way once the bench ran. Eve
 starts is stopped at the end, also on Ctrl-C, SIGTERM or an error.
 
 --eviction runs the kvnodes with another policy (a small --node-capacity makes them evict).
---kv-dtype float16: seeded answers may then differ from the reference, greedy ones did not in
-any run: K/V computed in another chunking (a prefix cached by another request, a resumed
+--kv-dtype float16: seeded answers may then differ from the reference (greedy ones did not in
+any run): K/V computed in another chunking (a prefix cached by another request, a resumed
 stream's tokens recomputed as a prompt) differs in float32's last bits, which rounding to
-float16 turns into one float16 step in ~0.5% of the elements (measured on tiny: max 0.002),
-enough to move a seeded draw that falls on a near-tie (19 of 303 and 1 of 166 seeded requests
-in two 150 s runs; 0 in float32, whose last-bit differences are ~4e-6).
+float16 can turn into a whole float16 step, enough to move a seeded draw that falls on a
+near-tie (the runs: docs/benchmarks-log.md).
 """
 
 from __future__ import annotations

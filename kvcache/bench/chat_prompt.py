@@ -2,11 +2,10 @@
 English) and short questions, rendered with the model's own chat template, so the prompt is what
 a deployment sends: the template's special tokens and roles around real text.
 
-Design notes
-1. The system prompt grows rule by rule until the rendered chat is as long as asked; every chat
-   is that system prompt and one question, so chats share the system prompt's pages, as a
-   deployment's requests do, and diverge at the question.
-2. Deterministic: the same model and length give the same tokens on every machine.
+The system prompt grows rule by rule until the rendered chat is as long as asked; every chat is
+that system prompt and one question, so chats share the system prompt's pages, as a deployment's
+requests do, and diverge at the question. The same model and length give the same tokens on
+every machine.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ class PassRun:
     no_cache: bool
     max_tokens: int
     duration_s: float
-    tokenizer: Tokenizer          # the cluster's model's: sessions are sent as token ids (workload note 2)
+    tokenizer: Tokenizer          # the cluster's model's: sessions go as token ids (workload.Request.follows_reply)
     progress: bool = True
     gateway: str | None = None    # http://HOST:PORT: send through `kvcache gateway` (OpenAI API) instead of gRPC
     model: str = ""               # the model name the gateway's requests give

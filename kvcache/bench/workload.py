@@ -7,20 +7,8 @@ Three kinds of request, each in a *family* of prompts that share a prefix:
   reply to it and the next user message, sent with the session's id;
 - unique: a one-off prompt sharing nothing with any other.
 
-Design notes
-1. Everything is text built from a word list, so the same seed gives the same prompts on every
-   machine. Lengths are in characters, which are tokens for the byte-level presets.
-2. The assistant's reply inside a session is the model's own output, as in a real chat: the
-   client sends the next turn as token ids (the previous prompt's, the reply's, then the new
-   message's), so the reply comes back exactly as generated and a cache that kept the reply's
-   pages can serve them. A scripted reply would be text the model never produced: a miss in
-   any cache, which no chat shows. Both passes still send prompts of the same lengths
-   (replies are --max-tokens long, end-of-text ignored) and, with greedy decoding, the same
-   tokens, but for the rare greedy tie that rounding can tip either way. The new message is
-   tokenized on its own, without special tokens (a SentencePiece tokenizer may still start it
-   with a space token: the same in both passes).
-3. A job is what one client does without pause: one request, or all turns of a session in
-   order (a turn is sent after the previous one finished, as a person chatting would).
+Everything is text built from a word list, so the same seed gives the same prompts on every
+machine. Lengths are in characters, which are tokens for the byte-level presets.
 """
 
 from __future__ import annotations
@@ -88,11 +76,20 @@ class Request:
     prompt: str          # the whole prompt; with follows_reply, what follows the previous turn and its reply
     session_id: str      # empty unless kind == "session"
     first_of_family: bool
-    follows_reply: bool = False   # a session turn after the first (design note 2)
+    # A session turn after the first. The reply inside a session is the model's own output, as in a
+    # real chat: the client sends the turn as token ids (the previous prompt's, the reply's, then the
+    # new message's, tokenized alone without special tokens), so a cache that kept the reply's pages
+    # can serve them. A scripted reply would be text the model never produced: a miss in any cache,
+    # which no chat shows. Replies are --max-tokens long (end-of-text ignored), so both passes send
+    # prompts of the same lengths and, greedy, the same tokens but for a rare rounding-tipped tie.
+    follows_reply: bool = False
 
 
 @dataclass(frozen=True)
 class Job:
+    """What one client does without pause: one request, or all turns of a session in order (a turn
+    is sent after the previous one finished, as a person chatting would)."""
+
     requests: tuple[Request, ...]
 
 
