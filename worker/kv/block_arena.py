@@ -2,23 +2,10 @@
 the shared page pools of kvnodes on this host, so that a page pinned in a node's pool has a block
 id like any other and paged attention reads it where it lies (worker/kv/pages_in_place.py).
 
-Design notes
-1. The range is reserved once (PROT_NONE, no memory behind it): the worker's own blocks are
-   mapped read-write at its start, and a node's pool file is mapped read-only into the space
-   after them (MAP_FIXED over the reservation) on a block boundary, so block id
-   `window.first_block + slot` is slot `slot` of that node's pool in the same array
-   (`all_blocks`). Python's mmap cannot map at an address, hence libc's mmap through ctypes.
-2. Only the worker's own blocks are ever written: window blocks are read by the forward and
-   copied out of, never written (a write would fault: the mapping is read-only, as the node's
-   seals make it anyway).
-3. A window is unmapped (the space reserved again) only when nothing reads it any more: its
-   pins count the readers, and `detach` of a window still in use only marks it to go once the
-   last one lets go.
-4. Where the range cannot be reserved (not Linux, a limit on address space), there is no arena:
-   the pool is a plain array and pages are copied into blocks as before.
-5. The mappings live as long as the arrays over them: the range is unmapped when the last array
-   viewing it is collected (a finalizer on the buffer they share), and not at the interpreter's
-   exit, when a daemon thread may still be reading it (the kernel unmaps it with the process).
+Only the worker's own blocks are ever written: window blocks are read by the forward and copied
+out of, never written (the mapping is read-only, as the node's seals make it anyway). Where the
+range cannot be reserved (not Linux, a limit on address space) there is no arena: the pool is a
+plain array and pages are copied into blocks as before.
 """
 
 from __future__ import annotations
@@ -46,7 +33,7 @@ _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 _POPULATE_MAX_BYTES = 8 << 30
 _MADV_HUGEPAGE = 14
 _FAILED = ctypes.c_void_p(-1).value
-_LIBC = mappings.LIBC  # None where there is no arena (design note 4)
+_LIBC = mappings.LIBC  # None where there is no arena (then the pool is a plain array)
 
 
 def _mmap(address: int | None, length: int, prot: int, flags: int, fd: int = -1) -> int:
@@ -74,20 +61,25 @@ def _round_up(n: int, to: int) -> int:
 
 @dataclass(eq=False)  # a window is itself, whatever its fields say
 class Window:
-    """A node's pool mapped into the arena: its slot s is block `first_block + s` (design note 1)."""
+    """A node's pool mapped into the arena: its slot s is block `first_block + s` of `all_blocks`."""
 
     first_block: int
     generation: int  # of the node client's mapping it mirrors: slots of another generation are not its
     _offset: int
     _length: int
-    pins: int = 0  # readers using it now (design note 3)
+    pins: int = 0  # readers using it now: it is unmapped only once none is (see detach)
     detached: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 class BlockArena:
     """`num_blocks` writable blocks of `block_shape` in `dtype` (`local`), and read-only windows
-    after them (`attach`); `all_blocks` views the whole range, windows included."""
+    after them (`attach`); `all_blocks` views the whole range, windows included.
+
+    The range is reserved once (PROT_NONE, no memory behind it): the worker's own blocks are mapped
+    read-write at its start, and a node's pool file read-only into the space after them (MAP_FIXED
+    over the reservation) on a block boundary. Python's mmap cannot map at an address, hence
+    libc's mmap through ctypes."""
 
     def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype, window_space: int = WINDOW_SPACE_BYTES):
         if _LIBC is None:
@@ -108,7 +100,8 @@ class BlockArena:
         # Huge pages where the kernel gives them on request, as NumPy asks for its large arrays.
         _LIBC.madvise(self._base, _round_up(num_blocks * self.block_bytes, _PAGE), _MADV_HUGEPAGE)
         buffer = (ctypes.c_char * self._size).from_address(self._base)
-        # Design note 5; not at exit, when a daemon thread may still be reading a window.
+        # The range is unmapped when the last array viewing it is collected, and not at exit, when a
+        # daemon thread may still be reading a window (the kernel unmaps it with the process).
         weakref.finalize(buffer, _LIBC.munmap, self._base, self._size).atexit = False
         self.all_blocks = np.frombuffer(buffer, dtype=dtype).reshape(self._size // self.block_bytes, *block_shape)
         self.local = self.all_blocks[:num_blocks]
@@ -118,7 +111,7 @@ class BlockArena:
 
     @classmethod
     def make(cls, num_blocks: int, block_shape: tuple[int, ...], dtype) -> "BlockArena | None":
-        """An arena, or None where none can be had (design note 4)."""
+        """An arena, or None where none can be had (no libc mmap here, or the range cannot be reserved)."""
         try:
             return cls(num_blocks, block_shape, dtype)
         except OSError as exc:
@@ -150,7 +143,7 @@ class BlockArena:
         return window
 
     def pin(self, window: Window) -> bool:
-        """Count one more reader of `window`; False when it is detached (design note 3)."""
+        """Count one more reader of `window`; False when it is detached."""
         with window._lock:
             if window.detached:
                 return False
@@ -165,7 +158,8 @@ class BlockArena:
             self._unmap(window)
 
     def detach(self, window: Window) -> None:
-        """Unmap `window` now, or once its last reader unpins it (design note 3)."""
+        """Unmap `window` (the space reserved again) now, or, while readers use it, once its last
+        reader unpins it: it is unmapped only when nothing reads it any more."""
         with window._lock:
             if window.detached:
                 return

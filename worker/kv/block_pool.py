@@ -1,26 +1,11 @@
 """The worker's KV block pool: one array in the KV dtype, a free list, reference counts and a local
 prefix cache of full pages by key. Knows blocks and keys, not sequences or the scheduler.
 
-Design notes
-1. A block is free (on the free list, holds nothing), referenced (ref count > 0, used by
-   running sequences), or cached-idle (ref count 0, still indexed by its page key so a later
-   prompt can reuse it). Callers count cached-idle blocks as available: allocating takes a
-   free block first and otherwise evicts one cached-idle page.
-2. A page is evicted only when none of its cached children is idle: leaves first, least
-   recently used first. Without sliding windows a sequence references its whole page chain,
-   so a referenced page's parent is referenced too and this is plain leaves-first eviction.
-   Every cached page's parent stays cached.
-3. Evictable pages sit in a heap keyed by their last-use tick; entries are invalidated
-   lazily (valid only while the page is still cached, idle, without idle children, and
-   untouched since), as in the kvnode store. Every operation is O(log n) amortized.
-4. Equal keys mean equal content: when a sequence fills a page whose key is already cached
-   in another block, the sequence switches to the cached block and its own block is freed.
-5. A sequence under a sliding window releases its early pages while it still holds their
-   children (worker/kv/window.py), so an idle page may have only referenced children. Such a
-   page can be evicted too, and with it goes its whole cached subtree, since lookups walk
-   from the root and could reach none of it: referenced descendants stay with their holders,
-   unindexed (freed when released), idle ones are freed. Every cached-idle block thus stays
-   reclaimable. A page filled after its parent was dropped is not indexed.
+A block is free (on the free list, holds nothing), referenced (ref count > 0, used by running
+sequences), or cached-idle (ref count 0, still indexed by its page key so a later prompt can reuse
+it). Callers count cached-idle blocks as available: allocating takes a free block first and
+otherwise evicts one cached-idle page, leaves first, least recently used first, so every cached
+page's parent stays cached.
 """
 
 from __future__ import annotations
@@ -47,8 +32,8 @@ class BlockPool:
             raise ValueError(f"the pool holds float32 or float16, not {np.dtype(dtype)}")
         self.num_blocks = num_blocks
         # Written once now, not lazily zero-mapped (np.zeros): the first write into an untouched
-        # block page-faults, and a warm fetch filling 1,024 tokens of gpt2-small-shape paid
-        # 100-150 ms of faults inside the request's time to first token.
+        # block page-faults, and a warm fetch paid those faults inside the request's time to first
+        # token (docs/benchmarks-log.md).
         # With `arena`, the blocks open a range that windows onto same-host kvnodes' pools follow
         # (worker/kv/block_arena.py), so fetched pages can be read where they lie.
         self.arena = BlockArena.make(num_blocks, block_shape, dtype) if arena else None
@@ -59,10 +44,12 @@ class BlockPool:
         self.block_parents: list[bytes | None] = [None] * num_blocks
         self.block_ticks = [0] * num_blocks
         self.cached_children: list[set[int]] = [set() for _ in range(num_blocks)]
-        self.num_idle_children = [0] * num_blocks  # cached children with ref count 0 (design note 2)
+        self.num_idle_children = [0] * num_blocks  # cached children with ref count 0 (see _is_evictable)
         self.free_block_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() takes block 0 first
         self.key_to_block: dict[bytes, int] = {}
-        self._evictable_heap: list[tuple[int, int]] = []  # (tick, block_id) of evictable pages (note 3)
+        # (tick, block_id) of evictable pages, invalidated lazily as in the kvnode store: an entry is
+        # valid while its page is still evictable and untouched since. O(log n) amortized.
+        self._evictable_heap: list[tuple[int, int]] = []
         self._num_cached_idle = 0
         self._tick = 0
         self.num_evictions = 0
@@ -70,7 +57,7 @@ class BlockPool:
     # ---- queries -------------------------------------------------------------
 
     def get_num_free_blocks(self) -> int:
-        """Blocks an allocation can take now: free ones plus cached-idle ones (design note 2)."""
+        """Blocks an allocation can take now: free ones plus cached-idle ones (each can be evicted)."""
         return len(self.free_block_ids) + self._num_cached_idle
 
     def get_num_cached_blocks(self) -> int:
@@ -136,8 +123,8 @@ class BlockPool:
 
         `parent_key` is the key of the page before (None for a sequence's first page). When the
         key is already cached elsewhere, that block gains a reference, `block_id` is released,
-        and the caller must use the returned block instead (design note 4). When the parent is
-        no longer cached (design note 5) the block stays unindexed.
+        and the caller must use the returned block instead (equal keys mean equal content). When
+        the parent is no longer cached (see _uncache_subtree) the block stays unindexed.
         """
         assert self.ref_counts[block_id] > 0, f"block {block_id} is not referenced"
         assert self.block_keys[block_id] is None, f"block {block_id} is cached already"
@@ -166,6 +153,9 @@ class BlockPool:
             self._push_evictable(block_id)
 
     def _is_evictable(self, block_id: int) -> bool:
+        """Idle, cached, and without idle cached children: leaves first. Without sliding windows a
+        sequence references its whole page chain, so a referenced page's parent is referenced too and
+        this is plain leaves-first eviction; with one, see _uncache_subtree."""
         return (self.ref_counts[block_id] == 0 and self.block_keys[block_id] is not None
                 and self.num_idle_children[block_id] == 0)
 
@@ -200,7 +190,14 @@ class BlockPool:
         return block_id
 
     def _uncache_subtree(self, root: int) -> None:
-        """Unindex `root` (idle, being taken) and every cached page below it (design note 5)."""
+        """Unindex `root` (idle, being taken) and every cached page below it.
+
+        A sequence under a sliding window releases its early pages while it still holds their
+        children (worker/kv/window.py), so an idle page may have only referenced children. Such a
+        page can be evicted too, and its whole cached subtree goes with it, since lookups walk from
+        the root and could reach none of it: referenced descendants stay with their holders,
+        unindexed (freed when released), idle ones are freed. So every cached-idle block stays
+        reclaimable."""
         stack = [root]
         while stack:
             block_id = stack.pop()

@@ -1,32 +1,14 @@
 """Fetched pages read where they lie: a same-host kvnode's pool, mapped into the worker's block
 arena (worker/kv/block_arena.py), holds the pages pinned for one step, so a warm request's first
-forward reads its prefix without copying it first.
+forward reads its prefix without copying it first. Why: copying the pages out of the node's pool
+and checking them before the forward was a large share of a warm request's time to first token;
+read in place, the fetch is a round trip, and the check runs beside the forward (the runs:
+docs/benchmarks-log.md, "Pages read in place").
 
-Why: copying 1,024 tokens of gpt2-small-shape float32 pages (72 MiB) out of the node's pool and
-checking them took ~10 ms of a ~40 ms time to first token, against ~30 ms for the same prompt
-cached locally; read in place, the fetch is a round trip and the checksums.
-
-Design notes
-1. `InPlaceReader.pin` asks the node (NodeClient.pin_pages) to pin the pages and say their
-   slots. The pages then stay pinned (the node neither evicts nor rewrites them) until
-   `PagesInPlace.release`, which the scheduler calls after the request's first step, once it has
-   copied them into the request's blocks (`land`) and indexed them in the local prefix cache.
-2. Every page is checked against its checksum where it lies, as any fetched page is, but on a
-   thread of its own that starts as the pages are pinned, so the check (~3 ms for 72 MiB) runs
-   beside the request's first forward instead of before it: the scheduler asks `intact()`
-   after that forward and throws its work away if they are not (in_place_joins.py note 2).
-3. A node's pool is mapped into the arena once per mapping of the node's client (its
-   generation), on a thread of its own, so no request waits for it (populating the page tables
-   costs ~80 ms a GiB): from the tier's first contact with the node (`prepare`, once its client
-   has mapped the pool), or else at the first pin. Until the window is there, and whenever
-   pinning is not possible (another host, TLS, a page on disk only, another generation than the
-   window's), `pin` answers None and the pages are fetched into the blocks as before.
-4. The window of a node's previous mapping (the node restarted) is detached when its successor
-   is attached, and that of a node whose client let its pool go (the node's socket gone, the
-   client dropped from the tier's table) by `sweep`, which the tier calls every few seconds;
-   readers still holding its pages keep it mapped until they release them.
-5. Pins are trusted for LAND_WITHIN_S: the node drops a reader's pins once its data plane timeout
-   (60 s by default) passes without the release, and may reuse the slots after.
+`InPlaceReader.pin` asks the node (NodeClient.pin_pages) to pin the pages and say their slots. They
+stay pinned (the node neither evicts nor rewrites them) until `PagesInPlace.release`, which the
+scheduler calls after the request's first step, once it copied them into the request's blocks
+(`land`) and indexed them in the local prefix cache.
 """
 
 from __future__ import annotations
@@ -47,8 +29,10 @@ log = logging.getLogger("worker.remote")
 _ATTACH_RETRY_S = 30.0  # after a window could not be made (no room, a failed mapping)
 _MAPPING_WAIT_S = 10.0  # how long `prepare` waits for the node's client to map the pool
 _MAPPING_SLICE_S = 0.1  # ... in waits this long, so that close() is not held up
-CHECK_TIMEOUT_S = 5.0  # the wait for a check (design note 2); ~3 ms for 72 MiB here
-LAND_WITHIN_S = 20.0  # pins are read or copied from only this soon after they were taken (design note 5)
+CHECK_TIMEOUT_S = 5.0  # the wait for a check (see InPlaceReader._checker), which takes a few ms
+# Pins are read or copied from only this soon after they were taken: the node drops a reader's pins
+# once its data plane timeout (60 s by default) passes without the release, and may reuse the slots.
+LAND_WITHIN_S = 20.0
 
 
 class PagesInPlace:
@@ -61,19 +45,20 @@ class PagesInPlace:
         self._release = release
         self._released = False
         self._lock = threading.Lock()
-        self._checked = checked  # of the first altered page's index, or None (design note 2)
+        self._checked = checked  # of the first altered page's index, or None (see InPlaceReader._checker)
         self.pinned_at = time.monotonic()
 
     def fresh(self) -> bool:
-        """Whether the pins are surely still held (design note 5)."""
+        """Whether the pins are surely still held (LAND_WITHIN_S)."""
         return time.monotonic() - self.pinned_at < LAND_WITHIN_S
 
     def __len__(self) -> int:
         return len(self.blocks)
 
     def intact(self, timeout_s: float = CHECK_TIMEOUT_S) -> bool:
-        """Whether every page matched its checksum (design note 2), waiting for the check at most
-        `timeout_s`."""
+        """Whether every page matched its checksum, waiting for the check at most `timeout_s`. The
+        scheduler asks after the request's first forward, which read the pages meanwhile, and
+        throws that work away if they did not (worker/engine/in_place_joins.py)."""
         return self.num_intact(timeout_s) == len(self.blocks)
 
     def num_intact(self, timeout_s: float = CHECK_TIMEOUT_S) -> int:
@@ -118,7 +103,7 @@ class PagesInPlace:
 
 
 class InPlaceReader:
-    """Pins pages in same-host nodes' pools and reads them through windows in `arena` (design notes)."""
+    """Pins pages in same-host nodes' pools and reads them through windows in `arena`."""
 
     def __init__(self, arena: BlockArena, on_altered: Callable[[str, int, bytes], None] = lambda *_: None):
         self.arena = arena
@@ -130,20 +115,25 @@ class InPlaceReader:
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._attacher = ThreadPoolExecutor(1, thread_name_prefix="kv-window")
-        self._checker = ThreadPoolExecutor(1, thread_name_prefix="kv-check")  # design note 2
+        # Every page is checked against its checksum where it lies, as any fetched page is, but on this
+        # thread, started as the pages are pinned, so the check runs beside the request's first forward
+        # instead of before it (PagesInPlace.intact).
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="kv-check")
 
     def pin(self, node, keys: Sequence[bytes], block_ids: Sequence[int], timeout: float) -> PagesInPlace | None:
         """`keys`, meant for `block_ids`, pinned in `node`'s pool and readable in the arena; None when
-        they cannot be (design note 3). Raises what NodeClient.pin_pages raises."""
+        they cannot be (no window yet, another host, TLS, a page on disk only, another generation
+        than the window's): the pages are then fetched into the blocks as before. Raises what
+        NodeClient.pin_pages raises."""
         window = self._window(node)
         if window is None:
             return None
-        pinned = node.client.pin_pages(keys, timeout=timeout, check=False)  # checked below (design note 2)
+        pinned = node.client.pin_pages(keys, timeout=timeout, check=False)  # checked beside the forward (_checker)
         if pinned is None:
             return None
         if pinned.generation != window.generation or not self.arena.pin(window):
             pinned.release()
-            self._start_attach(node)  # the node's client mapped another pool (design note 4)
+            self._start_attach(node)  # the node's client mapped another pool: its window replaces this one
             return None
 
         def release() -> None:
@@ -167,7 +157,9 @@ class InPlaceReader:
 
     def prepare(self, node) -> None:
         """Map `node`'s pool into the arena as soon as its client has mapped it, on the attaching
-        thread (design note 3): called at first contact, so no request has to pin to begin it."""
+        thread: called at first contact, so no request has to pin to begin it, and none waits for
+        the mapping (populating its page tables takes a while). Once per mapping of the node's
+        client (its generation); without it the first pin begins the attach."""
         self._start_attach(node, wait_for_mapping=True)
 
     def attached(self, address: str) -> bool:
@@ -243,7 +235,7 @@ class InPlaceReader:
                 old = self._windows.get(node.address, (None, None))[1]
                 self._windows[node.address] = (node, window)
             if old is not None:
-                self.arena.detach(old)  # design note 4
+                self.arena.detach(old)  # the node restarted: its old window goes once no reader holds it
         except (OSError, ValueError) as exc:
             with self._lock:
                 now = time.monotonic()
@@ -273,7 +265,7 @@ class InPlaceReader:
                 return False  # nothing being mapped (refused, or asked again later), closing, or waited enough
 
     def close(self) -> None:
-        """Stop attaching; windows stay mapped while pages in them are held (design note 4)."""
+        """Stop attaching; windows stay mapped while pages in them are held (BlockArena.detach)."""
         self._closing.set()
         self._attacher.shutdown(wait=True, cancel_futures=True)
         self._checker.shutdown(wait=True)
