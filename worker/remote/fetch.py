@@ -1,22 +1,10 @@
 """Fetching pages from one kvnode into the engine's pool: the transfer half of the remote tier.
 
 The tier (worker/remote/tier.py) chooses the node, checks what it holds and decides what a failure
-means; a PageFetcher receives the pages it was asked for and writes them into their blocks.
-
-Design notes
-1. Fetched pages come in batches: a fetch thread receives batch i+1 while the engine's thread
-   writes batch i into the pool, so the transfer and the writing overlap instead of adding up.
-   Pages bound for blocks of a pool in the wire dtype (the engine's, engine design note 7) are
-   received straight into them, consecutive or not; a float32 pool's float16 pages are cast
-   (half.py).
-   The batches' requests all go out at once (NodeClient.get_pages_in_batches), so a fetch costs
-   one round trip to the node, not one a batch; two staging buffers take turns, the fetch thread
-   waiting for the one written last.
-2. A layer-wise fill (remote/tier.py note 7) arrives in bands, a band per layer. Pages in the pool's
-   dtype are received straight into their blocks; float16 ones bound for a float32 pool into a
-   staging buffer kept between fills, and as each layer lands it is cast for every page at once
-   (gathered, half.py, then copied per run of consecutive blocks: one cast a page, beside the
-   forward, took the GIL so often that the fill ran 3-6x longer).
+means; a PageFetcher receives the pages it was asked for and writes them into their blocks. Pages
+bound for blocks of a pool in the wire dtype (the engine's own) are received straight into them,
+consecutive or not; a float32 pool's float16 pages go through staging buffers and are cast
+(worker/kv/half.py).
 """
 
 from __future__ import annotations
@@ -51,7 +39,7 @@ def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
 
 
 class PageFetcher:
-    """Receives pages from a node into the engine's pool (design notes 1 and 2), one fetch at a time.
+    """Receives pages from a node into the engine's pool, one fetch at a time.
 
     `pool` is the engine's block array, in `wire_dtype` or float32; `count(name, amount)` adds to
     the tier's stats (pages_fetched, bytes_fetched).
@@ -70,8 +58,8 @@ class PageFetcher:
         self._receiver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fetch")
         self._fetch_lock = threading.Lock()  # one fill at a time owns the staging buffers
         # Two reused receive buffers for float16 pages bound for a float32 pool, touched now, not in a
-        # request (fresh memory is written far slower here: a first fill through untouched ones took
-        # 50-70 ms more for 64 gpt2-small pages). A pool in the wire dtype never needs them.
+        # request (fresh memory is written far slower: docs/benchmarks-log.md). A pool in the wire
+        # dtype never needs them.
         self._staging = ([np.full((self.fetch_batch_pages, self.page_bytes), 0, dtype=np.uint8) for _ in range(2)]
                          if self.wire_dtype != pool.dtype else [])
         self._band_staging = np.empty((0, self.page_bytes), dtype=np.uint8)  # float16 layer-wise fills: grown, kept
@@ -79,7 +67,12 @@ class PageFetcher:
     def fetch(self, node: Node, keys: Sequence[bytes], block_ids: Sequence[int]) -> tuple[int, NodeError | None]:
         """Receive batches on the fetch thread, write each into the pool here; (pages written, error or None).
         Every batch is checked before it is written; with PageRejected the pages before the rejected one
-        were written, those of its own batch too (remote/tier.py design note 6)."""
+        were written, those of its own batch too (RemoteTier._reject: why the rest is computed).
+
+        Batches let the transfer and the writing overlap instead of adding up: the fetch thread
+        receives batch i+1 while this one writes batch i. Their requests all go out at once
+        (get_pages_in_batches), so a fetch costs one round trip to the node, not one a batch; two
+        staging buffers take turns, the fetch thread waiting for the one written last."""
         batches = self._batches(len(keys), node.max_keys)
         with self._fetch_lock:
             if len(batches) == 1:  # nothing to overlap: received here, no thread hop
@@ -88,7 +81,7 @@ class PageFetcher:
                 try:
                     node.client.get_pages_in_batches([keys], lambda _: rows, lambda _: None,
                                                      timeout=self._fetch_timeout(len(keys)))
-                except PageRejected as exc:  # remote/tier.py design note 6: the pages before it are intact
+                except PageRejected as exc:  # the pages before it are intact (RemoteTier._reject)
                     self._land(block_ids[: exc.index], None if into_pool is not None else rows[: exc.index], exc.index)
                     return exc.index, exc
                 except NodeError as exc:
@@ -130,7 +123,7 @@ class PageFetcher:
             finally:
                 abandoned.set()
                 error = pending.exception()  # the fetch thread lets go of the buffers before anyone reuses them
-            if isinstance(error, PageRejected):  # remote/tier.py design note 6: the pages of its batch before it are intact
+            if isinstance(error, PageRejected):  # the pages of its batch before it are intact (RemoteTier._reject)
                 number, (start, end) = next((n, (b, e)) for n, (b, e) in enumerate(batches) if b <= error.index < e)
                 if written != start:
                     raise AssertionError(f"page {error.index} rejected in batch {number} ({start}..{end}), but "
@@ -146,7 +139,9 @@ class PageFetcher:
     def fetch_in_bands(self, node: Node, keys: Sequence[bytes], block_ids: Sequence[int],
                        landed: Callable[[int], None]) -> None:
         """Receive `keys` into `block_ids` in one banded GET, calling landed(l) once layer l of every
-        page is in the pool (design note 2); raises what the node's client raised."""
+        page is in the pool; raises what the node's client raised. Pages in the pool's dtype land
+        straight in their blocks; float16 ones bound for a float32 pool in a staging buffer kept
+        between fills, each layer cast for every page at once as it lands (see `cast`)."""
         band_bytes = self.page_bytes // self.num_layers
         with self._fetch_lock:
             if self.wire_dtype == self.pool.dtype:  # straight into the blocks
@@ -165,7 +160,7 @@ class PageFetcher:
             def cast(layer: int) -> None:
                 # A layer of every page at once: gathered, cast by half.py (NumPy's strided cast took twice
                 # the CPU), then one copy per run of consecutive blocks. One cast a page took the GIL so often,
-                # beside the forward, that the fill ran 3-6x longer.
+                # beside the forward, that the fill ran several times longer (docs/architecture.md).
                 bands = rows[:, layer * band_bytes : (layer + 1) * band_bytes].view(self.wire_dtype)
                 np.copyto(halves, bands.reshape(halves.shape))
                 float16_to_float32(halves, floats)

@@ -1,23 +1,10 @@
 """The remote tier's known kvnodes: first contact off the caller's thread, back-off, a bounded table.
 
 Placement addresses come from clients, so an address is worth nothing until its node answered.
-
-Design notes
-1. First contact with a node, and re-contact after it failed, is a probe (its Info) on a probe
-   thread. A caller waits for a probe at most until a moment it chooses (the engine's thread a
-   few tens of ms), and if it has not answered by then the node is a miss for that call while the
-   probe goes on; later calls use the node once it answered. A node on loopback answers in a few
-   ms, so it is used by the very first request that names it.
-2. A node that fails (a probe or a call) is skipped for `retry_after_s`, doubled for every failure
-   in a row up to `max_retry_after_s`; a call that succeeds resets it (a fetch answered NOT_FOUND
-   is an answer, not a failure: remote/tier.py note 9). A dead address costs one
-   probe per back-off, on a probe thread. Only the first failure in a row logs a warning.
-3. At most `max_probes` probes are in flight; past that, an address that needs one is a miss.
-4. At most `max_nodes` nodes are known. A new address evicts the least recently used node not in
-   use, one that is not answering before a healthy one, and its client is closed. With every node
-   in use (callers hold at most a placement each), the new address is a miss.
-5. A node is in use while a caller holds it (`use`) or a probe runs on it; only the probe thread
-   and `failed` change whether it answers.
+First contact with a node, and re-contact after it failed, is a probe (its Info) on a probe
+thread: a caller waits for it at most until a moment it chooses (`ready`; the engine's side a
+few tens of ms), and until the node answered it is a miss for that call while the probe goes on.
+A node on loopback answers in a few ms, so the very first request that names it uses it.
 """
 
 from __future__ import annotations
@@ -44,7 +31,7 @@ class Node:
     client: NodeClient
     max_keys: int = 1  # most pages the node takes in one request (from its info)
     max_lookup_keys: int = 1  # ... in one lookup that leases (its info's max_leases_per_call, if lower)
-    answered: bool = False  # its Info answered with our page size, and no call failed since
+    answered: bool = False  # its Info answered with our page size, and no call failed since (probe, failed)
     refused: bool = False  # page size does not match: never used
     down_until: float = 0.0  # no probe before this (monotonic seconds)
     num_failures: int = 0  # in a row; sets the back-off
@@ -143,7 +130,10 @@ class NodeTable:
         node.num_failures = 0
 
     def failed(self, node: Node, exc: NodeError) -> None:
-        """Skip `node` for its back-off; it is probed again after that (design note 2)."""
+        """Skip `node` for its back-off, `retry_after_s` doubled for every failure in a row up to
+        `max_retry_after_s`; it is probed again after that, so a dead address costs one probe per
+        back-off, on a probe thread. A call that succeeds resets it (a fetch answered NOT_FOUND is an
+        answer, not a failure: RemoteTier._fetch_failed). Only the first failure in a row warns."""
         self.on_failure()
         with self._lock:
             node.answered = False
@@ -167,6 +157,9 @@ class NodeTable:
     # ---- under the lock --------------------------------------------------------
 
     def _add(self, address: str, evicted: list[Node]) -> Node | None:
+        """A node for `address`; past `max_nodes` it takes a victim's place (its client closed once out
+        of the lock), and with every node in use (callers hold at most a placement each) it is None:
+        a miss."""
         if len(self._nodes) >= self.max_nodes:
             victim = self._victim()
             if victim is None:
@@ -177,11 +170,13 @@ class NodeTable:
         return node
 
     def _victim(self) -> Node | None:
-        """The least recently used node not in use, one not answering first (design note 4)."""
+        """The least recently used node not in use, one that is not answering before a healthy one."""
         idle = [node for node in self._nodes.values() if node.num_users == 0]
         return next((node for node in idle if not node.answered), idle[0] if idle else None)
 
     def _maybe_probe(self, node: Node) -> None:
+        """Start a probe of `node` if it needs one; at most `max_probes` run at once, and past that an
+        address that needs one stays a miss."""
         if node.answered or node.refused or node.probe is not None or self._closed:
             return
         if self._num_probes >= self.max_probes or time.monotonic() < node.down_until:

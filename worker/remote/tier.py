@@ -1,54 +1,11 @@
 """The remote tier: kvnodes named by each request's placement, behind the engine's hook.
 
-Design notes
-1. A kvnode never makes a request fail: every call has a short deadline, a node that fails is
-   skipped for a while (longer each time in a row), and whatever cannot be fetched is computed.
-2. `lookup` and `fill` run on the KV connector's threads (worker/connector/connector.py), off the
-   engine's; still, placement addresses come from clients, so a request never waits long on a
-   node it has no good record of: first contact happens on
-   a probe thread (remote/nodes.py), and a request waits for its nodes' probes at most
-   `first_contact_wait_s` in all, then counts a miss while they go on. One request's lookup
-   spends at most `lookup_timeout_s` across all its placed nodes, not that much per node.
-3. The known nodes are bounded (`max_nodes`, least recently used evicted and closed), and so are
-   the probes in flight (`max_probes`; past it an unknown address is a miss).
-4. Fetched pages come in batches, the transfer of one overlapping the writing of the one before
-   into the pool; a PageFetcher (worker/remote/fetch.py, its notes 1 and 2) does the receiving
-   and the writing, the tier chooses the node and counts what arrived.
-5. Write-back runs on one background thread with a bounded queue; what cannot be sent is
-   counted and dropped. A `WriteBack` (worker/remote/writeback.py, its notes 1 to 3) does the
-   queueing and the sending, the tier hands it the pages and counts what it sent.
-6. A fetched page is used only once its bytes match its checksum (NodeClient checks them as
-   they arrive). At the first that does not, the fill stops: the pages before it are kept,
-   it and every page after it are computed (a page's KV depends on its whole prefix, and its
-   children are keys the node may hold intact, but they would follow a page we do not have).
-   The rejection is counted, logged once, and the node is told to drop the page (DropPages:
-   it goes with its descendants) through the write-back queue, so the drop reaches the node
-   before the write-back of the page computed in its place (remote/writeback.py note 2).
-7. Layer-wise fill (issue 19, `fill_layerwise`): the pages come from the node that answered the
-   lookup in one banded GET, a band per layer (a page is laid out layer-major, so layer l of
-   every page is one contiguous range on the wire), and `landed(l)` is called once layer l of
-   every page is in the pool, so the engine may compute layer l of the request's suffix while
-   the later layers are on the way (how each layer lands: remote/fetch.py note 2). Off by
-   default (`layerwise_fill`): on the shared 2-core machine it did not pay (docs/benchmarks.md). Pages are checked
-   once their last band landed, after the engine may have used them: the count returned says
-   how many leading pages are whole and intact (those before an altered page; none after a node
-   error, every page being part-way), and when it is short the caller throws away what it
-   computed with them. No replica is tried. More pages than the node takes in one request are
-   fetched whole (`fill`), every layer landing at the end.
-8. Pages read in place (`fill_in_place`, worker/kv/pages_in_place.py): with a block arena and a pool
-   in the wire dtype, the pages of a node on this host whose pool its client maps are pinned
-   there and read where they lie for the request's first step, instead of copied into its
-   blocks first; only from the node that answered the lookup, and only all the pages or none (a
-   failure of any kind answers None, and `fill` fetches them as before). Not with the layer-wise
-   fill, which this replaces where it applies.
-9. A fetch the node answers NOT_FOUND (a page evicted or dropped since the lookup: the lookup
-   may be up to half a lease old when the load starts, loads queue behind one another, and a
-   DropPages from any worker removes leased pages too) fails as any fetch may (`fill` asks a
-   replica for the rest, the others answer as on any failure, and what no node delivers is
-   computed), counted in `fetches_not_found`; but the node answered: it is not skipped
-   (remote/nodes.py note 2) and no warning is logged. Every other error skips the node: a data
-   plane busy never reaches the tier (NodeClient goes over gRPC, a refused pin answers None),
-   and gRPC's RESOURCE_EXHAUSTED (the node's calls in flight at their bound) sheds load from it.
+A kvnode never makes a request fail: every call has a short deadline, a node that fails is skipped
+for a while (longer each time in a row: worker/remote/nodes.py), and whatever cannot be fetched is
+computed. Lookups and fills run on the KV connector's threads (worker/connector/connector.py), off
+the engine's. The tier chooses the nodes and counts what happened; a PageFetcher (fetch.py)
+receives fetched pages into the pool, and a WriteBack (writeback.py) sends full pages on one
+background thread with a bounded queue, what cannot be sent being counted and dropped.
 """
 
 from __future__ import annotations
@@ -94,10 +51,10 @@ class TierStats:
     pages_written: int = 0
     pages_refused: int = 0
     pages_dropped: int = 0
-    pages_rejected: int = 0  # fetched pages whose bytes did not match their checksums (design note 6)
+    pages_rejected: int = 0  # fetched pages whose bytes did not match their checksums (see RemoteTier._reject)
     drops_reported: int = 0  # DropPages calls a node answered
-    pages_in_place: int = 0  # fetched pages read where they lay in a same-host node's pool (design note 8)
-    fetches_not_found: int = 0  # fetches the node answered NOT_FOUND, its pages gone since the lookup (note 9)
+    pages_in_place: int = 0  # fetched pages read where they lay in a same-host node's pool (fill_in_place)
+    fetches_not_found: int = 0  # fetches the node answered NOT_FOUND, its pages gone since the lookup
 
 
 class RemoteTier(Tier):
@@ -134,14 +91,19 @@ class RemoteTier(Tier):
         self.lease_ms = lease_ms
         self.lookup_timeout_s = lookup_timeout_s
         self.first_contact_wait_s = first_contact_wait_s
-        self.layerwise_fill = layerwise_fill  # the connector uses fill_layerwise when True (design note 7)
+        # The connector uses fill_layerwise when True. Off by default: on the shared 2-core machine it did
+        # not pay (docs/benchmarks.md).
+        self.layerwise_fill = layerwise_fill
         self.num_layers = self.block_shape[0]
         self.stats = TierStats()
         self._stats_lock = threading.Lock()  # counted from the engine thread and the sender thread
-        # Design note 8: needs a pool that opens a block arena, and pages that are blocks as they lie.
+        # Reading pages in place (fill_in_place) needs a pool that opens a block arena, and pages that
+        # are blocks as they lie; the layer-wise fill, where it is on, is used instead.
         arena = arena_of(pool)
         in_place = read_in_place and not layerwise_fill and arena is not None and pool.dtype == self.wire_dtype
         self.in_place = InPlaceReader(arena, self._altered_in_place) if in_place else None
+        # Bounded: at most max_nodes known (the least recently used idle one evicted and closed) and
+        # max_probes first contacts in flight (past it an unknown address is a miss).
         self.nodes = NodeTable(self.page_bytes, lookup_timeout_s, retry_after_s, max_retry_after_s, max_nodes,
                                max_probes, on_failure=lambda: self._count("node_failures", 1),
                                credentials=credentials,
@@ -149,7 +111,7 @@ class RemoteTier(Tier):
         self.fetcher = PageFetcher(pool, self.wire_dtype, fetch_batch_bytes, min_batch_bytes, self._count)
         self.fetch_batch_pages, self.min_batch_pages = self.fetcher.fetch_batch_pages, self.fetcher.min_batch_pages
         # Copies of blocks (a float32 one cast when sent): bounded in bytes (1,024 gpt2-small pages would be 1.2 GB).
-        # Its thread also sweeps the windows onto gone nodes' pools (remote/writeback.py note 3).
+        # Its thread also sweeps the windows onto gone nodes' pools (WriteBack, its `sweep`).
         self.writeback = WriteBack(self.nodes, self.wire_dtype, self.page_bytes,
                                    max(16, queue_bytes // pool[0].nbytes), lookup_timeout_s, self._count,
                                    send=self._send, sweep=self.in_place.sweep if self.in_place is not None else None)
@@ -160,7 +122,10 @@ class RemoteTier(Tier):
     def lookup(self, keys: Sequence[bytes], placement: Placement) -> int:
         """How many of `keys`, from the first, the first answering placed node holds (leased for the fetch).
 
-        Waits for first contacts at most `first_contact_wait_s`, and `lookup_timeout_s` in all (design note 2).
+        Placement addresses come from clients, so a request never waits long on a node it has no good
+        record of: first contact is a probe on a probe thread (nodes.py), awaited at most
+        `first_contact_wait_s` in all before the node counts as a miss while the probe goes on; and
+        one request's lookup spends at most `lookup_timeout_s` across all its placed nodes, not per node.
         """
         self._count("lookups", 1)
         placement.source, placement.source_hits = None, 0
@@ -212,7 +177,9 @@ class RemoteTier(Tier):
 
     def fill_in_place(self, keys: Sequence[bytes], block_ids: Sequence[int], placement: Placement) -> PagesInPlace | None:
         """`keys` pinned where they lie in the pool of the node that answered the lookup, readable
-        in the arena until released (design note 8); None when they cannot be, `fill` then fetches them."""
+        in the arena until released (worker/kv/pages_in_place.py), so the request's first step reads
+        them where they lie instead of copying them into its blocks first. Only from the node that
+        answered the lookup, and all the pages or none: on any failure None, and `fill` fetches them."""
         if self.in_place is None or not keys or not placement.source:
             return None
         started = time.perf_counter()
@@ -236,8 +203,14 @@ class RemoteTier(Tier):
     def fill_layerwise(self, keys: Sequence[bytes], block_ids: Sequence[int], placement: Placement,
                        landed: Callable[[int], None]) -> int:
         """Fetch `keys` into `block_ids` layer by layer from the lookup's node, calling landed(l) once
-        layer l of every page is in the pool (design note 7); how many leading pages are whole and
-        intact (all of them, or what was computed with the others must be thrown away)."""
+        layer l of every page is in the pool; how many leading pages are whole and intact (all of
+        them, or what was computed with the others must be thrown away).
+
+        One banded GET, a band per layer: a page is laid out layer-major, so layer l of every page
+        is one contiguous range on the wire, and the engine may compute layer l of the request's
+        suffix while later layers are on the way. Pages are checked once their last band landed,
+        after the engine may have used them: the count stops before an altered page, and is 0 after
+        a node error (every page part-way). No replica is tried."""
         if not keys:
             return 0
         started = time.perf_counter()
@@ -292,7 +265,7 @@ class RemoteTier(Tier):
                 if error is None:
                     self.nodes.succeeded(node)
                     return filled
-                if isinstance(error, PageRejected):  # design note 6: the rest is computed
+                if isinstance(error, PageRejected):  # the rest is computed (see _reject)
                     self.nodes.succeeded(node)
                     self._reject(node.address, error)
                     return filled
@@ -301,7 +274,13 @@ class RemoteTier(Tier):
 
     def _fetch_failed(self, node: Node, exc: NodeError) -> None:
         """A fetch from `node` failed: counted, and the node skipped for its back-off unless it
-        answered that a page is gone (design note 9)."""
+        answered that a page is gone (NOT_FOUND: evicted or dropped since the lookup, which may be
+        half a lease old when the load starts, and a DropPages from any worker removes leased pages
+        too). That fails the fetch as any failure does (a replica is asked for the rest, what no node
+        delivers is computed), but the node answered: it is not skipped and nothing is logged as a
+        warning. Any other error skips it; gRPC's RESOURCE_EXHAUSTED (its calls in flight at their
+        bound) so sheds load from it, and a busy data plane never reaches the tier (NodeClient goes
+        over gRPC; a refused pin answers None)."""
         self._count("fetch_failures", 1)
         if exc.code != grpc.StatusCode.NOT_FOUND:
             self.nodes.failed(node, exc)
@@ -311,14 +290,22 @@ class RemoteTier(Tier):
         log.debug("kvnode %s no longer holds a page of a fetch (%s); computing it", node.address, exc.details)
 
     def _reject(self, address: str, rejected: PageRejected) -> None:
-        """A fetched page failed its checksum (design note 6): count it, say so, have the node drop it."""
+        """A fetched page failed its checksum: count it, say so, have the node drop it.
+
+        A fetched page is used only once its bytes match its checksum; at the first that does not,
+        the fill stops there: the pages before it are kept, it and every page after it computed
+        (a page's KV depends on its whole prefix: its children would follow a page we do not have).
+        The drop (DropPages: the node drops the page and its descendants if its own copy fails too)
+        goes through the write-back queue, so it reaches the node before the write-back of the page
+        computed in its place."""
         self._count("pages_rejected", 1)
         log.warning("kvnode %s sent page %s whose bytes do not match its checksum; computing it and the pages "
                     "after it, and asking the node to drop it", address, rejected.key.hex())
         self.writeback.queue_drop(address, rejected.key)
 
     def _altered_in_place(self, address: str, index: int, key: bytes) -> None:
-        """A page read in place failed its check (pages_in_place.py note 2): reported as a fetched one."""
+        """A page read in place failed its check (InPlaceReader, beside the forward): reported as a
+        fetched one."""
         self._reject(address, PageRejected(address, index, key))
 
     def on_page_full(self, key: bytes, parent: bytes, block_id: int, placement: Placement) -> None:

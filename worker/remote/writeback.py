@@ -3,20 +3,10 @@ their way to the kvnodes placed for them.
 
 The tier (worker/remote/tier.py) owns one `WriteBack` and hands it what to send (`queue_page`,
 `queue_drop`); it sends through the tier's node table and counts into the tier's stats. Each
-batch goes through the tier's `_send` (a subclass may wrap it: worker/observe.py).
-
-Design notes
-1. Write-back runs on one background thread with a bounded queue (remote/tier.py note 5); what cannot
-   be queued or sent is counted and dropped, and queueing never blocks the engine's thread. A
-   float32 page is queued as a plain copy and cast to the wire dtype on that thread. The thread
-   waits for first contacts up to `lookup_timeout_s` a batch. Each page's checksum
-   (kvnode/wire/checksum.py) is computed once there, after the cast to the wire dtype, and sent to
-   every placed node; a batch goes to each node parents first, in requests within its key limit.
-2. A request to drop a page that failed its checksum (remote/tier.py note 6) goes through the same
-   queue, and a batch's drops are sent before its puts, so the drop reaches the node before the
-   write-back of the page computed in its place.
-3. The same thread has the tier's reader of pages in place unmap its windows onto gone nodes'
-   pools every `_SWEEP_EVERY_S` (remote/tier.py note 8, pages_in_place.py note 4).
+batch goes through the tier's `_send` (a subclass may wrap it: worker/observe.py). One background
+thread with a bounded queue: queueing never blocks the engine's thread, and what cannot be queued
+or sent is counted and dropped. The thread waits for first contacts up to `lookup_timeout_s` a
+batch, and sends a batch to each node parents first, in requests within its key limit.
 """
 
 from __future__ import annotations
@@ -36,12 +26,14 @@ from worker.remote.nodes import NodeTable
 
 log = logging.getLogger("worker.remote")  # its messages are the tier's
 
-_SWEEP_EVERY_S = 5.0  # how often windows onto gone nodes' pools are looked for (note 3)
+# How often the sender thread has the tier's reader of pages in place unmap its windows onto gone
+# nodes' pools (InPlaceReader.sweep).
+_SWEEP_EVERY_S = 5.0
 
 
 @dataclass
 class _Drop:
-    """A write-back queue entry that asks `address` to drop an altered page (note 2)."""
+    """A write-back queue entry that asks `address` to drop an altered page (see _send_drops)."""
 
     address: str
     key: bytes
@@ -71,7 +63,7 @@ class WriteBack:
             self._count("pages_dropped", len(addresses))
             return
         # A plain copy (the block may be reused); the sender casts a float32 one to the wire dtype,
-        # because NumPy's float32 -> float16 cast (~2-10 ms a gpt2-small page here) would delay the token.
+        # because NumPy's float32 -> float16 cast (milliseconds a page) would delay the token.
         data = block.copy()
         try:
             self.outbox.put_nowait((tuple(addresses), key, parent, data))
@@ -79,7 +71,7 @@ class WriteBack:
             self._count("pages_dropped", 1)
 
     def queue_drop(self, address: str, key: bytes) -> None:
-        """Ask `address` to drop page `key`, before any page queued after (note 2)."""
+        """Ask `address` to drop page `key`, before any page queued after (see _send_drops)."""
         try:
             self.outbox.put_nowait(_Drop(address, key))
         except queue.Full:
@@ -126,7 +118,8 @@ class WriteBack:
                     self.outbox.task_done()
 
     def _send_drops(self, drops: list[_Drop]) -> None:
-        """Before the batch's puts, so a page computed in place of a dropped one is stored after the drop."""
+        """Drops of pages that failed their checksum (RemoteTier._reject) go through the same queue, and
+        before the batch's puts, so a page computed in place of a dropped one is stored after the drop."""
         for drop in drops:
             with self.nodes.use([drop.address]) as nodes:
                 if not nodes or not self.nodes.ready(nodes[0], time.monotonic() + self.lookup_timeout_s):
@@ -143,7 +136,7 @@ class WriteBack:
         by_node: dict[str, list] = {}
         for addresses, key, parent, data in batch:
             wire = data.astype(self.wire_dtype, copy=False)
-            checksum = page_checksum(key, wire)  # once per page, for every placed node (note 1)
+            checksum = page_checksum(key, wire)  # once per page, after the cast, for every placed node
             for address in addresses:
                 by_node.setdefault(address, []).append((key, parent, wire, checksum))
         self.nodes.contact(list(by_node))  # first contacts at once, then one wait for all of them
