@@ -6,35 +6,10 @@ start loading them into blocks the scheduler allocated (`start_load`), which loa
 (`take_finished_loads`). It knows nothing of the network; a `Tier` (worker/remote/tier.py's
 RemoteTier over kvnodes) does the I/O.
 
-Design notes
-1. Lookups run on `lookup_threads` threads, fetches on one loader thread (the tier receives one
-   fill at a time into its staging buffers anyway). The engine's lock is never held while they
-   run: the scheduler only submits work and reads finished results.
-2. A request whose pages are being fetched is parked by the scheduler: its blocks allocated, not
-   scheduled, never preempted (the loader writes into its blocks). It joins the batch in the
-   first step after its load finished, with what landed counted as computed; the rest of the
-   prompt is computed, so a fetch that fails or returns fewer pages costs time, never tokens.
-3. Prefetch on arrival: the engine starts a request's lookup when the request is received
-   (`start_lookup`, any thread), so by the time the scheduler first considers it the node has
-   usually answered. A result the tier gave more than half its lease ago is asked again (its
-   pages may have been evicted on the node since the lease lapsed).
-4. Every wait is bounded: a lookup or load not finished `timeout_s` after it was asked for is
-   given up and the request computed. The bound is on the request's wait, time queued behind
-   other loads included. A load given up (overdue, or its request ended) that has not started
-   is cancelled, its blocks back in the next `take_finished_loads`; the blocks of one that
-   started come back only when it does finish (`take_finished_loads` reports them).
-5. Each finished lookup or load calls `wake` (the engine's loop sleeps on it when nothing else
-   can run).
-6. `close(timeout_s)` is bounded: queued work is dropped, running calls get `timeout_s` to end
-   (the tier's own deadlines end them sooner), and what is asked of a closed connector is
-   answered at once as a miss, so a step that races the close never waits for it.
-7. Layer-wise loads: with a tier whose `layerwise_fill` is on, a load reports each layer of its
-   pages as it lands, and the request may join a step of its own before the load ends, the
-   engine waiting briefly for each layer (worker/connector/layers.py, its note 1).
-8. Pages read in place (worker/kv/pages_in_place.py): a load first asks the tier to pin the pages
-   where they lie in a same-host node's pool (`fill_in_place`); when it can, the load leaves them
-   as `Landed.in_place`, read where they lie for one step, then copied (in_place_joins.py). A
-   load given up that ends with pages in place releases them at once.
+Lookups run on `lookup_threads` threads, fetches on one loader thread (the tier receives one fill
+at a time into its staging buffers anyway). The engine's lock is never held while they run: the
+scheduler only submits work and reads finished results, and each finished lookup or load calls
+`wake` (the engine's loop sleeps on it when nothing else can run).
 """
 
 from __future__ import annotations
@@ -54,7 +29,7 @@ log = logging.getLogger("worker.connector")
 
 DEFAULT_TIMEOUT_S = 30.0  # a backstop: RemoteTier bounds its own calls far sooner (deadlines per call)
 DEFAULT_CLOSE_TIMEOUT_S = 5.0
-DEFAULT_LAYER_WAIT_S = 0.1  # the engine's wait for one layer of a layer-wise load (design note 7)
+DEFAULT_LAYER_WAIT_S = 0.1  # the engine's wait for one layer of a layer-wise load (layers.py: why short)
 DEFAULT_STEP_WAIT_S = 0.3  # ... and for all the layers of its early step together
 DEFAULT_SETTLE_TIMEOUT_S = 1.0  # ... and for its outcome once its last layer landed
 
@@ -65,8 +40,8 @@ class Tier:
     (e.g. its placement); the tier reads and writes the engine's pool array in the page layout.
     A tier implements the first three methods; the abilities after them are off unless it offers them."""
 
-    lease_ms: int | None = None  # its lookups lease pages this long: older answers are asked again (note 3)
-    layerwise_fill: bool = False  # loads use fill_layerwise (design note 7)
+    lease_ms: int | None = None  # its lookups lease pages this long: older answers are asked again (Lookups)
+    layerwise_fill: bool = False  # loads use fill_layerwise (worker/connector/layers.py)
 
     def lookup(self, keys: Sequence[bytes], context: Any) -> int:
         """How many of these page keys (a request's chain, from its first page) do you hold?"""
@@ -81,12 +56,13 @@ class Tier:
         raise NotImplementedError
 
     def fill_in_place(self, keys: Sequence[bytes], block_ids: Sequence[int], context: Any) -> PagesInPlace | None:
-        """All of `keys` pinned where they lie, meant for `block_ids` (design note 8); None: `fill` them."""
+        """All of `keys` pinned where they lie in a same-host node's pool, meant for `block_ids`, to be
+        read there for one step and then copied (worker/kv/pages_in_place.py); None: `fill` them."""
         return None
 
     def fill_layerwise(self, keys: Sequence[bytes], block_ids: Sequence[int], context: Any,
                        landed: Callable[[int], None]) -> int:
-        """As `fill`, calling landed(l) once layer l of every page is in the pool (design note 7)."""
+        """As `fill`, calling landed(l) once layer l of every page is in the pool (layers.py)."""
         raise NotImplementedError
 
 
@@ -96,13 +72,13 @@ class _Load:
     future: Future
     started: float
     blocks: list[int] = field(default_factory=list)  # once given up: to release when the loader is done
-    layers: LayerwiseLoad | None = None  # a layer-wise load (design note 7)
+    layers: LayerwiseLoad | None = None  # a layer-wise load (layers.py)
 
 
 @dataclass(frozen=True)
 class Landed:
     """What a load left: how many of its leading pages arrived in its blocks, or, pinned where they lie
-    in a same-host node's pool, all of them (`in_place`, design note 8)."""
+    in a same-host node's pool, all of them (`in_place`: Tier.fill_in_place)."""
     num_pages: int = 0
     in_place: PagesInPlace | None = None
 
@@ -117,9 +93,9 @@ class FinishedLoads:
 class Connector(Protocol):
     """What the scheduler and the engine use of a connector; none of it waits on the network."""
 
-    timeout_s: float  # a lookup or load not done this long after it was asked for is given up (note 4)
+    timeout_s: float  # a lookup or load not done this long after it was asked for is given up
 
-    # The scheduler, under the engine's lock (design notes 2-4, 7; worker/engine/remote_joins.py).
+    # The scheduler, under the engine's lock (worker/engine/remote_joins.py).
     def get_num_matched_pages(self, request, keys: Sequence[bytes]) -> int | None: ...
     def peek_matched_pages(self, request) -> int | None: ...
     def is_looking_up(self, request) -> bool: ...
@@ -133,7 +109,7 @@ class Connector(Protocol):
     def unjoin(self, request) -> None: ...
     def settle_layerwise(self, request, blocks: Sequence[int], wait_s: float | None = None) -> int | None: ...
 
-    # The engine (design notes 3, 5, 6).
+    # The engine.
     def start_lookup(self, request, keys: Sequence[bytes]) -> None: ...
     def wait_layer(self, request, layer: int) -> bool: ...
     def has_releases(self) -> bool: ...
@@ -150,7 +126,7 @@ class KVConnector:
                  step_wait_s: float = DEFAULT_STEP_WAIT_S):
         self.tier = tier
         self.timeout_s = timeout_s
-        self.layerwise_loads = LayerwiseLoads(layer_wait_s, step_wait_s, settle_timeout_s)  # design note 7
+        self.layerwise_loads = LayerwiseLoads(layer_wait_s, step_wait_s, settle_timeout_s)  # layers.py
         self.layerwise = tier.layerwise_fill
         self.wake = wake
         self.clock = clock
@@ -162,27 +138,31 @@ class KVConnector:
         self._closed = False
         self._pools_lock = threading.Lock()  # guards the two above; taken after the lookups' lock, never before
         self.lookups = Lookups(tier, lambda fn, *args: self._submit(self._lookup_pool, (0, self.clock()), fn, *args),
-                               clock, tier.lease_ms)  # design note 3
+                               clock, tier.lease_ms)  # see start_lookup
         self.num_loads_given_up = 0
-        self.num_loads_cancelled = 0  # ... of which had not started: never run (design note 4)
+        self.num_loads_cancelled = 0  # ... of which had not started: never run (see _give_up)
 
     # ---- any thread -------------------------------------------------------------
 
     def start_lookup(self, request, keys: Sequence[bytes]) -> None:
-        """Ask the tier about `keys` (the request's reusable chain) now, on a lookup thread."""
+        """Ask the tier about `keys` (the request's reusable chain) now, on a lookup thread: the engine
+        calls it as the request arrives, so by the time the scheduler first considers the request
+        the node has usually answered. An answer more than half a lease old is asked again (its
+        pages may have been evicted since the lease lapsed)."""
         self.lookups.start(request, keys)
 
     def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> bool:
-        """Stop taking work, drop what is queued, give running calls `timeout_s` to end (design
-        note 6); False, with one log line, when some still run then (their threads end with
-        the tier's deadlines)."""
+        """Stop taking work, drop what is queued, give running calls `timeout_s` to end; False, with
+        one log line, when some still run then (their threads end with the tier's deadlines, far
+        sooner). What is asked of a closed connector is answered at once as a miss (_submit), so a
+        step that races the close never waits for it."""
         with self._pools_lock:
             self._closed = True
             running = list(self._running)
         self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         self._loader.shutdown(wait=False, cancel_futures=True)
         _, not_done = wait(running, timeout=timeout_s)
-        for load in [*list(self._loads.values()), *list(self._detached)]:  # pages pinned in place (note 8):
+        for load in [*list(self._loads.values()), *list(self._detached)]:  # pages pinned in place:
             _release_in_place(load.future)  # a join of released ones computes them (in_place_joins.py)
         if not_done:
             log.warning("KV connector closed with %d remote calls still running after %.1fs; "
@@ -218,8 +198,13 @@ class KVConnector:
         return self.lookups.in_flight(request)
 
     def start_load(self, request, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
-        """Fetch `keys` into `block_ids` (allocated by the scheduler, not scheduled until the load ends)."""
-        if self.layerwise:  # design note 7
+        """Fetch `keys` into `block_ids` (allocated by the scheduler, not scheduled until the load ends).
+
+        The request is parked meanwhile: its blocks held, never preempted (the loader writes into
+        them). It joins the batch in the first step after its load finished, with what landed counted
+        as computed and the rest of the prompt computed, so a fetch that fails or brings fewer pages
+        costs time, never tokens."""
+        if self.layerwise:  # layer by layer: the request may join a step before the load ends (layers.py)
             layers = LayerwiseLoad(self.wake)
             future = self._submit(self._loader, Landed(), self._fill_layerwise, list(keys), list(block_ids),
                                   request.tier_context, layers)
@@ -231,11 +216,13 @@ class KVConnector:
 
     def take_finished_loads(self) -> FinishedLoads:
         """Loads that ended since the last call, those that let go of blocks given up before,
-        and requests whose load has run past `timeout_s` (design note 4)."""
+        and requests whose load has run past `timeout_s`. Every wait is bounded: a load not finished
+        `timeout_s` after it was asked for, time queued behind other loads included, is overdue and
+        the scheduler computes its request instead."""
         finished, now = FinishedLoads(), self.clock()
         for key, load in list(self._loads.items()):
             if load.layers is not None and load.layers.joined:
-                continue  # settled by the step it joined (design note 7)
+                continue  # settled by the step it joined (settle_layerwise)
             if load.future.done():
                 del self._loads[key]
                 finished.landed.append((load.request, Landed() if load.future.cancelled() else load.future.result()))
@@ -250,14 +237,16 @@ class KVConnector:
 
     def drop(self, request, blocks: Sequence[int] = ()) -> None:
         """The request no longer waits for the tier (it ended, or its load is overdue): its lookup is
-        dropped (a running one finishes unread) and its load, if any, given up (design note 4)."""
+        dropped (a running one finishes unread) and its load, if any, given up (see _give_up)."""
         self.lookups.drop(request)
         if id(request) in self._loads:
             self._give_up(request, blocks)
 
     def _give_up(self, request, blocks: Sequence[int]) -> None:
         """`blocks` (those the loader may write) come back in `released` once the loader let go of
-        them: at the next call when the load had not started, as it is then cancelled."""
+        them: at the next call when the load had not started, as it is then cancelled (never run);
+        only when it finishes when it had. A given-up load that ends with pages in place releases
+        them at once."""
         load = self._loads.pop(id(request))
         load.blocks = list(blocks)
         self._detached.append(load)
@@ -282,7 +271,7 @@ class KVConnector:
         except Exception:  # a tier never fails a request
             log.exception("remote tier on_page_full failed")
 
-    # ---- layer-wise loads (design note 7; worker/connector/layers.py) ---------------------
+    # ---- layer-wise loads (worker/connector/layers.py) ------------------------------------
 
     def can_join_early(self, request) -> bool:
         """Whether a parked request's load is layer-wise, under way (its first layer landed) and not
@@ -348,7 +337,8 @@ class KVConnector:
         return Landed(max(0, min(filled, len(keys))))
 
     def _fill(self, keys: list[bytes], block_ids: list[int], context: Any) -> Landed:
-        """How many leading pages landed in `block_ids`, or the pages pinned in place (design note 8)."""
+        """How many leading pages landed in `block_ids`, or the pages pinned in place (Tier.fill_in_place),
+        asked for first; pinned but fewer than all, they go back and the pages are fetched."""
         try:
             pages = self.tier.fill_in_place(keys, block_ids, context)
         except Exception:
@@ -367,7 +357,7 @@ class KVConnector:
 
 
 def _release_in_place(future: Future) -> None:
-    """A given-up load's pages pinned in place go back to the node (design note 8)."""
+    """A given-up load's pages pinned in place go back to the node at once."""
     if future.done() and not future.cancelled() and future.exception() is None:
         in_place = future.result().in_place
         if in_place is not None:

@@ -1,23 +1,13 @@
 """The KV connector's layer-wise loads: a request whose pages come layer by layer may join a step
 before its load ended, the engine waiting briefly for each layer as its forward reaches it.
 
-`LayerwiseLoads` keeps the waits' bounds and counts, and each layer-wise load its `LayerwiseLoad`;
-the connector (worker/connector/connector.py) keeps the loads and asks it, load by load.
-
-Design notes
-1. Layer-wise loads (issue 19, connector design note 7): with a tier that offers
-   `fill_layerwise` and has `layerwise_fill` on, a load reports each layer of its pages as it
-   lands in the pool (`LayerwiseLoad`, the connector's `start_load`). Once its first layer
-   landed (the node answered and is sending; it wakes the engine), the scheduler may let the
-   request join a step of its own before the load ends (`join_early`, once a load); the engine
-   waits before computing layer l until layer l landed (`wait_layer`). That wait holds up the
-   whole engine, so it is short (`layer_wait_s`, 0.1 s a layer, and `step_wait_s`, 0.3 s of such
-   waits in all a step, the compute between them not counted, so a node trickling its layers
-   just in time cannot hold the engine for layers x 0.1 s): a layer later than that, or a load
-   that ended without it, sends the request back to wait for its load as any parked one (`unjoin`).
-   After the forward `settle_layerwise` says whether every page arrived intact (the tier checks
-   them only at the end, waited for at most `settle_timeout_s`); on any failure the scheduler
-   throws the step's work away.
+With a tier whose `layerwise_fill` is on, a load reports each layer of its pages as it lands in the
+pool (`LayerwiseLoad.land`). Once its first layer landed, the scheduler may let the request join a
+step of its own (`join_early`, once a load), and the engine waits before computing layer l until
+layer l landed (`wait_layer`). After the forward the connector's `settle_layerwise` says whether
+every page arrived intact (the tier checks them only at the end); on any failure the scheduler
+throws the step's work away. `LayerwiseLoads` keeps the waits' bounds and counts, and each
+layer-wise load its `LayerwiseLoad`; the connector (connector.py) keeps the loads.
 """
 
 from __future__ import annotations
@@ -28,7 +18,7 @@ from typing import Callable
 
 
 class LayerwiseLoad:
-    """How many layers of one layer-wise load landed, whether it ended, and its early join (note 1)."""
+    """How many layers of one layer-wise load landed, whether it ended, and its early join."""
 
     def __init__(self, wake: Callable[[], None]):
         self.cond = threading.Condition()
@@ -54,7 +44,13 @@ class LayerwiseLoad:
 
 
 class LayerwiseLoads:
-    """The bounds on the engine's waits for layers, and what joined, went back and waited (note 1)."""
+    """The bounds on the engine's waits for layers, and what joined, went back and waited.
+
+    A wait holds up the whole engine, so it is short: `layer_wait_s` a layer, and `step_wait_s` of
+    such waits in all a step (the compute between them not counted), so a node trickling its layers
+    just in time cannot hold the engine for layers x layer_wait_s. A layer later than that, or a
+    load that ended without it, sends the request back to wait for its load as any parked one
+    (`unjoin`). `settle_timeout_s` bounds the wait for the load's outcome after the forward."""
 
     def __init__(self, layer_wait_s: float, step_wait_s: float, settle_timeout_s: float):
         self.layer_wait_s = layer_wait_s

@@ -1,6 +1,7 @@
 """The KV connector's lookups: how many pages of a request's chain the tier holds, asked on the
 connector's lookup threads from the request's arrival and taken when the scheduler admits it
-(worker/connector/connector.py design notes 3 and 4)."""
+(worker/connector/connector.py: KVConnector.start_lookup, and take_finished_loads for the bound
+on every wait)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ class Lookups:
     def __init__(self, tier, submit: Callable[..., Future], clock: Callable[[], float], lease_ms: int | None):
         self.tier = tier
         self.clock = clock
-        self.max_age_s = lease_ms / 2000.0 if lease_ms else None
+        self.max_age_s = lease_ms / 2000.0 if lease_ms else None  # half a lease: older answers are asked again
         self.num_given_up = 0
         self._submit = submit  # submit(fn, *args): fn(*args) on a lookup thread; a miss once closed
         self._lookups: dict[int, _Lookup] = {}  # id(request) ->; the request is held by the engine meanwhile
