@@ -98,7 +98,7 @@ def test_belady_hits_as_many_blocks_as_the_best_choices_and_as_prefixes(chains, 
     found = belady(requests, capacity)
     uses = tuple(key for request in requests for key in request.keys)
     assert found["any_hit_blocks"] == best_hits(uses, capacity)
-    assert found["hit_blocks"] == found["any_hit_blocks"]  # ids name their prefix (belady.py note 1)
+    assert found["hit_blocks"] == found["any_hit_blocks"]  # ids name their prefix (belady.py's docstring)
     assert found["hit_tokens"] == 512 * found["hit_blocks"]
 
 

@@ -1,5 +1,6 @@
-"""Loads given up before they started (worker/connector/connector.py note 4): the loader never runs them, and
-their blocks come back at the next step, while a load that started keeps its blocks until it ends."""
+"""Loads given up before they started (worker/connector/connector.py: KVConnector._give_up): the
+loader never runs them, and their blocks come back at the next step, while a load that started
+keeps its blocks until it ends."""
 
 import threading
 import time
@@ -83,7 +84,7 @@ def test_loads_aborted_before_they_started_never_run_and_free_their_blocks_at_th
 
 
 def test_overdue_loads_not_started_are_cancelled_and_their_requests_computed(tiny):
-    """Overdue is measured from when the load was asked for (note 4): the loads queued behind the
+    """Overdue is measured from when the load was asked for (take_finished_loads): the loads queued behind the
     slow one are overdue with it, given up without running, and their requests computed."""
     colds = [out.token_ids for out in Engine(tiny, num_blocks=256, page_tokens=16, seed=0).generate(
         [prompt(i) for i in range(PARKED)], max_new_tokens=4, ignore_eos=True)]

@@ -1,4 +1,4 @@
-"""coordinator.client.Client leaves no gRPC object for the interpreter's exit (its note 1): a call
+"""coordinator.client.Client leaves no gRPC object for the interpreter's exit (Client.close): a call
 or channel freed by the last garbage collection at exit, after grpc's daemon threads were
 stopped where they stood, waits forever for a lock such a thread held. Seen in
 test_netns_partition's resumed request: its client printed the whole answer and never exited

@@ -1,4 +1,4 @@
-"""LOOKUP, the data plane's lookup (kvnode/wire/data_frames.py note 8): NodeClient.lookup goes over the
+"""LOOKUP, the data plane's lookup (kvnode/wire/data_frames.py: lookup_request): NodeClient.lookup goes over the
 data plane when the client uses one and answers what gRPC's Lookup answers, hits and leases alike;
 its refusals carry gRPC's codes (a RESOURCE_EXHAUSTED, a refused lease or a node at its connection
 bound, is asked over gRPC, which refuses the one and serves the other); a refused LOOKUP is read

@@ -123,7 +123,7 @@ def test_tokens_from_pages_fetched_on_the_same_host_equal_the_cold_ones(tmp_path
             assert tiers[0].flush(timeout_s=10.0) and tiers[0].stats.pages_written >= 8
             with tiers[1].nodes.use([daemon.address]) as nodes:  # the reader meets the node, maps its pool
                 assert tiers[1].lookup([bytes(16)], placement) == 0
-                if in_place:  # first contact maps it into the reader's block arena too (pages_in_place.py note 3)
+                if in_place:  # first contact maps it into the reader's block arena too (InPlaceReader.prepare)
                     assert wait_for(lambda: tiers[1].in_place.attached(daemon.address), timeout_s=20.0)
                 else:
                     nodes[0].client.map_shared_pool(timeout=10)

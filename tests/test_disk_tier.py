@@ -84,9 +84,9 @@ def test_any_flipped_byte_is_detected_by_recovery_and_by_every_read_when_the_che
 
 @FLIPS
 def test_checked_at_start_a_read_checks_the_header_and_trusts_the_bytes(tier, tmp_path, where):
-    """Design note 6: a flipped byte of the header's named fields is refused on read; one of the
-    checksum or the page is served (its reader's check of the writer's checksum refuses it), and
-    recovery at the next start finds it either way."""
+    """The once-a-process check (disk/tier.py: CHECK_AT_START): a flipped byte of the header's named
+    fields is refused on read; one of the checksum or the page is served (its reader's check of the
+    writer's checksum refuses it), and recovery at the next start finds it either way."""
     assert tier.check == CHECK_AT_START
     write(tier, 2, key(1), b"", 1, 1)
     flip_byte(tmp_path / SLOTS_FILE, 2 * tier.slot_bytes + where)

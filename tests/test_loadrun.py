@@ -1,5 +1,5 @@
 """One pass of the load bench against a scripted client: a session's turns carry the model's
-replies as token ids (workload note 2), other requests go as text, and a failed turn ends its session."""
+replies as token ids (workload.Request.follows_reply), other requests go as text, and a failed turn ends its session."""
 
 from base.generation import Finished, Piece, Usage
 from coordinator.client import ClusterError

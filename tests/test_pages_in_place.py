@@ -288,7 +288,7 @@ def test_the_window_of_a_node_whose_client_let_its_pool_go_is_unmapped():
 def test_a_node_met_while_a_pins_attach_runs_is_still_mapped_once_its_client_maps_the_pool():
     """First contact asks for the node's pool in the arena (prepare) while an attach that a pin
     began is still running, and that one finds the pool not mapped yet: the prepare is not lost,
-    it runs once that attach ends and maps the pool when the client has (pages_in_place note 3)."""
+    it runs once that attach ends and maps the pool when the client has (InPlaceReader.prepare)."""
     import threading
     from types import SimpleNamespace
 
@@ -336,7 +336,7 @@ def test_a_node_met_while_a_pins_attach_runs_is_still_mapped_once_its_client_map
 ])
 def test_the_arena_waits_for_the_mapping_its_nodes_client_says_is_under_way(states, mapped, asked):
     """prepare asks the node's client for its pool's state (NodeClient.shared_pool_state), waiting
-    in slices while it says "mapping" (pages_in_place note 3)."""
+    in slices while it says "mapping" (InPlaceReader._client_mapped)."""
     from types import SimpleNamespace
 
     from worker.kv.pages_in_place import _MAPPING_SLICE_S, InPlaceReader

@@ -1,5 +1,5 @@
 """A page gone from its kvnode between the lookup and the fetch (evicted once its lease lapsed, or
-dropped by another worker's DropPages) is a miss, not a failing node (worker/remote/tier.py note 9):
+dropped by another worker's DropPages) is a miss, not a failing node (worker/remote/tier.py: RemoteTier._fetch_failed):
 the request computes those tokens, and the node is still used by the next request. Each of the
 tier's three fetches: whole pages (`fill`), layer by layer, and read in place."""
 

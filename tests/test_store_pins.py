@@ -1,7 +1,7 @@
 """Pins (kvnode/store/pins.py): a page whose bytes the data plane is sending from the pool is
 never evicted, so its slot is not overwritten mid-send; releasing the last pin makes it
 evictable again. Whatever fails partway through a pin, an unpin or a flush, no pin is left
-behind (note 2)."""
+behind (PagePins.pin, PagePins.unpin)."""
 
 from __future__ import annotations
 
