@@ -83,7 +83,7 @@ class BlockArena:
 
     def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype, window_space: int = WINDOW_SPACE_BYTES):
         if _LIBC is None:
-            raise OSError(0, "no arena on this platform (design note 4)")
+            raise OSError(0, "no arena on this platform: libc mmap is not available (the pool is a plain array)")
         dtype = np.dtype(dtype)
         self.block_bytes = int(np.prod(block_shape)) * dtype.itemsize
         self._align = math.lcm(self.block_bytes, _PAGE)  # windows start on a block and on a page
