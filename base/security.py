@@ -1,13 +1,14 @@
 """Who may talk to a kvcache daemon: TLS and mutual TLS for gRPC and the data plane.
 
 One Credentials per process, from --tls-cert, --tls-key and --tls-ca. A daemon given all three
-takes TLS only on its gRPC and data ports, and only from a peer presenting a certificate of the CA
-(mutual TLS); its own calls to other members present its certificate. Every port requires one, a
-coordinator's too: grpcio's Python API can require a client certificate or not ask for one, but
-not ask and check it when given (require_client_auth=False never sees the peer's certificate).
-So clients hold a certificate of the CA (`kvcache certs` makes `client.pem`), and a token says who
-they are (base/tokens.py). Without the options a daemon stays plaintext, for a loopback
-development cluster.
+takes TLS only on its gRPC and data ports; its own calls to other members present its certificate.
+A kvnode's and a worker's ports take only a peer presenting a certificate of the CA (mutual TLS):
+only members and the coordinators call them. A coordinator's port asks for a certificate and checks
+one given, but takes a client without one: the CA and a token are a client's whole equipment.
+grpcio's Python API can require a client certificate or not ask for one, not ask and check it when
+given (require_client_auth=False never sees the peer's certificate), so a coordinator's TLS is
+Python's, in front of its gRPC server (base/tls_front.py). Without the options a daemon stays
+plaintext, for a loopback development cluster.
 """
 
 from __future__ import annotations
@@ -47,22 +48,21 @@ class Credentials:
         ca = _read(self.ca, "--tls-ca")
         cert = _read(self.cert, "--tls-cert") if self.cert else None
         key = _read(self.key, "--tls-key") if self.key else None
-        server_context = client_context = None
+        server_context = client_context = front_context = None
         try:
             client_context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=ca.decode())
             if cert is not None:
                 client_context.load_cert_chain(self.cert, self.key)
-                server_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-                server_context.minimum_version = ssl.TLSVersion.TLSv1_2
-                server_context.load_cert_chain(self.cert, self.key)
-                server_context.load_verify_locations(cadata=ca.decode())
-                server_context.verify_mode = ssl.CERT_REQUIRED  # mutual TLS, as every secure port requires
+                server_context = _server_context(self.cert, self.key, ca, ssl.CERT_REQUIRED)  # mutual TLS, as members' ports require
+                front_context = _server_context(self.cert, self.key, ca, ssl.CERT_OPTIONAL)  # a coordinator's: a certificate checked when given
+                front_context.set_alpn_protocols(["h2"])  # gRPC's clients want HTTP/2 named
         except (ssl.SSLError, ValueError) as exc:
             raise ValueError(f"TLS files {self.cert or ''} {self.key or ''} {self.ca} do not make a certificate, "
                              f"key and CA that fit: {exc}") from None
         with self._lock:
             self._ca, self._cert, self._key = ca, cert, key
             self._server_context, self._client_context = server_context, client_context
+            self._front_context = front_context
             self.generation += 1
 
     # ---- gRPC --------------------------------------------------------------------
@@ -98,6 +98,22 @@ class Credentials:
     def client_context(self) -> ssl.SSLContext:
         with self._lock:
             return self._client_context
+
+    def front_context(self) -> ssl.SSLContext:
+        """A coordinator's port (base/tls_front.py): a client certificate asked for and checked, not required."""
+        with self._lock:
+            if self._front_context is None:
+                raise ValueError("a server needs --tls-cert and --tls-key")
+            return self._front_context
+
+
+def _server_context(cert: Path, key: Path, ca: bytes, verify_mode: ssl.VerifyMode) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert, key)
+    context.load_verify_locations(cadata=ca.decode())
+    context.verify_mode = verify_mode
+    return context
 
 
 def _read(path: Path, option: str) -> bytes:
@@ -196,19 +212,22 @@ def is_loopback(host: str) -> bool:
 
 
 MEMBER_NAME_PREFIX = "kvcache-"
+NO_CERTIFICATE = "(no certificate)"  # the role of a TLS caller that presented none (a coordinator's client)
 
 
-def _role_of(common_name: str) -> str:
+def role_of_common_name(common_name: str) -> str:
+    """The role a certificate's common name says, `kvcache-ROLE`; "" for a name not of that form."""
     return common_name[len(MEMBER_NAME_PREFIX):] if common_name.startswith(MEMBER_NAME_PREFIX) else ""
 
 
 def peer_role(context: grpc.ServicerContext) -> str | None:
-    """The role in the calling peer's certificate ("" for none of ours); None for a plaintext call."""
+    """The role in the calling peer's certificate ("" for none of ours); None for a plaintext call.
+    A coordinator under TLS asks its front instead (base/tls_front.py)."""
     auth = context.auth_context()
     if b"ssl" not in auth.get("transport_security_type", []):
         return None
     names = auth.get("x509_common_name", [])
-    return _role_of(names[0].decode(errors="replace")) if names else ""
+    return role_of_common_name(names[0].decode(errors="replace")) if names else NO_CERTIFICATE
 
 
 def socket_role(conn: socket.socket) -> str | None:
@@ -217,7 +236,7 @@ def socket_role(conn: socket.socket) -> str | None:
     if getpeercert is None:
         return None
     subject = dict(item for entry in (getpeercert() or {}).get("subject", ()) for item in entry)
-    return _role_of(subject.get("commonName", ""))
+    return role_of_common_name(subject.get("commonName", ""))
 
 
 def not_member_reason(role: str | None, roles: tuple[str, ...], what: str) -> str | None:
@@ -227,20 +246,24 @@ def not_member_reason(role: str | None, roles: tuple[str, ...], what: str) -> st
     A certificate says who the peer is, not only that the CA signed it: a member's has the common
     name `kvcache-ROLE` (`kvcache certs` writes them so; a deployment's own CA must too). Only
     kvnodes and workers may Register, Heartbeat and Deregister with a coordinator, and only workers
-    may look up, get and put pages on a kvnode. A client's certificate reaches only client calls,
-    which its token then names; a scraper's (`kvcache-monitor`) is the only one the metrics port
+    may look up, get and put pages on a kvnode. A client needs no certificate; one it presents
+    reaches only client calls, which its token then names; a scraper's (`kvcache-monitor`) is the only one the metrics port
     takes."""
     if role is None or role in roles:
         return None
-    return (f"{what} is for {' and '.join(roles)} members: the caller's certificate is "
-            f"{'for ' + role if role else 'not a kvcache member certificate'}")
+    if role == NO_CERTIFICATE:
+        whose = "the caller presented no certificate (a member presents its own: --tls-cert, --tls-key)"
+    else:
+        whose = f"the caller's certificate is {'for ' + role if role else 'not a kvcache member certificate'}"
+    return f"{what} is for {' and '.join(roles)} members: {whose}"
 
 
 def refuse_unless_member(context: grpc.ServicerContext, roles: tuple[str, ...], what: str,
-                         logger: logging.Logger) -> None:
+                         logger: logging.Logger, role_of=peer_role) -> None:
     """Abort the call with PERMISSION_DENIED unless its certificate names one of `roles` (see
-    not_member_reason)."""
-    reason = not_member_reason(peer_role(context), roles, what)
+    not_member_reason); `role_of(context)`: the caller's role (peer_role, or a coordinator's TLS
+    front's)."""
+    reason = not_member_reason(role_of(context), roles, what)
     if reason is not None:
         logger.info("refused request: PERMISSION_DENIED: %s", reason)
         context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)

@@ -7,6 +7,7 @@ import logging
 import threading
 
 from base import addresses, observability, security, serving, startup, tokens
+from base.tls_front import TlsFront, listen
 from coordinator.capacity import DEFAULT_MAX_STREAMS, server_threads
 from coordinator.membership import Membership
 from coordinator.metrics import CoordinatorMetrics
@@ -16,8 +17,8 @@ from protos.methods import method_path
 
 log = logging.getLogger("coordinator")
 
-# Called by members, not clients: open to any holder of a cluster certificate, no token: members
-# hold certificates, not client tokens.
+# Called by members, not clients: no token (members hold certificates, not client tokens); the
+# service refuses any caller without a member's certificate (security.refuse_unless_member).
 MEMBER_METHODS = [method_path("Coordinator", name) for name in ("Register", "Heartbeat", "Deregister")]
 
 
@@ -66,7 +67,13 @@ def run(args: argparse.Namespace) -> int:
             [handler(service)], [SERVICE_NAME], max_workers=server_threads(args.max_streams),
             interceptors=tokens.interceptors(client_tokens, MEMBER_METHODS)
             + observability.server_interceptors(SERVICE_NAME, metrics and metrics.request_duration, TRACE_ROOTS))
-        port = serving.bind(server, args.host, args.port, credentials)
+        front = None
+        if credentials is None:
+            port = serving.bind(server, args.host, args.port)
+        else:  # TLS in front of gRPC: members present certificates, clients need not (base/tls_front.py)
+            front = TlsFront(credentials, listen(args.host, args.port), serving.bind(server, "127.0.0.1", 0), log)
+            service.peer_role = front.peer_role
+            port = front.port
         reached = addresses.reached_at(args.host, port, args.advertise)
         metrics_server = (observability.start_metrics(metrics.registry, args, credentials)
                           if metrics is not None else None)
@@ -76,6 +83,12 @@ def run(args: argparse.Namespace) -> int:
     sweeper = threading.Thread(target=run_sweeper, args=(membership, stopping), name="sweeper", daemon=True)
     sweeper.start()
     server.start()
+    if front is not None:
+        try:
+            front.start()
+        except OSError as exc:
+            serving.stop(server, health, 0)
+            return startup.refuse("coordinator", exc)
     serving.freeze_startup_objects()
     reached_at = f"reached at {reached}, " if args.advertise else ""
     print(
@@ -87,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     serving.wait_until(stopping)
     log.info("stopping: finishing running requests for up to %.1fs", args.grace)
     serving.stop(server, health, args.grace)
+    if front is not None:
+        front.stop()
     service.close()
     if metrics_server is not None:
         metrics_server.stop()

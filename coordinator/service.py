@@ -50,12 +50,13 @@ class CoordinatorService:
         self.relay = Relay(membership, self.router, self.workers.open, replicas, prefix_chars, request_timeout_s)
         self.metrics = None  # coordinator.metrics.CoordinatorMetrics (--metrics-port): requests by outcome
         self.tokens = tokens  # base.tokens.Tokens (--tokens-file): the caller's tenant salts its placement
+        self.peer_role = security.peer_role  # the caller's role; under TLS its front's (base/tls_front.py)
 
     # ---- membership ------------------------------------------------------------
 
     def register(self, request, context) -> pb.RegisterReply:
         _check_parsed(request, context)
-        security.refuse_unless_member(context, MEMBERS, "Register", log)
+        security.refuse_unless_member(context, MEMBERS, "Register", log, self.peer_role)
         try:
             member = self.membership.register(
                 request.role, request.address, request.capacity_bytes, request.page_bytes,
@@ -69,13 +70,13 @@ class CoordinatorService:
 
     def heartbeat(self, request, context) -> pb.HeartbeatReply:
         _check_parsed(request, context)
-        security.refuse_unless_member(context, MEMBERS, "Heartbeat", log)
+        security.refuse_unless_member(context, MEMBERS, "Heartbeat", log, self.peer_role)
         load = {f.name: v for f, v in request.load.ListFields()} if request.HasField("load") else None
         return pb.HeartbeatReply(known=self.membership.heartbeat(request.member_id, load))
 
     def deregister(self, request, context) -> pb.DeregisterReply:
         _check_parsed(request, context)
-        security.refuse_unless_member(context, MEMBERS, "Deregister", log)
+        security.refuse_unless_member(context, MEMBERS, "Deregister", log, self.peer_role)
         member = self.membership.deregister(request.member_id)
         if member is not None:
             log.info("%s %s left (deregistered; epoch %s)", member.role, member.address, self.membership.ring.epoch)

@@ -109,6 +109,8 @@ def refusal(address: str, method: str, request, credentials) -> grpc.RpcError:
 
 @pytest.mark.parametrize("who", ["no client certificate", "a certificate of another CA"])
 def test_tls_without_a_cluster_certificate_cannot_register_beat_put_or_get(secure_cluster, certs, tmp_path, who):
+    """A coordinator takes a caller without a certificate (a client) but refuses it the member
+    calls; a kvnode takes none at all; a certificate of another CA gets through nowhere."""
     ca = (certs / "ca.pem").read_bytes()
     if who == "no client certificate":
         credentials = grpc.ssl_channel_credentials(ca)
@@ -116,21 +118,44 @@ def test_tls_without_a_cluster_certificate_cannot_register_beat_put_or_get(secur
         make_certs(tmp_path / "other")
         credentials = grpc.ssl_channel_credentials(ca, (tmp_path / "other" / "node.key").read_bytes(),
                                                    (tmp_path / "other" / "node.pem").read_bytes())
-    coordinator = secure_cluster.role("coordinator")[0].address
+    coordinator = secure_cluster.role("coordinator")[0]
     node = secure_cluster.role("node")[0].address
-    calls = [
-        (coordinator, "/kvcache.v1.Coordinator/Register",
+    member_calls = [
+        (coordinator.address, "/kvcache.v1.Coordinator/Register",
          pb.RegisterRequest(role="node", address="127.0.0.1:1", capacity_bytes=2**20, page_bytes=1024)),
-        (coordinator, "/kvcache.v1.Coordinator/Heartbeat", pb.HeartbeatRequest(member_id="x")),
-        (node, "/kvcache.v1.KVStore/GetPages", pb.GetPagesRequest(keys=[b"k" * 16])),
+        (coordinator.address, "/kvcache.v1.Coordinator/Heartbeat", pb.HeartbeatRequest(member_id="x")),
+        (coordinator.address, "/kvcache.v1.Coordinator/Deregister", pb.DeregisterRequest(member_id="x")),
     ]
-    for address, method, request in calls:
-        assert refusal(address, method, request, credentials).code() == grpc.StatusCode.UNAVAILABLE, method
+    for address, method, request in member_calls:
+        refused = refusal(address, method, request, credentials)
+        if who == "no client certificate":
+            assert refused.code() == grpc.StatusCode.PERMISSION_DENIED, method
+            assert "the caller presented no certificate" in refused.details(), method
+        else:
+            assert refused.code() == grpc.StatusCode.UNAVAILABLE, method
+    assert refusal(node, "/kvcache.v1.KVStore/GetPages", pb.GetPagesRequest(keys=[b"k" * 16]),
+                   credentials).code() == grpc.StatusCode.UNAVAILABLE
     with grpc.secure_channel(node, credentials) as channel:
         put = channel.stream_unary("/kvcache.v1.KVStore/PutPages", None, None)
         with pytest.raises(grpc.RpcError) as failed:
             put(iter([b""]), timeout=5)
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    log = coordinator.log_path.read_text()
+    if who == "no client certificate":
+        assert "refused request: PERMISSION_DENIED: Register is for node and worker members" in log
+    else:
+        assert "TLS handshake(s) since the last such line" in log
+    assert "Traceback" not in log
+
+
+def test_a_client_with_the_ca_alone_generates_and_reads_status(secure_cluster, certs):
+    """The CA checks the coordinators; no client certificate is needed (nor asked of the caller)."""
+    expected = Engine.load("tiny").generate(PROMPT, max_new_tokens=4)[0].token_ids
+    with Client(secure_cluster.coordinator_addresses, tls_ca=str(certs / "ca.pem")) as client:
+        tokens, done = collect(client.generate(PROMPT, max_tokens=4))
+        members = client.status().members
+    assert tokens == expected and done.finish_reason == "length"
+    assert sorted(m.role for m in members if m.alive) == ["node", "worker"]
 
 
 def test_a_client_certificate_reaches_client_calls_only_not_a_members(secure_cluster, certs):
