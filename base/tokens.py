@@ -6,6 +6,10 @@ reads and writes (a public system prompt). Other tenants each have a namespace o
 their name, mixed into the root of the page-key chain and into the coordinator's placement key,
 so the same prompt from two tenants has unrelated keys. A caller sends `authorization: Bearer
 TOKEN` metadata; tokens are never logged.
+
+A client's --token-file holds its token alone (`cluster up --secure` writes RUN_DIR/client.token
+so), or is a tokens file: the run directory's `tokens` works as it is, its `default` tenant being
+the clients' (`--tenant NAME` picks another; a file of one tenant needs none).
 """
 
 from __future__ import annotations
@@ -49,22 +53,7 @@ class Tokens:
 
     @classmethod
     def load(cls, path: str | Path) -> "Tokens":
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ValueError(f"--tokens-file {path}: {exc.strerror or exc}") from None
-        entries = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            words = line.split("#", 1)[0].split()
-            if not words:
-                continue
-            if len(words) not in (2, 3) or (len(words) == 3 and words[2] != SHARED):
-                raise ValueError(f"--tokens-file {path} line {number}: expected TENANT TOKEN [shared], "
-                                 f"got {len(words)} words")  # never echo the line: it holds a token
-            if len(words[1]) < 16:
-                raise ValueError(f"--tokens-file {path} line {number}: a token needs at least 16 characters")
-            entries.append((words[0], words[1], len(words) == 3))
-        return cls(entries)
+        return cls(tenant_lines(_read(path, "--tokens-file"), path, "--tokens-file"))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -162,17 +151,69 @@ def from_args(args) -> Tokens | None:
     return Tokens.load(args.tokens_file) if args.tokens_file else None
 
 
-def client_token(token_file: str | None) -> str | None:
-    """A client's token: the first word of --token-file, else $KVCACHE_TOKEN, else None."""
-    if token_file:
-        try:
-            words = Path(token_file).read_text().split()
-        except OSError as exc:
-            raise ValueError(f"--token-file {token_file}: {exc.strerror or exc}") from None
-        if not words:
-            raise ValueError(f"--token-file {token_file} is empty")
-        return words[0]
-    return os.environ.get("KVCACHE_TOKEN") or None
+def _read(path: str | Path, option: str) -> str:
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{option} {path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def _lines(text: str) -> list[tuple[int, list[str]]]:
+    """(line number, words) of each line with words, `# ...` comments left out."""
+    numbered = ((number, line.split("#", 1)[0].split()) for number, line in enumerate(text.splitlines(), start=1))
+    return [(number, words) for number, words in numbered if words]
+
+
+def tenant_lines(text: str, path: str | Path, option: str,
+                 expected: str = "TENANT TOKEN [shared]") -> list[tuple[str, str, bool]]:
+    """(tenant, token, shared) of a tokens file's lines (note 1); ValueError naming the line that
+    is not one, never echoing it (it holds a token)."""
+    entries = []
+    for number, words in _lines(text):
+        if len(words) not in (2, 3) or (len(words) == 3 and words[2] != SHARED):
+            raise ValueError(f"{option} {path} line {number}: expected {expected}, got {len(words)} "
+                             f"word{'' if len(words) == 1 else 's'}"
+                             + (f" (a third word can only be `{SHARED}`)" if len(words) == 3 else ""))
+        if len(words[1]) < 16:
+            raise ValueError(f"{option} {path} line {number}: a token needs at least 16 characters")
+        entries.append((words[0], words[1], len(words) == 3))
+    return entries
+
+
+DEFAULT_TENANT = "default"  # the clients' tenant of the tokens file `kvcache cluster up --secure` writes
+
+
+def client_token(token_file: str | None, tenant: str | None = None) -> str | None:
+    """A client's token: from --token-file, else $KVCACHE_TOKEN, else None.
+
+    The file holds the token alone, or is a daemons' tokens file (`TENANT TOKEN [shared]` lines,
+    note 1): then the token is `tenant`'s, or the only tenant's, or that of `default` (the clients'
+    tenant of `kvcache cluster up --secure`). ValueError for a file that is neither, or a tenant
+    it does not name; no message echoes a token."""
+    if not token_file:
+        if tenant is not None:
+            raise ValueError("--tenant picks a tenant of a tokens file: give that file as --token-file")
+        return os.environ.get("KVCACHE_TOKEN") or None
+    text = _read(token_file, "--token-file")
+    lines = _lines(text)
+    if not lines:
+        raise ValueError(f"--token-file {token_file} is empty: it should hold the token alone, or "
+                         f"`TENANT TOKEN` lines (a daemons' --tokens-file)")
+    if len(lines) == 1 and len(lines[0][1]) == 1:
+        if tenant is not None:
+            raise ValueError(f"--token-file {token_file} holds a token alone, not tenants: --tenant has none to pick")
+        return lines[0][1][0]
+    entries = tenant_lines(text, token_file, "--token-file",
+                           expected="the token alone, or `TENANT TOKEN [shared]` lines (a daemons' --tokens-file)")
+    names = [name for name, _, _ in entries]
+    wanted = tenant if tenant is not None else (names[0] if len(names) == 1 else DEFAULT_TENANT)
+    for name, token, _ in entries:
+        if name == wanted:
+            return token
+    if tenant is not None:
+        raise ValueError(f"--token-file {token_file} names no tenant {tenant!r}; it names {', '.join(names)}")
+    raise ValueError(f"--token-file {token_file} names the tenants {', '.join(names)}: give --tenant NAME "
+                     f"to pick the one this client is")
 
 
 def new_token() -> str:

@@ -62,9 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser, coordinators_help: str | None
 
 def add_token_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-file", metavar="FILE", default=None,
-                        help="a file holding this client's token alone, sent as `authorization: Bearer TOKEN` "
-                             f"(`cluster up --secure` writes RUN_DIR/{CLIENT_TOKEN_FILE}; default: $KVCACHE_TOKEN, "
-                             "else that file of a secure cluster found by its run directory, else none)")
+                        help="this client's token, sent as `authorization: Bearer TOKEN`: a file holding it alone "
+                             f"(`cluster up --secure` writes RUN_DIR/{CLIENT_TOKEN_FILE}), or a tokens file of "
+                             "`TENANT TOKEN` lines such as RUN_DIR/tokens, whose `default` tenant (or only one) is "
+                             "taken unless --tenant names another (default: $KVCACHE_TOKEN, else the token of a "
+                             "secure cluster found by its run directory, else none)")
+    parser.add_argument("--tenant", metavar="NAME", default=None,
+                        help="the tenant whose token to take from a --token-file of `TENANT TOKEN` lines")
 
 
 def resolve(args: argparse.Namespace) -> Target:
@@ -87,7 +91,7 @@ def _given(args: argparse.Namespace, text: str) -> Target:
     addresses = [a.strip() for a in text.split(",") if a.strip()]
     if not addresses:
         raise ValueError("--coordinators names no address: give host:port,host:port")
-    return Target(addresses, {**tls_options(args), "token": client_token(args.token_file)})
+    return Target(addresses, {**tls_options(args), "token": client_token(args)})
 
 
 def _from_run_dir(args: argparse.Namespace, run_dir: Path) -> Target:
@@ -100,14 +104,14 @@ def _from_run_dir(args: argparse.Namespace, run_dir: Path) -> Target:
     if not addresses:
         raise ValueError(f"{cluster_file} names no coordinator: start the cluster again with `kvcache cluster up`")
     options = tls_options(args)
-    token = client_token(args.token_file)
+    token = client_token(args)
     if cluster.get("secure"):
         tls = run_dir / "tls"
         files = {"tls_ca": tls / "ca.pem", "tls_cert": tls / "client.pem", "tls_key": tls / "client.key"}
         if not any(options.values()) and all(path.is_file() for path in files.values()):
             options = {name: str(path) for name, path in files.items()}
         if token is None and (run_dir / CLIENT_TOKEN_FILE).is_file():
-            token = client_token(str(run_dir / CLIENT_TOKEN_FILE))
+            token = tokens.client_token(str(run_dir / CLIENT_TOKEN_FILE))
     return Target(addresses, {**options, "token": token}, cluster_file)
 
 
@@ -116,18 +120,6 @@ def tls_options(args: argparse.Namespace) -> dict:
     return {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key}
 
 
-def client_token(token_file: str | None) -> str | None:
-    """The token of --token-file (else $KVCACHE_TOKEN, else None). A daemons' tokens file (`TENANT
-    TOKEN` lines) is refused with the file to give instead: its first word is a tenant's name,
-    which no coordinator would take for a token."""
-    if token_file:
-        try:
-            lines = Path(token_file).read_text().splitlines()
-        except OSError as exc:
-            raise ValueError(f"--token-file {token_file}: {exc.strerror or exc}") from None
-        words = next((line.split("#", 1)[0].split() for line in lines if line.split("#", 1)[0].strip()), [])
-        if len(words) > 1:  # never echo the words: they hold a token
-            raise ValueError(f"--token-file {token_file} holds `TENANT TOKEN` lines: a tokens file, for the "
-                             f"daemons' --tokens-file. A client's token file holds its token alone: `cluster up "
-                             f"--secure` writes one beside it, {Path(token_file).with_name(CLIENT_TOKEN_FILE)}")
-    return tokens.client_token(token_file)
+def client_token(args: argparse.Namespace) -> str | None:
+    """The token of --token-file and --tenant, else $KVCACHE_TOKEN, else None (base/tokens.py note 4)."""
+    return tokens.client_token(args.token_file, getattr(args, "tenant", None))

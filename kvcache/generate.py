@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         if args.worker:
             target = None
             credentials = security.from_args(args, client=True)
-            token = client_target.client_token(args.token_file)
+            token = client_target.client_token(args)
         else:
             target = client_target.resolve(args)
             credentials = token = None

@@ -123,13 +123,14 @@ def test_numbers_out_of_range_are_refused_naming_the_option(tmp_path, option, va
     assert "Value out of range" not in done.stderr
 
 
-def test_a_daemons_tokens_file_as_token_file_is_refused_naming_the_file_to_give(tmp_path):
+def test_a_malformed_token_file_is_refused_naming_the_line_never_the_token(tmp_path):
     token = "s3cret-token-of-the-default-tenant"
-    (tmp_path / "tokens").write_text(f"default {token}\nmonitor another-token-0123456789\n")
+    (tmp_path / "tokens").write_text(f"default {token}\nmonitor {token} extra\n")
     done = kvcache("status", "--coordinators", "127.0.0.1:1", "--token-file", str(tmp_path / "tokens"))
     assert done.returncode == 2
-    assert "a tokens file" in done.stderr and str(tmp_path / "client.token") in done.stderr
-    assert token not in done.stderr
+    assert f"--token-file {tmp_path / 'tokens'} line 2: expected the token alone, or `TENANT TOKEN [shared]` " \
+           "lines" in done.stderr, done.stderr
+    assert token not in done.stderr and "Traceback" not in done.stderr
 
 
 def test_an_unknown_model_is_refused_listing_the_models_that_work(tmp_path):

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from cluster_helpers import collect, wait_for
 from base import security
-from base.tokens import TokenCheck, Tokens, authorization
+from base.tokens import TokenCheck, Tokens, authorization, client_token
 from coordinator.client import Client, ClusterError
 from coordinator.daemon import MEMBER_METHODS
 from coordinator.ring import placement_key
@@ -119,6 +119,43 @@ def test_a_tokens_file_maps_tokens_to_tenants_and_refuses_bad_lines(tmp_path):
         with pytest.raises(ValueError, match=message) as refused:
             Tokens.load(bad)
         assert "secret-token" not in str(refused.value), "a refusal never echoes a token"
+
+
+def test_a_client_token_file_holds_the_token_alone_or_is_a_tokens_file(tmp_path, monkeypatch):
+    """A daemons' tokens file works as a client's --token-file: its `default` tenant (the clients' of
+    `cluster up --secure`), its only one, or the one --tenant names; anything else is refused
+    naming the file and the line, never a token."""
+    monkeypatch.delenv("KVCACHE_TOKEN", raising=False)
+    path = tmp_path / "token"
+
+    def token(text: str, tenant: str | None = None) -> str | None:
+        path.write_text(text)
+        return client_token(str(path), tenant)
+
+    assert token("# mine\nalone-token\n") == "alone-token"
+    assert token("default dddddddddddddddd\nmonitor mmmmmmmmmmmmmmmm\n") == "dddddddddddddddd"
+    assert token("monitor mmmmmmmmmmmmmmmm\ndefault dddddddddddddddd\n", "monitor") == "mmmmmmmmmmmmmmmm"
+    assert token("alice aaaaaaaaaaaaaaaa shared\n") == "aaaaaaaaaaaaaaaa"
+    secret = "secret-token-0123456789"
+    for text, tenant, message in [
+        ("", None, "is empty"),
+        ("# only a comment\n", None, "is empty"),
+        (f"{secret}\nanother-one\n", None, "line 1: expected the token alone, or `TENANT TOKEN \\[shared\\]` lines"),
+        (f"alice {secret} extra\n", None, "line 1: expected .* got 3 words \\(a third word can only be `shared`\\)"),
+        ("alice short\n", None, "line 1: a token needs at least 16 characters"),
+        (f"alice {secret}\nbob {secret}\n", None, "names the tenants alice, bob: give --tenant NAME"),
+        (f"alice {secret}\nbob {secret}\n", "carol", "names no tenant 'carol'; it names alice, bob"),
+        (f"{secret}\n", "alice", "holds a token alone"),
+    ]:
+        with pytest.raises(ValueError, match=message) as refused:
+            token(text, tenant)
+        assert str(path) in str(refused.value) and secret not in str(refused.value)
+    with pytest.raises(ValueError, match="--token-file .*nonexistent"):
+        client_token(str(tmp_path / "nonexistent"))
+    with pytest.raises(ValueError, match="--tenant picks a tenant of a tokens file"):
+        client_token(None, "alice")
+    monkeypatch.setenv("KVCACHE_TOKEN", "from-the-environment")
+    assert client_token(None) == "from-the-environment"
 
 
 def test_calls_without_a_known_token_are_logged_as_one_line_an_interval(caplog):
