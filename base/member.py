@@ -25,6 +25,7 @@ log = logging.getLogger("membership")
 class _Coordinator:
     def __init__(self, address: str, credentials: security.Credentials | None):
         self.address = address
+        self.credentials = credentials
         self.channel = security.channel(address, credentials)
         stub = pb_grpc.CoordinatorStub(self.channel)
         self.register = stub.Register
@@ -92,7 +93,11 @@ class MembershipAgent:
             coordinator.reachable = True
         except grpc.RpcError as exc:
             if coordinator.reachable is not False:
-                log.warning("coordinator %s unreachable (%s); retrying every beat", coordinator.address, exc.code().name)
+                mismatch = (security.tls_mismatch(coordinator.address, coordinator.credentials, "the coordinator",
+                                                  member=True)
+                            if exc.code() == grpc.StatusCode.UNAVAILABLE else None)
+                log.warning("coordinator %s unreachable (%s); retrying every beat", coordinator.address,
+                            mismatch or exc.code().name)
             coordinator.reachable = False
 
 

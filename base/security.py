@@ -9,6 +9,10 @@ grpcio's Python API can require a client certificate or not ask for one, not ask
 given (require_client_auth=False never sees the peer's certificate), so a coordinator's TLS is
 Python's, in front of its gRPC server (base/tls_front.py). Without the options a daemon stays
 plaintext, for a loopback development cluster.
+
+A TLS client against a plaintext server, or a plaintext one against a TLS server, hears from gRPC
+only "Socket closed": when no server answered, a client asks each one itself (tls_mismatch, a
+TLS ClientHello on a connection of its own) and says the mismatch in one line.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+
+from base import addresses
 
 log = logging.getLogger("security")
 
@@ -267,3 +273,81 @@ def refuse_unless_member(context: grpc.ServicerContext, roles: tuple[str, ...], 
     if reason is not None:
         logger.info("refused request: PERMISSION_DENIED: %s", reason)
         context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
+
+
+# ---- a TLS mismatch, said as one (note 5) ---------------------------------------
+
+PROBE_TIMEOUT_S = 2.0
+
+
+def speaks_tls(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool | None:
+    """Whether the server at `address` answers a TLS ClientHello with TLS records; None when it
+    cannot be reached or says nothing within `timeout_s`."""
+    try:
+        host, port = addresses.split_host_port(address)
+    except ValueError:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # only the kind of answer counts
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    try:
+        context.wrap_bio(incoming, outgoing).do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.sendall(outgoing.read())
+            answer = sock.recv(2)
+    except socket.timeout:
+        return None
+    except ConnectionResetError:
+        return False  # a plaintext server that cut the garbage short
+    except OSError:
+        return None
+    # A TLS record (handshake 0x16 or alert 0x15, version 3.x); a plaintext gRPC server sends an
+    # HTTP/2 frame or closes.
+    return len(answer) == 2 and answer[0] in (0x15, 0x16) and answer[1] == 0x03
+
+
+def tls_mismatch(address: str, credentials: Credentials | None, what: str = "the cluster",
+                 member: bool = False, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """One line saying how this caller's TLS (`credentials`, None for plaintext) and the server's
+    at `address` differ, with what to do; None when they agree or the server cannot be asked.
+    `member`: the caller is a daemon (its advice names its own certificate), not a client."""
+    tls = speaks_tls(address, timeout_s)
+    if tls is None:
+        return None
+    if tls and credentials is None:
+        give = ("start this daemon with --tls-cert, --tls-key and --tls-ca (its role's certificate and the "
+                "cluster's CA, as `kvcache certs` writes them)") if member else (
+                "pass --tls-ca FILE, the cluster's CA (`kvcache cluster up --secure` wrote RUN_DIR/tls/ca.pem; "
+                "in Python Client(tls_ca=FILE)), and its token")
+        return f"{what} at {address} speaks TLS and this {'daemon' if member else 'client'} does not: {give}"
+    if not tls and credentials is not None:
+        drop = "this daemon's --tls-cert, --tls-key and --tls-ca" if member else "--tls-ca, --tls-cert and --tls-key"
+        return (f"{what} at {address} speaks plaintext, not TLS, and this {'daemon' if member else 'client'} "
+                f"connected with TLS: leave out {drop}, or start {what} with TLS")
+    if tls:
+        return _certificate_mismatch(address, credentials, what, timeout_s)
+    return None
+
+
+def _certificate_mismatch(address: str, credentials: Credentials, what: str, timeout_s: float) -> str | None:
+    """Why the server's certificate fails this caller's check, if it does."""
+    host, port = addresses.split_host_port(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            with credentials.client_context().wrap_socket(sock, server_hostname=host) as tls:
+                tls.recv(1)  # a gRPC server sends its settings at once; one that wants a certificate, an alert
+                return None
+    except ssl.SSLCertVerificationError as exc:
+        return (f"{what} at {address} presents a certificate that --tls-ca {credentials.ca} does not accept "
+                f"({exc.verify_message}): give the CA that signed the cluster's certificates, which must name "
+                f"{host}")
+    except ssl.SSLError as exc:
+        if "CERTIFICATE_REQUIRED" in str(exc).upper() and credentials.cert is None:
+            return (f"{what} at {address} takes only callers with a certificate of the cluster's CA: pass "
+                    f"--tls-cert and --tls-key too (or go through a coordinator, which needs none)")
+        return None
+    except OSError:
+        return None

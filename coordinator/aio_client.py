@@ -10,6 +10,7 @@ coordinator's span is a child of the gateway's.
 
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator, Mapping, Sequence
 
 import grpc
@@ -19,7 +20,7 @@ from base.generation import Finished, Piece
 from base.observability import trace_metadata
 from base.tokens import authorization
 from coordinator.client import (TRY_ELSEWHERE, ClusterError, client_credentials, none_served, not_resumable, resumable,
-                                resumed)
+                                resumed, tls_mismatch)
 from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
 from worker.client import generate_request, parse_reply
@@ -32,6 +33,7 @@ class AsyncClient:
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None):
         credentials = client_credentials(coordinators, tls_ca, tls_cert, tls_key)
         self.timeout = timeout
+        self._credentials = credentials
         self._metadata = authorization(token)
         self._channels = [(address, security.aio_channel(address, credentials, security.KEEPALIVE_OPTIONS))
                           for address in dict.fromkeys(coordinators)]
@@ -47,7 +49,7 @@ class AsyncClient:
         request = generate_request(prompt, **options)
         request.session_id = session_id
         sent: list[int] = []
-        errors, codes = [], set()
+        errors, codes, unreachable = [], set(), []
         for index, (address, stub) in self._in_order():
             call = stub.Generate(resumed(request, sent), timeout=self.timeout, metadata=metadata)
             try:
@@ -65,15 +67,19 @@ class AsyncClient:
                     raise ClusterError(exc.code(), exc.details() or "no details") from None
                 errors.append(f"{address}: {exc.code().name}: {exc.details()}")
                 codes.add(exc.code())
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and not sent:
+                    unreachable.append(address)
             finally:
                 call.cancel()   # a no-op once finished
             if sent and not resumable(request):
                 raise not_resumable(sent, errors)
+        if codes == {grpc.StatusCode.UNAVAILABLE}:
+            await self._raise_if_mismatch(unreachable)
         raise none_served(codes, errors)
 
     async def status(self, timeout: float = 5.0, token: str | None = None) -> pb.ClusterStatusReply:
         metadata = (self._metadata if token is None else authorization(token)) + trace_metadata()
-        errors = []
+        errors, unreachable = [], []
         for _, (address, stub) in self._in_order():
             try:
                 return await stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=timeout, metadata=metadata)
@@ -81,7 +87,17 @@ class AsyncClient:
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # another coordinator would say the same
                     raise ClusterError(exc.code(), exc.details() or "no details") from None
                 errors.append(f"{address}: {exc.code().name}")
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    unreachable.append(address)
+        await self._raise_if_mismatch(unreachable)
         raise ClusterError(grpc.StatusCode.UNAVAILABLE, "no coordinator answered: " + "; ".join(errors))
+
+    async def _raise_if_mismatch(self, unreachable: list[str]) -> None:
+        """TlsMismatch when a coordinator that did not answer speaks TLS otherwise (asked on a thread:
+        the probe's sockets block)."""
+        mismatch = await asyncio.to_thread(tls_mismatch, unreachable, self._credentials)
+        if mismatch is not None:
+            raise mismatch
 
     def _in_order(self) -> list[tuple[int, tuple[str, object]]]:
         numbered = list(enumerate(self._stubs))

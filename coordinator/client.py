@@ -26,7 +26,7 @@ from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
 from worker.client import generate_request, parse_reply
 
-__all__ = ["Cancel", "Client", "ClusterError"]
+__all__ = ["Cancel", "Client", "ClusterError", "TlsMismatch"]
 
 # A coordinator that is down, or at its limit of streams (RESOURCE_EXHAUSTED): try the next one.
 TRY_ELSEWHERE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -77,6 +77,27 @@ class ClusterError(Exception):
         self.details = details
 
 
+class TlsMismatch(ClusterError):
+    """No coordinator answered because this client's TLS and theirs differ: the one line that says how
+    (base/security.py note 5), with what to do."""
+
+    def __init__(self, line: str):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, line)
+
+    def __str__(self) -> str:
+        return self.details
+
+
+def tls_mismatch(failed: Sequence[str], credentials: security.Credentials | None) -> TlsMismatch | None:
+    """A TlsMismatch when the first coordinator in `failed` (none answered) that can be asked speaks
+    TLS otherwise than this client; None when none does."""
+    for address in failed:
+        line = security.tls_mismatch(address, credentials)
+        if line is not None:
+            return TlsMismatch(line)
+    return None
+
+
 class Cancel:
     """Ends a Client.generate from any thread: its current stream is cancelled at once (the worker
     frees the request's blocks) and generate raises ClusterError(CANCELLED), trying no other
@@ -115,6 +136,7 @@ class Client:
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None):
         credentials = client_credentials(coordinators, tls_ca, tls_cert, tls_key)
         self.timeout = timeout
+        self._credentials = credentials
         self._metadata = authorization(token)
         self._coordinators = []
         for address in dict.fromkeys(coordinators):
@@ -134,7 +156,7 @@ class Client:
         request = generate_request(prompt, **options)
         request.session_id = session_id
         sent: list[int] = []
-        errors, codes = [], set()
+        errors, codes, unreachable = [], set(), []
         for coordinator in self._in_order():
             stream = coordinator.generate(resumed(request, sent), timeout=self.timeout, metadata=metadata)
             if cancel is not None:
@@ -159,15 +181,21 @@ class Client:
                     raise ClusterError(exc.code(), exc.details() or "no details") from None
                 errors.append(f"{coordinator.address}: {exc.code().name}: {exc.details()}")
                 codes.add(exc.code())
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and not sent:
+                    unreachable.append(coordinator.address)
             finally:
                 stream.cancel()
             if sent and not resumable(request):
                 raise not_resumable(sent, errors)
+        if codes == {grpc.StatusCode.UNAVAILABLE}:
+            mismatch = tls_mismatch(unreachable, self._credentials)
+            if mismatch is not None:
+                raise mismatch
         raise none_served(codes, errors)
 
     def status(self, timeout: float = 5.0, token: str | None = None) -> pb.ClusterStatusReply:
         metadata = self._metadata if token is None else authorization(token)
-        errors = []
+        errors, unreachable = [], []
         for coordinator in self._in_order():
             try:
                 return coordinator.status(pb.ClusterStatusRequest(), timeout=timeout, metadata=metadata)
@@ -175,6 +203,11 @@ class Client:
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # another coordinator would say the same
                     raise ClusterError(exc.code(), exc.details() or "no details") from None
                 errors.append(f"{coordinator.address}: {exc.code().name}")
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    unreachable.append(coordinator.address)
+        mismatch = tls_mismatch(unreachable, self._credentials)
+        if mismatch is not None:
+            raise mismatch
         raise ClusterError(grpc.StatusCode.UNAVAILABLE, "no coordinator answered: " + "; ".join(errors))
 
     def _in_order(self) -> list[_Coordinator]:

@@ -19,6 +19,7 @@ Notes
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from contextlib import aclosing
@@ -26,9 +27,13 @@ from dataclasses import replace
 from typing import AsyncIterator, Awaitable, Callable
 
 from base.generation import Finished, Piece
+from base.log_limits import CountedEvent
 from coordinator.aio_client import AsyncClient, ClusterError
+from coordinator.client import TlsMismatch
 from gateway.errors import ApiError, from_cluster
 from gateway.shapes import Call
+
+log = logging.getLogger("gateway")
 
 MODELS_TTL_S = 2.0
 MODELS_CACHED_KEYS = 256
@@ -44,6 +49,7 @@ class Upstream:
         self._first_seen: dict[str, int] = {}                  # model name -> first seen (unix seconds)
         self._models: OrderedDict[str | None, tuple[float, dict[str, int]]] = OrderedDict()  # by key (note 4)
         self.started = int(time.time())
+        self._mismatches = CountedEvent()  # a TLS mismatch with the coordinators (base/security.py note 5)
 
     async def open(self) -> None:
         self.client = self._open_client()
@@ -110,12 +116,15 @@ class Upstream:
         finally:
             self.running -= 1   # leaving early closed the stream, which cancelled the call (note 3)
 
-    @staticmethod
-    async def _refusals(pending: Awaitable, token: str | None):
+    async def _refusals(self, pending: Awaitable, token: str | None):
         """pending's result, the cluster's refusals as ApiErrors (`token`: the caller's key, if any)."""
         try:
             return await pending
         except ClusterError as exc:
+            if isinstance(exc, TlsMismatch):  # the operator's to fix: said in the log too
+                self._mismatches.happened()
+                if count := self._mismatches.to_log():
+                    log.warning("%d request(s) failed since the last such line: %s", count, exc.details)
             raise from_cluster(exc.code, exc.details, key_sent=token is not None) from None
 
 

@@ -10,6 +10,11 @@ import sys
 
 from kvcache import __version__
 
+# gRPC's own log lines at INFO (one per failed TLS handshake, "Handshake failed with error ...") would
+# come beside ours, which say what happened and what to do (base/security.py note 5): only its
+# errors, unless the user asks for more. Before any gRPC import: it reads this once.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 
 def build_parser() -> argparse.ArgumentParser:
     from coordinator import daemon as coordinator_daemon

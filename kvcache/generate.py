@@ -20,7 +20,7 @@ import grpc
 
 from base import security
 from base.generation import Finished, Piece
-from coordinator.client import Client, ClusterError
+from coordinator.client import Client, ClusterError, TlsMismatch
 from kvcache import client_target
 from kvcache.chat_sessions import ChatSession
 from worker.client import WorkerClient, WorkerError
@@ -109,7 +109,13 @@ def run(args: argparse.Namespace) -> int:
             finished = _generate(args, target, credentials, token, prompt.value, options, out)
     except (WorkerError, ClusterError, ValueError) as exc:
         out.end_line()
-        hint = target.hint() if target is not None and getattr(exc, "code", None) == grpc.StatusCode.UNAVAILABLE else ""
+        if isinstance(exc, WorkerError) and exc.code == grpc.StatusCode.UNAVAILABLE and not out.pieces:
+            mismatch = security.tls_mismatch(args.worker, credentials, "the worker")  # base/security.py note 5
+            if mismatch is not None:
+                print(f"kvcache generate: error: {mismatch}", file=sys.stderr)
+                return 1
+        hint = (target.hint() if target is not None and getattr(exc, "code", None) == grpc.StatusCode.UNAVAILABLE
+                and not isinstance(exc, TlsMismatch) else "")
         print(f"kvcache generate: error: {exc}{hint}", file=sys.stderr)
         return 1
     if finished is None:

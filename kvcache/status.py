@@ -17,7 +17,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from base.units import format_size
-from coordinator.client import Client, ClusterError
+from coordinator.client import Client, ClusterError, TlsMismatch
 from kvcache import client_target
 from kvcache.bench.report import print_table
 
@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
         with Client(target.coordinators, **target.options) as client:
             status = client.status()
     except (ClusterError, ValueError) as exc:
-        hint = target.hint() if getattr(exc, "code", None) == grpc.StatusCode.UNAVAILABLE else ""
+        hint = (target.hint() if getattr(exc, "code", None) == grpc.StatusCode.UNAVAILABLE
+                and not isinstance(exc, TlsMismatch) else "")
         print(f"kvcache status: error: {exc}{hint}", file=sys.stderr)
         return 1
     if args.json:

@@ -55,7 +55,10 @@ def test_cluster_up_secure_prints_a_token_and_options_that_work_and_plaintext_do
         coordinators = options[options.index("--coordinators") + 1]
         plain = subprocess.run([*cli, "generate", "--coordinators", coordinators, "--max-tokens", "2", "Hello"],
                                capture_output=True, text=True, timeout=120, env=env)
-        assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr
+        assert plain.returncode == 1 and plain.stderr.splitlines() == [
+            f"kvcache generate: error: the cluster at {coordinators.split(',')[0]} speaks TLS and this client does "
+            f"not: pass --tls-ca FILE, the cluster's CA (`kvcache cluster up --secure` wrote RUN_DIR/tls/ca.pem; in "
+            f"Python Client(tls_ca=FILE)), and its token"], plain.stderr
         # The gateway reaches the coordinators over mutual TLS and passes each caller's key on.
         gateway = re.search(r"^gateway: (http://\S+) ", up.stdout, re.M).group(1)
         assert completion(gateway, None)[0] == 401 and completion(gateway, "not-" + token)[0] == 401

@@ -8,15 +8,16 @@ import ipaddress
 import os
 import socket
 import stat
+import subprocess
 
 import grpc
 import numpy as np
 import pytest
 from cryptography import x509
 
-from cluster_helpers import collect
+from cluster_helpers import collect, kvcache_command, started, wait_for
 from base import security
-from coordinator.client import Client
+from coordinator.client import Client, TlsMismatch
 from kvcache.certs import ROLES, make_certs
 from kvcache.cluster import client_tls, start_cluster, wait_healthy
 from kvnode.wire import data_frames as dw
@@ -289,3 +290,56 @@ def test_a_worker_certificate_of_another_ca_cannot_fetch_from_the_data_port(secu
     with pytest.raises(DataPlaneError):
         client.get_into([b"k" * 16], memoryview(bytearray(1024)), memoryview(bytearray(16)), timeout_s=5)
     client.close()
+
+
+def client_command(*args: str) -> subprocess.CompletedProcess:
+    """`kvcache ARGS` to completion, without the environment's coordinators or token."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KVCACHE_COORDINATORS", "KVCACHE_TOKEN", "GRPC_VERBOSITY")}
+    return subprocess.run(kvcache_command(*args), capture_output=True, text=True, timeout=60, env=env,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_a_plaintext_client_of_a_tls_cluster_is_told_in_one_line_to_pass_the_ca(secure_cluster):
+    coordinator = secure_cluster.coordinator_addresses[0]
+    for command in (["status"], ["generate", "--max-tokens", "2", "Hello"]):
+        done = client_command(*command, "--coordinators", coordinator)
+        assert done.returncode == 1
+        assert done.stderr.splitlines() == [
+            f"kvcache {command[0]}: error: the cluster at {coordinator} speaks TLS and this client does not: pass "
+            f"--tls-ca FILE, the cluster's CA (`kvcache cluster up --secure` wrote RUN_DIR/tls/ca.pem; in Python "
+            f"Client(tls_ca=FILE)), and its token"], done.stderr
+    with Client([coordinator]) as plaintext, pytest.raises(TlsMismatch, match="speaks TLS and this client does not"):
+        plaintext.status(timeout=5)
+
+
+def test_a_tls_client_of_a_plaintext_cluster_is_told_in_one_line_to_leave_tls_out(certs, tmp_path):
+    with started(tmp_path, "coordinator", "plaintext") as coordinator:
+        done = client_command("generate", "--coordinators", coordinator.address, "--tls-ca", str(certs / "ca.pem"),
+                              "--max-tokens", "2", "Hello")
+        with Client([coordinator.address], tls_ca=str(certs / "ca.pem")) as tls:
+            with pytest.raises(TlsMismatch) as mismatch:
+                collect(tls.generate("Hello", max_tokens=2))
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        f"kvcache generate: error: the cluster at {coordinator.address} speaks plaintext, not TLS, and this client "
+        f"connected with TLS: leave out --tls-ca, --tls-cert and --tls-key, or start the cluster with TLS"], done.stderr
+    assert mismatch.value.code == grpc.StatusCode.UNAVAILABLE and "speaks plaintext, not TLS" in str(mismatch.value)
+
+
+def test_a_client_with_another_ca_is_told_the_certificate_is_not_accepted(secure_cluster, tmp_path):
+    make_certs(tmp_path / "other")
+    coordinator = secure_cluster.coordinator_addresses[0]
+    done = client_command("status", "--coordinators", coordinator, "--tls-ca", str(tmp_path / "other" / "ca.pem"))
+    assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert (f"the cluster at {coordinator} presents a certificate that --tls-ca {tmp_path / 'other' / 'ca.pem'} does "
+            f"not accept") in done.stderr
+
+
+def test_a_plaintext_member_of_a_tls_cluster_says_the_mismatch_in_its_log(secure_cluster, tmp_path):
+    coordinator = secure_cluster.coordinator_addresses[0]
+    with started(tmp_path, "node", "plaintext-node", "--coordinators", coordinator, "--capacity", "1MiB",
+                 "--page-bytes", "1024") as node:
+        expected = (f"coordinator {coordinator} unreachable (the coordinator at {coordinator} speaks TLS and this "
+                    f"daemon does not: start this daemon with --tls-cert, --tls-key and --tls-ca")
+        assert wait_for(lambda: expected in node.log_path.read_text(), timeout_s=15), node.log_path.read_text()
+    assert "Traceback" not in node.log_path.read_text()
