@@ -156,15 +156,23 @@ def aio_channel(address: str, credentials: Credentials | None, options=()) -> gr
     return grpc.aio.secure_channel(address, credentials.channel_credentials(), options=list(options))
 
 
-def add_arguments(parser: argparse.ArgumentParser, client: bool = False) -> None:
-    """--tls-cert, --tls-key, --tls-ca: every daemon's and client's."""
-    who = "this client's" if client else "this daemon's"
-    parser.add_argument("--tls-cert", metavar="FILE", default=None,
-                        help=f"{who} certificate (PEM), presented to peers; with --tls-key and --tls-ca "
-                             f"every connection is TLS (kvcache certs DIR makes them)")
-    parser.add_argument("--tls-key", metavar="FILE", default=None, help=f"{who} private key (PEM)")
-    parser.add_argument("--tls-ca", metavar="FILE", default=None,
-                        help="the cluster's CA certificate (PEM): peers must present a certificate it signed")
+def add_arguments(parser: argparse.ArgumentParser, client: bool = False, cert_help: str | None = None) -> None:
+    """--tls-cert, --tls-key, --tls-ca: every daemon's and client's; `cert_help` says what a
+    client's certificate is for when it is more than a client's (the gateway serves HTTPS with it)."""
+    if client:
+        cert = cert_help or ("this client's certificate (PEM) of the cluster's CA, with --tls-key: optional for a "
+                             "coordinator, which needs only --tls-ca and a token; a worker's or kvnode's port "
+                             "takes none without one")
+        ca = ("the cluster's CA certificate (PEM): connections are then TLS, the servers checked against it "
+              "(`kvcache cluster up --secure` writes RUN_DIR/tls/ca.pem)")
+    else:
+        cert = ("this daemon's certificate (PEM), presented to peers; with --tls-key and --tls-ca every connection "
+                "is TLS (kvcache certs DIR makes them)")
+        ca = "the cluster's CA certificate (PEM): peers must present a certificate it signed (a coordinator's clients need none)"
+    parser.add_argument("--tls-cert", metavar="FILE", default=None, help=cert)
+    parser.add_argument("--tls-key", metavar="FILE", default=None,
+                        help=f"{'this client' if client else 'this daemon'}'s private key (PEM) for --tls-cert")
+    parser.add_argument("--tls-ca", metavar="FILE", default=None, help=ca)
 
 
 def from_args(args: argparse.Namespace, client: bool = False) -> Credentials | None:
@@ -176,7 +184,7 @@ def from_args(args: argparse.Namespace, client: bool = False) -> Credentials | N
         return Credentials(Path(args.tls_ca))
     if not all(given):
         raise ValueError("give --tls-cert, --tls-key and --tls-ca together"
-                         + ("" if not client else " (or --tls-ca alone, to check the servers only)"))
+                         + ("" if not client else " (or --tls-ca alone: a coordinator takes a client without a certificate)"))
     return Credentials(Path(args.tls_ca), Path(args.tls_cert), Path(args.tls_key))
 
 

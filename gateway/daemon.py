@@ -4,7 +4,10 @@ Serves GET /v1/models, POST /v1/completions and /v1/chat/completions (stream: tr
 server-sent events ending in `data: [DONE]`), vLLM's POST /tokenize, POST /detokenize and GET
 /tokenizer_info, GET /health, and with --metrics GET /metrics, on uvicorn. In front of a secure
 cluster (--tls-*), /metrics wants a key the coordinators know (`Authorization: Bearer KEY`), as
-the OpenAI routes do. Prints `gateway listening on http://HOST:PORT` once it serves; stops on
+the OpenAI routes do. With --tls-cert and --tls-key it serves HTTPS only, with that certificate
+(`kvcache cluster up --secure` gives it the run directory's tls/gateway.pem), and presents it to
+the coordinators; with --tls-ca alone it serves plain HTTP and reaches the coordinators over TLS
+without a certificate. Prints `gateway listening on http(s)://HOST:PORT` once it serves; stops on
 SIGTERM, giving running requests --grace seconds."""
 
 from __future__ import annotations
@@ -49,9 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a client may take nothing the gateway sends it (it stopped reading, or is "
                              "gone without a word) before its connection is dropped and its request cancelled on "
                              f"its worker; Linux's TCP_USER_TIMEOUT (default {DEFAULT_SEND_TIMEOUT_S:g})")
-    # A secure cluster: the gateway reaches the coordinators over mutual TLS with a client
-    # certificate, and each caller's `Authorization: Bearer KEY` goes on with its calls.
-    security.add_arguments(parser, client=True)
+    # A secure cluster: the gateway reaches the coordinators over TLS (its certificate, when given,
+    # presented), and each caller's `Authorization: Bearer KEY` goes on with its calls.
+    security.add_arguments(parser, client=True, cert_help=(
+        "the gateway's certificate (PEM) of the cluster's CA, with --tls-key: it then serves HTTPS only, with "
+        "this certificate (which must name the host its clients reach it at), and presents it to the "
+        "coordinators; without, it serves plain HTTP (default)"))
     parser.add_argument("--metrics", action="store_true",
                         help="serve Prometheus metrics at /metrics on the gateway's own port (default: off)")
     observability.add_tracing_arguments(parser)
@@ -80,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         observability.setup_tracing(args, "kvcache-gateway")
     except (ValueError, OSError) as exc:
         return startup.refuse("gateway", exc)
-    url = f"http://{addresses.host_port(host, port)}"
+    https = credentials is not None and credentials.cert is not None
+    url = f"{'https' if https else 'http'}://{addresses.host_port(host, port)}"
     metrics = None
     if args.metrics:
         from gateway.metrics import GatewayMetrics
@@ -90,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     def started() -> None:
         if metrics is not None:
             log.info("metrics on %s/metrics", url)
-        api = f"http://{reached}/v1" if args.advertise else f"{url}/v1"
+        api = f"{url.split('://')[0]}://{reached}/v1" if args.advertise else f"{url}/v1"
         print(f"gateway listening on {url} (OpenAI API at {api}, coordinators {','.join(coordinators)}, "
               f"up to {args.max_streams} requests)", flush=True)
 
@@ -103,7 +110,10 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=args.grace,
                             # Connections beyond this get 503 from uvicorn before any work is done.
-                            limit_concurrency=args.max_streams * 2 + 16)
+                            limit_concurrency=args.max_streams * 2 + 16,
+                            # HTTPS only: a plain HTTP request on this port gets no answer (its bytes
+                            # fail the handshake), as a plaintext client of a TLS coordinator.
+                            **({"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key} if https else {}))
     # uvicorn raises the signal that stopped it again once it has shut down; with the default
     # action that killed the gateway (exit 143, no last line). This handler turns it, or a stop
     # that comes before uvicorn has installed its own, into SystemExit, so a stop ends like every

@@ -3,7 +3,8 @@ mutual TLS between the cluster's members (base/security.py reads them).
 
 Writes DIR/ca.pem (give it to every daemon and client as --tls-ca), DIR/ca.key (keep it to sign
 more; no daemon needs it), and DIR/ROLE.pem + DIR/ROLE.key for coordinator, node, worker,
-client and monitor (a Prometheus scraping the daemons' metrics ports). Every certificate names 127.0.0.1, ::1, localhost and each --host as subject
+client (optional: a coordinator takes clients without one), gateway (its HTTPS port's) and
+monitor (a Prometheus scraping the daemons' metrics ports). Every certificate names 127.0.0.1, ::1, localhost and each --host as subject
 alternative names (TLS checks the address a member is reached at against them), and may serve
 and be presented as a client (members are both). Keys are ECDSA P-256, files 0600.
 
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
-ROLES = ("coordinator", "node", "worker", "client", "monitor")
+ROLES = ("coordinator", "node", "worker", "client", "gateway", "monitor")
 DEFAULT_HOSTS = ("127.0.0.1", "::1", "localhost")
 DEFAULT_DAYS = 365
 

@@ -3,9 +3,8 @@
 In order: `--coordinators A,B`; `--run-dir DIR` (the cluster file `kvcache cluster up --run-dir DIR`
 wrote); $KVCACHE_COORDINATORS; ./.kvcache/cluster.json, the one a plain `kvcache cluster up` in
 this folder wrote. A cluster found through a file is named in one line on stderr, so a user
-always knows which one answered; when it runs `--secure`, the run directory's CA, client
-certificate and client token (as `cluster up --secure` wrote them) are used unless --tls-* or a
-token is given.
+always knows which one answered; when it runs `--secure`, the run directory's CA and client token
+(as `cluster up --secure` wrote them) are used unless --tls-* or a token is given.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ class Target:
 
     def describe(self) -> str:
         """The one line said on stderr for a cluster found through its file."""
-        secure = ", mutual TLS and client token of its run directory" if self.options.get("tls_ca") else ""
+        secure = ", TLS with the CA and client token of its run directory" if self.options.get("tls_ca") else ""
         return f"using the cluster in {self.found_in} (coordinators {','.join(self.coordinators)}{secure})"
 
     def hint(self) -> str:
@@ -106,10 +105,9 @@ def _from_run_dir(args: argparse.Namespace, run_dir: Path) -> Target:
     options = tls_options(args)
     token = client_token(args)
     if cluster.get("secure"):
-        tls = run_dir / "tls"
-        files = {"tls_ca": tls / "ca.pem", "tls_cert": tls / "client.pem", "tls_key": tls / "client.key"}
-        if not any(options.values()) and all(path.is_file() for path in files.values()):
-            options = {name: str(path) for name, path in files.items()}
+        ca = run_dir / "tls" / "ca.pem"  # a client needs no certificate of its own (base/security.py note 1)
+        if not any(options.values()) and ca.is_file():
+            options = {**options, "tls_ca": str(ca)}
         if token is None and (run_dir / CLIENT_TOKEN_FILE).is_file():
             token = tokens.client_token(str(run_dir / CLIENT_TOKEN_FILE))
     return Target(addresses, {**options, "token": token}, cluster_file)

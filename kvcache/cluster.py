@@ -51,7 +51,7 @@ class LocalCluster:
 
     @property
     def gateway_url(self) -> str | None:
-        """http://HOST:PORT of the HTTP gateway, when one was started."""
+        """http://HOST:PORT of the HTTP gateway (https:// with `tls_dir`), when one was started."""
         return next((d.address for d in self.role("gateway")), None)
 
     def restart(self, daemon: Daemon, port: int | None = None, timeout_s: float = 30.0) -> Daemon:
@@ -97,7 +97,7 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
     `tokens_file`, coordinators and workers want a client token from it (base/tokens.py). With
     `gateway_port` (0: a free one), an HTTP gateway (`kvcache gateway`) serves the OpenAI API in
     front of the coordinators, with /metrics when `metrics`, and loads `model`'s tokenizer for its
-    tokenizer routes (--tokenizer). With `otlp_endpoint`, every member (and the gateway) exports
+    tokenizer routes (--tokenizer); with `tls_dir` it serves HTTPS with the gateway certificate. With `otlp_endpoint`, every member (and the gateway) exports
     trace spans there (--otlp-endpoint; needs the `otel` extra), of
     `trace_sample_ratio` of the requests when given (--trace-sample-ratio). `eviction`: the
     kvnodes' --eviction policy (default theirs). `page_bytes`: the kvnodes' page size when another
@@ -154,7 +154,7 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
                                          *(["--otlp-endpoint", otlp_endpoint] if otlp_endpoint else []),
                                          *(["--trace-sample-ratio", repr(trace_sample_ratio)]
                                            if otlp_endpoint and trace_sample_ratio is not None else []),
-                                         *(tls_args(tls_dir, "client") if tls_dir is not None else [])],
+                                         *(tls_args(tls_dir, "gateway") if tls_dir is not None else [])],
                              log_path=logs / "gateway.log")
             cluster.daemons.append(gateway)
             if on_start:
@@ -191,11 +191,11 @@ def tls_args(tls_dir: Path, role: str) -> list[str]:
 
 
 def client_tls(tls_dir: Path | None) -> dict:
-    """Client's keywords for a cluster started with `tls_dir` (its client certificate); {} for plaintext."""
+    """Client's keywords for a cluster started with `tls_dir`: its CA, which is all a client of the
+    coordinators needs besides a token (base/security.py note 1); {} for plaintext."""
     if tls_dir is None:
         return {}
-    return {"tls_ca": str(tls_dir / "ca.pem"), "tls_cert": str(tls_dir / "client.pem"),
-            "tls_key": str(tls_dir / "client.key")}
+    return {"tls_ca": str(tls_dir / "ca.pem")}
 
 
 def default_blas_threads(workers: int) -> int:

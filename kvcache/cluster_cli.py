@@ -70,8 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a healthy cluster (default 120)")
     up.add_argument("--secure", action="store_true",
                     help="mutual TLS between every member (a development CA and certificates made into RUN_DIR/tls "
-                         "by `kvcache certs`) and a client token (printed, and alone in RUN_DIR/client.token); "
-                         "`generate` and `status` find both through the cluster file, and print the options to "
+                         "by `kvcache certs`), a client token (printed, and alone in RUN_DIR/client.token) and the "
+                         "gateway on HTTPS; a client needs only the CA (RUN_DIR/tls/ca.pem) and the token: "
+                         "`generate` and `status` find both through the cluster file, and it prints the options to "
                          "give from elsewhere")
     up.add_argument("--gateway-port", type=int, default=None,
                     help="port of the OpenAI-compatible HTTP gateway in front of the coordinators (default 0: a "
@@ -171,7 +172,9 @@ def _print_started(args, cluster: LocalCluster, logs: Path, cluster_file: Path, 
     print(f"cluster up: {args.coordinators} coordinators, {args.nodes} {members}, model {args.model}")
     print(f"coordinators: {coordinators}")
     if cluster.gateway_url:
-        print(f"gateway: {cluster.gateway_url} (OpenAI API at {cluster.gateway_url}/v1)")
+        https = (f"; HTTPS only, its certificate checked against {tls_dir}/ca.pem, the token below its API key"
+                 if tls_dir is not None else "")
+        print(f"gateway: {cluster.gateway_url} (OpenAI API at {cluster.gateway_url}/v1{https})")
     print(f"logs: {logs}")
     print(f"cluster file: {cluster_file}")
     # `generate` and `status` find the cluster (and a secure one's certificates and token) by its file.
@@ -182,7 +185,8 @@ def _print_started(args, cluster: LocalCluster, logs: Path, cluster_file: Path, 
     if args.secure:
         client_token = cluster_file.parent / CLIENT_TOKEN_FILE
         tls = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in client_tls(tls_dir).items())
-        print(f"mutual TLS: certificates in {tls_dir}; tokens file {tokens_file} (for daemons' --tokens-file)")
+        print(f"TLS: certificates in {tls_dir}, each member presenting its own; a client needs only {tls_dir}/ca.pem "
+              f"and a token. Tokens file {tokens_file} (the daemons' --tokens-file; a client's --token-file too)")
         print(f"token: {token} (alone in {client_token}, for a client's --token-file)")
         if not args.no_metrics:
             gateway = ", the gateway's with the monitor token" if cluster.gateway_url else ""

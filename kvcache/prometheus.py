@@ -5,7 +5,7 @@ scrape job names in `file_sd_configs` (deploy/grafana/prometheus.yml). With `--s
 prints a whole Prometheus configuration (JSON, which Prometheus reads as YAML) with the targets in
 it, and for a `--secure` cluster what scraping it takes: HTTPS with the cluster's CA and the
 `monitor` certificate (mutual TLS) for coordinators, kvnodes and workers, and for the gateway,
-whose /metrics follows its API's rule, the monitor token as a bearer token. A file_sd target
+whose /metrics follows its API's rule, HTTPS with the CA and the monitor token as a bearer token. A file_sd target
 cannot carry TLS settings, so a secure cluster needs `--scrape-config` (or the same settings
 written into the job by hand).
 """
@@ -48,8 +48,11 @@ def scrape_config(cluster: dict) -> dict:
     """A Prometheus configuration scraping every member of `cluster` (a cluster file's contents)."""
     secure = cluster.get("secure")
     members, gateway = [], []
+    gateway_https = False
     for group in file_sd_targets(cluster):
         labels = {k: v for k, v in group["labels"].items() if not k.startswith("__")}
+        if labels["role"] == "gateway":
+            gateway_https |= group["labels"].get("__scheme__") == "https"
         (gateway if labels["role"] == "gateway" else members).append({"targets": group["targets"], "labels": labels})
     jobs = []
     if members:
@@ -62,6 +65,8 @@ def scrape_config(cluster: dict) -> dict:
         job = {"job_name": "kvcache-gateway", "static_configs": gateway}
         if secure:
             job["authorization"] = {"type": "Bearer", "credentials_file": secure["token_file"]}
+        if gateway_https:  # a secure cluster's gateway serves HTTPS, its certificate of the cluster's CA
+            job |= {"scheme": "https", **({"tls_config": {"ca_file": secure["ca_file"]}} if secure else {})}
         jobs.append(job)
     return {"global": {"scrape_interval": SCRAPE_INTERVAL}, "scrape_configs": jobs}
 

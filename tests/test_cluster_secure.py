@@ -1,7 +1,9 @@
 """`kvcache cluster up --secure`: the whole local cluster on mutual TLS with a generated token;
-a client given its run directory finds the certificates and token, and the options it prints for
-elsewhere are the ones that work; its metrics ports too, scraped the way the
-configuration `prometheus-config --scrape-config` prints tells Prometheus to."""
+a client given its run directory finds the CA and token, and the options it prints for elsewhere
+(the CA and the token, no client certificate) are the ones that work; the gateway serves HTTPS
+to the openai client given the CA and the token as its key, and nothing over plain HTTP; its
+metrics ports too, scraped the way the configuration `prometheus-config --scrape-config` prints
+tells Prometheus to."""
 
 from __future__ import annotations
 
@@ -9,12 +11,15 @@ import json
 import os
 import re
 import shlex
+import ssl
 import subprocess
 import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import httpx2
+import openai
 import pytest
 
 from cluster_helpers import cluster_down
@@ -39,11 +44,13 @@ def test_cluster_up_secure_prints_a_token_and_options_that_work_and_plaintext_do
         found = subprocess.run([*cli, "generate", "--run-dir", str(run_dir), "--max-tokens", "2", "Hello"],
                                capture_output=True, text=True, timeout=120, env=env_without_client_settings())
         assert found.returncode == 0, found.stderr
-        assert "mutual TLS and client token of its run directory" in found.stderr
-        # From elsewhere: the printed options, the token from its file.
+        assert "TLS with the CA and client token of its run directory" in found.stderr
+        # From elsewhere: the printed options, the CA and the token from its file (no client certificate).
         printed = re.search(r"^client options elsewhere: (.*)$", up.stdout, re.M).group(1)
         options = shlex.split(printed)
         assert options[options.index("--token-file") + 1] == token_file
+        ca = Path(options[options.index("--tls-ca") + 1])
+        assert ca.name == "ca.pem" and "--tls-cert" not in options and "--tls-key" not in options
         ok = subprocess.run([*cli, "generate", *options, "--max-tokens", "2", "Hello"], capture_output=True,
                             text=True, timeout=120, env=env_without_client_settings())
         assert ok.returncode == 0, ok.stderr
@@ -59,11 +66,24 @@ def test_cluster_up_secure_prints_a_token_and_options_that_work_and_plaintext_do
             f"kvcache generate: error: the cluster at {coordinators.split(',')[0]} speaks TLS and this client does "
             f"not: pass --tls-ca FILE, the cluster's CA (`kvcache cluster up --secure` wrote RUN_DIR/tls/ca.pem; in "
             f"Python Client(tls_ca=FILE)), and its token"], plain.stderr
-        # The gateway reaches the coordinators over mutual TLS and passes each caller's key on.
-        gateway = re.search(r"^gateway: (http://\S+) ", up.stdout, re.M).group(1)
-        assert completion(gateway, None)[0] == 401 and completion(gateway, "not-" + token)[0] == 401
-        status, body = completion(gateway, token)
+        # The gateway serves HTTPS with the cluster's certificates, reaches the coordinators over TLS and
+        # passes each caller's key on; plain HTTP to its port gets no answer.
+        gateway = re.search(r"^gateway: (https://\S+) ", up.stdout, re.M).group(1)
+        trusted = tls_context(ca)
+        assert completion(gateway, None, trusted)[0] == 401 and completion(gateway, "not-" + token, trusted)[0] == 401
+        status, body = completion(gateway, token, trusted)
         assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+        with httpx2.Client(verify=trusted) as http:  # the CA as an SSLContext (verify=<path> is deprecated)
+            client = openai.OpenAI(base_url=f"{gateway}/v1", api_key=token, http_client=http, max_retries=0, timeout=60)
+            assert [model.id for model in client.models.list()] == ["tiny"]
+            reply = client.completions.create(model="tiny", prompt="Hello", max_tokens=2, temperature=0)
+            assert reply.usage.completion_tokens == 2
+        with httpx2.Client() as http:  # the system's CAs only: the gateway's certificate is not theirs
+            with pytest.raises(openai.APIConnectionError):
+                openai.OpenAI(base_url=f"{gateway}/v1", api_key=token, http_client=http, max_retries=0).models.list()
+        refused(gateway.replace("https://", "http://", 1) + "/health")
+        gateway_log = next(m["log"] for m in members if m["role"] == "gateway")
+        assert "Traceback" not in open(gateway_log).read()
         printed = subprocess.run([*cli, "cluster", "prometheus-config", "--scrape-config", "--run-dir", str(run_dir)],
                                  capture_output=True, text=True, timeout=60)
         assert printed.returncode == 0, printed.stderr
@@ -79,13 +99,13 @@ def env_without_client_settings() -> dict:
     return {k: v for k, v in os.environ.items() if k not in ("KVCACHE_COORDINATORS", "KVCACHE_TOKEN")}
 
 
-def completion(gateway: str, key: str | None) -> tuple[int, dict]:
+def completion(gateway: str, key: str | None, context: ssl.SSLContext | None = None) -> tuple[int, dict]:
     """POST /v1/completions to the gateway with `key` as its bearer token (none when None)."""
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0}).encode()
     request = urllib.request.Request(f"{gateway}/v1/completions", data=body, headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=60) as reply:
+        with urllib.request.urlopen(request, timeout=60, context=context) as reply:
             return reply.status, json.loads(reply.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read() or b"{}")
@@ -113,14 +133,16 @@ def scrape_as_configured(config: dict, members: list[dict]) -> None:
             assert forbidden.value.code == 403 and b"kvcache-monitor" in forbidden.value.read()
             scraped.append(role)
     assert sorted(scraped) == sorted(m["role"] for m in members if m["role"] != "gateway")
-    [group] = jobs["kvcache-gateway"]["static_configs"]
+    gateway = jobs["kvcache-gateway"]
+    [group] = gateway["static_configs"]
     [target] = group["targets"]
-    monitor_token = Path(jobs["kvcache-gateway"]["authorization"]["credentials_file"]).read_text().strip()
-    url = f"http://{target}/metrics"
-    assert any(n.startswith("kvcache_gateway_") for n in scrape(url, token=monitor_token).names())
+    monitor_token = Path(gateway["authorization"]["credentials_file"]).read_text().strip()
+    assert gateway["scheme"] == "https"
+    url, trusted = f"https://{target}/metrics", tls_context(gateway["tls_config"]["ca_file"])
+    assert any(n.startswith("kvcache_gateway_") for n in scrape(url, token=monitor_token, context=trusted).names())
     for key in (None, "not-" + monitor_token):
         with pytest.raises(urllib.error.HTTPError) as unauthorized:
-            scrape(url, token=key)
+            scrape(url, token=key, context=trusted)
         assert unauthorized.value.code == 401
 
 
