@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"wrote {', '.join(p.name for p in written)} to {args.dir}")
     print(f"daemons: --tls-cert {args.dir}/ROLE.pem --tls-key {args.dir}/ROLE.key --tls-ca {args.dir}/ca.pem")
+    print(f"clients: --tls-ca {args.dir}/ca.pem (and a token: a coordinator needs no client certificate)")
     return 0
 
 
