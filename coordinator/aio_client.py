@@ -20,7 +20,7 @@ from base.generation import Finished, Piece
 from base.observability import trace_metadata
 from base.tokens import authorization
 from coordinator.client import (TRY_ELSEWHERE, ClusterError, client_credentials, none_served, not_resumable, resumable,
-                                resumed, tls_mismatch)
+                                resumed, may_be_tls_mismatch, tls_mismatch)
 from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
 from worker.client import generate_request, parse_reply
@@ -67,7 +67,7 @@ class AsyncClient:
                     raise ClusterError(exc.code(), exc.details() or "no details") from None
                 errors.append(f"{address}: {exc.code().name}: {exc.details()}")
                 codes.add(exc.code())
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and not sent:
+                if may_be_tls_mismatch(exc) and not sent:
                     unreachable.append(address)
             finally:
                 call.cancel()   # a no-op once finished
@@ -87,7 +87,7 @@ class AsyncClient:
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # another coordinator would say the same
                     raise ClusterError(exc.code(), exc.details() or "no details") from None
                 errors.append(f"{address}: {exc.code().name}")
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                if may_be_tls_mismatch(exc):
                     unreachable.append(address)
         await self._raise_if_mismatch(unreachable)
         raise ClusterError(grpc.StatusCode.UNAVAILABLE, "no coordinator answered: " + "; ".join(errors))

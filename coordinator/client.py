@@ -88,6 +88,12 @@ class TlsMismatch(ClusterError):
         return self.details
 
 
+def may_be_tls_mismatch(exc: grpc.RpcError) -> bool:
+    """The call failed as one does whose TLS and the server's differ: UNAVAILABLE, the connection
+    made but closed or its handshake failed (not refused: nothing listens there)."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and "Connection refused" not in (exc.details() or "")
+
+
 def tls_mismatch(failed: Sequence[str], credentials: security.Credentials | None) -> TlsMismatch | None:
     """A TlsMismatch when the first coordinator in `failed` (none answered) that can be asked speaks
     TLS otherwise than this client; None when none does."""
@@ -181,7 +187,7 @@ class Client:
                     raise ClusterError(exc.code(), exc.details() or "no details") from None
                 errors.append(f"{coordinator.address}: {exc.code().name}: {exc.details()}")
                 codes.add(exc.code())
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and not sent:
+                if may_be_tls_mismatch(exc) and not sent:
                     unreachable.append(coordinator.address)
             finally:
                 stream.cancel()
@@ -203,7 +209,7 @@ class Client:
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # another coordinator would say the same
                     raise ClusterError(exc.code(), exc.details() or "no details") from None
                 errors.append(f"{coordinator.address}: {exc.code().name}")
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                if may_be_tls_mismatch(exc):
                     unreachable.append(coordinator.address)
         mismatch = tls_mismatch(unreachable, self._credentials)
         if mismatch is not None:
