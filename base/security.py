@@ -336,26 +336,35 @@ def tls_mismatch(address: str, credentials: Credentials | None, what: str = "the
         return (f"{what} at {address} speaks plaintext, not TLS, and this {'daemon' if member else 'client'} "
                 f"connected with TLS: leave out {drop}, or start {what} with TLS")
     if tls:
-        return _certificate_mismatch(address, credentials, what, timeout_s)
+        return _certificate_mismatch(address, credentials, what, "daemon" if member else "client", timeout_s)
     return None
 
 
-def _certificate_mismatch(address: str, credentials: Credentials, what: str, timeout_s: float) -> str | None:
-    """Why the server's certificate fails this caller's check, if it does."""
+def _certificate_mismatch(address: str, credentials: Credentials, what: str, who: str,
+                          timeout_s: float) -> str | None:
+    """Why the server's certificate fails this caller's check, or the caller's the server's, if one does."""
     host, port = addresses.split_host_port(address)
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
             with credentials.client_context().wrap_socket(sock, server_hostname=host) as tls:
-                tls.recv(1)  # a gRPC server sends its settings at once; one that wants a certificate, an alert
-                return None
+                # A gRPC server sends its settings at once; one refusing this caller's certificate (or
+                # its want of one) an alert, or closes (a coordinator's front).
+                if tls.recv(1):
+                    return None
+                alert = "closed"
     except ssl.SSLCertVerificationError as exc:
         return (f"{what} at {address} presents a certificate that --tls-ca {credentials.ca} does not accept "
                 f"({exc.verify_message}): give the CA that signed the cluster's certificates, which must name "
                 f"{host}")
     except ssl.SSLError as exc:
-        if "CERTIFICATE_REQUIRED" in str(exc).upper() and credentials.cert is None:
-            return (f"{what} at {address} takes only callers with a certificate of the cluster's CA: pass "
-                    f"--tls-cert and --tls-key too (or go through a coordinator, which needs none)")
-        return None
+        alert = str(exc).upper()
     except OSError:
         return None
+    if credentials.cert is None and ("CERTIFICATE_REQUIRED" in alert or alert == "closed"):
+        return (f"{what} at {address} takes only callers with a certificate of the cluster's CA: pass "
+                f"--tls-cert and --tls-key too (or go through a coordinator, which needs none)")
+    if credentials.cert is not None and (alert == "closed" or any(
+            a in alert for a in ("UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_UNKNOWN", "DECRYPT_ERROR"))):
+        return (f"{what} at {address} does not accept this {who}'s certificate, --tls-cert {credentials.cert}: "
+                f"give one signed by the cluster's CA")
+    return None

@@ -344,3 +344,25 @@ def test_a_plaintext_member_of_a_tls_cluster_says_the_mismatch_in_its_log(secure
                     f"daemon does not: start this daemon with --tls-cert, --tls-key and --tls-ca")
         assert wait_for(lambda: expected in node.log_path.read_text(), timeout_s=15), node.log_path.read_text()
     assert "Traceback" not in node.log_path.read_text()
+
+
+def test_a_client_certificate_of_another_ca_is_said_to_be_refused(secure_cluster, certs, tmp_path):
+    make_certs(tmp_path / "other")
+    coordinator = secure_cluster.coordinator_addresses[0]
+    with Client([coordinator], tls_ca=str(certs / "ca.pem"), tls_cert=str(tmp_path / "other" / "client.pem"),
+                tls_key=str(tmp_path / "other" / "client.key")) as client:
+        with pytest.raises(TlsMismatch) as mismatch:
+            client.status(timeout=5)
+    assert str(mismatch.value) == (f"the cluster at {coordinator} does not accept this client's certificate, "
+                                   f"--tls-cert {tmp_path / 'other' / 'client.pem'}: give one signed by the "
+                                   f"cluster's CA")
+
+
+def test_a_client_without_a_certificate_is_told_a_worker_wants_one(secure_cluster, certs):
+    worker = secure_cluster.role("worker")[0].address
+    done = client_command("generate", "--worker", worker, "--tls-ca", str(certs / "ca.pem"), "--max-tokens", "2",
+                          "Hello")
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        f"kvcache generate: error: the worker at {worker} takes only callers with a certificate of the cluster's CA: "
+        f"pass --tls-cert and --tls-key too (or go through a coordinator, which needs none)"], done.stderr
