@@ -12,7 +12,8 @@ plaintext, for a loopback development cluster.
 
 A TLS client against a plaintext server, or a plaintext one against a TLS server, hears from gRPC
 only "Socket closed": when no server answered, a client asks each one itself (tls_mismatch, a
-TLS ClientHello on a connection of its own) and says the mismatch in one line.
+TLS ClientHello on a connection of its own) and says the mismatch in one line; a certificate
+either end refuses is said so too.
 """
 
 from __future__ import annotations
