@@ -128,7 +128,10 @@ class TlsFront:
                 server.close()
             for connection in list(self._connections):
                 connection.close()
-            self._loop.run_until_complete(asyncio.sleep(0))  # let the closes run
+            pending = asyncio.all_tasks(self._loop)  # handshakes under way
+            for task in pending:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*pending, asyncio.sleep(0), return_exceptions=True))
             self._loop.close()
 
     async def _accept(self, outer: "_Outer") -> None:
