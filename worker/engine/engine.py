@@ -25,6 +25,11 @@ Design notes
 7. The pool is in the KV dtype: with float16 KV a block holds a page exactly as it goes on the
    wire, so a fetched page lands without a cast, a full page is sent as it is, and `kv_cache_bytes`
    holds twice the blocks; attention converts what it reads (worker/model/attention.py note 7).
+8. Logprobs (worker/engine/logprobs.py): a delta carries the logprobs of its tokens when the request
+   asked (`logprobs`), and the first delta after the prompt is computed carries the prompt when it
+   asked for it back (`echo`, `prompt_logprobs`): its ids, its text and its tokens' logprobs. A
+   request with max_new_tokens 0 (allowed with those) finishes there, "length", drawing no token.
+   A resumed request's replayed tokens have no logprobs here: the first worker sent theirs.
 """
 
 from __future__ import annotations
@@ -39,14 +44,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from base.generation import Usage
+from base.generation import Prompt, TokenLogprob, Usage
 from base.pages import DEFAULT_PAGE_TOKENS
 from worker.kv.block_pool import BlockPool
 from worker.connector.connector import KVConnector, Tier
 from worker.model import load_model
 from worker.kv.pages import tenant_root
 from worker.engine.request import Request, RequestStatus
-from worker.engine.sampling import FINISH_ABORT, FINISH_ERROR, SamplingParams, StopChecker, sample
+from worker.engine.logprobs import log_softmax, token_logprob
+from worker.engine.sampling import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, SamplingParams, StopChecker, sample
 from worker.engine.scheduler import PREFILL_TOKENS_PER_STEP, Scheduler
 from worker.engine.outputs import Completion, RequestHandle, RequestIdInUse, StreamDelta
 from worker.engine.step_runner import StepRunner
@@ -66,6 +72,8 @@ class _Live:
     arrival: float
     first_token_time: float | None = None
     num_sent_tokens: int = 0
+    logprobs: list[TokenLogprob | None] | None = None  # per output token, with params.logprobs (note 8)
+    prompt_sent: bool = False  # the prompt went out on a delta (echo, prompt_logprobs; note 8)
 
 
 class Engine:
@@ -162,7 +170,8 @@ class Engine:
                 raise ValueError(f"the resumed tokens go on after the request ended ({checker.finish_reason})")
             request.token_ids.append(token)
             checker.append(token, len(request.output_token_ids), request.num_tokens)
-        live = _Live(request, RequestHandle(request_id), checker, arrival=time.monotonic(), num_sent_tokens=len(resumed))
+        live = _Live(request, RequestHandle(request_id), checker, arrival=time.monotonic(), num_sent_tokens=len(resumed),
+                     logprobs=[None] * len(resumed) if params.logprobs is not None else None)
         checker.take_text_delta()  # what the first worker already handed out
         connector = self.scheduler.connector
         keys = None if connector is None else request.page_keys(request.num_reusable_pages())
@@ -335,9 +344,23 @@ class Engine:
     def arrival(self, request: Request) -> float:
         return self._live[request.request_id].arrival
 
+    def take_prompt_logits(self, request: Request, start: int, logits: np.ndarray) -> None:
+        logprobs, k = log_softmax(logits), request.params.prompt_logprobs
+        for offset in range(min(len(logprobs), request.num_prompt_tokens - 1 - start)):
+            position = start + offset  # its logits predict the token after it
+            request.prompt_logprobs[position] = token_logprob(logprobs[offset], request.token_ids[position + 1], k,
+                                                              self.tokenizer.token_bytes)
+
     def append_token(self, request: Request, logits: np.ndarray) -> StreamDelta:
         live = self._live[request.request_id]
+        request.prompt_computed = True
+        if request.params.max_new_tokens == 0:  # the prompt alone (design note 8)
+            live.checker.finish(FINISH_LENGTH)
+            return self._finish(live)
         token = sample(logits, request.params, request.num_tokens, self._rng)
+        if live.logprobs is not None:
+            live.logprobs.append(token_logprob(log_softmax(logits), token, request.params.logprobs,
+                                               self.tokenizer.token_bytes))
         request.token_ids.append(token)
         if live.first_token_time is None:
             live.first_token_time = time.monotonic()
@@ -354,10 +377,23 @@ class Engine:
         live.checker.finish_reason = FINISH_ERROR  # not finish(): decoding its text may be what failed
         return [self._finish(live, error=message)]
 
+    def _prompt(self, live: _Live) -> Prompt | None:
+        """The prompt to hand back, once it is computed, when the request asked for it (design note 8)."""
+        request = live.request
+        if not request.prompt_computed or not (request.params.echo or request.prompt_logprobs is not None):
+            return None
+        ids = request.token_ids[:request.num_prompt_tokens]
+        return Prompt(ids, self.tokenizer.decode(ids),
+                      None if request.prompt_logprobs is None else list(request.prompt_logprobs))
+
     def _send(self, live: _Live, completion: Completion | None = None) -> StreamDelta:
         output = live.request.output_token_ids
+        prompt = None if live.prompt_sent else self._prompt(live)
         delta = StreamDelta(live.request.request_id, output[live.num_sent_tokens:], live.checker.take_text_delta(),
-                            finished=completion is not None, completion=completion)
+                            finished=completion is not None, completion=completion,
+                            logprobs=None if live.logprobs is None else live.logprobs[live.num_sent_tokens:],
+                            prompt=prompt)
+        live.prompt_sent |= prompt is not None
         live.num_sent_tokens = len(output)
         live.handle.queue.put(delta)
         return delta
@@ -380,7 +416,7 @@ class Engine:
                       completion_tokens=len(request.output_token_ids), ttft_ms=ttft)
         completion = Completion(request.request_id, request.token_ids[:request.num_prompt_tokens],
                                 request.output_token_ids, live.checker.text, live.checker.finish_reason, usage,
-                                request.num_preemptions, error)
+                                request.num_preemptions, error, logprobs=live.logprobs, prompt=self._prompt(live))
         live.handle.completion = completion
         if self.on_finish is not None:
             try:

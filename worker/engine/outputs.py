@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from base.generation import Usage
+from base.generation import Prompt, TokenLogprob, Usage
 
 
 @dataclass
@@ -21,6 +21,8 @@ class Completion:
     usage: Usage
     num_preemptions: int = 0
     error: str | None = None  # with finish_reason "error": what failed (worker/engine/step_runner.py note 2)
+    logprobs: list[TokenLogprob | None] | None = None  # per new token when asked (None: a resumed one's)
+    prompt: Prompt | None = None  # the prompt, when asked for it back (echo, prompt_logprobs)
 
 
 class RequestIdInUse(ValueError):
@@ -34,6 +36,8 @@ class StreamDelta:
     text: str                        # text new since the previous delta
     finished: bool = False
     completion: Completion | None = None  # on the final delta
+    logprobs: list[TokenLogprob | None] | None = None  # one per token id, when the request asked
+    prompt: Prompt | None = None  # on the first delta after the prompt is computed, when asked (engine note 8)
 
 
 class RequestHandle:

@@ -40,6 +40,10 @@ class Request:
         self.remote_given_up = False  # its remote pages failed or came too late: it computes them (scheduler)
         self.cached_tokens_local: int | None = None  # set by the first admission
         self.cached_tokens_remote: int | None = None
+        # Prompt logprobs (worker/engine/logprobs.py note 2): entry p is token p + 1's, set as its chunk computes.
+        self.prompt_logprobs: list | None = ([None] * (self.num_prompt_tokens - 1)
+                                             if params.prompt_logprobs is not None else None)
+        self.prompt_computed = False  # its whole prompt has been computed once (the engine sampled after it)
         self._root_key = root_key
         self._page_tokens = page_tokens
         self._page_keys: list[bytes] = []
@@ -56,10 +60,15 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """It takes logits at every prompt position until its prompt is computed (logprobs.py note 2)."""
+        return self.prompt_logprobs is not None and not self.prompt_computed
+
     def num_reusable_pages(self) -> int:
         """Full pages of its tokens that a cache may supply: every one, the last too (the scheduler's
-        design note 5), none when it bypasses the cache."""
-        return 0 if self.bypass_cache else self.num_tokens // self._page_tokens
+        design note 5), none when it bypasses the cache or wants its prompt's logits (logprobs.py note 2)."""
+        return 0 if self.bypass_cache or self.wants_prompt_logits else self.num_tokens // self._page_tokens
 
     def page_keys(self, num_pages: int) -> list[bytes]:
         """Keys of the first `num_pages` full pages (computed once, extended as the sequence grows)."""

@@ -21,6 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
+from worker.engine.logprobs import MAX_LOGPROBS
+
 # Bounds on what a client may ask (each stop string is searched for after every token).
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -43,14 +45,25 @@ class SamplingParams:
     stop: tuple[str, ...] = ()        # stop strings; the text ends before the first one
     stop_token_ids: tuple[int, ...] = field(default=())  # finish after any of these (and after end-of-text)
     ignore_eos: bool = False          # keep going past the end-of-text token
+    # Logprobs (worker/engine/logprobs.py): each new token's, with this many most likely tokens beside it
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # each prompt token's after the first (its whole prompt is computed)
+    echo: bool = False                # hand the prompt back (its ids and text) with the first token
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        prompt_back = self.echo or self.prompt_logprobs is not None
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < (0 if prompt_back else 1):
+            raise ValueError(f"max_new_tokens must be a positive integer (0 only with echo or prompt_logprobs: "
+                             f"the prompt alone), got {self.max_new_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer from 0 to {MAX_LOGPROBS} (the most likely tokens "
+                                 f"given beside each token), or None for none, got {value!r}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")

@@ -65,6 +65,9 @@ class LiveRequests(Protocol):
     def append_token(self, request: Request, logits: np.ndarray) -> StreamDelta:
         """Sample its next token from `logits` and send it (or its end)."""
 
+    def take_prompt_logits(self, request: Request, start: int, logits: np.ndarray) -> None:
+        """Logits at its positions start, start + 1, ... (a chunk of its prompt): its prompt logprobs."""
+
     def fail(self, request: Request, message: str) -> list[StreamDelta]:
         """End it with an error (design note 2); [] when it already ended."""
 
@@ -152,6 +155,9 @@ class StepRunner:
         before = None if on_step is None else [(r.num_computed_tokens, self.requests.arrival(r)) for r in batch.requests]
         tables = [self.scheduler.in_place.forward_table(r) for r in batch.requests]
         token_ids, positions, starts = [], [], [0]
+        # A request that wants its prompt's logprobs needs logits at every position (logprobs.py note 2).
+        prompt_logits = [r.wants_prompt_logits and r.num_computed_tokens < r.num_prompt_tokens - 1
+                         for r in batch.requests]
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             start = request.num_computed_tokens
             token_ids.extend(request.token_ids[start:start + num_new])
@@ -165,7 +171,9 @@ class StepRunner:
                                     dtype=np.int64),
             block_tables=[np.asarray(table, dtype=np.int32) for table, _ in tables],
             cached_lens=self._cached_lens(batch),
+            all_logits=any(prompt_logits),
         )
+        rows = np.asarray(starts[1:]) - 1 if any(prompt_logits) else np.arange(len(batch))  # each one's last
         # Pages read in place lie in the arena's windows, past the pool's own blocks (design note 4).
         kv = self.pool.arena.all_blocks if any(in_place for _, in_place in tables) else self.pool.kv
         logits = self.model.forward(forward_batch, kv, self.kv_dtype, between_layers=between_layers)
@@ -178,9 +186,12 @@ class StepRunner:
             if id(request) in altered:
                 continue  # its pages read in place were altered: it computes its prompt again (design note 4)
             try:
+                if prompt_logits[row]:
+                    self.requests.take_prompt_logits(request, request.num_computed_tokens,
+                                                     logits[starts[row]:starts[row + 1]])
                 self.scheduler.on_computed(request, num_new)
                 if request.num_computed_tokens == request.num_tokens:
-                    deltas.append(self.requests.append_token(request, logits[row]))
+                    deltas.append(self.requests.append_token(request, logits[rows[row]]))
             except Exception as exc:  # this request's own work: it fails alone (design note 2)
                 deltas += self.requests.fail(request, f"its next token failed: {exc!r}")
         if before is not None:

@@ -2,10 +2,18 @@
 
 decode never raises on a cut in the middle of a UTF-8 character: the streaming engine decodes
 what it has so far, and a half character shows as U+FFFD until its other bytes arrive.
+
+token_bytes gives one token's own bytes, for logprobs (OpenAI's `bytes`): a byte-level BPE token's
+bytes through GPT-2's byte-to-character table, a SentencePiece piece with "▁" as a space and
+`<0xNN>` as its byte, a special token's text as it is written (`<|im_end|>`). Joined in order, the
+bytes of a text's tokens decode to the text (special tokens aside).
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import re
 from pathlib import Path
 from typing import Protocol
 
@@ -18,6 +26,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
 
 
 class ByteTokenizer:
@@ -33,6 +43,9 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if 0 <= token_id < 256 else b""
 
 
 class HFTokenizer:
@@ -59,6 +72,50 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         # Byte-level decoders replace incomplete UTF-8 with U+FFFD rather than failing.
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._bytes_of(int(token_id))
+
+    @functools.cached_property
+    def _bytes_of(self):
+        """token id -> its bytes (memoized: a request's logprobs ask for the same tokens again and again)."""
+        added = {i: t.content.encode() for i, t in self._tok.get_added_tokens_decoder().items()}
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+        table = {c: b for b, c in _gpt2_byte_chars().items()}
+
+        @functools.lru_cache(maxsize=1 << 16)
+        def bytes_of(token_id: int) -> bytes:
+            if token_id in added:
+                return added[token_id]
+            piece = self._tok.id_to_token(token_id)
+            if piece is None:
+                return b""
+            if "ByteLevel" in kinds and all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+            if "ByteFallback" in kinds and (byte := _BYTE_PIECE.fullmatch(piece)):
+                return bytes([int(byte.group(1), 16)])
+            if "Replace" in kinds:  # SentencePiece: "▁" stands for a space
+                return piece.replace("\u2581", " ").encode()
+            return self._tok.decode([token_id], skip_special_tokens=False).encode()
+
+        return bytes_of
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _gpt2_byte_chars() -> dict[int, str]:
+    """GPT-2's table of byte -> the printable character a byte-level BPE writes it as."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
 
 
 def load_tokenizer(folder: str | Path, eos_token_id: int, vocab_size: int) -> Tokenizer:
