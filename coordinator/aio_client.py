@@ -19,8 +19,8 @@ from base import security
 from base.generation import Finished, Piece
 from base.observability import trace_metadata
 from base.tokens import authorization
-from coordinator.client import (TRY_ELSEWHERE, ClusterError, client_credentials, none_served, not_resumable, resumable,
-                                resumed, may_be_tls_mismatch, tls_mismatch)
+from coordinator.client import (TRY_ELSEWHERE, ClusterError, client_credentials, first_prompt, may_be_tls_mismatch,
+                                none_served, not_resumable, resumable, resumed, tls_mismatch)
 from protos import kvcache_pb2 as pb
 from protos import kvcache_pb2_grpc as pb_grpc
 from worker.client import generate_request, parse_reply
@@ -49,14 +49,17 @@ class AsyncClient:
         request = generate_request(prompt, **options)
         request.session_id = session_id
         sent: list[int] = []
+        prompt_sent = False  # echo: the prompt goes to the caller once
         errors, codes, unreachable = [], set(), []
         for index, (address, stub) in self._in_order():
             call = stub.Generate(resumed(request, sent), timeout=self.timeout, metadata=metadata)
             try:
                 while (reply := await call.read()) is not grpc.aio.EOF:
-                    event = parse_reply(reply)
+                    if (event := first_prompt(parse_reply(reply), prompt_sent)) is None:
+                        continue
                     if isinstance(event, Piece):
                         sent.extend(event.token_ids)
+                        prompt_sent |= event.prompt is not None
                     yield event
                     if isinstance(event, Finished):
                         self._preferred = index

@@ -44,6 +44,16 @@ def resumed(request: pb.GenerateRequest, sent: list[int]) -> pb.GenerateRequest:
     return attempt
 
 
+def first_prompt(event: Piece | Finished, prompt_sent: bool) -> Piece | Finished | None:
+    """`event` as the caller gets it: a prompt (echo) only the first time, a piece left empty
+    without it skipped (None). A coordinator resuming the request sends its prompt again."""
+    if not prompt_sent or not isinstance(event, Piece) or event.prompt is None:
+        return event
+    if not event.text and not event.token_ids:
+        return None
+    return Piece(event.text, event.token_ids, event.logprobs)
+
+
 def resumable(request: pb.GenerateRequest) -> bool:
     return request.temperature == 0 or request.HasField("seed")
 
@@ -162,6 +172,7 @@ class Client:
         request = generate_request(prompt, **options)
         request.session_id = session_id
         sent: list[int] = []
+        prompt_sent = False  # echo: the prompt goes to the caller once
         errors, codes, unreachable = [], set(), []
         for coordinator in self._in_order():
             stream = coordinator.generate(resumed(request, sent), timeout=self.timeout, metadata=metadata)
@@ -169,9 +180,11 @@ class Client:
                 cancel._attach(stream)
             try:
                 for reply in stream:
-                    event = parse_reply(reply)
+                    if (event := first_prompt(parse_reply(reply), prompt_sent)) is None:
+                        continue
                     if isinstance(event, Piece):
                         sent.extend(event.token_ids)
+                        prompt_sent |= event.prompt is not None
                     yield event
                     if isinstance(event, Finished):
                         self._preferred = self._coordinators.index(coordinator)

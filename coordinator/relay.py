@@ -18,6 +18,7 @@ from coordinator.membership import WORKER, Membership
 from coordinator.ring import placement_key
 from coordinator.router import Router
 from protos import kvcache_pb2 as pb
+from worker.client import without_prompt
 
 log = logging.getLogger("coordinator")
 
@@ -104,6 +105,7 @@ class Relay:
         # worker with the tokens so far, none repeated or lost; any other ends UNAVAILABLE, retryable.
         resumable = request.temperature == 0 or request.HasField("seed")
         sent: list[int] = []
+        prompt_sent = False  # echo: the prompt goes to the client once, whichever attempt sent it
         skipped: list[str] = []  # workers this request will not go to again
         busy: list[str] = []
         failures = 0
@@ -121,6 +123,9 @@ class Relay:
                 self.metrics.resumes.inc()
             try:
                 for reply in self.open_stream(worker, attempt, timeout, call):
+                    if prompt_sent and (reply := without_prompt(reply)) is None:
+                        continue
+                    prompt_sent |= len(reply.prompt_token_ids) > 0
                     sent.extend(reply.token_ids)
                     yield reply
                     if reply.finish_reason:

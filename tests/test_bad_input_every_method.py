@@ -44,6 +44,10 @@ CASES = {
         ("a request id of 129 characters", generate(request_id="r" * 129), INVALID),
         ("resumed tokens past the vocabulary", generate(resume_token_ids=[10**6]), INVALID),
         ("a temperature that is not a number", generate(temperature=float("nan")), INVALID),
+        ("logprobs 21 (at most 20)", generate(logprobs=21), INVALID),
+        ("prompt logprobs without echo", generate(prompt_logprobs=1), INVALID),
+        ("prompt logprobs 2**32 - 1", generate(echo=True, prompt_logprobs=2**32 - 1), INVALID),
+        ("the prompt alone (max_tokens 0 with echo)", generate(max_tokens=0, echo=True, prompt_logprobs=2), OK),
     ],
     "Worker/Info": [("unknown fields only", b"\x08\x01\x12\x03abc", OK)],
     "Coordinator/Generate": [

@@ -17,7 +17,8 @@ W1, W2, W3 = "127.0.0.1:1001", "127.0.0.1:1002", "127.0.0.1:1003"
 
 class FakeWorkers:
     """Per worker a list of behaviours, one per attempt: a list of token ids to stream (then
-    finish), or an AttemptFailed to raise (after `tokens_first` tokens, if given)."""
+    finish), or an AttemptFailed to raise (after `tokens_first` tokens, if given). A request with
+    echo gets its prompt ([1, 2, 3]) on the first message, with logprobs each token its own."""
 
     def __init__(self, **plans):
         self.plans = {address: list(plan) for address, plan in plans.items()}
@@ -29,8 +30,12 @@ class FakeWorkers:
         self.attempts.append((worker, copy, timeout))
         plan = self.plans[worker].pop(0)
         tokens, failure = (plan, None) if isinstance(plan, list) else (plan.tokens_first, plan)
+        prompt = request.echo
         for token in tokens:
-            yield pb.GenerateReply(text=f"<{token}>", token_ids=[token])
+            yield reply(request, [token], prompt)
+            prompt = False
+        if prompt and (failure is None or failure.prompt_first):  # the prompt alone (max_tokens 0)
+            yield reply(request, [], True)
         if failure is not None:
             raise failure
         yield pb.GenerateReply(finish_reason="length",
@@ -41,9 +46,26 @@ class FakeWorkers:
         return [worker for worker, _, _ in self.attempts]
 
 
-def failed(code: StatusCode, details: str = "", tokens_first=(), draining: bool = False) -> AttemptFailed:
+def reply(request: pb.GenerateRequest, tokens: list[int], prompt: bool) -> pb.GenerateReply:
+    def logprob(token: int) -> pb.TokenLogprob:
+        return pb.TokenLogprob(chosen=pb.Candidate(token_id=token, logprob=-token / 8, token=f"<{token}>".encode()))
+
+    message = pb.GenerateReply(text="".join(f"<{t}>" for t in tokens), token_ids=tokens)
+    if request.HasField("logprobs"):
+        message.logprobs.extend(logprob(t) for t in tokens)
+    if prompt:
+        message.prompt_token_ids.extend([1, 2, 3])
+        message.prompt_text = "hello"
+        if request.HasField("prompt_logprobs"):
+            message.prompt_logprobs.extend([logprob(2), logprob(3)])
+    return message
+
+
+def failed(code: StatusCode, details: str = "", tokens_first=(), draining: bool = False,
+           prompt_first: bool = False) -> AttemptFailed:
     failure = AttemptFailed(code, details, draining)
     failure.tokens_first = list(tokens_first)
+    failure.prompt_first = prompt_first  # with echo and no tokens first: the prompt was sent
     return failure
 
 
@@ -102,6 +124,24 @@ def test_a_busy_worker_after_tokens_is_resumed_elsewhere_without_losing_a_token(
     resumed = fakes.attempts[1][1]
     assert list(resumed.resume_token_ids) == [7, 8] and resumed.max_tokens == 4  # the request's own
     assert last.usage.prompt_tokens == 5 and last.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize("tokens_first, rest, max_tokens", [([7, 8], [9, 10], 4), ([], [], 0)])
+def test_a_resumed_stream_neither_repeats_nor_loses_logprobs_nor_the_prompt(tokens_first, rest, max_tokens):
+    """Logprobs ride with their tokens; the prompt (echo) goes out once, the second worker's copy
+    dropped, and a message left with nothing else in it dropped whole (the prompt alone)."""
+    fakes = FakeWorkers(**{W1: [failed(StatusCode.UNAVAILABLE, "connection reset", tokens_first, prompt_first=True)],
+                           W2: [rest]})
+    relay, _ = relay_for(fakes)
+    request = pb.GenerateRequest(prompt="hello", max_tokens=max_tokens, echo=True, logprobs=1, prompt_logprobs=0)
+    replies = list(relay.generate(request, client_call()))
+    assert [list(r.prompt_token_ids) for r in replies if r.prompt_token_ids] == [[1, 2, 3]]
+    assert [e.chosen.token_id for e in replies[0].prompt_logprobs] == [2, 3]
+    tokens = [t for r in replies for t in r.token_ids]
+    assert tokens == tokens_first + rest == [e.chosen.token_id for r in replies for e in r.logprobs]
+    assert [len(r.logprobs) for r in replies] == [len(r.token_ids) for r in replies]
+    assert replies[-1].finish_reason == "length" and fakes.workers_tried() == [W1, W2]
+    assert list(fakes.attempts[1][1].resume_token_ids) == tokens_first and fakes.attempts[1][1].echo
 
 
 def test_an_unreachable_worker_is_marked_dead_and_the_request_goes_elsewhere():
@@ -231,3 +271,15 @@ def test_no_live_worker_is_unavailable():
     with pytest.raises(Refused) as refused:
         run(relay)
     assert refused.value.code == StatusCode.UNAVAILABLE and "no live worker" in refused.value.message
+
+
+def test_the_clients_hand_the_prompt_on_once_too():
+    """coordinator.client's and aio_client's rule when they resume through another coordinator."""
+    from base.generation import Finished, Piece, Prompt, Usage
+    from coordinator.client import first_prompt
+    prompt = Prompt([1, 2, 3], "hello")
+    with_token, alone = Piece("<7>", [7], None, prompt), Piece("", [], None, prompt)
+    assert first_prompt(with_token, False) is with_token and first_prompt(alone, False) is alone
+    assert first_prompt(with_token, True) == Piece("<7>", [7]) and first_prompt(alone, True) is None
+    finished = Finished(Usage(), "length")
+    assert first_prompt(finished, True) is finished

@@ -8,7 +8,7 @@ from typing import Iterator, Mapping, Sequence
 import grpc
 
 from base import security
-from base.generation import Finished, Piece, Usage
+from base.generation import Candidate, Finished, Piece, Prompt, TokenLogprob, Usage
 from base.observability import traced_channel
 from base.tokens import authorization
 from protos import kvcache_pb2 as pb
@@ -74,7 +74,12 @@ def generate_request(
     request_id: str = "",
     ignore_eos: bool = False,
     priority: int = 0,
+    echo: bool = False,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> pb.GenerateRequest:
+    """`echo`: the prompt comes back on the first Piece; `logprobs`, `prompt_logprobs`: the top-k count
+    of each generated token's, each prompt token's logprobs (None: none; prompt_logprobs needs echo)."""
     request = pb.GenerateRequest(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -87,7 +92,12 @@ def generate_request(
         request_id=request_id,
         ignore_eos=ignore_eos,
         priority=priority,
+        echo=echo,
     )
+    if logprobs is not None:
+        request.logprobs = logprobs
+    if prompt_logprobs is not None:
+        request.prompt_logprobs = prompt_logprobs
     if isinstance(prompt, str):
         request.prompt = prompt
     elif prompt and isinstance(prompt[0], Mapping):   # a chat: [{"role": ..., "content": ...}, ...]
@@ -102,7 +112,51 @@ def generate_request(
 def parse_reply(reply: pb.GenerateReply) -> Piece | Finished:
     if reply.finish_reason:
         return Finished(usage_from_proto(reply.usage), reply.finish_reason)
-    return Piece(reply.text, list(reply.token_ids))
+    prompt = None
+    if reply.prompt_token_ids:
+        prompt = Prompt(list(reply.prompt_token_ids), reply.prompt_text,
+                        [logprob_from_proto(e) for e in reply.prompt_logprobs] if reply.prompt_logprobs else None)
+    return Piece(reply.text, list(reply.token_ids),
+                 [logprob_from_proto(e) for e in reply.logprobs] if reply.logprobs else None, prompt)
+
+
+def generate_reply(text: str, token_ids, logprobs=None, prompt: Prompt | None = None) -> pb.GenerateReply:
+    """A message of new text: its token ids, their logprobs and the prompt when asked (a worker's)."""
+    reply = pb.GenerateReply(text=text, token_ids=token_ids)
+    if logprobs:
+        reply.logprobs.extend(logprob_to_proto(e) for e in logprobs)
+    if prompt is not None:
+        reply.prompt_token_ids.extend(prompt.token_ids)
+        reply.prompt_text = prompt.text
+        if prompt.logprobs:
+            reply.prompt_logprobs.extend(logprob_to_proto(e) for e in prompt.logprobs)
+    return reply
+
+
+def logprob_to_proto(entry: TokenLogprob) -> pb.TokenLogprob:
+    def candidate(c: Candidate) -> pb.Candidate:
+        return pb.Candidate(token_id=c.token_id, logprob=c.logprob, token=c.token)
+
+    return pb.TokenLogprob(chosen=candidate(entry.chosen), top=[candidate(c) for c in entry.top])
+
+
+def logprob_from_proto(entry: pb.TokenLogprob) -> TokenLogprob:
+    def candidate(c: pb.Candidate) -> Candidate:
+        return Candidate(c.token_id, c.logprob, c.token)
+
+    return TokenLogprob(candidate(entry.chosen), tuple(candidate(c) for c in entry.top))
+
+
+def without_prompt(reply: pb.GenerateReply) -> pb.GenerateReply | None:
+    """`reply` without the prompt a resumed attempt sent again (a second copy: the first went out);
+    None when nothing else is left in it."""
+    if not reply.prompt_token_ids:
+        return reply
+    copy = pb.GenerateReply()
+    copy.CopyFrom(reply)
+    for name in ("prompt_token_ids", "prompt_text", "prompt_logprobs"):
+        copy.ClearField(name)
+    return copy if copy.token_ids or copy.text or copy.finish_reason else None
 
 
 class WorkerClient:

@@ -33,7 +33,7 @@ from base import serving
 from base.version import __version__
 from protos import kvcache_pb2 as pb
 from protos.methods import service_name
-from worker.client import DRAINING_KEY, usage_to_proto
+from worker.client import DRAINING_KEY, generate_reply, usage_to_proto
 from worker.engine.engine import Engine
 from worker.model.chat import MAX_MESSAGES, ChatError, Message
 from worker.engine.outputs import RequestIdInUse
@@ -166,8 +166,8 @@ class WorkerService:
                     return
                 self._check_serving(context)
                 continue
-            if delta.token_ids or delta.text:
-                yield pb.GenerateReply(text=delta.text, token_ids=delta.token_ids)
+            if delta.token_ids or delta.text or delta.prompt is not None:
+                yield generate_reply(delta.text, delta.token_ids, delta.logprobs, delta.prompt)
             if delta.finished:
                 completion = delta.completion
                 if completion.finish_reason == FINISH_ERROR:
@@ -229,12 +229,16 @@ class WorkerService:
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                    f"request_id has {len(request.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
-        if not 1 <= request.max_tokens <= self.max_tokens_limit:
+        if not (0 if request.echo else 1) <= request.max_tokens <= self.max_tokens_limit:
             _abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"max_tokens must be between 1 and {self.max_tokens_limit}, got {request.max_tokens}",
+                f"max_tokens must be between 1 and {self.max_tokens_limit} (0 with echo: the prompt alone), "
+                f"got {request.max_tokens}",
             )
+        if request.HasField("prompt_logprobs") and not request.echo:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                   "prompt_logprobs come back with the prompt: set echo too")
         if len(request.placement) > MAX_PLACEMENT:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                    f"placement names {len(request.placement)} kvnodes; at most {MAX_PLACEMENT}")
@@ -251,6 +255,9 @@ class WorkerService:
                 stop=tuple(request.stop),
                 stop_token_ids=tuple(request.stop_token_ids),
                 ignore_eos=request.ignore_eos,
+                echo=request.echo,
+                logprobs=request.logprobs if request.HasField("logprobs") else None,
+                prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
             )
         except ValueError as exc:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
