@@ -57,6 +57,7 @@ class Prompt:
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None = None  # one per token after the first, when asked
+    first_token: bytes = b""  # the first token's own bytes (it has no logprob, so no Candidate)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from base.generation import Finished, Piece
 from gateway import sse
 from gateway.bodies import CLIENT_GONE, read_json
 from gateway.errors import ApiError
+from gateway.logprobs import ChoiceText
 from gateway.replies import Reply, combined, model_body
 from gateway.shapes import Call, parse_chat, parse_completion
 from gateway.tokenize import tokenizer_routes
@@ -71,18 +72,22 @@ def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, o
         reply = Reply(call.model, chat)
         events = upstream.choices(call, token)
         finished = metrics.finished if metrics is not None else None
+
+        def choice_text() -> ChoiceText:
+            return ChoiceText(chat, call.logprobs, call.echo, call.echo_text)
+
         if call.stream:
             first = await _unless_disconnected(request, events.__anext__)
             return StreamingResponse(sse.stream(reply, call.n, first, events, call.include_usage, finished,
-                                                call.return_token_ids, prompt_tokens),
+                                                call.return_token_ids, prompt_tokens, choice_text),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-        async def collect() -> tuple[list[list[str]], dict[int, Finished]]:
-            texts, done = [[] for _ in range(call.n)], {}
+        async def collect() -> tuple[list[ChoiceText], dict[int, Finished]]:
+            texts, done = [choice_text() for _ in range(call.n)], {}
             async with aclosing(events):
                 async for index, event in events:
                     if isinstance(event, Piece):
-                        texts[index].append(event.text)
+                        texts[index].piece(event)
                     else:
                         done[index] = event
                         if len(done) == call.n:
@@ -93,7 +98,8 @@ def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, o
         if finished is not None:
             for event in done.values():
                 finished(event)
-        choices = [("".join(texts[i]), done[i].finish_reason) for i in range(call.n)]
+        wholes = [texts[i].whole() for i in range(call.n)]
+        choices = [(text, done[i].finish_reason, logprobs) for i, (text, logprobs) in enumerate(wholes)]
         return JSONResponse(reply.whole(choices, combined([done[i].usage for i in range(call.n)])))
 
     async def health(request: Request) -> Response:

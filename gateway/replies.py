@@ -64,28 +64,29 @@ class Reply:
     def __post_init__(self):
         self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
 
-    def whole(self, choices: list[tuple[str, str]], usage: Usage) -> dict:
-        """The whole response: each choice's (text, finish reason), in order."""
+    def whole(self, choices: list[tuple[str, str, dict | None]], usage: Usage) -> dict:
+        """The whole response: each choice's (text, finish reason, logprobs body or None), in order."""
         if self.chat:
-            bodies = [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": None,
-                       "finish_reason": finish_reason} for i, (text, finish_reason) in enumerate(choices)]
+            bodies = [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
+                       "logprobs": logprobs, "finish_reason": finish_reason}
+                      for i, (text, finish_reason, logprobs) in enumerate(choices)]
         else:
-            bodies = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
-                      for i, (text, finish_reason) in enumerate(choices)]
+            bodies = [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+                      for i, (text, finish_reason, logprobs) in enumerate(choices)]
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": bodies,
                 "usage": usage_body(usage)}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
               with_usage_field: bool = False, token_ids: list[int] | None = None, index: int = 0,
-              usage: dict | None = None) -> dict:
+              usage: dict | None = None, logprobs: dict | None = None) -> dict:
         """A streamed chunk of choice `index`: new text, or the finish reason; `role` opens a chat's
         assistant message; `token_ids` (the return_token_ids extension) the ids the text came from;
-        `usage` the usage so far (continuous usage stats)."""
+        `usage` the usage so far (continuous usage stats); `logprobs` its tokens' (gateway/logprobs.py)."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}

@@ -5,8 +5,8 @@ Notes
 1. Defaults are OpenAI's, not `kvcache generate`'s: temperature 1 (0 is greedy), max_tokens 16
    for completions; a chat without max_tokens gets DEFAULT_CHAT_MAX_TOKENS (OpenAI's "up to the
    context" would tie every such request to the worker's limit).
-2. Unknown fields are ignored, as vLLM does; fields we cannot honour (logprobs, tools, echo,
-   best_of, suffix, penalties) are refused with a 400 that names them, never ignored.
+2. Unknown fields are ignored, as vLLM does; fields we cannot honour (tools, best_of, suffix,
+   penalties) are refused with a 400 that names them, never ignored.
 3. `prompt_cache_key`, else `user`, becomes the session id: the coordinators place by it, so one
    user's requests meet the same kvnodes and worker.
 4. `n` choices (at most MAX_CHOICES) are n requests to the cluster, choice i with seed + i when
@@ -17,6 +17,14 @@ Notes
 6. `stream_options.continuous_usage_stats` with `include_usage` (vLLM's): every chunk carries the
    usage so far. The worker reports the prompt's tokens only at the end, so the gateway counts
    them itself, with the model's tokenizer (tokenizers.py), before the request starts.
+7. Logprobs (gateway/logprobs.py has their shapes): a chat's `logprobs: true` with `top_logprobs`
+   0..20 (OpenAI's bounds; top_logprobs without logprobs is refused, as OpenAI does); a
+   completion's `logprobs` 0..20, the most likely tokens given beside each (OpenAI's legacy API
+   stops at 5, vLLM at its --max-logprobs, 20 by default: the tools this serves are written against
+   either, and one bound serves both routes) and `echo` (the prompt before the text; with logprobs
+   its tokens' logprobs first, computed by the worker over the whole prompt, no cached prefix
+   reused). `max_tokens: 0` is allowed with echo alone (the prompt's logprobs, as lm-eval's
+   loglikelihood requests may ask).
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.errors import ApiError, bad_request
+
+MAX_LOGPROBS = 20  # the worker's bound too (worker/engine/logprobs.py)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 512
@@ -55,7 +65,7 @@ class Message(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=_U32)
+    max_tokens: int | None = Field(None, ge=0, le=_U32)   # 0 only for a completion's echo (note 7)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=_U32)
@@ -70,11 +80,11 @@ class _Common(BaseModel):
     return_token_ids: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logprobs: Union[bool, int, None] = None
 
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -82,8 +92,11 @@ class CompletionRequest(_Common):
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=_U32)
     max_completion_tokens: int | None = Field(None, ge=1, le=_U32)
     tools: list | None = None
+    logprobs: bool | None = Field(None, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
 
 
 @dataclass
@@ -99,14 +112,26 @@ class Call:
     continuous_usage: bool = False      # usage so far on every chunk (note 6)
     return_token_ids: bool = False
     n: int = 1                          # choices: n requests (note 4)
+    logprobs: int | None = None         # the top-k count of each token's logprobs; None: no logprobs (note 7)
+    echo: bool = False                  # a completion's prompt before its text (note 7)
+    echo_text: str | None = None        # a text prompt's own text, to echo; None: the worker's reading of ids
 
 
 def parse_completion(body: object) -> Call:
     request = validate(CompletionRequest, body)
-    refuse_if(request.echo, "echo")
     refuse_if(request.best_of not in (None, 1), "best_of")
     refuse_if(request.suffix, "suffix")
-    return _call(request, _one_prompt(request.prompt), request.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
+    echo = bool(request.echo)
+    if request.max_tokens == 0 and not echo:
+        raise bad_request("max_tokens: 0 is only for echo (the prompt alone, with its logprobs); give at least 1",
+                          param="max_tokens")
+    prompt = _one_prompt(request.prompt)
+    call = _call(request, prompt, DEFAULT_COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens)
+    call.logprobs, call.echo = request.logprobs, echo
+    call.echo_text = prompt if echo and isinstance(prompt, str) else None
+    call.options.update(echo=echo, logprobs=request.logprobs,
+                        prompt_logprobs=request.logprobs if echo else None)
+    return call
 
 
 def parse_chat(body: object) -> Call:
@@ -114,7 +139,13 @@ def parse_chat(body: object) -> Call:
     refuse_if(request.tools, "tools")
     messages = chat_messages(request.messages)
     max_tokens = request.max_completion_tokens or request.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-    return _call(request, messages, max_tokens)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise bad_request("top_logprobs: needs logprobs: true", param="top_logprobs")
+    call = _call(request, messages, max_tokens)
+    if request.logprobs:
+        call.logprobs = request.top_logprobs or 0
+        call.options["logprobs"] = call.logprobs
+    return call
 
 
 def chat_messages(messages: list[Message]) -> list[dict]:
@@ -135,7 +166,6 @@ def validate(model: type[BaseModel], body: object) -> BaseModel:
 
 
 def _call(request: _Common, prompt: object, max_tokens: int) -> Call:
-    refuse_if(request.logprobs, "logprobs")
     refuse_if(request.presence_penalty, "presence_penalty")
     refuse_if(request.frequency_penalty, "frequency_penalty")
     if request.stream_options is not None and not request.stream:

@@ -13,6 +13,7 @@ from typing import AsyncIterator
 
 from base.generation import Finished, Piece
 from gateway.errors import ApiError
+from gateway.logprobs import ChoiceText
 from gateway.replies import Reply, combined, usage_so_far
 
 log = logging.getLogger("gateway")
@@ -26,12 +27,14 @@ def event(body: dict) -> bytes:
 
 async def stream(reply: Reply, n: int, first: tuple[int, Piece | Finished], events: AsyncIterator,
                  include_usage: bool, on_finish=None, token_ids: bool = False,
-                 prompt_tokens: int | None = None) -> AsyncIterator[bytes]:
+                 prompt_tokens: int | None = None, choice_text=None) -> AsyncIterator[bytes]:
     """The events of one response of n choices; `events` gives (choice index, event) pairs. Leaving
     early (the client went away, or took nothing for the gateway's --send-timeout and was dropped)
     closes `events`, which cancels the requests on their workers, with one log line.
     `on_finish(finished)` runs as each choice's final event is sent. `prompt_tokens`: given, each
-    chunk carries usage so far (continuous usage stats)."""
+    chunk carries usage so far (continuous usage stats). `choice_text()`: a new choice's ChoiceText
+    (gateway/logprobs.py: its echo and logprobs), by default text alone."""
+    texts = [(choice_text or (lambda: ChoiceText(reply.chat, None)))() for _ in range(n)]
     tokens = 0
     made = [0] * n   # tokens each choice has made so far
     finished: dict[int, Finished] = {}
@@ -62,8 +65,10 @@ async def stream(reply: Reply, n: int, first: tuple[int, Piece | Finished], even
                     # Every token is sent as it comes, also one whose text is still empty (a character
                     # split across tokens): a client sees the first token when the worker makes it.
                     made[index] += len(current.token_ids)
-                    yield event(reply.chunk(current.text, with_usage_field=include_usage, index=index,
-                                            token_ids=current.token_ids if token_ids else None, usage=so_far(index)))
+                    text, logprobs = texts[index].piece(current)
+                    yield event(reply.chunk(text, with_usage_field=include_usage, index=index,
+                                            token_ids=current.token_ids if token_ids else None, usage=so_far(index),
+                                            logprobs=logprobs))
                     tokens += 1
                 index, current = await events.__anext__()
         except ApiError as exc:   # the status line is sent already: the error goes in the stream, as vLLM does

@@ -23,13 +23,20 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel
 
 _TOP = {"id", "object", "created", "model", "choices"}
+# A chat's logprobs (ChatCompletionTokenLogprob and its top_logprobs' items), whole or streamed.
+_CHAT_LOGPROBS = {("choices", "logprobs"): {"content", "refusal"},
+                  ("choices", "logprobs", "content"): {"token", "logprob", "bytes", "top_logprobs"},
+                  ("choices", "logprobs", "content", "top_logprobs"): {"token", "logprob", "bytes"}}
 # object -> {path to a part of the body: its required properties}. A path's list steps go into every item.
 REQUIRED = {
     "chat.completion": {(): _TOP, ("choices",): {"index", "message", "finish_reason", "logprobs"},
-                        ("choices", "message"): {"role", "content", "refusal"}},
-    "chat.completion.chunk": {(): _TOP, ("choices",): {"index", "delta", "finish_reason"}},
+                        ("choices", "message"): {"role", "content", "refusal"}, **_CHAT_LOGPROBS},
+    "chat.completion.chunk": {(): _TOP, ("choices",): {"index", "delta", "finish_reason"}, **_CHAT_LOGPROBS},
     "text_completion": {(): _TOP, ("choices",): {"index", "text", "logprobs", "finish_reason"}},
 }
+# Ours beyond the spec's required: a completion's logprobs list these four without requiring any; we
+# always send them all, one entry per token each, as OpenAI and vLLM do.
+COMPLETION_LOGPROBS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 USAGE_REQUIRED = {"prompt_tokens", "completion_tokens", "total_tokens"}
 ERROR_REQUIRED = {"message", "type", "param", "code"}
 # Optional and not nullable: absent or a value. A chat chunk's usage is nullable (null until the
@@ -63,10 +70,32 @@ def check_body(body: dict, streamed: bool = False) -> BaseModel:
     if kind == "text_completion" and streamed:
         # The spec's finish_reason has no null, yet OpenAI and vLLM stream null until a choice ends.
         body = {**body, "choices": [{**c, "finish_reason": c.get("finish_reason") or "stop"} for c in body["choices"]]}
+    if kind == "text_completion":
+        body = {**body, "choices": [{**c, "logprobs": _completion_logprobs(c["logprobs"], body)} for c in body["choices"]]}
     parsed = TYPES[kind].model_validate(body, strict=True)
     unknown = sorted(_extras(parsed) - EXTENSIONS)
     assert not unknown, f"properties the spec does not have: {unknown}: {body}"
     return parsed
+
+
+def _completion_logprobs(logprobs: dict | None, body: dict) -> dict | None:
+    """A completion choice's logprobs checked for what the spec leaves open (COMPLETION_LOGPROBS), and
+    made fit for the spec's types: the spec's token_logprobs and top_logprobs items are a number and
+    an object, yet OpenAI and vLLM give null for an echoed prompt's first token (nothing precedes it
+    to predict it from): null there, at the first place only, passes."""
+    if logprobs is None:
+        return None
+    assert logprobs.keys() == set(COMPLETION_LOGPROBS), f"a completion's logprobs are {COMPLETION_LOGPROBS}: {body}"
+    lengths = {name: len(logprobs[name]) for name in COMPLETION_LOGPROBS}
+    assert len(set(lengths.values())) == 1, f"a completion's logprobs have one entry per token each: {lengths}"
+    nulls = [i for i, lp in enumerate(logprobs["token_logprobs"]) if lp is None]
+    top_nulls = [i for i, top in enumerate(logprobs["top_logprobs"]) if top is None]
+    assert nulls in ([], [0]) and top_nulls == nulls, (
+        f"only an echoed prompt's first token has a null logprob (and null top logprobs): {body}")
+    if not nulls:
+        return logprobs
+    return {**logprobs, "token_logprobs": [0.0, *logprobs["token_logprobs"][1:]],
+            "top_logprobs": [{}, *logprobs["top_logprobs"][1:]]}
 
 
 def check_error(body: dict) -> None:

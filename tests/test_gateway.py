@@ -199,7 +199,8 @@ def test_unknown_model_is_not_found(api):
 
 @pytest.mark.parametrize("bad", [{"temperature": 3.5}, {"temperature": -1}, {"top_p": 0}, {"n": 9},
                                  {"max_tokens": 0}, {"max_tokens": 10**9}, {"stop": ["a", "b", "c", "d", "e"]},
-                                 {"logprobs": True}, {"stream_options": {"include_usage": True}}])
+                                 {"logprobs": 3}, {"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21},
+                                 {"stream_options": {"include_usage": True}}])
 def test_bad_parameters_are_bad_requests(api, model, bad):
     with pytest.raises(openai.BadRequestError) as raised:
         api.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],

@@ -70,6 +70,15 @@ SHAPES = [
     ("/v1/completions", {**TEXT, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}),
     ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": CONTINUOUS}),
     ("/v1/completions", {**TEXT, "stream": True, "stream_options": CONTINUOUS, "n": 2}),
+    # logprobs: a chat's content items, a completion's four lists; with echo the prompt's first token null
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 3}),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "stream": True, "n": 2, "temperature": 1, "seed": 3}),
+    ("/v1/completions", {**TEXT, "logprobs": 2}), ("/v1/completions", {**TEXT, "logprobs": 0, "stream": True}),
+    ("/v1/completions", {**TEXT, "logprobs": 5, "echo": True}),
+    ("/v1/completions", {**TEXT, "prompt": [[5, 17, 42]], "logprobs": 1, "echo": True, "max_tokens": 0}),
+    ("/v1/completions", {**TEXT, "logprobs": 1, "echo": True, "stream": True,
+                         "stream_options": {"include_usage": True}}),
+    ("/v1/completions", {**TEXT, "echo": True, "stream": True}),
 ]
 
 
@@ -83,10 +92,23 @@ def test_every_reply_and_chunk_is_in_openais_schema(gateway, model, path, body):
         assert all(c["message"]["refusal"] is None for c in bodies[0]["choices"])
     if "stream_options" in body:
         assert bodies[-1]["choices"] == [] and bodies[-1]["usage"]["completion_tokens"] == 4 * body.get("n", 1)
+    logprobs = [c["logprobs"] for b in bodies for c in b["choices"]]
+    if body.get("logprobs") is None:
+        assert logprobs == [None] * len(logprobs)
+    elif path == "/v1/chat/completions":
+        items = [item for lp in logprobs if lp for item in lp["content"]]
+        assert len(items) == 4 * body.get("n", 1) and all(len(i["top_logprobs"]) == body.get("top_logprobs", 0)
+                                                           for i in items)
+    else:
+        tokens = [t for lp in logprobs if lp for t in lp["token_logprobs"]]
+        assert (tokens[0] is None) == bool(body.get("echo"))
+        assert len(tokens) > body["max_tokens"] if body.get("echo") else len(tokens) == body["max_tokens"]
 
 
 @pytest.mark.parametrize("path, body, status", [
     ("/v1/chat/completions", {"messages": []}, 400), ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400),
     ("/v1/completions", {"prompt": "x", "model": "no-such-model"}, 404),
 ])
 def test_errors_are_in_openais_schema(gateway, model, path, body, status):

@@ -38,8 +38,10 @@ def test_session_stop_seed_and_stream_options():
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"n": 9}, "n"), ({"n": 0}, "n"), ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"suffix": "z"}, "suffix"),
-    ({"logprobs": 2}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"), ({"temperature": 2.5}, "temperature"),
+    ({"n": 9}, "n"), ({"n": 0}, "n"), ({"best_of": 2}, "best_of"), ({"suffix": "z"}, "suffix"),
+    ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"logprobs": True}, "logprobs"),
+    ({"logprobs": "2"}, "logprobs"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 0, "echo": False}, "max_tokens"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"temperature": 2.5}, "temperature"),
     ({"top_p": 1.5}, "top_p"), ({"stop": [""]}, "stop"), ({"user": "u" * 300}, "user"), ({"prompt": [[1], [2]]}, "prompt"),
     ({"prompt": [2**32]}, "prompt"), ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
@@ -60,3 +62,30 @@ def test_continuous_usage_stats_only_with_include_usage_as_vllm():
 
     assert call(include_usage=True, continuous_usage_stats=True).continuous_usage
     assert not call(continuous_usage_stats=True).continuous_usage and not call(include_usage=True).continuous_usage
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"logprobs": 1}, "logprobs"),
+    ({"max_tokens": 0}, "max_tokens"), ({"tools": [{}]}, "tools"),
+])
+def test_chat_refusals_name_the_parameter(extra, param):
+    with pytest.raises(ApiError) as raised:
+        parse_chat({**CHAT, **extra})
+    assert raised.value.status == 400 and raised.value.param == param, raised.value.message
+
+
+def test_logprobs_and_echo_ask_the_worker_for_them():
+    chat = parse_chat({**CHAT, "logprobs": True, "top_logprobs": 20})
+    assert chat.logprobs == 20 and chat.options["logprobs"] == 20 and not chat.echo
+    assert parse_chat({**CHAT, "logprobs": True}).logprobs == 0 and parse_chat(CHAT).logprobs is None
+    plain = parse_completion({"model": "m", "prompt": "x", "logprobs": 0})
+    assert plain.logprobs == 0 and plain.options["logprobs"] == 0 and plain.options["prompt_logprobs"] is None
+    scored = parse_completion({"model": "m", "prompt": [[5, 6, 7]], "logprobs": 1, "echo": True, "max_tokens": 0})
+    assert scored.options["max_tokens"] == 0 and scored.options["echo"] and scored.options["prompt_logprobs"] == 1
+    assert scored.echo and scored.echo_text is None   # token ids: the worker's reading of them is echoed
+    echoed = parse_completion({"model": "m", "prompt": "Rye", "echo": True})
+    assert echoed.echo_text == "Rye" and echoed.logprobs is None and echoed.options["prompt_logprobs"] is None

@@ -115,7 +115,8 @@ def parse_reply(reply: pb.GenerateReply) -> Piece | Finished:
     prompt = None
     if reply.prompt_token_ids:
         prompt = Prompt(list(reply.prompt_token_ids), reply.prompt_text,
-                        [logprob_from_proto(e) for e in reply.prompt_logprobs] if reply.prompt_logprobs else None)
+                        [logprob_from_proto(e) for e in reply.prompt_logprobs] if reply.prompt_logprobs else None,
+                        reply.prompt_first_token)
     return Piece(reply.text, list(reply.token_ids),
                  [logprob_from_proto(e) for e in reply.logprobs] if reply.logprobs else None, prompt)
 
@@ -128,6 +129,7 @@ def generate_reply(text: str, token_ids, logprobs=None, prompt: Prompt | None = 
     if prompt is not None:
         reply.prompt_token_ids.extend(prompt.token_ids)
         reply.prompt_text = prompt.text
+        reply.prompt_first_token = prompt.first_token
         if prompt.logprobs:
             reply.prompt_logprobs.extend(logprob_to_proto(e) for e in prompt.logprobs)
     return reply
@@ -154,7 +156,7 @@ def without_prompt(reply: pb.GenerateReply) -> pb.GenerateReply | None:
         return reply
     copy = pb.GenerateReply()
     copy.CopyFrom(reply)
-    for name in ("prompt_token_ids", "prompt_text", "prompt_logprobs"):
+    for name in ("prompt_token_ids", "prompt_text", "prompt_logprobs", "prompt_first_token"):
         copy.ClearField(name)
     return copy if copy.token_ids or copy.text or copy.finish_reason else None
 

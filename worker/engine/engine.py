@@ -384,7 +384,8 @@ class Engine:
             return None
         ids = request.token_ids[:request.num_prompt_tokens]
         return Prompt(ids, self.tokenizer.decode(ids),
-                      None if request.prompt_logprobs is None else list(request.prompt_logprobs))
+                      None if request.prompt_logprobs is None else list(request.prompt_logprobs),
+                      self.tokenizer.token_bytes(ids[0]))
 
     def _send(self, live: _Live, completion: Completion | None = None) -> StreamDelta:
         output = live.request.output_token_ids
