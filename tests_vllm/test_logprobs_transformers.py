@@ -10,7 +10,7 @@ import pytest
 
 from worker.engine.engine import Engine
 
-TOL = 2e-3  # two float32 implementations of 30 layers: sums in other orders, another softmax
+TOL = 2e-4  # two float32 implementations of 30 layers (3.7e-5 apart here): sums in other orders, another softmax
 
 
 def test_prompt_and_generated_logprobs_equal_transformers(model_dir):

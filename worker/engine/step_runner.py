@@ -31,6 +31,11 @@ Design notes
    is cached computes its last token without writing it (`_cached_lens`). Their checksums are checked
    beside the forward; a request whose pages fail gets no token from the step and computes its
    prompt again (worker/engine/in_place_joins.py notes 1, 2).
+5. A request that wants its prompt's logprobs (worker/engine/logprobs.py note 2) has the forward
+   return logits at every position of the step (`ForwardBatch.all_logits`): its rows go to
+   `take_prompt_logits` chunk by chunk, and each request's next token is drawn from its last row
+   as always. The other requests of such a step cost the head's product over their new tokens
+   too: a decode has one, and prompts that join a step have few (scheduler note 3).
 """
 
 from __future__ import annotations
@@ -155,7 +160,7 @@ class StepRunner:
         before = None if on_step is None else [(r.num_computed_tokens, self.requests.arrival(r)) for r in batch.requests]
         tables = [self.scheduler.in_place.forward_table(r) for r in batch.requests]
         token_ids, positions, starts = [], [], [0]
-        # A request that wants its prompt's logprobs needs logits at every position (logprobs.py note 2).
+        # A request that wants its prompt's logprobs needs logits at every position (design note 5).
         prompt_logits = [r.wants_prompt_logits and r.num_computed_tokens < r.num_prompt_tokens - 1
                          for r in batch.requests]
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
