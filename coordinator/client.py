@@ -89,7 +89,7 @@ class ClusterError(Exception):
 
 class TlsMismatch(ClusterError):
     """No coordinator answered because this client's TLS and theirs differ: the one line that says how
-    (base/security.py note 5), with what to do."""
+    (security.tls_mismatch), with what to do."""
 
     def __init__(self, line: str):
         super().__init__(grpc.StatusCode.UNAVAILABLE, line)
