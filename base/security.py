@@ -135,7 +135,7 @@ def _read(path: Path, option: str) -> bytes:
 # without pings its caller would wait out the call's whole deadline. These channels ping every
 # 10 s, also while no data flows (a long prefill); no answer within 5 s ends their calls
 # UNAVAILABLE, so the caller resumes them elsewhere. Servers take a ping every 5 s at most
-# (base/serving.py), so these never count as abuse.
+# (base/serving.py, server_options), so these never count as abuse.
 KEEPALIVE_OPTIONS = (
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),

@@ -104,6 +104,25 @@ def wait_until(stopping: threading.Event) -> None:
         pass
 
 
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Every daemon's gRPC server arguments. gRPC ignores an argument it does not know without a
+    word, so tests/test_grpc_options.py checks each name is one its core reads."""
+    return [
+        # KV pages are far larger than gRPC's 4 MiB default; the node chunks replies to this size.
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Answer clients' keepalive pings even between calls, so idle channels stay up, and take
+        # one every 5 s while no data flows (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+        # whose name has no "recv"): callers ping every 10 s (base/security.py), also through a long
+        # prefill. Left at gRPC's default of one in 5 minutes, the third such ping ended the call
+        # with GOAWAY too_many_pings: a 6,000-token prompt of the default model lost its worker.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        # One process per port: never share a port with a stale daemon.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
 def make_server(
     handlers: Iterable[grpc.GenericRpcHandler],
     service_names: Iterable[str],
@@ -113,19 +132,9 @@ def make_server(
 ) -> tuple[grpc.Server, health.HealthServicer]:
     """A threaded gRPC server with health and reflection on; not yet bound or started.
     `interceptors`: metrics and tracing (base/observability.py), none unless they are on."""
-    options = [
-        # KV pages are far larger than gRPC's 4 MiB default; the node chunks replies to this size.
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        # Answer clients' keepalive pings even between calls, so idle channels stay up.
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-        # One process per port: never share a port with a stale daemon.
-        ("grpc.so_reuseport", 0),
-    ]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        options=options,
+        options=server_options(max_message_bytes),
         # Beyond this many calls in flight, new ones get RESOURCE_EXHAUSTED instead of queueing forever.
         maximum_concurrent_rpcs=max_workers * 4,
         interceptors=list(interceptors),
