@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     node = command("node", node_daemon, "start a KV-store node", run=_run_node)
     node.add_argument("--model", default=None,
-                      help=f"size pages for the workers' model, so they fit: {MODELS}; overrides --page-bytes")
+                      help=f"size pages for the workers' model, so they fit: {MODELS}; overrides --page-bytes. "
+                           "Unless --capacity is given, the pool is sized so one lookup can lease a prompt of "
+                           "the model's full context")
     node.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32",
                       help="with --model: the workers' KV dtype (default float32)")
     worker = command("worker", worker_daemon, "start an inference worker")
@@ -69,15 +71,24 @@ def _say_models(parser: argparse.ArgumentParser, models: str) -> None:
 
 
 def _run_node(args: argparse.Namespace) -> int:
-    from kvcache.model_pages import model_page_bytes
+    """With --model: pages of its size, and unless --capacity is given, a pool that lets one lookup
+    lease a prompt of its full context (base/pool_sizes.py); the start line says it in its tokens."""
+    from base.pages import DEFAULT_PAGE_TOKENS
+    from base.pool_sizes import node_pool
+    from kvcache.model_pages import model_max_positions, model_page_bytes
     from kvnode import daemon as node_daemon
 
     if args.model:
         try:
             args.page_bytes = model_page_bytes(args.model, args.kv_dtype)
+            max_positions = model_max_positions(args.model)
         except ValueError as exc:
             print(f"kvcache node: error: {exc}", file=sys.stderr)
             return 2
+        if args.capacity is None and 0.0 <= args.max_leased_fraction <= 1.0:  # else the daemon says what is wrong
+            args.capacity = node_pool(args.page_bytes, max_positions, DEFAULT_PAGE_TOKENS,
+                                      args.max_leased_fraction).size()
+        args.model_context = (args.model, DEFAULT_PAGE_TOKENS, max_positions)
     return node_daemon.run(args)
 
 

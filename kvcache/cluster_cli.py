@@ -18,15 +18,15 @@ import sys
 import threading
 from pathlib import Path
 
-from kvcache import cluster_vllm, prometheus
+from base.pool_sizes import MAX_NODE_POOL_BYTES, MAX_WORKER_POOL_BYTES, MIN_POOL_BYTES, describe
+from kvcache import cluster_sizes, cluster_vllm, prometheus
 from kvcache.cluster import LocalCluster, client_tls, disk_tier_args, start_cluster, stop_members, wait_healthy
 from kvcache.cluster_file import CLIENT_TOKEN_FILE, CLUSTER_FILE, DEFAULT_RUN_DIR, ClusterFileError, read_cluster_file
 from kvcache.launch import Daemon, DaemonFailed
-from kvcache.model_pages import VllmBlockPages, model_page_bytes
+from kvcache.model_pages import VllmBlockPages
 from kvnode.disk.tier import CHECK_AT_START, DISK_CHECKS
 from kvnode.store.flusher import DEFAULT_FLUSH_INTERVAL_S
 from base import tokens
-from base.units import parse_size
 from worker.model.named import DEFAULT_MODEL
 
 MONITOR_TOKEN_FILE = "monitor.token"
@@ -44,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help=f"{DEFAULT_MODEL}, tiny, gpt2-small-shape, a .gguf file or a checkpoint folder (default {DEFAULT_MODEL})")
     up.add_argument("--kv-dtype", choices=["float32", "float16"], default=None, help="KV dtype (default float32)")
     up.add_argument("--node-capacity", default=None,
-                    help=f"page pool per kvnode, allocated at start (default {cluster_vllm.NODE_CAPACITY}; "
+                    help="page pool per kvnode, allocated at start (default: enough that one kvnode leases a whole "
+                         "prompt of the model's full context at once, half its pool: 720MiB for smollm2-135m in "
+                         f"float32, at most {describe(MAX_NODE_POOL_BYTES)}; "
                          f"{cluster_vllm.VLLM_NODE_CAPACITY} with --vllm-model: vLLM's blocks are large, one of "
                          "128 tokens of a 30-layer model in bfloat16 is 30 pages of 96KiB, ~3MB, so 64MiB would "
                          "hold ~2.8k tokens of prompts a kvnode and 1GiB holds ~46k)")
@@ -59,7 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="with --data-dir: each kvnode's --disk-check, when a page read from disk has its bytes "
                          "checked: start (each slot once a process) or always "
                          f"(default: the kvnode's, {CHECK_AT_START})")
-    up.add_argument("--worker-kv-cache", default=None, help="local KV pool per worker (default 64MiB)")
+    up.add_argument("--worker-kv-cache", default=None,
+                    help="local KV pool per worker, written at start (default: one sequence of the model's full "
+                         "context, 360MiB for smollm2-135m in float32, at least "
+                         f"{describe(MIN_POOL_BYTES)} and at most {describe(MAX_WORKER_POOL_BYTES)}); `cluster up` "
+                         "says both pools' sizes in one line before it starts")
     up.add_argument("--blas-threads", type=int, default=None,
                     help="BLAS threads per worker (default: cores / workers, at least 1, so workers do not "
                          "fight over the cores)")
@@ -104,6 +110,8 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"kvcache cluster up: error: {cluster_file} exists: a cluster may be running; "
               f"run `kvcache cluster down --run-dir {args.run_dir}` first", file=sys.stderr)
         return 2
+    if vllm is None:
+        print(args.sizes.line(), flush=True)
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     kv_transfer_file = run_dir / cluster_vllm.KV_TRANSFER_FILE
@@ -158,10 +166,12 @@ def _check_options(args: argparse.Namespace) -> VllmBlockPages | None:
     vllm = cluster_vllm.settle_options(args)
     _check_counts(args)
     disk_tier_args(args.data_dir, args.flush_interval, args.disk_check)
-    parse_size(args.node_capacity)
     if vllm is None:
-        model_page_bytes(args.model, args.kv_dtype)
-        parse_size(args.worker_kv_cache)
+        # The pools not given are sized to the model (kvcache/cluster_sizes.py), and said at start.
+        args.sizes = cluster_sizes.settle(args.model, args.kv_dtype, args.worker_kv_cache, args.node_capacity,
+                                          args.workers, args.nodes)
+        args.worker_kv_cache = args.worker_kv_cache or args.sizes.worker.size()
+        args.node_capacity = args.node_capacity or args.sizes.node.size()
     return vllm
 
 

@@ -24,11 +24,11 @@ KV_TRANSFER_FILE = "vllm-kv-transfer.json"
 CONNECTOR_CERT = "vllm-connector"
 TENANT = "vllm"
 TOKEN_FILE = "vllm.token"
-NODE_CAPACITY = "64MiB"
 VLLM_NODE_CAPACITY = "1GiB"
 # The NumPy workers' options (and their gateway's) with their defaults: a vLLM cluster starts
 # neither, so giving one with --vllm-model is refused rather than silently ignored.
-WORKER_DEFAULTS = {"workers": 2, "model": DEFAULT_MODEL, "kv_dtype": "float32", "worker_kv_cache": "64MiB",
+# The pools' sizes (--worker-kv-cache, and --node-capacity) come from the model (kvcache/cluster_sizes.py).
+WORKER_DEFAULTS = {"workers": 2, "model": DEFAULT_MODEL, "kv_dtype": "float32", "worker_kv_cache": None,
                    "blas_threads": None, "max_prefill_tokens": None, "gateway_port": 0}
 
 
@@ -60,7 +60,6 @@ def settle_options(args: argparse.Namespace) -> VllmBlockPages | None:
         for name, default in WORKER_DEFAULTS.items():
             if getattr(args, name) is None:
                 setattr(args, name, default)
-        args.node_capacity = args.node_capacity or NODE_CAPACITY
         return None
     given = [name for name in WORKER_DEFAULTS if getattr(args, name) is not None]
     if given:

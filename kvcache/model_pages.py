@@ -23,6 +23,11 @@ def model_page_bytes(model: str, kv_dtype: str = "float32", page_tokens: int = D
     return page_bytes_of(_config(model), kv_dtype, page_tokens)
 
 
+def model_max_positions(model: str) -> int:
+    """The most positions (prompt and answer) `model` takes, its config read alone."""
+    return _config(model).max_positions
+
+
 @functools.lru_cache(maxsize=8)
 def _config(model: str):
     check_model_name(model)

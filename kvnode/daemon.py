@@ -11,6 +11,7 @@ import logging
 import time
 
 from base import addresses, member, observability, security, serving, startup
+from base.pool_sizes import MAX_NODE_POOL_BYTES, MIN_POOL_BYTES, describe, leased_pages, node_pool
 from base.units import format_size, parse_size
 from kvnode.disk.data_dir import DataDir
 from kvnode.eviction import ALIASES, NODE_POLICIES, POLICIES, PREFIX_LRU
@@ -27,13 +28,18 @@ log = logging.getLogger("kvnode")
 # One float32 page of the embedded `tiny` model: 4 layers x (k,v) x 4 heads x 16 tokens x 64 dims x 4 bytes.
 DEFAULT_PAGE_BYTES = 4 * 2 * 4 * 16 * 64 * 4
 DEFAULT_MAX_LEASED_FRACTION = 0.5
+DEFAULT_CAPACITY = "256MiB"  # without --model; with it, sized to lease a full context (base/pool_sizes.py)
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     serving.add_listen_arguments(parser, default_port=50051)
     parser.add_argument(
-        "--capacity", default="256MiB", help="memory for the page pool, allocated at start (default 256MiB)"
+        "--capacity", default=None, metavar="SIZE",
+        help=f"memory for the page pool, allocated at start (default {DEFAULT_CAPACITY}; with --model, enough "
+             "that one lookup may lease a whole prompt of the model's full context, at least "
+             f"{describe(MIN_POOL_BYTES)} and at most {describe(MAX_NODE_POOL_BYTES)}: 720MiB for "
+             "smollm2-135m in float32 at --max-leased-fraction 0.5)"
     )
     parser.add_argument(
         "--page-bytes",
@@ -139,6 +145,8 @@ def shares_pool(args, credentials) -> bool:
 def run(args: argparse.Namespace) -> int:
     startup.log_to_stderr()
     try:
+        if args.capacity is None:
+            args.capacity = DEFAULT_CAPACITY
         capacity_bytes = parse_size(args.capacity)
         max_message_bytes = parse_size(args.max_message_bytes)
         if args.page_bytes < 1:
@@ -166,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
         serving.tune_allocator()
         data_dir, disk = open_disk_tier(args, capacity_pages)
         store = PageStore(capacity_pages, args.page_bytes, policy=eviction,
-                          max_leased_pages=int((disk.capacity_pages if disk else capacity_pages) * args.max_leased_fraction),
+                          max_leased_pages=leased_pages(disk.capacity_pages if disk else capacity_pages,
+                                                        args.max_leased_fraction),
                           max_leases_per_call=max_leases_per_call, disk=disk, write_through=args.flush_interval == 0,
                           shared_pool=shares_pool(args, credentials))
         if store.recovered is not None:
@@ -214,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
         f"({capacity_pages} pages of {args.page_bytes} bytes, {format_size(capacity_pages * args.page_bytes)}, "
         f"eviction {store.policy.name}"
         + (f"; disk tier {store.capacity_pages} pages, {format_size(store.capacity_pages * args.page_bytes)}, "
-           f"{store.num_used()} recovered, disk check {disk.check}" if disk is not None else "") + ")",
+           f"{store.num_used()} recovered, disk check {disk.check}" if disk is not None else "")
+        + f"; {lease_says(store, args)})",
         flush=True,
     )
     if data_plane is not None:
@@ -235,6 +245,23 @@ def run(args: argparse.Namespace) -> int:
         disk.close()
         data_dir.close()
     return 0
+
+
+def lease_says(store: PageStore, args: argparse.Namespace) -> str:
+    """How much of a prompt one lookup can lease here; with the workers' model known (`kvcache node
+    --model` sets args.model_context: name, page tokens, max positions), in its tokens, and when that
+    is less than its full context, the --capacity that leases one."""
+    leased = store.max_leased_pages
+    says = f"leases at most {leased} pages at once, --max-leased-fraction {args.max_leased_fraction:g} of the pool"
+    context = getattr(args, "model_context", None)
+    if context is None:
+        return says
+    name, page_tokens, max_positions = context
+    if leased * page_tokens >= max_positions:
+        return f"{says}: a whole {max_positions}-token prompt of {name}"
+    says = f"{says}: {leased * page_tokens} tokens of a {name} prompt, fewer than its {max_positions}"
+    whole = node_pool(args.page_bytes, max_positions, page_tokens, args.max_leased_fraction)
+    return says if whole.capped else f"{says}; --capacity {whole.size()} leases a whole one"
 
 
 def open_disk_tier(args: argparse.Namespace, capacity_pages: int) -> tuple[DataDir | None, DiskTier | None]:

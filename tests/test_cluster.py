@@ -294,7 +294,7 @@ def test_cluster_up_passes_the_disk_tier_options_to_every_kvnode_and_only_those_
         nodes = [m for m in members if m["role"] == "node"]
         assert len(nodes) == 2
         for node in nodes:
-            assert "disk check always)" in Path(node["log"]).read_text()
+            assert "disk check always; leases at most" in Path(node["log"]).read_text()
             with NodeClient(node["address"]) as client:  # --flush-interval 0: on disk before the put is answered
                 page = bytes(client.info().page_bytes)
                 assert client.put_pages([b"k" * 16], [b""], [page]).stored == 1

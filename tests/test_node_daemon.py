@@ -113,7 +113,7 @@ def test_the_node_runs_the_eviction_policy_it_is_given(tmp_path, policy):
                 assert client.put_pages([key(2 * n), key(2 * n + 1)], [b"", key(2 * n)], pages).stored == 2
             assert client.lookup([key(10), key(11)]) == 2
             assert client.stats()["evictions"] == 4
-    assert f"eviction {policy})" in read_log(tmp_path)
+    assert f"eviction {policy}; leases at most 4 pages at once" in read_log(tmp_path)
 
 
 def test_a_taken_port_exits_with_one_clear_error_line(node_proc):

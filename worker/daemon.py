@@ -15,11 +15,13 @@ import time
 
 from base import member, observability, security, serving, startup, tokens
 from base.pages import DEFAULT_PAGE_TOKENS
+from base.pool_sizes import (MAX_WORKER_POOL_BYTES, MIN_POOL_BYTES, describe, full_context_pages, prompt_cap,
+                             worker_pool)
 from base.units import format_size, parse_size
 from protos import kvcache_pb2 as pb
 from worker.engine.engine import Engine
 from worker.metrics import WorkerMetrics
-from worker.model import blas
+from worker.model import blas, load_model
 from worker.observe import ObservedRemoteTier, attach
 from worker.remote.tier import RemoteTier
 from worker.engine.scheduler import PREFILL_TOKENS_PER_STEP
@@ -39,7 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-dtype", choices=["float32", "float16"], default="float32",
         help="KV dtype of the local pool and on the wire (default float32; float16 fits twice the pages)"
     )
-    parser.add_argument("--kv-cache", default="256MiB", help="memory for the local paged KV pool (default 256MiB)")
+    parser.add_argument(
+        "--kv-cache", default=None, metavar="SIZE",
+        help="memory for the local paged KV pool, written at start (default: one sequence of the model's full "
+             f"context, at least {describe(MIN_POOL_BYTES)} and at most {describe(MAX_WORKER_POOL_BYTES)}: "
+             "360MiB for smollm2-135m in float32; the start line says the size and the longest prompt it takes)",
+    )
     parser.add_argument("--page-tokens", type=int, default=DEFAULT_PAGE_TOKENS,
                         help=f"tokens per page (default {DEFAULT_PAGE_TOKENS})")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="most requests decoding at once (default 32)")
@@ -97,7 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     startup.log_to_stderr()
     try:
-        kv_cache_bytes = parse_size(args.kv_cache)
+        kv_cache_bytes = parse_size(args.kv_cache) if args.kv_cache is not None else None
+        if args.page_tokens < 1:
+            raise ValueError(f"--page-tokens must be at least 1, got {args.page_tokens}")
         if args.max_prefill_tokens < 1:
             raise ValueError(f"--max-prefill-tokens must be at least 1, got {args.max_prefill_tokens}")
         if args.max_streams < 1:
@@ -114,8 +123,12 @@ def run(args: argparse.Namespace) -> int:
         credentials = security.from_args(args)
         client_tokens = tokens.from_args(args)  # the coordinators' file: they send their caller's token on
         serving.tune_allocator()
-        engine = Engine.load(
-            args.model,
+        model = load_model(args.model)
+        if kv_cache_bytes is None:  # sized to the model (base/pool_sizes.py)
+            kv_cache_bytes = worker_pool(model.page_bytes(args.kv_dtype, args.page_tokens),
+                                         model.config.max_positions, args.page_tokens).bytes
+        engine = Engine(
+            model,
             kv_dtype=args.kv_dtype,
             page_tokens=args.page_tokens,
             kv_cache_bytes=kv_cache_bytes,
@@ -165,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"worker {service.worker_id} listening on {serving.host_port(args.host, port)} (model {engine.model.name}, "
         f"{args.kv_dtype} KV, pages of {page_bytes} bytes, {engine.pool.num_blocks} blocks, "
-        f"{format_size(kv_cache_bytes)})",
+        f"{format_size(engine.pool.num_blocks * page_bytes)}: {pool_says(engine, args)})",
         flush=True,
     )
     registration = pb.RegisterRequest(
@@ -204,6 +217,19 @@ def run(args: argparse.Namespace) -> int:
         log.warning("threads still running at exit (they end with their calls' deadlines): %s", ", ".join(left))
     log.info("stopped")
     return 0
+
+
+def pool_says(engine: Engine, args: argparse.Namespace) -> str:
+    """The longest prompt the pool takes, and when it is below the model's, what raises it."""
+    max_positions = engine.model.config.max_positions
+    says = prompt_cap(engine.pool.num_blocks * args.page_tokens, max_positions)
+    if engine.pool.num_blocks * args.page_tokens >= max_positions:
+        return says
+    full_bytes = full_context_pages(max_positions, args.page_tokens) * engine.model.page_bytes(args.kv_dtype,
+                                                                                                args.page_tokens)
+    cap = ("" if args.kv_cache is not None
+           else f", the default's cap of {describe(MAX_WORKER_POOL_BYTES)}")
+    return f"{says}{cap}; --kv-cache {describe(full_bytes)} holds a full context"
 
 
 OWN_THREADS = ("engine-", "kv-", "membership")  # name prefixes of the threads the worker starts
