@@ -33,7 +33,9 @@ DEFAULT_SEND_TIMEOUT_S = 30.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     serving.add_listen_arguments(parser, default_port=8000, reached=True)
     parser.add_argument("--coordinators", default=None,
-                        help=f"coordinator addresses, tried in turn: A,B (default $KVCACHE_COORDINATORS or "
+                        help="coordinator addresses, tried in turn: A,B (default $KVCACHE_COORDINATORS, else the "
+                             "cluster `kvcache cluster up` started in this folder, ./.kvcache/cluster.json, with its "
+                             "client certificate when it runs --secure and its model's tokenizer, else "
                              f"{DEFAULT_COORDINATORS})")
     parser.add_argument("--max-streams", type=int, default=DEFAULT_MAX_STREAMS,
                         help=f"requests served at once; one more is answered 429 (default {DEFAULT_MAX_STREAMS})")

@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker = command("worker", worker_daemon, "start an inference worker")
     _say_models(worker, MODELS)
     command("coordinator", coordinator_daemon, "start a coordinator (membership, ring, routing)")
-    command("gateway", gateway_daemon, "serve an OpenAI-compatible HTTP API in front of the coordinators")
+    command("gateway", gateway_daemon, "serve an OpenAI-compatible HTTP API in front of the coordinators",
+            run=_run_gateway)
     command("cluster", cluster_cli, "start or stop a local multi-process cluster")
     command("generate", generate, "send a prompt and stream the answer")
     command("status", status, "show the cluster: members, pages, load")
@@ -90,6 +91,30 @@ def _run_node(args: argparse.Namespace) -> int:
                                       args.max_leased_fraction).size()
         args.model_context = (args.model, DEFAULT_PAGE_TOKENS, max_positions)
     return node_daemon.run(args)
+
+
+def _run_gateway(args: argparse.Namespace) -> int:
+    """Without --coordinators or $KVCACHE_COORDINATORS, the gateway serves the cluster `kvcache
+    cluster up` started in this folder, as `generate` finds it (kvcache/client_target.py): its
+    coordinators, its client certificate when it runs --secure, and its model's tokenizer for
+    /tokenize. Named in one line on stderr; with no cluster file, the coordinators' default address."""
+    from gateway import daemon as gateway_daemon
+    from kvcache import client_target
+
+    if args.coordinators is None and not os.environ.get(client_target.ENV_COORDINATORS, "").strip():
+        try:
+            found = client_target.cluster_here(client_target.tls_options(args))
+        except ValueError as exc:
+            print(f"kvcache gateway: error: {exc}", file=sys.stderr)
+            return 2
+        if found is not None:
+            print(found.describe(), file=sys.stderr, flush=True)
+            args.coordinators = ",".join(found.coordinators)
+            for name in ("tls_ca", "tls_cert", "tls_key"):
+                setattr(args, name, found.options.get(name) or getattr(args, name))
+            if found.model and found.model not in args.tokenizer:
+                args.tokenizer.append(found.model)
+    return gateway_daemon.run(args)
 
 
 # OpenBLAS's worker threads spin for ~0.1 s after each multi-threaded call before they sleep

@@ -29,6 +29,7 @@ class Target:
     coordinators: list[str]
     options: dict = field(default_factory=dict)
     found_in: Path | None = None
+    model: str | None = None  # the workers' --model, as the cluster file says it
 
     def describe(self) -> str:
         """The one line said on stderr for a cluster found through its file."""
@@ -105,12 +106,25 @@ def _from_run_dir(args: argparse.Namespace, run_dir: Path) -> Target:
     options = tls_options(args)
     token = client_token(args)
     if cluster.get("secure"):
-        ca = run_dir / "tls" / "ca.pem"  # a client needs no certificate of its own (base/security.py note 1)
+        ca = run_dir / "tls" / "ca.pem"  # a client needs no certificate of its own (security: a coordinator takes clients without one)
         if not any(options.values()) and ca.is_file():
             options = {**options, "tls_ca": str(ca)}
         if token is None and (run_dir / CLIENT_TOKEN_FILE).is_file():
             token = tokens.client_token(str(run_dir / CLIENT_TOKEN_FILE))
-    return Target(addresses, {**options, "token": token}, cluster_file)
+    return Target(addresses, {**options, "token": token}, cluster_file, cluster.get("model"))
+
+
+def cluster_here(tls: dict) -> Target | None:
+    """The cluster `kvcache cluster up` started in this folder (./.kvcache/cluster.json), with its
+    CA when it runs --secure and `tls` (--tls-*) gives none; None without the file. For the
+    gateway, whose callers bring their own tokens. ValueError for a file that cannot be used."""
+    if not (Path(DEFAULT_RUN_DIR) / CLUSTER_FILE).is_file():
+        return None
+    args = argparse.Namespace(token_file=None, tenant=None,
+                              **{name: tls.get(name) for name in ("tls_ca", "tls_cert", "tls_key")})
+    target = _from_run_dir(args, Path(DEFAULT_RUN_DIR).resolve())
+    target.options.pop("token", None)
+    return target
 
 
 def tls_options(args: argparse.Namespace) -> dict:
@@ -119,5 +133,5 @@ def tls_options(args: argparse.Namespace) -> dict:
 
 
 def client_token(args: argparse.Namespace) -> str | None:
-    """The token of --token-file and --tenant, else $KVCACHE_TOKEN, else None (base/tokens.py note 4)."""
+    """The token of --token-file and --tenant, else $KVCACHE_TOKEN, else None (tokens.client_token)."""
     return tokens.client_token(args.token_file, getattr(args, "tenant", None))

@@ -36,9 +36,10 @@ class Daemon:
     """
 
     def __init__(self, role: str, args: Sequence[str], log_path: Path | None = None, timeout_s: float = 60.0, env=None,
-                 prefix: Sequence[str] = ()):
+                 prefix: Sequence[str] = (), cwd: Path | None = None):
         """`prefix`: a command that runs the daemon and execs it, keeping its pid (tests' `ip netns
-        exec NAME`, so a member runs on a host address of its own)."""
+        exec NAME`, so a member runs on a host address of its own); `cwd`: the folder it runs in
+        (default this process's)."""
         self.role = role
         self.args = list(args)  # so a member can be started again as it was (LocalCluster.restart)
         self._temporary_log = log_path is None
@@ -55,6 +56,7 @@ class Daemon:
                 stderr=log,
                 stdin=subprocess.DEVNULL,
                 env=env,
+                cwd=cwd,
                 start_new_session=True,  # Ctrl-C in the parent's terminal does not reach it; we stop it ourselves
             )
         self.pid = self.process.pid

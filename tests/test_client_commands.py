@@ -13,9 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx2
 import pytest
 
 from cluster_helpers import cluster_down, kvcache_command
+from kvcache.launch import Daemon
 
 CLI = [sys.executable, "-m", "kvcache.cli"]
 
@@ -81,6 +83,20 @@ def test_status_finds_the_cluster_here_or_by_run_dir_and_says_what_its_columns_c
     elsewhere = kvcache("status", "--json", "--run-dir", str(folder / ".kvcache"), cwd=tmp_path)
     assert elsewhere.returncode == 0, elsewhere.stderr
     assert sorted(m["role"] for m in json.loads(elsewhere.stdout)["members"]) == ["node", "worker"]
+
+
+def test_a_gateway_started_here_serves_the_cluster_of_the_folders_file_and_says_so(folder, tmp_path):
+    with Daemon("gateway", ["--port", "0"], log_path=tmp_path / "gateway.log", cwd=folder, env=clean_env()) as gateway:
+        models = httpx2.get(f"{gateway.address}/v1/models", timeout=30.0)
+        counted = httpx2.post(f"{gateway.address}/tokenize", json={"prompt": "Hello"}, timeout=30.0)
+        gateway.stop(timeout_s=10.0)
+    log = (tmp_path / "gateway.log").read_text()
+    coordinators = [m["address"] for m in json.loads((folder / ".kvcache" / "cluster.json").read_text())["members"]
+                    if m["role"] == "coordinator"]
+    assert f"using the cluster in {folder / '.kvcache' / 'cluster.json'} (coordinators {coordinators[0]}" in log
+    assert f"coordinators {','.join(coordinators)}," in log  # its start line
+    assert models.status_code == 200 and [m["id"] for m in models.json()["data"]] == ["tiny"], models.text
+    assert counted.status_code == 200 and counted.json()["count"] == len(b"Hello"), counted.text
 
 
 def test_the_environment_names_the_cluster_before_the_folders_file(folder):
