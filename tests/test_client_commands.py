@@ -158,7 +158,8 @@ def test_an_unknown_model_is_refused_listing_the_models_that_work(tmp_path):
     assert not (tmp_path / "run" / "cluster.json").exists()
 
 
-@pytest.mark.parametrize("command", [["node"], ["worker"], ["cluster", "up"]])
+@pytest.mark.parametrize("command", [["node"], ["worker"], ["cluster", "up"], ["bench", "chaos"],
+                                     ["bench", "determinism"]])
 def test_model_help_names_every_kind_of_model(command):
     done = kvcache(*command, "--help", env=clean_env(COLUMNS="400"))
     assert done.returncode == 0

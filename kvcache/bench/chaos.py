@@ -41,12 +41,13 @@ from kvcache.bench.chaoswatch import StatusWatcher, log_sightings, resumed_strea
 from kvcache.bench.report import dump_json, machine, versions
 from kvcache.cluster import LocalCluster, start_cluster, wait_healthy
 from kvcache.launch import DaemonFailed
+from kvcache.model_pages import MODELS
 from kvnode.eviction import NODE_POLICIES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster = parser.add_argument_group("cluster (started here, stopped at the end)")
-    cluster.add_argument("--model", default="tiny", help="tiny, gpt2-small-shape or a checkpoint folder (default tiny)")
+    cluster.add_argument("--model", default="tiny", help=f"{MODELS} (default tiny)")
     cluster.add_argument("--coordinators", type=int, default=2, help="coordinators (default 2)")
     cluster.add_argument("--nodes", type=int, default=3, help="kvnodes (default 3)")
     cluster.add_argument("--workers", type=int, default=2, help="workers (default 2)")

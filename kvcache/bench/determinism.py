@@ -21,6 +21,7 @@ import numpy as np
 
 from kvcache import __version__
 from kvcache.bench.report import dump_json, machine, print_table
+from kvcache.model_pages import MODELS
 from worker.engine.engine import Engine
 from worker.model.blas import threads_for_rows
 
@@ -35,7 +36,7 @@ PROMPTS = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="tiny, gpt2-small-shape or a checkpoint folder (default tiny)")
+    parser.add_argument("--model", default="tiny", help=f"{MODELS} (default tiny)")
     parser.add_argument("--tokens", type=int, default=200, help="tokens per answer (default %(default)s)")
     parser.add_argument("--cuts", type=int, default=4, help="resume points per prompt (default %(default)s)")
     parser.add_argument("--batch", type=int, default=6, help="requests run together in the batched pass (default 6)")
