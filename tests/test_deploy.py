@@ -111,6 +111,21 @@ def test_compose_validates_against_the_compose_specification():
             assert args.advertise.startswith(f"{name}:"), name  # the service name is the host others dial
 
 
+def test_the_gateway_loads_the_tokenizer_of_the_model_the_workers_run():
+    """/tokenize and /detokenize load the workers' model's tokenizer from --tokenizer (a named model
+    would load without it; a file or folder given to the workers would not)."""
+    parser = build_parser()
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    setups = {"k8s": [kvcache_argv(c.get("command", []) + c.get("args", [])) for p in MANIFESTS
+                      for doc in documents(p) for c in containers(doc)],
+              "compose": [kvcache_argv(service["command"]) for service in compose["services"].values()]}
+    for name, argvs in setups.items():
+        parsed = [parser.parse_args(argv) for argv in argvs if argv]
+        models = {args.model for args in parsed if args.command == "worker"}
+        [gateway] = [args for args in parsed if args.command == "gateway"]
+        assert models and gateway.tokenizer == sorted(models), name
+
+
 def test_the_dockerfile_installs_with_the_readmes_command():
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "RUN make install" in dockerfile
