@@ -108,7 +108,9 @@ def _run_gateway(args: argparse.Namespace) -> int:
             print(f"kvcache gateway: error: {exc}", file=sys.stderr)
             return 2
         if found is not None:
-            print(found.describe(), file=sys.stderr, flush=True)
+            tls = ", TLS with its CA, HTTPS with its gateway certificate" if found.options.get("tls_cert") else ""
+            print(f"using the cluster in {found.found_in} (coordinators {','.join(found.coordinators)}{tls})",
+                  file=sys.stderr, flush=True)
             args.coordinators = ",".join(found.coordinators)
             for name in ("tls_ca", "tls_cert", "tls_key"):
                 setattr(args, name, found.options.get(name) or getattr(args, name))

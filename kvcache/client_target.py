@@ -116,14 +116,19 @@ def _from_run_dir(args: argparse.Namespace, run_dir: Path) -> Target:
 
 def cluster_here(tls: dict) -> Target | None:
     """The cluster `kvcache cluster up` started in this folder (./.kvcache/cluster.json), with its
-    CA when it runs --secure and `tls` (--tls-*) gives none; None without the file. For the
-    gateway, whose callers bring their own tokens. ValueError for a file that cannot be used."""
+    CA and the gateway's certificate when it runs --secure and `tls` (--tls-*) gives none; None
+    without the file. For the gateway, whose callers bring their own tokens. ValueError for a file
+    that cannot be used."""
     if not (Path(DEFAULT_RUN_DIR) / CLUSTER_FILE).is_file():
         return None
     args = argparse.Namespace(token_file=None, tenant=None,
                               **{name: tls.get(name) for name in ("tls_ca", "tls_cert", "tls_key")})
-    target = _from_run_dir(args, Path(DEFAULT_RUN_DIR).resolve())
+    run_dir = Path(DEFAULT_RUN_DIR).resolve()
+    target = _from_run_dir(args, run_dir)
     target.options.pop("token", None)
+    cert, key = run_dir / "tls" / "gateway.pem", run_dir / "tls" / "gateway.key"
+    if target.options.get("tls_ca") and not tls.get("tls_cert") and cert.is_file() and key.is_file():
+        target.options.update(tls_cert=str(cert), tls_key=str(key))  # HTTPS, as `cluster up --secure` starts it
     return target
 
 

@@ -23,11 +23,12 @@ import openai
 import pytest
 
 from cluster_helpers import cluster_down
+from kvcache.launch import Daemon
 from metrics_helpers import scrape, tls_context
 
 
 def test_cluster_up_secure_prints_a_token_and_options_that_work_and_plaintext_does_not(tmp_path):
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / ".kvcache"  # the folder's own: a gateway started in tmp_path finds it
     cli = [sys.executable, "-m", "kvcache.cli"]
     up = subprocess.run([*cli, "cluster", "up", "--secure", "--model", "tiny", "--run-dir", str(run_dir), "--nodes",
                          "1", "--workers", "1", "--coordinators", "1", "--replicas", "1", "--detach"],
@@ -84,6 +85,13 @@ def test_cluster_up_secure_prints_a_token_and_options_that_work_and_plaintext_do
         refused(gateway.replace("https://", "http://", 1) + "/health")
         gateway_log = next(m["log"] for m in members if m["role"] == "gateway")
         assert "Traceback" not in open(gateway_log).read()
+        # A gateway started in the cluster's folder finds it, its CA and the gateway certificate by its file.
+        with Daemon("gateway", ["--port", "0"], log_path=tmp_path / "gateway-here.log", cwd=tmp_path,
+                    env=env_without_client_settings()) as here:
+            here_url = here.address  # as it printed it: https://HOST:PORT
+            assert completion(here_url, token, trusted)[0] == 200 and completion(here_url, None, trusted)[0] == 401
+            here.stop(timeout_s=10.0)
+        assert "TLS with its CA, HTTPS with its gateway certificate" in (tmp_path / "gateway-here.log").read_text()
         printed = subprocess.run([*cli, "cluster", "prometheus-config", "--scrape-config", "--run-dir", str(run_dir)],
                                  capture_output=True, text=True, timeout=60)
         assert printed.returncode == 0, printed.stderr
