@@ -242,7 +242,7 @@ def test_the_lookup_starts_when_a_request_arrives_and_its_load_in_the_first_step
     tier.pages = dict(source.pages)
     handle = engine.add_request(prompt, max_new_tokens=8, ignore_eos=True)
     assert looked_up.wait(5.0)  # no step has run
-    wait_until(lambda: engine.connector.num_lookups_in_flight() == 0, 5.0)
+    wait_until(lambda: engine.connector.lookups.num_in_flight() == 0, 5.0)
     assert engine.step() == []  # the first step parks it, its load started
     assert engine.num_waiting() == 1 and engine.num_running() == 0
     assert filled.wait(5.0)
@@ -279,14 +279,14 @@ def test_close_is_bounded_by_a_hung_call_and_a_closed_connector_answers_a_miss_a
     connector = KVConnector(HungTier())
     hung = SimpleNamespace(request_id="hung", tier_context=None)
     try:
-        connector.start_lookup(hung, [b"k" * 16])
+        connector.lookups.start(hung, [b"k" * 16])
         assert entered.wait(5.0)
         started = time.monotonic()
         assert connector.close(timeout_s=0.3) is False  # the hung call still runs
         assert time.monotonic() - started < 5.0, "close waited for the hung call"
         late = SimpleNamespace(request_id="late", tier_context=None)
-        connector.start_lookup(late, [b"a" * 16])
-        assert connector.get_num_matched_pages(late, [b"a" * 16]) == 0  # a miss, no call
+        connector.lookups.start(late, [b"a" * 16])
+        assert connector.lookups.take(late) == 0  # a miss, no call
         blocks = [3]
         connector.start_load(late, [b"a" * 16], blocks)
         assert connector.take_finished_loads().landed == [(late, Landed(0))]

@@ -1,9 +1,9 @@
 """The KV connector: the remote tier's lookups and fetches off the engine's thread.
 
-The scheduler and the engine see it as `Connector` (below), after vLLM's KV connector: how many
-pages of a chain the tier holds (`get_num_matched_pages`, None while the lookup is in flight),
-start loading them into blocks the scheduler allocated (`start_load`), which loads have landed
-(`take_finished_loads`). It knows nothing of the network; a `Tier` (worker/remote/tier.py's
+The scheduler and the engine see it as `Connector` (below), after vLLM's KV connector: its
+`lookups` say how many pages of a chain the tier holds (None while the lookup is in flight), it
+starts loading them into blocks the scheduler allocated (`start_load`) and says which loads have
+landed (`take_finished_loads`). It knows nothing of the network; a `Tier` (worker/remote/tier.py's
 RemoteTier over kvnodes) does the I/O.
 
 Lookups run on `lookup_threads` threads, fetches on one loader thread (the tier receives one fill
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 from worker.connector.layers import LayerwiseLoad, LayerwiseLoads
-from worker.connector.lookups import Lookups
+from worker.connector.lookups import TierLookups
 from worker.kv.pages_in_place import PagesInPlace
 
 log = logging.getLogger("worker.connector")
@@ -90,15 +90,22 @@ class FinishedLoads:
     overdue: list[Any] = field(default_factory=list)  # requests whose load ran past timeout_s
 
 
+class Lookups(Protocol):
+    """How many pages of a request's chain, from the first, the tier holds (lookups.py's TierLookups)."""
+
+    def start(self, request, keys: Sequence[bytes]) -> None: ...  # no-op while a fresh answer stands
+    def take(self, request) -> int | None: ...  # None while in flight; the answer is taken once
+    def peek(self, request) -> int | None: ...  # the answer, if any, left in place
+    def in_flight(self, request) -> bool: ...
+
+
 class Connector(Protocol):
     """What the scheduler and the engine use of a connector; none of it waits on the network."""
 
     timeout_s: float  # a lookup or load not done this long after it was asked for is given up
+    lookups: Lookups  # the engine starts them on arrival, the scheduler takes them at admission
 
     # The scheduler, under the engine's lock (worker/engine/remote_joins.py).
-    def get_num_matched_pages(self, request, keys: Sequence[bytes]) -> int | None: ...
-    def peek_matched_pages(self, request) -> int | None: ...
-    def is_looking_up(self, request) -> bool: ...
     def write_back(self, request, keys: Sequence[bytes], local_blocks: Sequence[int], start: int) -> None: ...
     def on_page_full(self, key: bytes, parent_key: bytes, block_id: int, context: Any) -> None: ...
     def start_load(self, request, keys: Sequence[bytes], block_ids: Sequence[int]) -> None: ...
@@ -110,7 +117,6 @@ class Connector(Protocol):
     def settle_layerwise(self, request, blocks: Sequence[int], wait_s: float | None = None) -> int | None: ...
 
     # The engine.
-    def start_lookup(self, request, keys: Sequence[bytes]) -> None: ...
     def wait_layer(self, request, layer: int) -> bool: ...
     def has_releases(self) -> bool: ...
     def num_pending(self) -> int: ...
@@ -125,7 +131,7 @@ class KVConnector:
                  layer_wait_s: float = DEFAULT_LAYER_WAIT_S, settle_timeout_s: float = DEFAULT_SETTLE_TIMEOUT_S,
                  step_wait_s: float = DEFAULT_STEP_WAIT_S):
         self.tier = tier
-        self.timeout_s = timeout_s
+        self._timeout_s = timeout_s
         self.layerwise_loads = LayerwiseLoads(layer_wait_s, step_wait_s, settle_timeout_s)  # layers.py
         self.layerwise = tier.layerwise_fill
         self.wake = wake
@@ -137,19 +143,20 @@ class KVConnector:
         self._running: set[Future] = set()  # submitted and not done, for a bounded close
         self._closed = False
         self._pools_lock = threading.Lock()  # guards the two above; taken after the lookups' lock, never before
-        self.lookups = Lookups(tier, lambda fn, *args: self._submit(self._lookup_pool, (0, self.clock()), fn, *args),
-                               clock, tier.lease_ms)  # see start_lookup
+        self.lookups = TierLookups(tier, lambda fn, *args: self._submit(self._lookup_pool, (0, self.clock()), fn, *args),
+                                   clock, tier.lease_ms, timeout_s)
         self.num_loads_given_up = 0
         self.num_loads_cancelled = 0  # ... of which had not started: never run (see _give_up)
 
-    # ---- any thread -------------------------------------------------------------
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
 
-    def start_lookup(self, request, keys: Sequence[bytes]) -> None:
-        """Ask the tier about `keys` (the request's reusable chain) now, on a lookup thread: the engine
-        calls it as the request arrives, so by the time the scheduler first considers the request
-        the node has usually answered. An answer more than half a lease old is asked again (its
-        pages may have been evicted since the lease lapsed)."""
-        self.lookups.start(request, keys)
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self._timeout_s = self.lookups.timeout_s = value
+
+    # ---- any thread -------------------------------------------------------------
 
     def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> bool:
         """Stop taking work, drop what is queued, give running calls `timeout_s` to end; False, with
@@ -174,11 +181,6 @@ class KVConnector:
 
     # ---- the scheduler (under the engine's lock) -------------------------------------
 
-    def get_num_matched_pages(self, request, keys: Sequence[bytes]) -> int | None:
-        """How many of `keys`, from the first, the tier holds (local hits included), or None while
-        its lookup is in flight."""
-        return self.lookups.take(request, keys, self.timeout_s)
-
     def write_back(self, request, keys: Sequence[bytes], local_blocks: Sequence[int], start: int) -> None:
         """Hand the tier the local pages it lacks, keys[start:] held in `local_blocks` (those of the
         locally cached keys), so their children will not be refused there; stops at a failure."""
@@ -189,13 +191,6 @@ class KVConnector:
             except Exception:  # a tier never fails a request
                 log.exception("remote tier on_page_full failed for request %s", request.request_id)
                 return
-
-    def peek_matched_pages(self, request) -> int | None:
-        """What the request's lookup found, if it answered (nothing is consumed or started)."""
-        return self.lookups.peek(request)
-
-    def is_looking_up(self, request) -> bool:
-        return self.lookups.in_flight(request)
 
     def start_load(self, request, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Fetch `keys` into `block_ids` (allocated by the scheduler, not scheduled until the load ends).
@@ -253,9 +248,6 @@ class KVConnector:
         self.num_loads_given_up += 1
         if load.future.cancel():
             self.num_loads_cancelled += 1
-
-    def num_lookups_in_flight(self) -> int:
-        return self.lookups.num_in_flight()
 
     def has_releases(self) -> bool:
         """Loads given up that let go of their blocks: the next take_finished_loads releases them."""

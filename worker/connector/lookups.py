@@ -1,7 +1,7 @@
-"""The KV connector's lookups: how many pages of a request's chain the tier holds, asked on the
-connector's lookup threads from the request's arrival and taken when the scheduler admits it
-(worker/connector/connector.py: KVConnector.start_lookup, and take_finished_loads for the bound
-on every wait)."""
+"""The KV connector's lookups (its `lookups`, the `Lookups` interface in connector.py): how many pages
+of a request's chain the tier holds, asked on the connector's lookup threads from the request's
+arrival and taken when the scheduler admits it (KVConnector.take_finished_loads: the bound on every
+wait)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,14 @@ class _Lookup:
     started: float
 
 
-class Lookups:
+class TierLookups:
     """The lookups of requests not admitted yet, by request; any thread may start one."""
 
-    def __init__(self, tier, submit: Callable[..., Future], clock: Callable[[], float], lease_ms: int | None):
+    def __init__(self, tier, submit: Callable[..., Future], clock: Callable[[], float], lease_ms: int | None,
+                 timeout_s: float):
         self.tier = tier
         self.clock = clock
+        self.timeout_s = timeout_s  # a lookup in flight this long is given up: a miss
         self.max_age_s = lease_ms / 2000.0 if lease_ms else None  # half a lease: older answers are asked again
         self.num_given_up = 0
         self._submit = submit  # submit(fn, *args): fn(*args) on a lookup thread; a miss once closed
@@ -34,35 +36,34 @@ class Lookups:
         self._lock = threading.Lock()  # start runs on callers' threads
 
     def start(self, request, keys: Sequence[bytes]) -> None:
-        """Ask the tier about `keys` (the request's reusable chain) now, on a lookup thread."""
+        """Ask the tier about `keys` (the request's reusable chain) on a lookup thread, unless its
+        lookup of these keys runs or answered less than half a lease ago (the pages of an older
+        answer may have been evicted since its lease lapsed). The engine starts it as the request
+        arrives, so the node has usually answered by the time the scheduler admits it."""
         if not keys:
             return
         keys = list(keys)
         with self._lock:
-            if id(request) in self._lookups:
-                return
-            self._lookups[id(request)] = _Lookup(keys, self._submit(self._lookup, keys, request.tier_context),
-                                                 self.clock())
-
-    def take(self, request, keys: Sequence[bytes], timeout_s: float) -> int | None:
-        """How many of `keys`, from the first, the tier holds, or None while its lookup is in flight
-        (one started now if none runs, or its answer is for other keys or too old); 0 once it has
-        run `timeout_s`. An answer is taken once."""
-        with self._lock:
             lookup = self._lookups.get(id(request))
             now = self.clock()
-            stale = lookup is not None and lookup.future.done() and not lookup.future.cancelled() and (
-                lookup.keys != list(keys) or (self.max_age_s is not None
-                                              and now - lookup.future.result()[1] > self.max_age_s))
-            if lookup is None or stale:
-                lookup = _Lookup(list(keys), self._submit(self._lookup, list(keys), request.tier_context), now)
-                self._lookups[id(request)] = lookup
+            if lookup is not None and not self._stale(lookup, keys, now):
+                return
+            self._lookups[id(request)] = _Lookup(keys, self._submit(self._lookup, keys, request.tier_context), now)
+
+    def take(self, request) -> int | None:
+        """How many of the keys its lookup was started with, from the first, the tier holds, or None
+        while it is in flight; 0 once it has run `timeout_s`, or when none was started. An answer is
+        taken once."""
+        with self._lock:
+            lookup = self._lookups.get(id(request))
+            if lookup is None:
+                return 0
             if not lookup.future.done():
-                if now - lookup.started < timeout_s:
+                if self.clock() - lookup.started < self.timeout_s:
                     return None
                 self.num_given_up += 1
                 log.warning("remote lookup for request %s still running after %.0fs; computing instead",
-                            request.request_id, timeout_s)
+                            request.request_id, self.timeout_s)
                 found = 0
             else:
                 found = 0 if lookup.future.cancelled() else lookup.future.result()[0]
@@ -91,6 +92,11 @@ class Lookups:
 
     def __len__(self) -> int:
         return len(self._lookups)
+
+    def _stale(self, lookup: _Lookup, keys: list[bytes], now: float) -> bool:
+        """An answer for other keys, or older than half a lease."""
+        return lookup.future.done() and not lookup.future.cancelled() and (
+            lookup.keys != keys or (self.max_age_s is not None and now - lookup.future.result()[1] > self.max_age_s))
 
     def _lookup(self, keys: list[bytes], context: Any) -> tuple[int, float]:
         try:

@@ -181,7 +181,7 @@ class Engine:
                                      f"give each request its own id")
             self._ids_in_use.add(request_id)
             if keys:
-                connector.start_lookup(request, keys)  # prefetch on arrival (connector note 3)
+                connector.lookups.start(request, keys)  # prefetch on arrival (connector note 3)
             self._inbox.put(live)
         self._work.set()
         return live.handle

@@ -318,7 +318,7 @@ class Scheduler:
             return
         no_batch = ScheduledBatch([], [])
         request = next((r for r, _ in self._prefill_order(no_batch) if r.status is RequestStatus.WAITING), None)
-        if request is None or (self.connector is not None and self.connector.is_looking_up(request)):
+        if request is None or (self.connector is not None and self.connector.lookups.in_flight(request)):
             return  # it could not be admitted now anyway
         hits = self.pool.lookup(request.page_keys(request.num_reusable_pages()))
         first_chunk_end = min(request.num_tokens, self._num_cached(request) + self.max_prefill_tokens)
@@ -347,7 +347,7 @@ class Scheduler:
             return 0
         pages = len(self.pool.lookup(request.page_keys(request.num_reusable_pages())))
         if self.connector is not None and not request.remote_given_up:
-            pages = max(pages, self.connector.peek_matched_pages(request) or 0)
+            pages = max(pages, self.connector.lookups.peek(request) or 0)
         return min(pages * self.page_tokens, request.num_tokens - 1)   # the last token is computed
 
     def _admit(self, request: Request, budget: int) -> int:
@@ -368,7 +368,8 @@ class Scheduler:
             return 0
         num_remote = 0
         if self.connector is not None and reusable and not request.remote_given_up:
-            found = self.connector.get_num_matched_pages(request, keys)
+            self.connector.lookups.start(request, keys)  # unless its answer for these keys stands
+            found = self.connector.lookups.take(request)
             if found is None:
                 return _LOOKUP_PENDING
             if found < num_hits:
