@@ -320,8 +320,8 @@ def joined_early(tier, **options):
     connector = KVConnector(tier, **options)
     request = SimpleNamespace(request_id="early", tier_context=None)
     connector.start_load(request, [b"k" * 16], [0])
-    wait_until(lambda: connector.can_join_early(request), 5.0)
-    connector.join_early(request)
+    wait_until(lambda: connector.layerwise_loads.can_join_early(request), 5.0)
+    connector.layerwise_loads.join_early(request)
     return connector, request
 
 
@@ -343,7 +343,7 @@ def test_a_layerwise_load_trickling_its_layers_holds_one_step_at_most_its_step_b
     try:
         started, waited = time.monotonic(), []
         for layer in range(layers):
-            if not connector.wait_layer(request, layer):
+            if not connector.layerwise_loads.wait_layer(request, layer):
                 break
             waited.append(layer)
         spent = time.monotonic() - started
@@ -368,10 +368,10 @@ def test_the_step_budget_counts_only_layer_waits_not_the_forwards_compute_betwee
 
     connector, request = joined_early(LateLastLayerTier(), layer_wait_s=0.1, step_wait_s=0.05)
     try:
-        assert connector.wait_layer(request, 0)  # landed: no wait
+        assert connector.layerwise_loads.wait_layer(request, 0)  # landed: no wait
         time.sleep(0.1)  # layer 0's compute, twice the step's budget for waits
         threading.Timer(0.02, released.set).start()
-        assert connector.wait_layer(request, 1), "the compute before the wait used up the budget for waits"
+        assert connector.layerwise_loads.wait_layer(request, 1), "the compute before the wait used up the budget for waits"
     finally:
         released.set()
         connector.close(timeout_s=2.0)

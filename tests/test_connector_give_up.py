@@ -1,4 +1,4 @@
-"""Loads given up before they started (worker/connector/connector.py: KVConnector._give_up): the
+"""Loads given up before they started (worker/connector/loads.py: Loads.give_up): the
 loader never runs them, and their blocks come back at the next step, while a load that started
 keeps its blocks until it ends."""
 

@@ -3,8 +3,9 @@
 The scheduler and the engine see it as `Connector` (below), after vLLM's KV connector: its
 `lookups` say how many pages of a chain the tier holds (None while the lookup is in flight), it
 starts loading them into blocks the scheduler allocated (`start_load`) and says which loads have
-landed (`take_finished_loads`). It knows nothing of the network; a `Tier` (worker/remote/tier.py's
-RemoteTier over kvnodes) does the I/O.
+landed (`take_finished_loads`); its `layerwise_loads` let a request run before its layer-wise load
+ended. It knows nothing of the network; a `Tier` (worker/remote/tier.py's RemoteTier over kvnodes)
+does the I/O.
 
 Lookups run on `lookup_threads` threads, fetches on one loader thread (the tier receives one fill
 at a time into its staging buffers anyway). The engine's lock is never held while they run: the
@@ -17,11 +18,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, TimeoutError, wait
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Protocol, Sequence
 
-from worker.connector.layers import LayerwiseLoad, LayerwiseLoads
+from worker.connector.layers import LayerwiseLoads
+from worker.connector.loads import FinishedLoads, Landed, LayerwiseLoad, Load, Loads
 from worker.connector.lookups import TierLookups
 from worker.kv.pages_in_place import PagesInPlace
 
@@ -66,30 +67,6 @@ class Tier:
         raise NotImplementedError
 
 
-@dataclass
-class _Load:
-    request: Any
-    future: Future
-    started: float
-    blocks: list[int] = field(default_factory=list)  # once given up: to release when the loader is done
-    layers: LayerwiseLoad | None = None  # a layer-wise load (layers.py)
-
-
-@dataclass(frozen=True)
-class Landed:
-    """What a load left: how many of its leading pages arrived in its blocks, or, pinned where they lie
-    in a same-host node's pool, all of them (`in_place`: Tier.fill_in_place)."""
-    num_pages: int = 0
-    in_place: PagesInPlace | None = None
-
-
-@dataclass
-class FinishedLoads:
-    landed: list[tuple[Any, Landed]] = field(default_factory=list)  # (request, what its load left)
-    released: list[list[int]] = field(default_factory=list)  # blocks of loads given up, the loader done with them
-    overdue: list[Any] = field(default_factory=list)  # requests whose load ran past timeout_s
-
-
 class Lookups(Protocol):
     """How many pages of a request's chain, from the first, the tier holds (lookups.py's TierLookups)."""
 
@@ -99,25 +76,32 @@ class Lookups(Protocol):
     def in_flight(self, request) -> bool: ...
 
 
-class Connector(Protocol):
-    """What the scheduler and the engine use of a connector; none of it waits on the network."""
+class LayerwiseJoins(Protocol):
+    """Parked requests running a step before their layer-wise load ended (layers.py's LayerwiseLoads)."""
 
-    timeout_s: float  # a lookup or load not done this long after it was asked for is given up
-    lookups: Lookups  # the engine starts them on arrival, the scheduler takes them at admission
-
-    # The scheduler, under the engine's lock (worker/engine/remote_joins.py).
-    def write_back(self, request, keys: Sequence[bytes], local_blocks: Sequence[int], start: int) -> None: ...
-    def on_page_full(self, key: bytes, parent_key: bytes, block_id: int, context: Any) -> None: ...
-    def start_load(self, request, keys: Sequence[bytes], block_ids: Sequence[int]) -> None: ...
-    def take_finished_loads(self) -> FinishedLoads: ...
-    def drop(self, request, blocks: Sequence[int] = ()) -> None: ...
     def can_join_early(self, request) -> bool: ...
     def join_early(self, request) -> None: ...
     def unjoin(self, request) -> None: ...
-    def settle_layerwise(self, request, blocks: Sequence[int], wait_s: float | None = None) -> int | None: ...
+    def wait_layer(self, request, layer: int) -> bool: ...  # the engine, before computing `layer`
+    def settle(self, request, blocks: Sequence[int], wait_s: float | None = None) -> int | None: ...
+
+
+class Connector(Protocol):
+    """What the scheduler and the engine use of a connector; none of it waits on the network, but
+    for the bounded waits of a layer-wise join."""
+
+    timeout_s: float  # a lookup or load not done this long after it was asked for is given up
+    lookups: Lookups  # the engine starts them on arrival, the scheduler takes them at admission
+    layerwise_loads: LayerwiseJoins
+
+    # The scheduler, under the engine's lock (worker/engine/remote_joins.py).
+    def start_load(self, request, keys: Sequence[bytes], block_ids: Sequence[int]) -> None: ...
+    def take_finished_loads(self) -> FinishedLoads: ...
+    def drop(self, request, blocks: Sequence[int] = ()) -> None: ...
+    def write_back(self, request, keys: Sequence[bytes], local_blocks: Sequence[int], start: int) -> None: ...
+    def on_page_full(self, key: bytes, parent_key: bytes, block_id: int, context: Any) -> None: ...
 
     # The engine.
-    def wait_layer(self, request, layer: int) -> bool: ...
     def has_releases(self) -> bool: ...
     def num_pending(self) -> int: ...
     def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> bool: ...
@@ -131,13 +115,10 @@ class KVConnector:
                  layer_wait_s: float = DEFAULT_LAYER_WAIT_S, settle_timeout_s: float = DEFAULT_SETTLE_TIMEOUT_S,
                  step_wait_s: float = DEFAULT_STEP_WAIT_S):
         self.tier = tier
-        self._timeout_s = timeout_s
-        self.layerwise_loads = LayerwiseLoads(layer_wait_s, step_wait_s, settle_timeout_s)  # layers.py
-        self.layerwise = tier.layerwise_fill
         self.wake = wake
         self.clock = clock
-        self._loads: dict[int, _Load] = {}  # id(request) -> its load
-        self._detached: list[_Load] = []  # loads given up, still running
+        self._loads = Loads(clock, timeout_s)
+        self.layerwise_loads = LayerwiseLoads(self._loads, layer_wait_s, step_wait_s, settle_timeout_s)  # layers.py
         self._lookup_pool = ThreadPoolExecutor(lookup_threads, thread_name_prefix="kv-lookup")
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
         self._running: set[Future] = set()  # submitted and not done, for a bounded close
@@ -145,16 +126,23 @@ class KVConnector:
         self._pools_lock = threading.Lock()  # guards the two above; taken after the lookups' lock, never before
         self.lookups = TierLookups(tier, lambda fn, *args: self._submit(self._lookup_pool, (0, self.clock()), fn, *args),
                                    clock, tier.lease_ms, timeout_s)
-        self.num_loads_given_up = 0
-        self.num_loads_cancelled = 0  # ... of which had not started: never run (see _give_up)
 
     @property
     def timeout_s(self) -> float:
-        return self._timeout_s
+        return self._loads.timeout_s
 
     @timeout_s.setter
     def timeout_s(self, value: float) -> None:
-        self._timeout_s = self.lookups.timeout_s = value
+        self._loads.timeout_s = self.lookups.timeout_s = value
+
+    @property
+    def num_loads_given_up(self) -> int:
+        return self._loads.num_given_up
+
+    @property
+    def num_loads_cancelled(self) -> int:
+        """... of which had not started: never run (Loads.give_up)."""
+        return self._loads.num_cancelled
 
     # ---- any thread -------------------------------------------------------------
 
@@ -169,8 +157,7 @@ class KVConnector:
         self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         self._loader.shutdown(wait=False, cancel_futures=True)
         _, not_done = wait(running, timeout=timeout_s)
-        for load in [*list(self._loads.values()), *list(self._detached)]:  # pages pinned in place:
-            _release_in_place(load.future)  # a join of released ones computes them (in_place_joins.py)
+        self._loads.release_in_place()
         if not_done:
             log.warning("KV connector closed with %d remote calls still running after %.1fs; "
                         "they end with the remote tier's deadlines", len(not_done), timeout_s)
@@ -199,7 +186,7 @@ class KVConnector:
         them). It joins the batch in the first step after its load finished, with what landed counted
         as computed and the rest of the prompt computed, so a fetch that fails or brings fewer pages
         costs time, never tokens."""
-        if self.layerwise:  # layer by layer: the request may join a step before the load ends (layers.py)
+        if self.tier.layerwise_fill:  # layer by layer: the request may join a step before the load ends (layers.py)
             layers = LayerwiseLoad(self.wake)
             future = self._submit(self._loader, Landed(), self._fill_layerwise, list(keys), list(block_ids),
                                   request.tier_context, layers)
@@ -207,98 +194,36 @@ class KVConnector:
         else:
             layers = None
             future = self._submit(self._loader, Landed(), self._fill, list(keys), list(block_ids), request.tier_context)
-        self._loads[id(request)] = _Load(request, future, self.clock(), layers=layers)
+        self._loads.add(Load(request, future, self.clock(), layers=layers))
 
     def take_finished_loads(self) -> FinishedLoads:
         """Loads that ended since the last call, those that let go of blocks given up before,
         and requests whose load has run past `timeout_s`. Every wait is bounded: a load not finished
         `timeout_s` after it was asked for, time queued behind other loads included, is overdue and
-        the scheduler computes its request instead."""
-        finished, now = FinishedLoads(), self.clock()
-        for key, load in list(self._loads.items()):
-            if load.layers is not None and load.layers.joined:
-                continue  # settled by the step it joined (settle_layerwise)
-            if load.future.done():
-                del self._loads[key]
-                finished.landed.append((load.request, Landed() if load.future.cancelled() else load.future.result()))
-            elif now - load.started >= self.timeout_s:
-                finished.overdue.append(load.request)
-        for load in list(self._detached):
-            if load.future.done():
-                self._detached.remove(load)
-                _release_in_place(load.future)
-                finished.released.append(load.blocks)
-        return finished
+        the scheduler computes its request instead. A load joined early is not among them: its step
+        settles it (LayerwiseLoads.settle)."""
+        return self._loads.take_finished()
 
     def drop(self, request, blocks: Sequence[int] = ()) -> None:
         """The request no longer waits for the tier (it ended, or its load is overdue): its lookup is
-        dropped (a running one finishes unread) and its load, if any, given up (see _give_up)."""
+        dropped (a running one finishes unread) and its load, if any, given up (Loads.give_up)."""
         self.lookups.drop(request)
-        if id(request) in self._loads:
-            self._give_up(request, blocks)
-
-    def _give_up(self, request, blocks: Sequence[int]) -> None:
-        """`blocks` (those the loader may write) come back in `released` once the loader let go of
-        them: at the next call when the load had not started, as it is then cancelled (never run);
-        only when it finishes when it had. A given-up load that ends with pages in place releases
-        them at once."""
-        load = self._loads.pop(id(request))
-        load.blocks = list(blocks)
-        self._detached.append(load)
-        self.num_loads_given_up += 1
-        if load.future.cancel():
-            self.num_loads_cancelled += 1
+        if self._loads.get(request) is not None:
+            self._loads.give_up(request, blocks)
 
     def has_releases(self) -> bool:
         """Loads given up that let go of their blocks: the next take_finished_loads releases them."""
-        return any(load.future.done() for load in self._detached)
+        return self._loads.has_releases()
 
     def num_pending(self) -> int:
         """Lookups and loads not yet taken by the scheduler (loads given up included)."""
-        return len(self.lookups) + len(self._loads) + len(self._detached)
+        return len(self.lookups) + len(self._loads)
 
     def on_page_full(self, key: bytes, parent_key: bytes, block_id: int, context: Any) -> None:
         try:
             self.tier.on_page_full(key, parent_key, block_id, context)
         except Exception:  # a tier never fails a request
             log.exception("remote tier on_page_full failed")
-
-    # ---- layer-wise loads (worker/connector/layers.py) ------------------------------------
-
-    def can_join_early(self, request) -> bool:
-        """Whether a parked request's load is layer-wise, under way (its first layer landed) and not
-        over, not overdue, and never joined early before."""
-        load = self._loads.get(id(request))
-        return (load is not None and load.layers is not None and self.layerwise_loads.can_join_early(load.layers)
-                and not load.future.done() and self.clock() - load.started < self.timeout_s)
-
-    def join_early(self, request) -> None:
-        """The request runs before its load ended; it is no longer reported by take_finished_loads."""
-        self.layerwise_loads.join_early(self._loads[id(request)].layers)
-
-    def unjoin(self, request) -> None:
-        """The request waits for its load again, reported by take_finished_loads as any."""
-        self.layerwise_loads.unjoin(self._loads[id(request)].layers)
-
-    def wait_layer(self, request, layer: int) -> bool:
-        """Wait, boundedly, until layer `layer` of the request's early-joined load is in the pool."""
-        load = self._loads.get(id(request))
-        return load is not None and load.layers is not None and self.layerwise_loads.wait_layer(load.layers, layer)
-
-    def settle_layerwise(self, request, blocks: Sequence[int], wait_s: float | None = None) -> int | None:
-        """An early-joined load's outcome: the pages that arrived intact (the tier's count), waiting for
-        it at most wait_s (settle_timeout_s when None); None when it still runs: it is given up and
-        `blocks` come back in `released` once the loader let go of them."""
-        load = self._loads[id(request)]
-        try:
-            filled = load.future.result(timeout=self.layerwise_loads.settle_timeout_s if wait_s is None else wait_s).num_pages
-        except TimeoutError:
-            self._give_up(request, blocks)
-            return None
-        except CancelledError:
-            filled = 0
-        del self._loads[id(request)]
-        return filled
 
     # ---- internals --------------------------------------------------------------------
 
@@ -347,10 +272,3 @@ class KVConnector:
             filled = 0
         return Landed(max(0, min(filled, len(keys))))
 
-
-def _release_in_place(future: Future) -> None:
-    """A given-up load's pages pinned in place go back to the node at once."""
-    if future.done() and not future.cancelled() and future.exception() is None:
-        in_place = future.result().in_place
-        if in_place is not None:
-            in_place.release()

@@ -4,47 +4,25 @@ before its load ended, the engine waiting briefly for each layer as its forward 
 With a tier whose `layerwise_fill` is on, a load reports each layer of its pages as it lands in the
 pool (`LayerwiseLoad.land`). Once its first layer landed, the scheduler may let the request join a
 step of its own (`join_early`, once a load), and the engine waits before computing layer l until
-layer l landed (`wait_layer`). After the forward the connector's `settle_layerwise` says whether
-every page arrived intact (the tier checks them only at the end); on any failure the scheduler
-throws the step's work away. `LayerwiseLoads` keeps the waits' bounds and counts, and each
-layer-wise load its `LayerwiseLoad`; the connector (connector.py) keeps the loads.
+layer l landed (`wait_layer`). After the forward `settle` says whether every page arrived intact
+(the tier checks them only at the end); on any failure the scheduler throws the step's work away.
+`LayerwiseLoads` (the connector's `layerwise_loads`, the `LayerwiseJoins` interface in connector.py)
+keeps the waits' bounds and counts, and joins the connector's `Loads` early (loads.py: each
+layer-wise load has its `LayerwiseLoad`).
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from typing import Callable
+from concurrent.futures import CancelledError, TimeoutError
+from typing import Sequence
 
-
-class LayerwiseLoad:
-    """How many layers of one layer-wise load landed, whether it ended, and its early join."""
-
-    def __init__(self, wake: Callable[[], None]):
-        self.cond = threading.Condition()
-        self.landed = 0
-        self.done = False
-        self.joined = False  # its request joined a step before the load ended
-        self.tried_early = False  # it did once: never again
-        self.waited_s = 0.0  # once joined: what its step waited for layers so far (step_wait_s bounds it)
-        self._wake = wake
-
-    def land(self, layer: int) -> None:
-        with self.cond:
-            first = self.landed == 0
-            self.landed = max(self.landed, layer + 1)
-            self.cond.notify_all()
-        if first:
-            self._wake()  # the request may join a step now
-
-    def end(self) -> None:
-        with self.cond:
-            self.done = True
-            self.cond.notify_all()
+from worker.connector.loads import Loads
 
 
 class LayerwiseLoads:
-    """The bounds on the engine's waits for layers, and what joined, went back and waited.
+    """Parked requests joining a step before their layer-wise load ended, the bounds on the engine's
+    waits for their layers, and what joined, went back and waited.
 
     A wait holds up the whole engine, so it is short: `layer_wait_s` a layer, and `step_wait_s` of
     such waits in all a step (the compute between them not counted), so a node trickling its layers
@@ -52,7 +30,8 @@ class LayerwiseLoads:
     load that ended without it, sends the request back to wait for its load as any parked one
     (`unjoin`). `settle_timeout_s` bounds the wait for the load's outcome after the forward."""
 
-    def __init__(self, layer_wait_s: float, step_wait_s: float, settle_timeout_s: float):
+    def __init__(self, loads: Loads, layer_wait_s: float, step_wait_s: float, settle_timeout_s: float):
+        self.loads = loads
         self.layer_wait_s = layer_wait_s
         self.step_wait_s = step_wait_s
         self.settle_timeout_s = settle_timeout_s
@@ -60,30 +39,56 @@ class LayerwiseLoads:
         self.num_unjoined = 0  # ... and went back to wait for it, a layer late
         self.num_layer_waits = 0  # times the engine found a layer not landed yet and waited for it
 
-    def can_join_early(self, load: LayerwiseLoad) -> bool:
-        """Its first layer landed and it never joined early before (the connector checks the rest)."""
-        return not load.tried_early and load.landed > 0
+    def can_join_early(self, request) -> bool:
+        """Whether a parked request's load is layer-wise, under way (its first layer landed) and not
+        over, not overdue, and never joined early before."""
+        load = self.loads.get(request)
+        return (load is not None and load.layers is not None and not load.layers.tried_early
+                and load.layers.num_landed > 0 and self.loads.under_way(load))
 
-    def join_early(self, load: LayerwiseLoad) -> None:
-        load.joined = load.tried_early = True
+    def join_early(self, request) -> None:
+        """The request runs before its load ended; it is no longer reported by take_finished_loads."""
+        layers = self.loads.get(request).layers
+        layers.joined = layers.tried_early = True
         self.num_early_joins += 1
 
-    def unjoin(self, load: LayerwiseLoad) -> None:
-        load.joined = False
+    def unjoin(self, request) -> None:
+        """The request waits for its load again, reported by take_finished_loads as any."""
+        self.loads.get(request).layers.joined = False
         self.num_unjoined += 1
 
-    def wait_layer(self, load: LayerwiseLoad, layer: int) -> bool:
-        """Wait until layer `layer` is in the pool: True; False after layer_wait_s, once the step's
-        layer waits reached step_wait_s in all, or at once when the load ended without it."""
+    def wait_layer(self, request, layer: int) -> bool:
+        """Wait until layer `layer` of the request's early-joined load is in the pool: True; False
+        after layer_wait_s, once the step's layer waits reached step_wait_s in all, or at once when
+        the load ended without it."""
+        load = self.loads.get(request)
+        if load is None or load.layers is None:
+            return False
+        layers = load.layers
         started = time.monotonic()
-        deadline = started + min(self.layer_wait_s, self.step_wait_s - load.waited_s)  # only waits count
-        with load.cond:
-            if load.landed <= layer and not load.done:
+        deadline = started + min(self.layer_wait_s, self.step_wait_s - layers.waited_s)  # only waits count
+        with layers.cond:
+            if layers.num_landed <= layer and not layers.done:
                 self.num_layer_waits += 1
-            while load.landed <= layer and not load.done:
+            while layers.num_landed <= layer and not layers.done:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                load.cond.wait(left)
-            load.waited_s += time.monotonic() - started
-            return load.landed > layer
+                layers.cond.wait(left)
+            layers.waited_s += time.monotonic() - started
+            return layers.num_landed > layer
+
+    def settle(self, request, blocks: Sequence[int], wait_s: float | None = None) -> int | None:
+        """An early-joined load's outcome: the pages that arrived intact (the tier's count), waiting for
+        it at most wait_s (settle_timeout_s when None); None when it still runs: it is given up and
+        `blocks` come back in take_finished_loads' `released` once the loader let go of them."""
+        load = self.loads.get(request)
+        try:
+            filled = load.future.result(timeout=self.settle_timeout_s if wait_s is None else wait_s).num_pages
+        except TimeoutError:
+            self.loads.give_up(request, blocks)
+            return None
+        except CancelledError:
+            filled = 0
+        self.loads.end(request)
+        return filled

@@ -90,7 +90,7 @@ class RemoteJoins:
             return None
         P = self.tables.page_tokens
         for request in parked:
-            if not self.connector.can_join_early(request):
+            if not self.connector.layerwise_loads.can_join_early(request):
                 continue
             num_hits = request.num_cached_pages
             num_remote = len(request.block_table) - num_hits
@@ -98,7 +98,7 @@ class RemoteJoins:
             num_new = min(request.num_tokens - computed, self.max_prefill_tokens)
             if self.tables.num_pages(computed + num_new) - len(request.block_table) > self.tables.pool.get_num_free_blocks():
                 continue  # it joins once its load landed, as any parked request
-            self.connector.join_early(request)
+            self.connector.layerwise_loads.join_early(request)
             set_usage = request.cached_tokens_local is None
             if set_usage:
                 request.cached_tokens_local = min(num_hits * P, computed)
@@ -115,7 +115,7 @@ class RemoteJoins:
         request to compute its prompt without them (the scheduler sends it back to wait)."""
         num_hits, num_remote, set_usage = self._early.pop(id(request))
         remote = request.block_table[num_hits : num_hits + num_remote]
-        filled = self.connector.settle_layerwise(request, remote)
+        filled = self.connector.layerwise_loads.settle(request, remote)
         if filled == num_remote:
             self._cache_pages(request, num_hits, num_hits + num_remote)
             request.num_cached_pages = num_hits + num_remote
@@ -157,7 +157,7 @@ class RemoteJoins:
         request.num_computed_tokens = min(num_hits * self.tables.page_tokens, request.num_tokens - 1)
         if set_usage:
             request.cached_tokens_local = request.cached_tokens_remote = None
-        self.connector.unjoin(request)
+        self.connector.layerwise_loads.unjoin(request)
 
     def finish(self, request: Request) -> None:
         """A request ends (done or aborted): its lookup is dropped, and a load it waits for, or ran
@@ -168,8 +168,8 @@ class RemoteJoins:
         early = self._early.pop(id(request), None)
         if early is not None:
             num_hits, num_remote, _ = early
-            if self.connector.settle_layerwise(request, request.block_table[num_hits : num_hits + num_remote],
-                                               wait_s=0.0) is None:
+            if self.connector.layerwise_loads.settle(request, request.block_table[num_hits : num_hits + num_remote],
+                                                     wait_s=0.0) is None:
                 del request.block_table[num_hits : num_hits + num_remote]
         if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
             self.connector.drop(request, request.block_table)  # released when the loader is done

@@ -121,11 +121,11 @@ class StepRunner:
         def next_layer() -> None:  # after layer `layer`, before the next one
             nonlocal layer
             layer += 1
-            if not connector.wait_layer(request, layer):
+            if not connector.layerwise_loads.wait_layer(request, layer):
                 raise _LayerMissing(layer)
 
         try:
-            if not connector.wait_layer(request, 0):
+            if not connector.layerwise_loads.wait_layer(request, 0):
                 raise _LayerMissing(0)
             return self._run(batch, started, time.monotonic(), next_layer,
                              settle=lambda: self.scheduler.settle_layerwise(request))
