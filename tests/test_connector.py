@@ -282,7 +282,7 @@ def test_close_is_bounded_by_a_hung_call_and_a_closed_connector_answers_a_miss_a
         connector.lookups.start(hung, [b"k" * 16])
         assert entered.wait(5.0)
         started = time.monotonic()
-        assert connector.close(timeout_s=0.3) is False  # the hung call still runs
+        assert connector.close(wait_s=0.3) is False  # the hung call still runs
         assert time.monotonic() - started < 5.0, "close waited for the hung call"
         late = SimpleNamespace(request_id="late", tier_context=None)
         connector.lookups.start(late, [b"a" * 16])
@@ -352,7 +352,7 @@ def test_a_layerwise_load_trickling_its_layers_holds_one_step_at_most_its_step_b
         assert connector.layerwise_loads.num_layer_waits >= 2
     finally:
         stop.set()
-        connector.close(timeout_s=2.0)
+        connector.close(wait_s=2.0)
 
 
 def test_the_step_budget_counts_only_layer_waits_not_the_forwards_compute_between_them():
@@ -374,4 +374,4 @@ def test_the_step_budget_counts_only_layer_waits_not_the_forwards_compute_betwee
         assert connector.layerwise_loads.wait_layer(request, 1), "the compute before the wait used up the budget for waits"
     finally:
         released.set()
-        connector.close(timeout_s=2.0)
+        connector.close(wait_s=2.0)

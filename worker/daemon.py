@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         log.warning("the engine's loop is still inside a step after 10s; exiting without closing the remote tier")
     else:
         if engine.connector is not None:
-            engine.connector.close(timeout_s=5.0)  # before the tier: its lookups and loads use the tier's clients
+            engine.connector.close(wait_s=5.0)  # before the tier: its lookups and loads use the tier's clients
         tier.close()
     if metrics_server is not None:
         metrics_server.stop()

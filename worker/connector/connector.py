@@ -29,7 +29,7 @@ from worker.kv.pages_in_place import PagesInPlace
 log = logging.getLogger("worker.connector")
 
 DEFAULT_TIMEOUT_S = 30.0  # a backstop: RemoteTier bounds its own calls far sooner (deadlines per call)
-DEFAULT_CLOSE_TIMEOUT_S = 5.0
+DEFAULT_CLOSE_WAIT_S = 5.0
 DEFAULT_LAYER_WAIT_S = 0.1  # the engine's wait for one layer of a layer-wise load (layers.py: why short)
 DEFAULT_STEP_WAIT_S = 0.3  # ... and for all the layers of its early step together
 DEFAULT_SETTLE_TIMEOUT_S = 1.0  # ... and for its outcome once its last layer landed
@@ -104,7 +104,7 @@ class Connector(Protocol):
     # The engine.
     def has_releases(self) -> bool: ...
     def num_pending(self) -> int: ...
-    def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> bool: ...
+    def close(self, wait_s: float = DEFAULT_CLOSE_WAIT_S) -> bool: ...
 
 
 class KVConnector:
@@ -146,8 +146,8 @@ class KVConnector:
 
     # ---- any thread -------------------------------------------------------------
 
-    def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> bool:
-        """Stop taking work, drop what is queued, give running calls `timeout_s` to end; False, with
+    def close(self, wait_s: float = DEFAULT_CLOSE_WAIT_S) -> bool:
+        """Stop taking work, drop what is queued, give running calls `wait_s` to end; False, with
         one log line, when some still run then (their threads end with the tier's deadlines, far
         sooner). What is asked of a closed connector is answered at once as a miss (_submit), so a
         step that races the close never waits for it."""
@@ -156,11 +156,11 @@ class KVConnector:
             running = list(self._running)
         self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         self._loader.shutdown(wait=False, cancel_futures=True)
-        _, not_done = wait(running, timeout=timeout_s)
+        _, not_done = wait(running, timeout=wait_s)
         self._loads.release_in_place()
         if not_done:
             log.warning("KV connector closed with %d remote calls still running after %.1fs; "
-                        "they end with the remote tier's deadlines", len(not_done), timeout_s)
+                        "they end with the remote tier's deadlines", len(not_done), wait_s)
             return False
         self._lookup_pool.shutdown(wait=True)  # every thread is idle: they exit at once
         self._loader.shutdown(wait=True)
