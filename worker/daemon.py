@@ -137,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
             max_prefill_tokens=args.max_prefill_tokens,
         )
         tracing = observability.setup_tracing(args, "kvcache-worker")
-        if tracing or args.metrics_port is not None:
+        observed = tracing or args.metrics_port is not None
+        if observed:
             tier = ObservedRemoteTier(engine.kv_pool, args.kv_dtype, lease_ms=args.lease_ms, tracing=tracing,
                                       credentials=credentials, layerwise_fill=args.layerwise_fill,
                                       read_in_place=args.read_in_place)
@@ -157,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
         service = WorkerService(engine, args.worker_id, args.max_tokens_limit, args.max_streams, args.step_timeout,
                                 on_broken=lambda reason: broken.set(), tokens=client_tokens)
         metrics = WorkerMetrics(engine, tier) if args.metrics_port is not None else None
-        attach(service, tier, metrics, tracing)
+        if observed:
+            attach(service, tier, metrics, tracing)
         # Threads for every stream, plus a few that health checks and Info always find free (service note 2).
         server, health = serving.make_server(
             [handler(service)], [SERVICE_NAME], max_workers=args.max_streams + CONTROL_THREADS,

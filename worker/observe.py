@@ -181,13 +181,13 @@ def chain(*hooks: Callable | None) -> Callable | None:
 
 
 
-def attach(service, tier: RemoteTier, metrics=None, tracing: bool = False) -> None:
+def attach(service, tier: ObservedRemoteTier, metrics=None, tracing: bool = False) -> None:
     """Hook `metrics` (worker.metrics.WorkerMetrics) and, when `tracing`, request spans into a
-    worker's service, engine and tier; hooks already set (a step log) are kept."""
+    worker's service, engine and observed tier; hooks already set (a step log) are kept."""
     engine = service.engine
     spans = RequestSpans() if tracing else None
     service.metrics, service.spans = metrics, spans
     engine.on_finish = chain(engine.on_finish, metrics and metrics.on_finish, spans and spans.on_finish)
     engine.on_step = chain(engine.on_step, spans and spans.on_step)
-    if metrics is not None and isinstance(tier, ObservedRemoteTier):
+    if metrics is not None:
         tier.on_fetch = metrics.remote_fetch.observe
