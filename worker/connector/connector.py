@@ -202,7 +202,7 @@ class KVConnector:
         `timeout_s` after it was asked for, time queued behind other loads included, is overdue and
         the scheduler computes its request instead. A load joined early is not among them: its step
         settles it (LayerwiseLoads.settle)."""
-        return self._loads.take_finished()
+        return self._loads.take_finished_loads()
 
     def drop(self, request, blocks: Sequence[int] = ()) -> None:
         """The request no longer waits for the tier (it ended, or its load is overdue): its lookup is

@@ -15,9 +15,9 @@ from worker.kv.pages_in_place import PagesInPlace
 @dataclass(frozen=True)
 class Landed:
     """What a load left: how many of its leading pages arrived in its blocks, or, pinned where they lie
-    in a same-host node's pool, all of them (`in_place`: Tier.fill_in_place)."""
+    in a same-host node's pool, all of them (`pages_in_place`: Tier.fill_in_place)."""
     num_pages: int = 0
-    in_place: PagesInPlace | None = None
+    pages_in_place: PagesInPlace | None = None
 
 
 @dataclass
@@ -100,8 +100,8 @@ class Loads:
         if load.future.cancel():
             self.num_cancelled += 1
 
-    def take_finished(self) -> FinishedLoads:
-        """What KVConnector.take_finished_loads reports."""
+    def take_finished_loads(self) -> FinishedLoads:
+        """What KVConnector.take_finished_loads reports (its docstring)."""
         finished, now = FinishedLoads(), self.clock()
         for key, load in list(self._loads.items()):
             if load.layers is not None and load.layers.joined:
@@ -134,6 +134,6 @@ class Loads:
 def _release_in_place(future: Future) -> None:
     """A given-up load's pages pinned in place go back to the node at once."""
     if future.done() and not future.cancelled() and future.exception() is None:
-        in_place = future.result().in_place
-        if in_place is not None:
-            in_place.release()
+        pages = future.result().pages_in_place
+        if pages is not None:
+            pages.release()

@@ -72,8 +72,8 @@ class RemoteJoins:
         step read them: note 2), counted as computed."""
         P = self.tables.page_tokens
         num_hits = request.num_cached_pages
-        if landed.in_place is not None:  # worker/engine/in_place_joins.py
-            filled = self.in_place.join(request, landed.in_place, copy_in_place)
+        if landed.pages_in_place is not None:  # worker/engine/in_place_joins.py
+            filled = self.in_place.join(request, landed.pages_in_place, copy_in_place)
         else:
             filled = max(0, min(landed.num_pages, len(request.block_table) - num_hits))
             self.tables.index_pages(request, num_hits, num_hits + filled)
