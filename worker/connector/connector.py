@@ -91,8 +91,11 @@ class Connector(Protocol):
     for the bounded waits of a layer-wise join."""
 
     timeout_s: float  # a lookup or load not done this long after it was asked for is given up
-    lookups: Lookups  # the engine starts them on arrival, the scheduler takes them at admission
-    layerwise_loads: LayerwiseJoins
+
+    @property
+    def lookups(self) -> Lookups: ...  # the engine starts them on arrival, the scheduler takes them at admission
+    @property
+    def layerwise_loads(self) -> LayerwiseJoins: ...
 
     # The scheduler, under the engine's lock (worker/engine/remote_joins.py).
     def start_load(self, request, keys: Sequence[bytes], block_ids: Sequence[int]) -> None: ...

@@ -17,7 +17,7 @@ import time
 from concurrent.futures import CancelledError, TimeoutError
 from typing import Sequence
 
-from worker.connector.loads import Loads
+from worker.connector.loads import LayerwiseLoad, Loads
 
 
 class LayerwiseLoads:
@@ -48,13 +48,13 @@ class LayerwiseLoads:
 
     def join_early(self, request) -> None:
         """The request runs before its load ended; it is no longer reported by take_finished_loads."""
-        layers = self.loads.get(request).layers
+        layers = self._layers(request)
         layers.joined = layers.tried_early = True
         self.num_early_joins += 1
 
     def unjoin(self, request) -> None:
         """The request waits for its load again, reported by take_finished_loads as any."""
-        self.loads.get(request).layers.joined = False
+        self._layers(request).joined = False
         self.num_unjoined += 1
 
     def wait_layer(self, request, layer: int) -> bool:
@@ -82,7 +82,7 @@ class LayerwiseLoads:
         """An early-joined load's outcome: the pages that arrived intact (the tier's count), waiting for
         it at most wait_s (settle_timeout_s when None); None when it still runs: it is given up and
         `blocks` come back in take_finished_loads' `released` once the loader let go of them."""
-        load = self.loads.get(request)
+        load = self.loads[request]
         try:
             filled = load.future.result(timeout=self.settle_timeout_s if wait_s is None else wait_s).num_pages
         except TimeoutError:
@@ -92,3 +92,8 @@ class LayerwiseLoads:
             filled = 0
         self.loads.end(request)
         return filled
+
+    def _layers(self, request) -> LayerwiseLoad:
+        layers = self.loads[request].layers
+        assert layers is not None, "not a layer-wise load"
+        return layers

@@ -80,6 +80,9 @@ class Loads:
     def get(self, request) -> Load | None:
         return self._loads.get(id(request))
 
+    def __getitem__(self, request) -> Load:
+        return self._loads[id(request)]
+
     def under_way(self, load: Load) -> bool:
         """Neither over nor overdue."""
         return not load.future.done() and self.clock() - load.started < self.timeout_s
