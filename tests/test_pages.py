@@ -35,7 +35,7 @@ def test_extending_a_sequence_gives_the_same_keys_as_hashing_it_whole():
 
 
 def test_keys_are_the_same_in_another_process():
-    code = "from worker.pages import page_keys; print(page_keys(bytes(range(16)), list(range(40)), 16)[1].hex())"
+    code = "from worker.kv.pages import page_keys; print(page_keys(bytes(range(16)), list(range(40)), 16)[1].hex())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == page_keys(ROOT, list(range(40)), 16)[1].hex()
 
