@@ -56,7 +56,7 @@ class BlockTables:
 
     def index_blocks(self, blocks: Sequence[int], keys: Sequence[bytes], parent: bytes | None) -> list[int]:
         """Index full blocks under their keys, in order, those not indexed yet (pages a step filled
-        after pages read in place are: worker/engine/in_place_joins.py note 1); the blocks that hold the keys."""
+        after pages read in place are: InPlaceJoins.land); the blocks that hold the keys."""
         held = []
         for block, key in zip(blocks, keys):
             if self.pool.block_keys[block] is None:

@@ -1,35 +1,11 @@
 """The engine: a model, its paged KV pool and a scheduler, stepped by one loop thread while
 other threads add requests, stream their tokens and abort them.
 
-Design notes
-1. `add_request` may be called from any thread: it validates, tokenizes and queues the
-   request, and returns a handle whose queue receives a `StreamDelta` per new token (and a
-   final one). Only `step()` touches the scheduler and the pool, under the engine's lock;
-   `abort` takes the same lock, so when it returns the request's blocks are released.
-   `cancel` does not wait: the loop thread aborts the request before its next step. A caller
-   that must not block uses it: gRPC runs end-of-call callbacks on the server's one event
-   thread, and an `abort` waiting there for the lock (held through a forward) stalls every stream.
-2. `generate` and `stream` step the engine themselves: use them when no loop thread runs.
-3. usage: prompt_tokens = cached_tokens_local + cached_tokens_remote + computed_tokens,
-   as decided when the request was first admitted (recomputation after a preemption is not
-   counted there; `num_preemptions` says how often it happened).
-4. A StepRunner (worker/engine/step_runner.py) runs each step: newcomers between its layers (its note 1),
-   failures kept to the requests at fault (note 2), a layer-wise step's waits (note 3).
-5. Request ids are the engine's to own: an id is taken from `add_request` until the request
-   finishes, checked and taken under one lock, so a duplicate (running, or still in the inbox)
-   is refused with `RequestIdInUse` before anything is queued.
-6. A resumed request (another worker generated its first tokens and died) continues as if it
-   had generated them itself: `resumed_token_ids` are replayed through its stop checker, count
-   in `max_new_tokens`, and their text is not handed out again. If they already end it (a stop
-   token, its length, a stop string) it finishes at once, as the first worker would have.
-7. The pool is in the KV dtype: with float16 KV a block holds a page exactly as it goes on the
-   wire, so a fetched page lands without a cast, a full page is sent as it is, and `kv_cache_bytes`
-   holds twice the blocks; attention converts what it reads (worker/model/attention.py note 7).
-8. Logprobs (worker/engine/logprobs.py): a delta carries the logprobs of its tokens when the request
-   asked (`logprobs`), and the first delta after the prompt is computed carries the prompt when it
-   asked for it back (`echo`, `prompt_logprobs`): its ids, its text and its tokens' logprobs. A
-   request with max_new_tokens 0 (allowed with those) finishes there, "length", drawing no token.
-   A resumed request's replayed tokens have no logprobs here: the first worker sent theirs.
+`add_request` may be called from any thread: it validates, tokenizes and queues the request, and
+returns a handle whose queue receives a `StreamDelta` per new token (and a final one). Only
+`step()` touches the scheduler and the pool, under the engine's lock, and hands each scheduled
+step to a StepRunner (worker/engine/step_runner.py). `generate` and `stream` step the engine
+themselves, for a caller with no loop thread.
 """
 
 from __future__ import annotations
@@ -72,8 +48,8 @@ class _Live:
     arrival: float
     first_token_time: float | None = None
     num_sent_tokens: int = 0
-    logprobs: list[TokenLogprob | None] | None = None  # per output token, with params.logprobs (note 8)
-    prompt_sent: bool = False  # the prompt went out on a delta (echo, prompt_logprobs; note 8)
+    logprobs: list[TokenLogprob | None] | None = None  # per output token, with params.logprobs (None: resumed)
+    prompt_sent: bool = False  # the prompt went out on a delta (echo, prompt_logprobs: _prompt)
 
 
 class Engine:
@@ -92,10 +68,14 @@ class Engine:
         self.page_tokens = page_tokens
         self.fingerprint = model.fingerprint(kv_dtype, page_tokens)
         block_shape = (cfg.n_layers, 2, cfg.n_kv_heads, page_tokens, cfg.head_dim)
-        dtype = np.dtype(kv_dtype)  # the pool holds KV as stored and sent (design note 7)
+        # The pool is in the KV dtype: with float16 KV a block holds a page exactly as it goes on the
+        # wire, so a fetched page lands without a cast, a full page is sent as it is, and
+        # kv_cache_bytes holds twice the blocks; attention converts what it reads
+        # (worker/model/attention.py note 7).
+        dtype = np.dtype(kv_dtype)  # the pool holds KV as stored and sent
         if num_blocks is None:
             num_blocks = max(1, kv_cache_bytes // (int(np.prod(block_shape)) * dtype.itemsize))
-        self.pool = BlockPool(num_blocks, block_shape, dtype, arena=True)  # arena: remote/tier.py design note 8
+        self.pool = BlockPool(num_blocks, block_shape, dtype, arena=True)  # arena: pages read in place
         self._work = threading.Event()  # set by add_request, cancel and the connector's finished work
         self.scheduler = Scheduler(self.pool, page_tokens, max_num_seqs, max_num_batched_tokens,
                                    self._connector_for(remote_tier), max_prefill_tokens=max_prefill_tokens,
@@ -107,7 +87,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[_Live] = queue.SimpleQueue()
         self._cancelled: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
         self._lock = threading.RLock()
-        self._ids_in_use: set[str] = set()  # added and not finished: inbox and _live (design note 5)
+        self._ids_in_use: set[str] = set()  # added and not finished: inbox and _live (add_request)
         self._ids_lock = threading.Lock()
         self._ids = itertools.count()
         self.on_step: Callable[[dict], None] | None = None  # called after every step with its record (the loop thread)
@@ -149,9 +129,12 @@ class Engine:
                     resumed_token_ids: Sequence[int] = (), namespace: str = "", priority: int = 0,
                     **sampling) -> RequestHandle:
         """Queue a request (text or token ids); sampling options go in `params` or as keywords.
-        `resumed_token_ids`: tokens another worker already generated for it (design note 6).
+        `resumed_token_ids`: tokens another worker generated for it before it died. The request
+        goes on as if it had generated them itself: they are replayed through its stop checker,
+        count in `max_new_tokens`, and their text is not handed out again (nor their logprobs: the
+        first worker sent them); if they already end it, it finishes at once, as it would have there.
         `namespace`: the caller's tenant namespace, mixed into the root of its page keys (worker/kv/pages.py).
-        `priority`: lower is scheduled first (worker/engine/priority.py design note 2)."""
+        `priority`: lower is scheduled first (worker/engine/priority.py)."""
         if params is None:
             params = SamplingParams(**sampling)
         elif sampling:
@@ -175,19 +158,22 @@ class Engine:
         checker.take_text_delta()  # what the first worker already handed out
         connector = self.scheduler.connector
         keys = None if connector is None else request.page_keys(request.num_reusable_pages())
+        # An id is the request's from here until it finishes, checked and taken under one lock, so a
+        # duplicate (running, or still in the inbox) is refused before anything is queued.
         with self._ids_lock:
             if request_id in self._ids_in_use:
                 raise RequestIdInUse(f"request id {request_id!r} is already in use by a request not yet finished: "
                                      f"give each request its own id")
             self._ids_in_use.add(request_id)
             if keys:
-                connector.lookups.start(request, keys)  # prefetch on arrival (connector note 3)
+                connector.lookups.start(request, keys)  # prefetch on arrival (TierLookups.start)
             self._inbox.put(live)
         self._work.set()
         return live.handle
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and release its blocks now; False if it is unknown or already finished."""
+        """Stop a request and release its blocks now, waiting for the engine's lock (held through a
+        forward); False if it is unknown or already finished."""
         with self._lock:
             self._take_inbox()
             live = self._live.get(request_id)
@@ -198,7 +184,10 @@ class Engine:
             return True
 
     def cancel(self, handle: RequestHandle) -> None:
-        """Abort the request without waiting for the engine (design note 1); a finished one is left alone."""
+        """Abort the request without waiting for the engine: the loop thread aborts it before its next
+        step; a finished one is left alone. For a caller that must not block: gRPC runs end-of-call
+        callbacks on the server's one event thread, and an `abort` waiting there for the lock
+        stalls every stream."""
         if handle.completion is None:
             self._cancelled.put(handle)
             self._work.set()
@@ -313,7 +302,7 @@ class Engine:
     def _take_inbox(self) -> None:
         for live in _drained(self._inbox):
             self._live[live.request.request_id] = live
-            if live.checker.finish_reason is not None:  # resumed after its end (design note 6)
+            if live.checker.finish_reason is not None:  # resumed after its end (add_request)
                 live.request.status = RequestStatus.FINISHED  # never scheduled
                 self._finish(live)
                 continue
@@ -354,7 +343,7 @@ class Engine:
     def append_token(self, request: Request, logits: np.ndarray) -> StreamDelta:
         live = self._live[request.request_id]
         request.prompt_computed = True
-        if request.params.max_new_tokens == 0:  # the prompt alone (design note 8)
+        if request.params.max_new_tokens == 0:  # the prompt alone (echo, prompt_logprobs): "length", no token
             live.checker.finish(FINISH_LENGTH)
             return self._finish(live)
         token = sample(logits, request.params, request.num_tokens, self._rng)
@@ -370,7 +359,7 @@ class Engine:
         return self._send(live)
 
     def fail(self, request: Request, message: str) -> list[StreamDelta]:
-        """Finish one request with an error; the rest of the engine goes on (worker/engine/step_runner.py note 2)."""
+        """Finish one request with an error; the rest of the engine goes on (StepRunner._run_isolated)."""
         live = self._live.get(request.request_id)
         if live is None:
             return []
@@ -378,7 +367,8 @@ class Engine:
         return [self._finish(live, error=message)]
 
     def _prompt(self, live: _Live) -> Prompt | None:
-        """The prompt to hand back, once it is computed, when the request asked for it (design note 8)."""
+        """The prompt to hand back, once it is computed, when the request asked for it (`echo`,
+        `prompt_logprobs`): its ids, its text and its tokens' logprobs, on the first delta after it."""
         request = live.request
         if not request.prompt_computed or not (request.params.echo or request.prompt_logprobs is not None):
             return None
@@ -408,6 +398,8 @@ class Engine:
         del self._live[request.request_id]
         with self._ids_lock:
             self._ids_in_use.discard(request.request_id)
+        # prompt_tokens = cached_tokens_local + cached_tokens_remote + computed_tokens, as decided at the
+        # request's first admission: recomputing after a preemption is not counted (num_preemptions is).
         # A resumed request's cache hits may reach into its resumed tokens: count prompt tokens only.
         local = min(request.cached_tokens_local or 0, request.num_prompt_tokens)
         remote = min(request.cached_tokens_remote or 0, request.num_prompt_tokens - local)

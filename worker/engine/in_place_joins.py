@@ -1,32 +1,13 @@
 """Requests whose fetched pages are read in place (worker/kv/pages_in_place.py): how they join, what
 their first forward reads, and how the pages end up in their blocks.
 
+A load that ends with its pages pinned in a same-host node's pool (RemoteTier.fill_in_place) joins
+like any, its pages counted as computed, but they are not in its blocks yet: its first step reads
+them where they lie (`forward_table`), and the next `schedule` copies them in and gives them back
+(`land`), so the copy follows the first token instead of preceding it and the pins last one step.
+
 `InPlaceJoins` holds those requests and their pages from the join to the landing; the scheduler
 (worker/engine/scheduler.py) moves requests between its queues, this tells it which to send back.
-
-Design notes
-1. A load that ends with its pages pinned in a same-host node's pool (connector design note 8)
-   joins like any, its pages counted as computed, but they are not in its blocks yet: its first
-   step reads them where they lie (`forward_table` points its table there), and the next
-   `schedule` copies them into its blocks, indexes them (and the pages its first step filled
-   after them, which could not be indexed before their parent) and gives them back to the node
-   (`land`), so the copy follows the first token instead of preceding it and the pins
-   last one step.
-2. Their checksums are checked beside that first forward (worker/kv/pages_in_place.py note 2):
-   after it, `settle` waits for the check, and a request whose pages failed it loses
-   the step's work (no token), keeps the pages before the altered one (copied in and cached) and
-   waits to compute the rest, as after a layer-wise load that failed. A request not in that step
-   has its pages checked before they are copied.
-3. A request that gives its blocks up before its pages are copied (finished after its first
-   token, preempted, aborted) leaves them to the next step (`_landing`, its blocks held by a
-   reference of their own): they are copied and cached all the same, so a prompt answered in one
-   token still warms the local cache. The engine steps once more while any are pending.
-4. Pins are trusted only LAND_WITHIN_S after they were taken (the node drops pins held past its
-   data plane timeout, 60 s by default, and may reuse their slots): older pages are never read or
-   copied; a request that needed them computes its prompt again.
-5. Models with a sliding window release the blocks behind the window after every step, those of
-   pages read in place among them: their pages are copied in at the join instead (after the check),
-   as fetched ones.
 """
 
 from __future__ import annotations
@@ -41,18 +22,19 @@ log = logging.getLogger("worker.scheduler")  # its messages are the scheduler's
 
 
 class InPlaceJoins:
-    """Requests reading pages in place, and pages left to land by requests gone (notes 1, 3)."""
+    """Requests reading pages in place, and pages left to land by requests gone (land, stash)."""
 
     def __init__(self, tables: BlockTables):
         self.tables = tables
-        self.num_discarded = 0  # steps thrown away: pages read in place were altered (note 2)
+        self.num_discarded = 0  # steps thrown away: pages read in place were altered (settle)
         self._reading: dict[int, tuple[Request, PagesInPlace, int]] = {}  # id -> (request, its pages, local hits)
-        self._landing: list[tuple] = []  # (pages, blocks, keys, key before) of requests gone (note 3)
+        self._landing: list[tuple] = []  # (pages, blocks, keys, key before) of requests gone (stash)
 
     def join(self, request: Request, pages: PagesInPlace, copy_now: bool) -> int:
         """How many of a joining request's pages count as computed: all, read in place from its next
-        step (note 1); or, when `copy_now` (a windowed model: note 5) or for pins too old (note 4),
-        those copied in now."""
+        step; or, when `copy_now` or for pins too old (LAND_WITHIN_S), those copied in now, checked.
+        `copy_now` is for a model with a sliding window: its steps release the blocks behind the
+        window, those of pages read in place among them, so its pages are copied in at the join."""
         num_hits = request.num_cached_pages
         if pages.released or request.block_table[num_hits : num_hits + len(pages)] != pages.blocks:
             pages.release()  # given up meanwhile (the connector closed), or not its blocks: computed
@@ -70,12 +52,12 @@ class InPlaceJoins:
             pages.release()
 
     def num_reading(self) -> int:
-        """Requests whose next step reads pages in place (note 1)."""
+        """Requests whose next step reads pages in place."""
         return len(self._reading)
 
     def forward_table(self, request: Request) -> tuple[list[int], bool]:
         """The block table a forward reads for `request`: its own, with pages read in place pointing
-        where they lie (note 1); and whether any do (the forward then reads the arena's blocks)."""
+        where they lie; and whether any do (the forward then reads the arena's blocks)."""
         entry = self._reading.get(id(request))
         if entry is None:
             return request.block_table, False
@@ -86,7 +68,12 @@ class InPlaceJoins:
 
     def settle(self, requests) -> list[Request]:
         """After a forward: those of `requests` whose pages read in place turned out altered, their
-        step's work to be thrown away and they to wait again (note 2); the others' were intact."""
+        step's work to be thrown away and they to wait again; the others' were intact.
+
+        The pages' checksums are checked beside the forward; this waits for the check. A request
+        whose pages failed it gets no token from the step, keeps the pages before the altered one
+        (copied in and cached: _discard) and computes the rest, as after a failed layer-wise load.
+        A request not in that step has its pages checked before they are copied (land)."""
         altered = []
         for request in requests:
             entry = self._reading.get(id(request))
@@ -96,15 +83,17 @@ class InPlaceJoins:
         return altered
 
     def has_landings(self) -> bool:
-        """Pages read in place still to copy in and give back: the next step does it (note 3)."""
+        """Pages read in place still to copy in and give back: the next step does it (the engine
+        steps once more while any are pending)."""
         return bool(self._landing or self._reading)
 
     def land(self) -> list[Request]:
-        """Copy the pages the last step read in place into their blocks, index them, give them back
-        (note 1); the requests whose pages could not be, to wait again."""
+        """Copy the pages the last step read in place into their blocks, index them (and the pages
+        that step filled after them, which could not be indexed before their parent), give them
+        back to the node; the requests whose pages could not be, to wait again."""
         pool = self.tables.pool
         landing, self._landing = self._landing, []
-        for pages, blocks, keys, parent in landing:  # of requests that gave their blocks up (note 3)
+        for pages, blocks, keys, parent in landing:  # of requests that gave their blocks up (stash)
             try:
                 copied = pages.fresh() and pages.intact()
                 if copied:
@@ -117,7 +106,7 @@ class InPlaceJoins:
         discarded = []
         for request, pages, num_hits in list(self._reading.values()):
             if not pages.fresh() or request.block_table[num_hits : num_hits + len(pages)] != pages.blocks:
-                self._discard(request, reuse=False)  # note 4 (the table check: a safeguard)
+                self._discard(request, reuse=False)  # pins too old (LAND_WITHIN_S; the table check: a safeguard)
                 discarded.append(request)
             elif not pages.intact():  # not in the last step, or it would have been settled
                 self._discard(request)
@@ -134,8 +123,10 @@ class InPlaceJoins:
         return discarded
 
     def stash(self, request: Request) -> None:
-        """A request giving its blocks up leaves its pages read in place, and those its step filled
-        after them, to the next step (note 3)."""
+        """A request giving its blocks up (finished after its first token, preempted, aborted) leaves
+        its pages read in place, and those its step filled after them, to the next step, its blocks
+        held by a reference of their own: they are copied and cached all the same, so a prompt
+        answered in one token still warms the local cache."""
         entry = self._reading.pop(id(request), None)
         if entry is None:
             return
@@ -151,8 +142,8 @@ class InPlaceJoins:
 
     def _discard(self, request: Request, reuse: bool = True) -> None:
         """A request whose pages read in place are altered computes its prompt without them,
-        reusing those before the altered one (note 2); with `reuse` False (their pins too old:
-        note 4), none of them. The scheduler then sends it back to wait."""
+        reusing those before the altered one; with `reuse` False (their pins too old:
+        LAND_WITHIN_S), none of them. The scheduler then sends it back to wait."""
         _, pages, num_hits = self._reading[id(request)]
         intact = pages.num_intact() if reuse else 0
         if not reuse:

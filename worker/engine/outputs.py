@@ -20,13 +20,13 @@ class Completion:
     finish_reason: str    # "stop", "length", "abort" or "error"
     usage: Usage
     num_preemptions: int = 0
-    error: str | None = None  # with finish_reason "error": what failed (worker/engine/step_runner.py note 2)
+    error: str | None = None  # with finish_reason "error": what failed (it failed alone: StepRunner._run_isolated)
     logprobs: list[TokenLogprob | None] | None = None  # per new token when asked (None: a resumed one's)
     prompt: Prompt | None = None  # the prompt, when asked for it back (echo, prompt_logprobs)
 
 
 class RequestIdInUse(ValueError):
-    """`add_request` got an id that a request not yet finished holds (engine design note 5)."""
+    """`add_request` got an id that a request not yet finished holds (Engine.add_request)."""
 
 
 @dataclass
@@ -37,7 +37,7 @@ class StreamDelta:
     finished: bool = False
     completion: Completion | None = None  # on the final delta
     logprobs: list[TokenLogprob | None] | None = None  # one per token id, when the request asked
-    prompt: Prompt | None = None  # on the first delta after the prompt is computed, when asked (engine note 8)
+    prompt: Prompt | None = None  # on the first delta after the prompt is computed, when asked (Engine._prompt)
 
 
 class RequestHandle:

@@ -1,24 +1,10 @@
 """Parked requests joining the batch: a request whose remote pages are on their way is parked
-(scheduler design note 5); it joins the running ones in the first step after its load ended, or,
-under a layer-wise load, early, in a step of its own before every layer landed.
+(Scheduler._admit); it joins the running ones in the first step after its load ended, or, under
+a layer-wise load, early, in a step of its own before every layer landed (join_early).
 
 `RemoteJoins` holds the connector and what the scheduler (worker/engine/scheduler.py) needs to know of
-the loads under way; the scheduler moves requests between its queues.
-
-Design notes
-1. Layer-wise overlap (issue 19, connector design note 7): a parked request whose layer-wise
-   load is under way may join before the load ends, in a step of its own
-   (`ScheduledBatch.layerwise`), so other requests never share a step with a wait on the
-   network; the engine's forward waits (briefly) for each layer of its pages. Its remote pages
-   count as computed from that step on, and they are indexed only in `settle_layerwise`, after
-   the forward, once every page arrived intact; otherwise the step's work is thrown away: its
-   blocks are released (those the loader may still write once it let go of them; the leading
-   pages that arrived whole and intact, before an altered one, are cached first), and it waits
-   to compute its prompt reusing only those, its usage then saying so.
-   A layer that is late cuts the forward short and sends the request back to the parked ones
-   (`repark`), to join when its load ended as any. A step that finds no blocks for its first
-   chunk leaves it parked.
-2. Pages read in place (connector design note 8) join through `_join` too: worker/engine/in_place_joins.py.
+the loads under way; the scheduler moves requests between its queues. Pages read in place join
+through `_join` too, then worker/engine/in_place_joins.py takes them over.
 """
 
 from __future__ import annotations
@@ -35,7 +21,7 @@ log = logging.getLogger("worker.scheduler")  # its messages are the scheduler's
 
 
 class RemoteJoins:
-    """Parked requests whose remote pages landed, or are landing layer by layer (design note 1)."""
+    """Parked requests whose remote pages landed, or are landing layer by layer (join_early)."""
 
     def __init__(self, tables: BlockTables, in_place: InPlaceJoins, max_prefill_tokens: int,
                  connector: Connector | None):
@@ -43,13 +29,13 @@ class RemoteJoins:
         self.in_place = in_place
         self.max_prefill_tokens = max_prefill_tokens
         self.connector = connector  # None: no remote tier
-        self.num_layerwise_discarded = 0  # early-joined steps thrown away (design note 1)
+        self.num_layerwise_discarded = 0  # early-joined steps thrown away (settle_layerwise)
         self._early: dict[int, tuple[int, int, bool]] = {}  # id -> (local hits, remote pages, usage set here)
 
     def take_finished_loads(self, copy_in_place: bool) -> tuple[list[Request], list[Request]]:
         """Parked requests whose pages landed, their pages indexed (or read in place from their next
-        step: note 2), to run; and those whose load is overdue, given up, to compute their prompt
-        (scheduler design note 5). `copy_in_place`: pages read in place are copied in at the join."""
+        step: InPlaceJoins.join), to run; and those whose load is overdue, given up, to compute their
+        prompt. `copy_in_place`: pages read in place are copied in at the join."""
         if self.connector is None:
             return [], []
         finished = self.connector.take_finished_loads()
@@ -69,7 +55,7 @@ class RemoteJoins:
 
     def _join(self, request: Request, landed: Landed, copy_in_place: bool) -> None:
         """Index the pages that landed in a parked request's blocks (or, read in place, once its first
-        step read them: note 2), counted as computed."""
+        step read them: InPlaceJoins.join), counted as computed."""
         P = self.tables.page_tokens
         num_hits = request.num_cached_pages
         if landed.pages_in_place is not None:  # worker/engine/in_place_joins.py
@@ -78,14 +64,20 @@ class RemoteJoins:
             filled = max(0, min(landed.num_pages, len(request.block_table) - num_hits))
             self.tables.index_pages(request, num_hits, num_hits + filled)
         request.num_cached_pages = num_hits + filled
-        request.num_computed_tokens = min((num_hits + filled) * P, request.num_tokens - 1)   # scheduler design note 5
+        request.num_computed_tokens = min((num_hits + filled) * P, request.num_tokens - 1)   # as Scheduler._admit
         if request.cached_tokens_local is None:
             request.cached_tokens_local = min(num_hits * P, request.num_computed_tokens)
             request.cached_tokens_remote = request.num_computed_tokens - request.cached_tokens_local
 
     def join_early(self, parked: Sequence[Request]) -> tuple[Request, int] | None:
         """A parked request whose layer-wise load is under way, and its new tokens, to run in a step of
-        its own (design note 1): its remote pages counted as computed and its blocks grown."""
+        its own: its remote pages counted as computed and its blocks grown.
+
+        The step is its own so that no other request shares its waits on the network: the forward
+        waits, briefly, for each layer of its pages (StepRunner._step_layerwise), and a layer that
+        is late sends it back to the parked ones (repark). Its remote pages are indexed only once
+        every one arrived intact (settle_layerwise). A step with no blocks for its first chunk
+        leaves it parked."""
         if self.connector is None:
             return None
         P = self.tables.page_tokens
@@ -110,9 +102,10 @@ class RemoteJoins:
         return None
 
     def settle_layerwise(self, request: Request) -> bool:
-        """After an early-joined request's step (design note 1): True, its remote pages indexed,
-        when every one arrived intact; else False, the step's work to be thrown away and the
-        request to compute its prompt without them (the scheduler sends it back to wait)."""
+        """After an early-joined request's step: True, its remote pages indexed, when every one
+        arrived intact; else False, the step's work to be thrown away and the request to compute
+        its prompt without them (the scheduler sends it back to wait), reusing only the leading
+        pages that arrived whole and intact, its usage then saying so."""
         num_hits, num_remote, set_usage = self._early.pop(id(request))
         remote = request.block_table[num_hits : num_hits + num_remote]
         filled = self.connector.layerwise_loads.settle(request, remote)
@@ -143,14 +136,15 @@ class RemoteJoins:
 
     def num_reused_tokens(self, request: Request) -> int:
         """Tokens whose K/V came from a cache into its blocks, never to be written again: its cached
-        pages', and while it runs early (design note 1) those of its remote pages still landing."""
+        pages', and while it runs early (join_early) those of its remote pages still landing."""
         early = self._early.get(id(request))
         pages = early[0] + early[1] if early is not None else request.num_cached_pages
         return pages * self.tables.page_tokens
 
     def repark(self, request: Request) -> None:
-        """An early-joined request whose step was cut short by a late layer waits for its load again
-        (design note 1): the blocks of its suffix go back, its remote ones stay the loader's."""
+        """An early-joined request whose step was cut short by a late layer waits for its load again,
+        to join when it ended as any parked request: the blocks of its suffix go back, its remote
+        ones stay the loader's."""
         num_hits, num_remote, set_usage = self._early.pop(id(request))
         self.tables.pool.release(request.block_table[num_hits + num_remote :])
         del request.block_table[num_hits + num_remote :]
@@ -161,7 +155,7 @@ class RemoteJoins:
 
     def finish(self, request: Request) -> None:
         """A request ends (done or aborted): its lookup is dropped, and a load it waits for, or ran
-        early with (design note 1), given up; the loader may still write those blocks, so they are
+        early with (join_early), given up; the loader may still write those blocks, so they are
         released only once it let go of them."""
         if self.connector is None:
             return

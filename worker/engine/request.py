@@ -29,7 +29,7 @@ class Request:
         self.params = params
         self.tier_context = tier_context
         self.bypass_cache = bypass_cache
-        self.priority = priority  # lower goes first (worker/engine/priority.py design note 2)
+        self.priority = priority  # lower goes first, aging making it better as it waits (PriorityPolicy.priority)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []  # block i holds positions [iP, (i+1)P)
@@ -40,7 +40,7 @@ class Request:
         self.remote_given_up = False  # its remote pages failed or came too late: it computes them (scheduler)
         self.cached_tokens_local: int | None = None  # set by the first admission
         self.cached_tokens_remote: int | None = None
-        # Prompt logprobs (worker/engine/logprobs.py note 2): entry p is token p + 1's, set as its chunk computes.
+        # Prompt logprobs (worker/engine/logprobs.py): entry p is token p + 1's, set as its chunk computes.
         self.prompt_logprobs: list | None = ([None] * (self.num_prompt_tokens - 1)
                                              if params.prompt_logprobs is not None else None)
         self.prompt_computed = False  # its whole prompt has been computed once (the engine sampled after it)
@@ -62,12 +62,18 @@ class Request:
 
     @property
     def wants_prompt_logits(self) -> bool:
-        """It takes logits at every prompt position until its prompt is computed (logprobs.py note 2)."""
+        """It takes logits at every prompt position until its prompt is computed (its prompt logprobs)."""
         return self.prompt_logprobs is not None and not self.prompt_computed
 
     def num_reusable_pages(self) -> int:
-        """Full pages of its tokens that a cache may supply: every one, the last too (the scheduler's
-        design note 5), none when it bypasses the cache or wants its prompt's logits (logprobs.py note 2)."""
+        """Full pages of its tokens that a cache may supply: every one, the last too (Scheduler._admit
+        still computes the last token), none when it bypasses the cache or wants its prompt's logits.
+
+        A position whose K/V came from a cache has no logits, and recomputing the queries of cached
+        positions would cost as much as computing them (and a forward mode of its own): so a request
+        that wants its prompt's logprobs reuses no cached prefix, neither the worker's nor the
+        kvnodes'. Its pages are still cached and written back, for the requests after it; once its
+        prompt is computed it is a request as any other, and a preemption may reuse them."""
         return 0 if self.bypass_cache or self.wants_prompt_logits else self.num_tokens // self._page_tokens
 
     def page_keys(self, num_pages: int) -> list[bytes]:

@@ -1,16 +1,8 @@
 """Sampling parameters, the next-token draw, and stop conditions (tokens, strings, lengths).
 
-Design notes
-1. A seeded draw uses a generator seeded from (seed, position of the token drawn), so the
-   same seed gives the same text whatever else runs in the batch, and a request can be
-   resumed anywhere from any point. Unseeded requests draw from the engine's generator.
-   The draw walks the kept tokens in id order, not probability order: logits that differ in
-   the last bits (another batch shape, float16 KV) then change a draw only when it falls
-   right at a boundary, never because two near-equal tokens swapped places.
-2. Text is produced incrementally (vLLM's prefix/read offsets): each step decodes a short
-   window of ids and emits only what is new and complete (no dangling U+FFFD of a partial
-   UTF-8 character). Text that may still turn out to begin a stop string is held back, so a
-   stream never shows text the final answer does not contain.
+A draw depends on the logits, the request's parameters and, when it is seeded, on its seed and the
+token's position: never on what else runs in the batch. Text is handed out as it becomes complete
+and only once no stop string can cut it any more.
 """
 
 from __future__ import annotations
@@ -89,7 +81,11 @@ class SamplingParams:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, position: int, rng: np.random.Generator) -> int:
-    """Draw the token at `position` from one row of logits [vocab] (design note 1)."""
+    """Draw the token at `position` from one row of logits [vocab].
+
+    A seeded draw uses a generator seeded from (seed, position), so the same seed gives the same
+    text whatever else runs in the batch, and a request resumed on another worker goes on as it
+    would have. Unseeded requests draw from the engine's generator (`rng`)."""
     if params.greedy:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / float(params.temperature)
@@ -105,7 +101,10 @@ def sample(logits: np.ndarray, params: SamplingParams, position: int, rng: np.ra
         candidates, probs = candidates[:keep], probs[:keep] / probs[:keep].sum()
     if params.seed is not None:
         rng = np.random.default_rng([params.seed, position])
-    order = np.argsort(candidates)  # draw in token-id order: a tiny change of logits moves the draw only near a boundary
+    # Walk the kept tokens in id order, not probability order: logits that differ in the last bits
+    # (another batch shape, float16 KV) then change a draw only when it falls right at a boundary,
+    # never because two near-equal tokens swapped places.
+    order = np.argsort(candidates)
     candidates, probs = candidates[order], probs[order]
     cumulative = np.cumsum(probs)
     index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
@@ -113,7 +112,12 @@ def sample(logits: np.ndarray, params: SamplingParams, position: int, rng: np.ra
 
 
 class StopChecker:
-    """Follows one request's new tokens: decides when it finishes and what text it has produced."""
+    """Follows one request's new tokens: decides when it finishes and what text it has produced.
+
+    Text is decoded incrementally (vLLM's prefix and read offsets): each token decodes a short
+    window of ids and only what is new and complete is kept, never the U+FFFD of a character whose
+    bytes are still coming. Text that may yet begin a stop string is held back (take_text_delta),
+    so a stream never shows text the final answer does not contain."""
 
     def __init__(self, tokenizer, params: SamplingParams, prompt_token_ids: Sequence[int],
                  eos_token_ids: Sequence[int], max_total_tokens: int):

@@ -12,7 +12,7 @@ class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]
     admission_held: bool = False  # scheduling it preempted or found the pool short: admit nobody more
-    layerwise: bool = False  # one request whose remote pages are still landing, layer by layer (scheduler note 10)
+    layerwise: bool = False  # one request whose remote pages are still landing (RemoteJoins.join_early)
 
     def __len__(self) -> int:
         return len(self.requests)

@@ -1,59 +1,13 @@
 """Continuous batching over the block pool: which requests run in the next step, and with how
 many new tokens each. Requests join and leave between steps.
 
-Design notes
-1. One rule for prefill and decode (vLLM v1): a request has `num_tokens` and
-   `num_computed_tokens` (tokens whose K/V are in its blocks); each step it gets
-   `min(num_tokens - num_computed_tokens, budget)` new tokens. A step that reaches
-   `num_tokens` yields logits for the next token; a shorter one is a prefill chunk.
-2. Decodes first: every running request with one token left is served each step, oldest
-   first, so decoding is never starved (the budget holds one token per seat).
-3. Then prefill, shortest first: of the running requests part-way through their prompt and
-   the waiting ones, the one with the fewest tokens left to compute (for a waiting request,
-   after its locally cached prefix, or the remote tier's hits once its lookup answered) gets at
-   most `max_prefill_tokens`; other prompts join its step only if they finish within
-   `join_tokens` more tokens. A mostly cached prompt thus starts at once instead of queueing
-   behind long uncached ones, and a long prompt is computed in chunks between them, even alone.
-   Why one prompt a step: on a CPU a prefill token costs about the same in any batch, so a
-   second prompt's chunk would delay the first one's first token by its whole cost, while a
-   step of its own costs only the weights' pass (figures: docs/benchmarks.md, "Earlier
-   (2026-11-30)"). Aging bounds the wait: a request that has waited through `aging_steps` steps
-   goes before every younger one (oldest first), so short prompts never starve a long one.
-4. When a request needs a block and none is available, a running request not yet in this step is
-   preempted (worker/engine/priority.py note 1).
-5. Admission reuses the longest locally cached prefix, then asks the KV connector
-   (worker/connector/connector.py) what the remote tier holds of the whole page chain (local hits
-   included, so the tier learns which of our pages it lacks). While that lookup is in flight
-   the request stays waiting and others go first. With remote pages past the local hits, the
-   request gets blocks for them and is parked (WAITING_FOR_REMOTE_KVS) while the connector
-   fetches them off the engine's thread: not scheduled, not preempted, holding a seat. In the
-   first step after its load ended it joins as a running request, what landed counted as
-   computed; whatever the tier did not fill is computed. Every full page of the prompt may be
-   reused, the last one too; at least one prompt token is always computed (its logits give the
-   next token), so a prompt whose every page is cached computes its last token alone, reading
-   its K/V from the cached page and writing nothing there (ForwardBatch.cached_lens), instead of
-   recomputing its whole last page.
-   A tier that fails counts as a miss; a load the connector reports overdue is given up (its
-   blocks released once the loader lets go of them) and the request computes its prompt.
-   No network call is made here: the connector only submits and reports.
-6. Each page that becomes full is indexed in the prefix cache and announced to the tier.
-7. A request that arrives while a step computes a prompt's chunk may go between two layers of
-   that step (the engine pauses the forward and asks `schedule_newcomer`): if all it has left
-   to compute is shorter than the chunk, it would have been the step's prompt had it come a
-   moment earlier (note 3), and waiting for the rest of the chunk would be most of its time to
-   first token. It is admitted alone and computed whole; nothing is preempted for it, nor is
-   anyone admitted in a step that preempted or found the pool short (the rules of note 4 and of
-   `schedule`), and a step whose prompt was chosen by aging is never paused, so aging still
-   bounds a long prompt's wait in steps (a step now lasts longer by the newcomers it carries, at
-   most one per layer).
-8. Priorities (lower values first, default 0) order the prefill (note 3) and preemption (note 4),
-   aging making a waiting request's priority better as it waits (worker/engine/priority.py note 2).
-9. Sliding windows (worker/kv/window.py): after each step a running request releases the blocks
-   no later query of its window reads, once its full pages are cached and copied for the
-   tier, so it holds at most about W / page_tokens + 1 blocks however long it grows.
-10. Layer-wise overlap (connector design note 7): a parked request whose layer-wise
-   load is under way may join before the load ends, in a step of its own
-   (`ScheduledBatch.layerwise`; worker/engine/remote_joins.py note 1).
+One rule serves prefill and decode (vLLM v1's): a request has `num_tokens` and
+`num_computed_tokens` (tokens whose K/V are in its blocks), and each step gives it
+`min(num_tokens - num_computed_tokens, budget)` new tokens; a step that reaches `num_tokens`
+yields logits for the next token, a shorter one is a prefill chunk. `schedule` takes the decodes,
+then one prompt; `_admit` gives a waiting request its cached pages, local and remote. Who goes
+first and who gives way is worker/engine/priority.py's; requests whose remote pages arrive join
+through worker/engine/remote_joins.py and worker/engine/in_place_joins.py.
 """
 
 from __future__ import annotations
@@ -79,7 +33,7 @@ AGING_STEPS = 64                # steps waited after which a request goes before
 JOIN_TOKENS = 16                # tokens other prompts may add to a step's prefill if they finish in it
 
 _LOOKUP_PENDING = -1  # _admit: the connector's lookup has not answered yet
-_PARKED = -2          # _admit: blocks given, remote pages on their way (design note 5)
+_PARKED = -2          # _admit: blocks given, remote pages on their way (the request is parked)
 
 
 class Scheduler:
@@ -101,14 +55,14 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_tokens = max_prefill_tokens
         self.join_tokens = join_tokens
-        self.release_window = release_window  # design note 9; None keeps every page to the end
+        self.release_window = release_window  # a sliding window (on_computed); None keeps every page to the end
         self.tables = BlockTables(pool, page_tokens)
-        self.priority = PriorityPolicy(aging_steps)  # design note 8
+        self.priority = PriorityPolicy(aging_steps)  # priorities and aging order the prefill and preemption
         self.in_place = InPlaceJoins(self.tables)  # pages read in place (worker/engine/in_place_joins.py)
-        self.remote = RemoteJoins(self.tables, self.in_place, max_prefill_tokens, connector)  # notes 5, 10
+        self.remote = RemoteJoins(self.tables, self.in_place, max_prefill_tokens, connector)  # parked ones joining
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order, oldest first
-        self.parked: list[Request] = []  # waiting for remote KV (design note 5): blocks held, not scheduled
+        self.parked: list[Request] = []  # waiting for remote KV (_admit): blocks held, not scheduled
         self.num_preemptions = 0
         self.num_steps = 0
 
@@ -137,7 +91,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         self.num_steps += 1
-        for request in self.in_place.land():  # before anything may take blocks (in_place_joins.py note 1)
+        for request in self.in_place.land():  # before anything may take blocks (InPlaceJoins.land)
             self._wait_again(request)
         self._take_finished_loads()
         early = self.remote.join_early(self.parked)
@@ -148,16 +102,25 @@ class Scheduler:
         self._preempt_for_priority()
         batch = ScheduledBatch([], [])
         preempted = False
-        for request in [r for r in self.running if _tokens_left(r) == 1]:  # decodes (design note 2)
+        # Decodes first, oldest first: every running request with one token left gets it each step,
+        # so decoding is never starved (the token budget holds one token per seat).
+        for request in [r for r in self.running if _tokens_left(r) == 1]:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for an older one
             preempted |= self._make_room(request, 1, batch)
             if request.status is RequestStatus.RUNNING:
                 self._add_to_batch(batch, request, 1)
+        # Then one prompt, the one with the fewest tokens left to compute (_prefill_order), at most
+        # max_prefill_tokens of it; other prompts join the step only if they finish within join_tokens
+        # more. A mostly cached prompt thus starts at once instead of queueing behind long uncached
+        # ones, and a long prompt is computed in chunks between them, even alone. Only one, because on
+        # a CPU a prefill token costs about the same in any batch: a second prompt's chunk would delay
+        # the first one's first token by its whole cost, while a step of its own costs only the
+        # weights' pass (docs/benchmarks-log.md, "The cluster under load").
         budget = min(self.max_num_batched_tokens - sum(batch.num_new_tokens), self.max_prefill_tokens)
         pool_short = False
-        joining = None  # once the step has its prefill: tokens that prompts finishing with it may add (note 3)
-        for request, left in self._prefill_order(batch) if budget > 0 else []:  # design note 3
+        joining = None  # once the step has its prefill: tokens that prompts finishing with it may add
+        for request, left in self._prefill_order(batch) if budget > 0 else []:
             if joining is not None and left > joining:
                 continue
             limit = budget if joining is None else joining
@@ -188,7 +151,15 @@ class Scheduler:
 
     def schedule_newcomer(self, step: ScheduledBatch) -> ScheduledBatch | None:
         """Between two layers of `step`'s forward: a waiting request to compute whole before the
-        step goes on, or None (design note 7)."""
+        step goes on, or None.
+
+        A request that arrives while a step computes a prompt's chunk, with less left to compute
+        than that chunk, would have been the step's prompt had it come a moment earlier, and
+        waiting for the rest of the chunk would be most of its time to first token: it is admitted
+        alone and computed whole. Nothing is preempted for it, nor is it admitted after a step
+        that preempted or found the pool short (`admission_held`), and a step whose prompt was
+        chosen by aging is never paused, so aging still bounds a long prompt's wait in steps (a
+        step lasts longer by the newcomers it carries, at most one per layer)."""
         chunk = max(step.num_new_tokens)
         if (chunk <= self.join_tokens or not self.waiting or self.num_seats_taken() >= self.max_num_seqs
                 or step.admission_held
@@ -209,7 +180,10 @@ class Scheduler:
         request.num_computed_tokens += num_new_tokens
         if not request.bypass_cache:
             self._cache_full_pages(request)
-        if self.release_window is not None:  # after the write-back copied the pages (design note 9)
+        # A sliding window (worker/kv/window.py): release the blocks no later query reads, once the
+        # full pages are cached and copied for the tier (just above), so a request holds about
+        # W / page_tokens + 1 blocks however long it grows.
+        if self.release_window is not None:
             release_passed_blocks(request, self.pool, self.release_window, self.page_tokens)
 
     def finish(self, request: Request) -> None:
@@ -228,7 +202,8 @@ class Scheduler:
 
     def settle_layerwise(self, request: Request) -> bool:
         """After an early-joined request's step: True when its remote pages all arrived intact; else
-        False, the step's work thrown away and the request waiting to compute its prompt (note 10)."""
+        False, the step's work thrown away and the request waiting to compute its prompt
+        (RemoteJoins.join_early)."""
         if self.remote.settle_layerwise(request):
             return True
         self._wait_again(request)
@@ -263,7 +238,9 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _take_finished_loads(self) -> None:
-        """Parked requests whose pages landed join the running ones (design note 5)."""
+        """Parked requests whose pages landed join the running ones, what landed counted as computed
+        and the rest to compute. A load the connector reports overdue is given up (its blocks
+        released once the loader lets go of them): its request computes its prompt, first in line."""
         landed, overdue = self.remote.take_finished_loads(copy_in_place=self.release_window is not None)
         for request in overdue:  # given up: it computes its prompt instead
             self.parked.remove(request)
@@ -273,12 +250,14 @@ class Scheduler:
             self._move(request, self.parked, RequestStatus.RUNNING)
 
     def _cache_full_pages(self, request: Request) -> None:
+        """Index the pages that became full in the prefix cache and announce each to the tier (its
+        write-back), so later prompts, here and on other workers, reuse them."""
         for key, parent, block_id in self.tables.cache_full_pages(request):
             if self.connector is not None:
                 self.connector.on_page_full(key, parent or b"", block_id, request.tier_context)
 
     def _release(self, request: Request) -> None:
-        self.in_place.stash(request)  # its pages read in place, cached by the next step (in_place_joins.py note 3)
+        self.in_place.stash(request)  # its pages read in place, cached by the next step (InPlaceJoins.stash)
         self.tables.release(request)
 
     def _add_to_batch(self, batch: ScheduledBatch, request: Request, num_new: int) -> None:
@@ -290,7 +269,7 @@ class Scheduler:
 
     def _prefill_order(self, batch: ScheduledBatch) -> list[tuple[Request, int]]:
         """Running requests mid-prompt and waiting ones, with the tokens each still has to compute,
-        in prefill order (design note 3); ties keep running before waiting, queue order."""
+        in prefill order (PriorityPolicy.prefill_order); ties keep running before waiting, queue order."""
         candidates = [r for r in self.running if r not in batch.requests] + list(self.waiting)
         return self.priority.prefill_order([(r, self._tokens_to_compute(r)) for r in candidates], self.num_steps)
 
@@ -300,8 +279,8 @@ class Scheduler:
         self._wait_again(request)
 
     def _make_room(self, request: Request, num_new: int, batch: ScheduledBatch) -> bool:
-        """Preempt running requests outside the batch until `request` can grow (priority.py note 1);
-        it may be preempted itself. True if anything was preempted."""
+        """Preempt running requests outside the batch until `request` can grow (whom:
+        PriorityPolicy.victim); it may be preempted itself. True if anything was preempted."""
         preempted = False
         while not self.tables.can_grow(request, num_new):
             victim = self.priority.victim(self.running, batch.requests, self.num_steps)
@@ -313,7 +292,8 @@ class Scheduler:
 
     def _preempt_for_priority(self) -> None:
         """Before the step takes its decodes: if the first waiting request in the prefill order lacks
-        a seat or blocks, preempt running requests of a higher priority value for it (priority.py note 2)."""
+        a seat or blocks, preempt running requests of a higher priority value for it
+        (PriorityPolicy.lower_victim)."""
         if not self.waiting:
             return
         no_batch = ScheduledBatch([], [])
@@ -332,7 +312,7 @@ class Scheduler:
                 return
             self._preempt(victim)
 
-    # ---- admission (design note 5) ----
+    # ---- admission ----
 
     def _tokens_to_compute(self, request: Request) -> int:
         """Prompt tokens a request still has to compute (a waiting one: after its cached prefix)."""
@@ -342,7 +322,8 @@ class Scheduler:
 
     def _num_cached(self, request: Request) -> int:
         """Prompt tokens a waiting request would reuse from the local prefix cache now, or from
-        the remote tier if its lookup answered with more (design note 3)."""
+        the remote tier if its lookup (started when it arrived) answered with more: a prompt
+        mostly cached on the kvnodes goes first as one cached here does."""
         if request.bypass_cache:
             return 0
         pages = len(self.pool.lookup(request.page_keys(request.num_reusable_pages())))
@@ -352,7 +333,12 @@ class Scheduler:
 
     def _admit(self, request: Request, budget: int) -> int:
         """Give a waiting request its cached prefix and first chunk: its new tokens; 0 if the pool
-        cannot take it now; _LOOKUP_PENDING or _PARKED (design note 5)."""
+        cannot take it now; _LOOKUP_PENDING while the tier's lookup is in flight (it stays waiting
+        and others go first); _PARKED when remote pages past its local hits are on their way.
+
+        The tier is asked about the whole chain, local hits included, so it learns which of our
+        pages it lacks (write_back). No network call is made here: the connector only submits and
+        reports, and a tier that fails counts as a miss."""
         P = self.page_tokens
         reusable = request.num_reusable_pages()
         keys = request.page_keys(reusable)
@@ -380,8 +366,15 @@ class Scheduler:
         self.pool.ref(hits)
         request.block_table = list(hits)
         request.num_cached_pages = num_hits
-        request.num_computed_tokens = min(num_hits * P, request.num_tokens - 1)   # design note 5
+        # Every full page may be reused, the last one too, but one prompt token is always computed
+        # (its logits give the next token): a prompt whose every page is cached computes its last
+        # token alone, reading its K/V from the cached page and writing nothing there
+        # (ForwardBatch.cached_lens), instead of recomputing its whole last page.
+        request.num_computed_tokens = min(num_hits * P, request.num_tokens - 1)
         if num_remote:
+            # Parked (WAITING_FOR_REMOTE_KVS) while the connector fetches its pages off the engine's
+            # thread: not scheduled, not preempted, holding a seat; it joins in the first step after
+            # its load ended (_take_finished_loads).
             blocks = self.pool.allocate(num_remote)
             request.block_table += blocks
             self.connector.start_load(request, keys[num_hits:num_hits + num_remote], blocks)

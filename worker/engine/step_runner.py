@@ -3,39 +3,7 @@ layers, a layer-wise step's waits for its pages, and failures kept to the reques
 
 The Engine (worker/engine/engine.py) keeps its requests' lifecycle and hands each scheduled step to a
 `StepRunner`, which sees the engine's requests only through `LiveRequests`. It runs on the loop
-thread, under the engine's lock (engine design note 1).
-
-Design notes
-1. Between two layers of a step's forward, a request that arrived since the step began may be
-   computed whole, in a forward of its own, before the step goes on (scheduler design note 7):
-   a short prompt then does not wait for the rest of a long prompt's chunk. The check is one
-   look at the inbox per layer; the step's own requests and blocks are left untouched.
-2. A step that fails fails only the requests at fault. A forward writes nothing but the KV of
-   the positions it computes, so after a forward raises, each request of the step is run again
-   alone; those that fail alone finish with an error (`finish_reason` "error"), the others go
-   on. Work after the forward (sampling, stop checks) is done request by request, and a request
-   whose own work raises fails alone. Only an exception outside any request (the scheduler's)
-   escapes `step()`: then the engine's state is in doubt, and its caller stops using it.
-3. A step of one request whose remote pages are still landing layer by layer
-   (worker/engine/remote_joins.py note 1) waits, before computing each layer, for that layer's pages
-   (the connector's `wait_layer`, 0.1 s at most a layer and 0.3 s of waiting in all a step);
-   the wait is under the engine's lock, as the forward is, and the network I/O itself runs on
-   the connector's loader thread. A layer that does not come in time
-   ends the forward at once and the request waits for its load as any parked one; pages that
-   turn out not all intact after the forward throw the step's work away (no token), and the
-   request computes its prompt without them.
-4. A request whose fetched pages are read in place (worker/engine/in_place_joins.py notes 1, 2) has them in
-   its table as blocks of the pool's arena (worker/kv/block_arena.py), past the pool's own: the
-   forward is given the arena's whole range then. Those pages are cached ones, never written:
-   the forward writes only the K/V of the positions it computes, and a prompt whose every page
-   is cached computes its last token without writing it (`_cached_lens`). Their checksums are checked
-   beside the forward; a request whose pages fail gets no token from the step and computes its
-   prompt again (worker/engine/in_place_joins.py notes 1, 2).
-5. A request that wants its prompt's logprobs (worker/engine/logprobs.py note 2) has the forward
-   return logits at every position of the step (`ForwardBatch.all_logits`): its rows go to
-   `take_prompt_logits` chunk by chunk, and each request's next token is drawn from its last row
-   as always. The other requests of such a step cost the head's product over their new tokens
-   too: a decode has one, and prompts that join a step have few (scheduler note 3).
+thread, under the engine's lock.
 """
 
 from __future__ import annotations
@@ -74,7 +42,7 @@ class LiveRequests(Protocol):
         """Logits at its positions start, start + 1, ... (a chunk of its prompt): its prompt logprobs."""
 
     def fail(self, request: Request, message: str) -> list[StreamDelta]:
-        """End it with an error (design note 2); [] when it already ended."""
+        """End it with an error (StepRunner._run_isolated); [] when it already ended."""
 
 
 class StepRunner:
@@ -89,8 +57,13 @@ class StepRunner:
         self._unix_offset = time.time() - time.monotonic()  # monotonic times to Unix seconds, for on_step
 
     def run(self, batch: ScheduledBatch, started: float) -> list[StreamDelta]:
-        """The step's forward and its deltas, newcomers' first (design note 1); a layer-wise step's
-        own way (design note 3). An exception of the scheduler's escapes (design note 2)."""
+        """The step's forward and its deltas, newcomers' first; a layer-wise step's own way
+        (_step_layerwise). An exception of the scheduler's escapes (_run_isolated says why).
+
+        Between two layers, a request that arrived since the step began may be computed whole, in
+        a forward of its own, before the step goes on (Scheduler.schedule_newcomer): a short prompt
+        then does not wait for the rest of a long prompt's chunk. The check is one look at the
+        inbox per layer; the step's own requests and blocks are left untouched."""
         if batch.layerwise:
             return self._step_layerwise(batch, started)
         newcomer_deltas: list[StreamDelta] = []
@@ -102,7 +75,7 @@ class StepRunner:
             paused = time.monotonic()
             try:
                 newcomer = self.scheduler.schedule_newcomer(batch)
-            except Exception as exc:  # not a request's fault: raised after the forward (design note 2)
+            except Exception as exc:  # not a request's fault: raised after the forward (_run_isolated)
                 scheduler_failures.append(exc)
                 return
             if newcomer is not None:
@@ -114,7 +87,14 @@ class StepRunner:
         return newcomer_deltas + deltas
 
     def _step_layerwise(self, batch: ScheduledBatch, started: float) -> list[StreamDelta]:
-        """A request whose remote pages are still landing, each layer computed once its pages are in (design note 3)."""
+        """A request whose remote pages are still landing, each layer computed once its pages are in.
+
+        Before each layer the forward waits for that layer's pages (the connector's `wait_layer`:
+        a short wait a layer and a budget a step, worker/connector/layers.py says why), under the
+        engine's lock as the forward is; the network I/O itself runs on the connector's loader
+        thread. A layer that does not come in time ends the forward at once and the request waits
+        for its load as any parked one; pages not all intact after the forward throw the step's
+        work away (no token), and the request computes its prompt without them."""
         request, connector = batch.requests[0], self.scheduler.connector
         layer = 0
 
@@ -134,12 +114,19 @@ class StepRunner:
                      missing.layer, request.request_id)
             self.scheduler.repark(request)
             return []
-        except Exception as exc:  # the model failed on it: it fails alone (design note 2)
+        except Exception as exc:  # the model failed on it: it fails alone (_run_isolated)
             return self.requests.fail(request, f"the model failed on it: {exc!r}")
 
     def _run_isolated(self, batch: ScheduledBatch, started: float,
                       between_layers: Callable[[], None] | None = None) -> list[StreamDelta]:
-        """`_run`, and if its forward raises, each request alone; those that fail alone fail (design note 2)."""
+        """`_run`, and if its forward raises, each request alone; those that fail alone fail.
+
+        A step that fails fails only the requests at fault: a forward writes nothing but the K/V of
+        the positions it computes, so each request of a failed forward can run again alone, and
+        those that fail alone finish with an error (`finish_reason` "error"). Work after the
+        forward (sampling, stop checks) is done request by request in `_run`, so a request whose
+        own work raises fails alone. Only an exception outside any request (the scheduler's)
+        escapes `step()`: then the engine's state is in doubt, and its caller stops using it."""
         try:
             return self._run(batch, started, time.monotonic(), between_layers)
         except Exception as exc:
@@ -154,13 +141,16 @@ class StepRunner:
              between_layers: Callable[[], None] | None, settle: Callable[[], bool] | None = None) -> list[StreamDelta]:
         """Forward a scheduled batch, then account for its tokens; its deltas. A batch run
         between the layers of another gets no `between_layers` of its own (no nesting deeper).
-        `settle()` False after the forward throws its work away (design note 3)."""
+        `settle()` False after the forward throws its work away (Scheduler.settle_layerwise)."""
         # For on_step only: what each request had computed, and when it arrived (a finished one leaves _live).
         on_step = self.requests.on_step
         before = None if on_step is None else [(r.num_computed_tokens, self.requests.arrival(r)) for r in batch.requests]
         tables = [self.scheduler.in_place.forward_table(r) for r in batch.requests]
         token_ids, positions, starts = [], [], [0]
-        # A request that wants its prompt's logprobs needs logits at every position (design note 5).
+        # A request that wants its prompt's logprobs needs logits at every position of its chunk: the
+        # forward then returns them all (`all_logits`), and each request's next token is drawn from its
+        # last row as always. The step's other requests pay the head's product over their new tokens
+        # too: a decode has one, and prompts that join a step have few (Scheduler.join_tokens).
         prompt_logits = [r.wants_prompt_logits and r.num_computed_tokens < r.num_prompt_tokens - 1
                          for r in batch.requests]
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
@@ -179,7 +169,10 @@ class StepRunner:
             all_logits=any(prompt_logits),
         )
         rows = np.asarray(starts[1:]) - 1 if any(prompt_logits) else np.arange(len(batch))  # each one's last
-        # Pages read in place lie in the arena's windows, past the pool's own blocks (design note 4).
+        # Pages read in place (InPlaceJoins.forward_table) lie in the arena's windows, past the pool's
+        # own blocks, so the forward is given the arena's whole range. They are cached pages, never
+        # written: a forward writes only the K/V of the positions it computes, and a prompt whose
+        # every page is cached computes its last token without writing it (_cached_lens).
         kv = self.pool.arena.all_blocks if any(in_place for _, in_place in tables) else self.pool.kv
         logits = self.model.forward(forward_batch, kv, self.kv_dtype, between_layers=between_layers)
         forwarded = time.monotonic()
@@ -189,7 +182,7 @@ class StepRunner:
         deltas = []
         for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             if id(request) in altered:
-                continue  # its pages read in place were altered: it computes its prompt again (design note 4)
+                continue  # its pages read in place were altered: it computes its prompt again
             try:
                 if prompt_logits[row]:
                     self.requests.take_prompt_logits(request, request.num_computed_tokens,
@@ -197,7 +190,7 @@ class StepRunner:
                 self.scheduler.on_computed(request, num_new)
                 if request.num_computed_tokens == request.num_tokens:
                     deltas.append(self.requests.append_token(request, logits[rows[row]]))
-            except Exception as exc:  # this request's own work: it fails alone (design note 2)
+            except Exception as exc:  # this request's own work: it fails alone
                 deltas += self.requests.fail(request, f"its next token failed: {exc!r}")
         if before is not None:
             nested = between_layers is None
@@ -210,7 +203,7 @@ class StepRunner:
     def _cached_lens(self, batch: ScheduledBatch) -> np.ndarray | None:
         """Per request, the tokens whose K/V came from a cache (its cached pages, and remote pages
         still landing under a layer-wise fill), when a step computes some of them again (a prompt
-        whose every page was cached computes its last token; scheduler note 5); None when no
+        whose every page was cached computes its last token: Scheduler._admit); None when no
         request does, the usual case."""
         cached = [self.scheduler.remote.num_reused_tokens(r) for r in batch.requests]
         if all(c <= r.num_computed_tokens for c, r in zip(cached, batch.requests)):
@@ -222,7 +215,7 @@ class StepRunner:
         """One step for `on_step` (times from time.monotonic()): when it started (Unix seconds), how
         long scheduling and the forward took, and per request its tokens and arrival (a request
         whose `computed` + `new` reaches `prompt` got its first token in this step). A step run
-        between the layers of another (design note 1) is logged first and says so; the other's
+        between the layers of another (`run`) is logged first and says so; the other's
         forward_ms includes it."""
         return {
             "time": self._unix_offset + started,
@@ -239,7 +232,7 @@ class StepRunner:
 
 
 class _LayerMissing(Exception):
-    """A layer of an early-joined request's remote pages did not land (design note 3)."""
+    """A layer of an early-joined request's remote pages did not land (StepRunner._step_layerwise)."""
 
     def __init__(self, layer: int):
         super().__init__(f"layer {layer} did not land")
