@@ -179,7 +179,7 @@ class WorkerClient:
             for reply in stream:
                 yield parse_reply(reply)
         except grpc.RpcError as exc:
-            exc.__traceback__ = None  # no cycle keeps the call for exit (coordinator/client.py note 1)
+            exc.__traceback__ = None  # no cycle keeps the call for exit (coordinator/client.py: Client.close)
             raise self._error(exc) from None
         finally:
             stream.cancel()  # a caller that stops early frees the worker's blocks at once

@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         metrics = WorkerMetrics(engine, tier) if args.metrics_port is not None else None
         if observed:
             attach(service, tier, metrics, tracing)
-        # Threads for every stream, plus a few that health checks and Info always find free (service note 2).
+        # Threads for every stream, plus a few that health checks and Info always find free (WorkerService.generate).
         server, health = serving.make_server(
             [handler(service)], [SERVICE_NAME], max_workers=args.max_streams + CONTROL_THREADS,
             interceptors=tokens.interceptors(client_tokens)

@@ -1,16 +1,8 @@
 """A worker's Prometheus metrics, and their vLLM-named aliases so vLLM dashboards light up.
 
-Design notes
-1. Token counts come from each request's completion (`Engine.on_finish`), so they equal what the
-   request's usage reports: prompt tokens by source (`local`, `remote`, `computed`) as decided at
-   first admission, generation tokens as `completion_tokens` (a resumed request's replayed
-   tokens included, as in its usage). Nothing is counted per token or per page.
-2. Queue lengths, the pool's use and the remote tier's counters are read when scraped.
-3. vLLM aliases carry `model_name` as vLLM's do. `vllm:prefix_cache_*` count tokens of the local
-   prefix cache (queries: prompt tokens; hits: tokens found locally), `vllm:external_prefix_cache_*`
-   those of the kvnodes (queries: prompt tokens not found locally; hits: fetched), as vLLM counts
-   its own cache and its KV connector's. Unlike vLLM, a request is counted once, when it
-   finishes, not again after a preemption.
+Token counts come from each request's completion, so they equal what its usage reports
+(`WorkerMetrics.on_finish`); queue lengths, the pool's use and the remote tier's counters are read
+when scraped (`_EngineCollector`).
 """
 
 from __future__ import annotations
@@ -47,7 +39,7 @@ class WorkerMetrics:
         self.request_duration = Histogram("kvcache_worker_request_duration_seconds",
                                           "Seconds a Worker gRPC call took, by method", ["method"], registry=r,
                                           buckets=DURATION_BUCKETS)
-        # vLLM's names (design note 3).
+        # vLLM's names, labelled with model_name as vLLM's are (counted in on_finish).
         self.vllm_prompt = Counter("vllm:prompt_tokens", "Prefill tokens processed", ["model_name"], registry=r)
         self.vllm_generation = Counter("vllm:generation_tokens", "Generation tokens processed", ["model_name"],
                                        registry=r)
@@ -74,6 +66,14 @@ class WorkerMetrics:
         self._model = model
 
     def on_finish(self, completion: Completion) -> None:
+        """Count a finished request from its usage (`Engine.on_finish`): prompt tokens by source as
+        decided at its first admission, generation tokens as its completion_tokens (a resumed
+        request's replayed tokens included, as in its usage); nothing is counted per token or page.
+
+        The vLLM aliases count as vLLM counts its own prefix cache and its KV connector's: the
+        local cache's queries are prompt tokens, its hits those found locally; the kvnodes'
+        (external) queries are prompt tokens not found locally, their hits those fetched. Unlike
+        vLLM, a request is counted once, when it finishes, not again after a preemption."""
         usage = completion.usage
         self._by_source["local"].inc(usage.cached_tokens_local)
         self._by_source["remote"].inc(usage.cached_tokens_remote)

@@ -1,21 +1,9 @@
 """A worker's hops as trace spans, and the remote tier's fetch time as a histogram.
 
-Design notes
-1. The service captures each request's trace context when it takes the request (the Generate
-   call's server span) and hands it to the placement; everything done for the request later, on
-   the engine's thread or the write-back thread, is parented on it.
-2. Remote tier spans wrap its hooks: `prefix_lookup` (the lookup over the data plane, or the
-   node's Lookup as its child span, the trace context going in the call's metadata),
-   `remote_fetch` (pages over the data plane, or the node's GetPages), `write_back` (one a batch,
-   its writes to every placed node: the nodes' PutPages). The data plane carries no trace context:
-   what a node does for it has no span of its own, only the worker's around it. A write-back batch mixes requests: its span is parented on the first page's request.
-   (A span a node had left the second replica's write without a parent, a trace of its own.)
-3. Queue wait, prefill chunks and decode are read from the engine's step records (`on_step`) and
-   the completion (`on_finish`), and written as spans with their measured start and end times:
-   nothing is timed twice, and the engine's steps carry no tracing code. Only with tracing on.
-4. Only a sampled request's work makes spans (base/observability.py note 6): a request whose
-   trace was not sampled is not tracked at all, and a write-back batch with no sampled request's
-   page in it makes none (it used to start a trace of its own).
+The service captures each request's trace context when it takes the request (the Generate call's
+server span) and hands it to the placement; everything done for the request later, on the engine's
+thread or the write-back thread, is parented on it. Only a sampled request's work makes spans
+(base/observability.py's `sampled`): a request whose trace was not sampled is not tracked at all.
 """
 
 from __future__ import annotations
@@ -32,7 +20,13 @@ MAX_TRACKED = 4096  # requests or pages whose trace context is kept at once (bou
 
 
 class ObservedRemoteTier(RemoteTier):
-    """RemoteTier with spans around its hooks (when `tracing`) and fetch times into `on_fetch`."""
+    """RemoteTier with spans around its hooks (when `tracing`) and fetch times into `on_fetch`.
+
+    `prefix_lookup` wraps a lookup (over the data plane, or the node's Lookup as its child span, the
+    trace context going in the call's metadata), `remote_fetch` a fill (pages over the data plane, or
+    the node's GetPages), `write_back` one batch of writes to every placed node (the nodes'
+    PutPages). The data plane carries no trace context: what a node does for it has no span of its
+    own, only the worker's around it."""
 
     def __init__(self, *args, tracing: bool = False, on_fetch: Callable[[float], None] | None = None, **kwargs):
         self.tracing = tracing
@@ -103,8 +97,9 @@ class ObservedRemoteTier(RemoteTier):
             return super()._send(batch)
         with self._traces_lock:
             parents = [self._page_traces.pop(item[1], None) for item in batch]  # (addresses, key, parent, page)
+        # A batch mixes requests: its one span is parented on the first page of a sampled request.
         parent = next((p for p in parents if p is not None), None)
-        if parent is None:  # no sampled request's page in this batch (note 4)
+        if parent is None:  # no sampled request's page in this batch: no span
             return super()._send(batch)
         with tracer().start_as_current_span("worker.write_back", context=parent) as span:
             span.set_attribute("kvcache.pages", len(batch))
@@ -112,7 +107,9 @@ class ObservedRemoteTier(RemoteTier):
 
 
 class RequestSpans:
-    """Queue wait, prefill chunk and decode spans of each request, from the engine's records (note 3)."""
+    """Queue wait, prefill chunk and decode spans of each request, read from the engine's step records
+    (`on_step`) and its completion (`on_finish`) and written with their measured start and end times:
+    nothing is timed twice, and the engine's steps carry no tracing code. Only with tracing on."""
 
     def __init__(self):
         self._requests: OrderedDict[str, dict] = OrderedDict()
@@ -120,7 +117,7 @@ class RequestSpans:
 
     def begin(self, request_id: str, placement: Placement) -> None:
         """On the Generate call's thread, before the request is queued: capture its context, when
-        its trace is sampled (note 4)."""
+        its trace is sampled (a request not sampled is not tracked at all)."""
         context = current_context()
         if not sampled(context):
             return

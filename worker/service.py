@@ -1,20 +1,8 @@
 """The Worker gRPC service: validates requests, hands them to the engine, relays its deltas.
 
-Design notes
-1. One loop thread steps the engine; each Generate call waits on its request's handle. A
-   caller that disconnects or cancels aborts its request: the engine frees its blocks before
-   its next step (`Engine.cancel` never waits on gRPC's event thread).
-2. Streams are bounded (`max_streams`): one more gets RESOURCE_EXHAUSTED at once, so a
-   coordinator tries another worker, and the server keeps threads of its own for health and
-   Info (the daemon sizes the server for both).
-3. A watchdog watches the loop: if it dies, or one step runs past `step_timeout_s`, the worker
-   is broken: `on_broken` runs once (the daemon turns health NOT_SERVING and stops beating, so
-   coordinators stop routing here), and every call, waiting or new, ends with UNAVAILABLE so
-   its request resumes elsewhere. A step failure that the engine pins on some requests fails
-   only those (worker/engine/step_runner.py note 2), with INTERNAL. A drain that runs out of time
-   hands its requests back the same way (`hand_back`).
-4. Every wait on a handle wakes at least once a second to check the call is still wanted and
-   the worker not broken, so no handler thread waits forever.
+One loop thread steps the engine; each Generate call waits on its request's handle and relays
+what arrives. A worker that cannot serve, or whose drain ran out of time, ends its calls with
+UNAVAILABLE, so coordinators resume their requests on another worker with the tokens they have.
 """
 
 from __future__ import annotations
@@ -50,7 +38,7 @@ MAX_REQUEST_ID_CHARS = 128
 MAX_PROMPT_CHARS_PER_TOKEN = 32  # a text prompt longer than this many characters a position is refused unread
 DEFAULT_MAX_STREAMS = 128
 DEFAULT_STEP_TIMEOUT_S = 60.0
-_WAKE_S = 1.0
+_WAKE_S = 1.0  # a call's wait on its request wakes this often: is it still wanted, the worker serving?
 
 
 class WorkerService:
@@ -65,7 +53,7 @@ class WorkerService:
         self.step_timeout_s = step_timeout_s
         self.on_broken = on_broken
         self.accepting = True
-        self.broken: str | None = None  # why the engine cannot serve (design note 3)
+        self.broken: str | None = None  # why the engine cannot serve (_break)
         self.handed_back: str | None = None  # why running requests are sent elsewhere (a drain out of time)
         self._streams = threading.BoundedSemaphore(max_streams)
         self._step_started: float | None = None  # monotonic time the running step began, None between steps
@@ -102,6 +90,7 @@ class WorkerService:
                     self.metrics.step.observe(time.monotonic() - started)
 
     def _watch(self) -> None:
+        """The watchdog: the worker is broken when the loop dies or one step runs past step_timeout_s."""
         while not self._stopping.wait(0.5) and self.broken is None:
             started = self._step_started
             if not self._loop.is_alive():
@@ -110,6 +99,10 @@ class WorkerService:
                 self._break(f"an engine step has run for over {self.step_timeout_s:.0f}s")
 
     def _break(self, reason: str) -> None:
+        """The worker cannot serve: `on_broken` runs once (the daemon turns health NOT_SERVING and stops
+        beating, so coordinators stop routing here), and every call, waiting or new, ends with
+        UNAVAILABLE so its request resumes elsewhere. A step failure that the engine pins on some
+        requests fails only those, with INTERNAL (StepRunner._run_isolated): this is for the rest."""
         if self.broken is not None:
             return
         self.broken = reason
@@ -118,7 +111,8 @@ class WorkerService:
             self.on_broken(reason)
 
     def hand_back(self, reason: str) -> None:
-        """End every call with UNAVAILABLE within a second, so its request resumes elsewhere."""
+        """End every call with UNAVAILABLE within a second, so its request resumes elsewhere (a drain
+        that ran out of time)."""
         self.handed_back = reason
 
     # ---- handlers ------------------------------------------------------------
@@ -126,6 +120,8 @@ class WorkerService:
     def generate(self, request, context):
         serving.abort_if_malformed(request, context, log)
         self._check_serving(context)
+        # Streams are bounded: one more is refused at once, so a coordinator tries another worker, and
+        # the server keeps threads of its own for health checks and Info (the daemon sizes it so).
         if not self._streams.acquire(blocking=False):
             _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                    f"this worker is serving its limit of {self.max_streams} streams: send the request to another "
@@ -152,7 +148,9 @@ class WorkerService:
             _abort(context, grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except ValueError as exc:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        # Runs when the call ends for any reason, on gRPC's event thread: must not wait (design note 1).
+        # Runs when the call ends for any reason (the caller disconnected or cancelled too), on gRPC's one
+        # event thread: it must not wait for the engine's lock, so it cancels (Engine.cancel), and the
+        # engine frees the request's blocks before its next step.
         if not context.add_callback(lambda: self.engine.cancel(handle)):
             self.engine.cancel(handle)  # the call ended already: nobody will read the request's tokens
             return
@@ -161,7 +159,7 @@ class WorkerService:
                 self._check_serving(context)
             try:
                 delta = handle.queue.get(timeout=_WAKE_S)
-            except queue.Empty:  # design note 4
+            except queue.Empty:  # no handler thread waits forever (_WAKE_S)
                 if not context.is_active():
                     return
                 self._check_serving(context)
