@@ -2,21 +2,8 @@
 model's full context, and a kvnode's page pool lets one lookup lease that many pages. Used by
 `kvcache worker` (--kv-cache), `kvcache node --model` (--capacity) and `kvcache cluster up`.
 
-Design notes
-1. A page is page_tokens tokens of every layer: layers x 2 (K and V) x KV heads x head dim x the
-   KV dtype's bytes, per token. smollm2-135m in float32 (the default): 30 x 2 x 3 x 64 x 4 bytes =
-   45 KiB a token, 720 KiB a page of 16 tokens; its 8,192 positions are 512 pages, 360 MiB.
-2. A worker's pool: ceil(max_positions / page_tokens) blocks, the most one sequence can use, so the
-   longest prompt it takes is the model's own limit. At least MIN_POOL_BYTES, so a small model
-   keeps room for many short requests at once; at most MAX_WORKER_POOL_BYTES, so a model with a
-   long context does not take the machine: then the worker's start line says what caps its
-   prompts and that --kv-cache raises it.
-3. A kvnode's pool: the same pages divided by its --max-leased-fraction (leases are bounded to
-   that fraction of the pool so eviction always has room), so one lookup can lease a whole
-   full-context prompt's pages: 1,024 pages, 720 MiB, for smollm2-135m at the default half. At
-   least MIN_POOL_BYTES, at most MAX_NODE_POOL_BYTES.
-4. Both pools are written at start (resident memory, not reserved address space): a laptop pays
-   them in full, which is why the caps exist and every daemon names its sizes in its start line.
+A page is page_tokens tokens of every layer: layers x 2 (K and V) x KV heads x head dim x the KV
+dtype's bytes, a token (docs/usage.md works it out for the default model).
 """
 
 from __future__ import annotations
@@ -26,6 +13,9 @@ from dataclasses import dataclass
 
 from base.units import format_size
 
+# Both pools are written at start (resident memory, not reserved address space), so a laptop pays
+# them in full: hence the upper bounds, and every daemon names its sizes in its start line. The
+# lower bound keeps room for many short requests at once on a small model.
 MIN_POOL_BYTES = 64 << 20
 MAX_WORKER_POOL_BYTES = 1 << 30
 MAX_NODE_POOL_BYTES = 2 << 30
@@ -39,7 +29,7 @@ def full_context_pages(max_positions: int, page_tokens: int) -> int:
 @dataclass(frozen=True)
 class PoolSize:
     """A pool of `pages` pages of `page_bytes`; `capped`: the upper bound made it hold less than
-    one full context (note 2)."""
+    one full context (a worker's start line then says what caps its prompts: prompt_cap)."""
 
     pages: int
     page_bytes: int
@@ -55,14 +45,18 @@ class PoolSize:
 
 
 def worker_pool(page_bytes: int, max_positions: int, page_tokens: int) -> PoolSize:
-    """A worker's default KV pool for a model whose page is `page_bytes` (note 2)."""
+    """A worker's default KV pool for a model whose page is `page_bytes`: the most one sequence can
+    use, so the longest prompt it takes is the model's own limit (within MIN_POOL_BYTES and
+    MAX_WORKER_POOL_BYTES; past the cap, --kv-cache raises it)."""
     wanted = full_context_pages(max_positions, page_tokens)
     low, high = _bounds(page_bytes, MIN_POOL_BYTES, MAX_WORKER_POOL_BYTES)
     return PoolSize(min(max(wanted, low), high), page_bytes, capped=wanted > high)
 
 
 def node_pool(page_bytes: int, max_positions: int, page_tokens: int, leased_fraction: float) -> PoolSize:
-    """A kvnode's default page pool: one lookup may lease a whole full-context prompt (note 3)."""
+    """A kvnode's default page pool: one lookup may lease a whole full-context prompt. Leases are
+    bounded to `leased_fraction` of the pool (--max-leased-fraction, so eviction always has room),
+    so the pool is those pages divided by it (within MIN_POOL_BYTES and MAX_NODE_POOL_BYTES)."""
     wanted = full_context_pages(max_positions, page_tokens)
     low, high = _bounds(page_bytes, MIN_POOL_BYTES, MAX_NODE_POOL_BYTES)
     if leased_fraction <= 0:

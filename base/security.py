@@ -284,7 +284,7 @@ def refuse_unless_member(context: grpc.ServicerContext, roles: tuple[str, ...], 
         context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
 
 
-# ---- a TLS mismatch, said as one (note 5) ---------------------------------------
+# ---- a TLS mismatch, said as one (the module's docstring says why) --------------
 
 PROBE_TIMEOUT_S = 2.0
 

@@ -1,27 +1,13 @@
 """A coordinator's port under TLS: the handshake in Python, the calls in gRPC behind it, so a client
 certificate is asked for but not required.
 
-Design notes
-1. Why: a coordinator serves members, whose certificates say who they are, and clients, which
-   need only the cluster's CA and a token. grpcio's Python server either requires a client
-   certificate or never asks for one (base/security.py note 1), and one that never asks cannot
-   tell a member from a stranger. Python's ssl can ask and check without requiring
-   (CERT_OPTIONAL: a certificate, when given, must be the CA's; none is fine). So a coordinator
-   with --tls-* listens here: the front runs the handshake (ALPN h2, as gRPC's own TLS) and
-   relays the bytes both ways to the coordinator's gRPC server on a loopback port of its own,
-   plaintext.
-2. Who called: the front connects to the gRPC port from a loopback port it binds first, and
-   records that port with the role its peer's certificate names (security.NO_CERTIFICATE for
-   none, "" for a certificate not of a kvcache role); `peer_role(context)` finds it by the call's
-   peer address (context.peer()). A connection to the inner port the front did not make (another
-   local process) has no record and is taken as one without a certificate: what anyone who
-   reaches the public port can be. A record goes when its connection closes.
-3. Each handshake takes the credentials' current context (re-read on SIGHUP: new connections use
-   it) and at most HANDSHAKE_TIMEOUT_S; one that fails (a plaintext client, a certificate of
-   another CA) closes the connection, said in one log line per interval with the count.
-4. One asyncio loop on a thread of its own carries every connection, with backpressure both ways
-   (a side whose peer's send buffer is full stops reading). A coordinator's traffic is small
-   (prompts, token events, heartbeats): pages never pass through it.
+A coordinator serves members, whose certificates say who they are, and clients, which need only the
+cluster's CA and a token. grpcio's Python server either requires a client certificate or never asks
+for one (base/security.py), and one that never asks cannot tell a member from a stranger; Python's
+ssl can ask and check one without requiring it (CERT_OPTIONAL: a certificate, when given, must be
+the CA's). So a coordinator with --tls-* listens here: the front runs the handshake (ALPN h2, as
+gRPC's own TLS) and relays the bytes both ways to the coordinator's gRPC server on a loopback port
+of its own, plaintext.
 """
 
 from __future__ import annotations
@@ -71,7 +57,11 @@ def listen(host: str, port: int) -> list[socket.socket]:
 
 
 class TlsFront:
-    """TLS on `sockets` (from listen()) for the plaintext gRPC server on 127.0.0.1:`inner_port`."""
+    """TLS on `sockets` (from listen()) for the plaintext gRPC server on 127.0.0.1:`inner_port`.
+
+    One asyncio loop on a thread of its own carries every connection, with backpressure both ways
+    (a side whose peer's send buffer is full stops reading). A coordinator's traffic is small
+    (prompts, token events, heartbeats): pages never pass through it."""
 
     def __init__(self, credentials: security.Credentials, sockets: list[socket.socket], inner_port: int,
                  logger: logging.Logger):
@@ -80,7 +70,7 @@ class TlsFront:
         self._sockets = sockets
         self._inner = ("127.0.0.1", inner_port)
         self._log = logger
-        self._roles: dict[str, str] = {}  # the inner connection's peer address -> its caller's role (note 2)
+        self._roles: dict[str, str] = {}  # the inner connection's peer address -> its caller's role (peer_role)
         self._lock = threading.Lock()
         self._refused = CountedEvent()
         self._loop = asyncio.new_event_loop()
@@ -104,7 +94,14 @@ class TlsFront:
             self._thread.join(timeout_s)
 
     def peer_role(self, context) -> str:
-        """The role in the certificate of the call's client (note 2)."""
+        """The role in the certificate of the call's client (security.NO_CERTIFICATE for none, "" for
+        a certificate not of a kvcache role).
+
+        The front connects to the gRPC port from a loopback port it binds first and records that
+        port with the role (_accept), found again here by the call's peer address. A connection to
+        the inner port the front did not make (another local process) has no record and counts as
+        one without a certificate: what anyone who reaches the public port can be. A record goes
+        when its connection closes."""
         with self._lock:
             return self._roles.get(context.peer(), security.NO_CERTIFICATE)
 
@@ -135,6 +132,10 @@ class TlsFront:
             self._loop.close()
 
     async def _accept(self, outer: "_Outer") -> None:
+        """The handshake, with the credentials' current context (re-read on SIGHUP: new connections
+        use it) and at most HANDSHAKE_TIMEOUT_S; then the connection to the gRPC port, its role
+        recorded. A failed handshake (a plaintext client, a certificate of another CA) closes the
+        connection, said in one log line per interval with the count (_refusal)."""
         plain = outer.transport
         peer = plain.get_extra_info("peername")
         try:

@@ -166,8 +166,8 @@ def _lines(text: str) -> list[tuple[int, list[str]]]:
 
 def tenant_lines(text: str, path: str | Path, option: str,
                  expected: str = "TENANT TOKEN [shared]") -> list[tuple[str, str, bool]]:
-    """(tenant, token, shared) of a tokens file's lines (note 1); ValueError naming the line that
-    is not one, never echoing it (it holds a token)."""
+    """(tenant, token, shared) of a tokens file's lines (the format: the module's docstring);
+    ValueError naming the line that is not one, never echoing it (it holds a token)."""
     entries = []
     for number, words in _lines(text):
         if len(words) not in (2, 3) or (len(words) == 3 and words[2] != SHARED):
@@ -186,8 +186,8 @@ DEFAULT_TENANT = "default"  # the clients' tenant of the tokens file `kvcache cl
 def client_token(token_file: str | None, tenant: str | None = None) -> str | None:
     """A client's token: from --token-file, else $KVCACHE_TOKEN, else None.
 
-    The file holds the token alone, or is a daemons' tokens file (`TENANT TOKEN [shared]` lines,
-    note 1): then the token is `tenant`'s, or the only tenant's, or that of `default` (the clients'
+    The file holds the token alone, or is a daemons' tokens file (`TENANT TOKEN [shared]` lines):
+    then the token is `tenant`'s, or the only tenant's, or that of `default` (the clients'
     tenant of `kvcache cluster up --secure`). ValueError for a file that is neither, or a tenant
     it does not name; no message echoes a token."""
     if not token_file:
