@@ -11,7 +11,7 @@ import sys
 from kvcache import __version__
 
 # gRPC's own log lines at INFO (one per failed TLS handshake, "Handshake failed with error ...") would
-# come beside ours, which say what happened and what to do (base/security.py note 5): only its
+# come beside ours, which say what happened and what to do (base/security.py: tls_mismatch): only its
 # errors, unless the user asks for more. Before any gRPC import: it reads this once.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 

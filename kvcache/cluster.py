@@ -192,7 +192,8 @@ def tls_args(tls_dir: Path, role: str) -> list[str]:
 
 def client_tls(tls_dir: Path | None) -> dict:
     """Client's keywords for a cluster started with `tls_dir`: its CA, which is all a client of the
-    coordinators needs besides a token (base/security.py note 1); {} for plaintext."""
+    coordinators needs besides a token (a coordinator takes a client without a certificate:
+    base/security.py); {} for plaintext."""
     if tls_dir is None:
         return {}
     return {"tls_ca": str(tls_dir / "ca.pem")}

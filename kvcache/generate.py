@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     except (WorkerError, ClusterError, ValueError) as exc:
         out.end_line()
         if isinstance(exc, WorkerError) and exc.code == grpc.StatusCode.UNAVAILABLE and not out.pieces:
-            mismatch = security.tls_mismatch(args.worker, credentials, "the worker")  # base/security.py note 5
+            mismatch = security.tls_mismatch(args.worker, credentials, "the worker")  # base/security.py says why
             if mismatch is not None:
                 print(f"kvcache generate: error: {mismatch}", file=sys.stderr)
                 return 1
