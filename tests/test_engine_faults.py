@@ -1,6 +1,6 @@
 """The engine under faults and misuse: duplicate request ids, a step that fails for one request,
-and resumed requests that must end exactly as an uninterrupted run would (worker/engine/step_runner.py
-note 2, engine notes 5-6)."""
+and resumed requests that must end exactly as an uninterrupted run would (StepRunner._run_isolated,
+Engine.add_request)."""
 
 import threading
 

@@ -1,4 +1,4 @@
-"""Fetched pages read where they lie (worker/kv/pages_in_place.py, remote_joins.py note 2): a request's
+"""Fetched pages read where they lie (worker/kv/pages_in_place.py, worker/engine/in_place_joins.py): a request's
 first step reads its prefix out of a node's pool mapped into the engine's block arena, the next
 step copies it into the request's blocks and gives the pins back.
 

@@ -1,4 +1,4 @@
-"""Priorities (worker/engine/priority.py design note 2): a high-priority request's time to first token,
+"""Priorities (worker/engine/priority.py): a high-priority request's time to first token,
 in engine steps, is the same behind a queue of low-priority requests as alone; it preempts them for a
 seat or for blocks, never the other way; aging lets a low-priority request through a stream of
 high-priority ones; and every answer is the one it gives alone."""
