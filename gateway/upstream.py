@@ -49,7 +49,7 @@ class Upstream:
         self._first_seen: dict[str, int] = {}                  # model name -> first seen (unix seconds)
         self._models: OrderedDict[str | None, tuple[float, dict[str, int]]] = OrderedDict()  # by key (note 4)
         self.started = int(time.time())
-        self._mismatches = CountedEvent()  # a TLS mismatch with the coordinators (base/security.py note 5)
+        self._mismatches = CountedEvent()  # a TLS mismatch with the coordinators (security.tls_mismatch)
 
     async def open(self) -> None:
         self.client = self._open_client()

@@ -71,7 +71,7 @@ class Engine:
         # The pool is in the KV dtype: with float16 KV a block holds a page exactly as it goes on the
         # wire, so a fetched page lands without a cast, a full page is sent as it is, and
         # kv_cache_bytes holds twice the blocks; attention converts what it reads
-        # (worker/model/attention.py note 7).
+        # (worker/model/attention.py: why the pool is converted a page at a time).
         dtype = np.dtype(kv_dtype)  # the pool holds KV as stored and sent
         if num_blocks is None:
             num_blocks = max(1, kv_cache_bytes // (int(np.prod(block_shape)) * dtype.itemsize))

@@ -41,7 +41,7 @@ class ForwardBatch:
     block_tables: list[np.ndarray] = field(default_factory=list)
     all_logits: bool = False    # False: [S, vocab] at each sequence's last new token; True: [T, vocab]
     # int64 [S] or None: sequence s's positions below cached_lens[s] hold their K/V in a cached page
-    # (shared, indexed): computed again for their queries, never written (scheduler design note 5)
+    # (shared, indexed): computed again for their queries, never written (Scheduler._admit)
     cached_lens: np.ndarray | None = None
 
 
