@@ -236,6 +236,20 @@ def test_empty_prompt_and_too_long_prompt_are_refused(shared_worker):
         assert "5000 tokens" in too_long.value.details
 
 
+def test_a_chat_longer_than_the_worker_reads_and_ids_beyond_the_vocabulary_are_refused(shared_worker):
+    """A chat is bounded in characters as a text prompt is, before it is rendered or tokenized."""
+    with WorkerClient(shared_worker.address) as client:
+        with pytest.raises(WorkerError) as long_chat:
+            list(client.generate([{"role": "user", "content": "x" * 1_000_000}], max_tokens=2))
+        assert long_chat.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "1000004 characters; this worker reads at most" in long_chat.value.details
+        with pytest.raises(WorkerError) as beyond:
+            list(client.generate([5, 2**32 - 1], max_tokens=2))
+        assert beyond.value.code == grpc.StatusCode.INVALID_ARGUMENT and "token ids must be in" in beyond.value.details
+        tokens, _ = run(client, "still serving", max_tokens=2)
+        assert len(tokens) == 2
+
+
 def test_info_describes_the_worker(shared_worker):
     with WorkerClient(shared_worker.address) as client:
         info = client.info()

@@ -215,7 +215,7 @@ class WorkerService:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                    f"the chat has {len(request.messages)} messages; at most {MAX_MESSAGES}")
         max_chars = self.engine.max_total_tokens * MAX_PROMPT_CHARS_PER_TOKEN
-        chars = len(prompt) if isinstance(prompt, str) else sum(len(m.content) + len(m.role) for m in request.messages)
+        chars = sum(len(m.content) + len(m.role) for m in request.messages) if request.messages else len(request.prompt)
         if chars > max_chars:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                    f"the prompt has {chars} characters; this worker reads at most {max_chars}")
