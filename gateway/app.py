@@ -33,11 +33,27 @@ from base.observability import tracing_enabled
 log = logging.getLogger("gateway")
 
 
+MAX_KEY_CHARS = 1024   # far beyond any key a tokens file holds; gRPC metadata has room for it
+
+
 def bearer(request: Request) -> str | None:
     """The caller's key (`Authorization: Bearer KEY`), passed on to the coordinators, which check it
-    (401 when they do not know it); None when there is none."""
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    return (key.strip() or None) if scheme.lower() == "bearer" else None
+    (401 when they do not know it); None when there is none. A key that cannot be one (too long, not
+    printable ASCII, as gRPC metadata must be) is a 401 here; two Authorization headers a 400."""
+    headers = request.headers.getlist("authorization")
+    if len(headers) > 1:
+        raise ApiError(400, f"the request has {len(headers)} Authorization headers: send one, "
+                            f"`Authorization: Bearer KEY`")
+    scheme, _, key = (headers[0] if headers else "").partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
+        return None
+    if len(key) > MAX_KEY_CHARS or not (key.isascii() and key.isprintable()):
+        problem = f"has {len(key)} characters; at most {MAX_KEY_CHARS}" if len(key) > MAX_KEY_CHARS else \
+            "has characters other than printable ASCII"
+        raise ApiError(401, f"the API key {problem}: send one the cluster knows in the header "
+                            f"`Authorization: Bearer KEY`", code="invalid_api_key")
+    return key
 
 
 def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, on_startup: Callable[[], None] | None = None,
@@ -103,8 +119,9 @@ def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, o
         return JSONResponse(reply.whole(choices, combined([done[i].usage for i in range(call.n)])))
 
     async def health(request: Request) -> Response:
+        token = bearer(request)
         try:
-            models = await upstream.models(fresh=True, token=bearer(request))
+            models = await upstream.models(fresh=True, token=token)
         except ApiError as exc:
             if exc.status == 401:  # the coordinators answered: they want a key to say more
                 return JSONResponse({"status": "ok", "models": [], "running": upstream.running})

@@ -70,3 +70,8 @@ def from_cluster(code: grpc.StatusCode, details: str, key_sent: bool = False) ->
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
+
+
+def shown(name: str, limit: int = 100) -> str:
+    """A client's name as an error message repeats it: cut to `limit` characters."""
+    return name if len(name) <= limit else name[:limit] + f"... ({len(name)} characters)"

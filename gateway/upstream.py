@@ -30,7 +30,7 @@ from base.generation import Finished, Piece
 from base.log_limits import CountedEvent
 from coordinator.aio_client import AsyncClient, ClusterError
 from coordinator.client import TlsMismatch
-from gateway.errors import ApiError, from_cluster
+from gateway.errors import ApiError, from_cluster, shown
 from gateway.shapes import Call
 
 log = logging.getLogger("gateway")
@@ -79,7 +79,7 @@ class Upstream:
         if not models:
             raise ApiError(503, "no worker is serving: the cluster has no live worker", code="no_worker")
         if name not in models:
-            raise ApiError(404, f"The model `{name}` does not exist; this cluster serves: {', '.join(models)}",
+            raise ApiError(404, f"The model `{shown(name)}` does not exist; this cluster serves: {', '.join(models)}",
                            param="model", code="model_not_found")
 
     def choices(self, call: Call, token: str | None = None) -> AsyncIterator[tuple[int, Piece | Finished]]:
@@ -112,7 +112,11 @@ class Upstream:
                     if isinstance(event, Finished):
                         return
         except ValueError as exc:   # generate_request refuses what protobuf cannot hold
-            raise ApiError(400, str(exc)) from None
+            raise ApiError(400, str(exc), param=_param_of(str(exc), call)) from None
+        except ApiError as exc:
+            if exc.status == 400 and exc.param is None:
+                exc.param = _param_of(exc.message, call)
+            raise
         finally:
             self.running -= 1   # leaving early closed the stream, which cancelled the call (note 3)
 
@@ -126,6 +130,20 @@ class Upstream:
                 if count := self._mismatches.to_log():
                     log.warning("%d request(s) failed since the last such line: %s", count, exc.details)
             raise from_cluster(exc.code, exc.details, key_sent=token is not None) from None
+
+
+# The worker's refusals (worker/service.py, worker/engine) by their first words -> the field at fault.
+_PARAMS = (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+           ("the chat", "messages"), ("at most 16 stop strings", "stop"), ("stop", "stop"), ("token ids", "prompt"),
+           ("the prompt", "prompt"), ("prompt", "prompt"))
+
+
+def _param_of(message: str, call: Call) -> str | None:
+    """The request field a refusal of the cluster is about, when its message says it; a chat's
+    prompt is its messages."""
+    param = next((param for start, param in _PARAMS if message.startswith(start)), None)
+    is_chat = isinstance(call.prompt, list) and bool(call.prompt) and isinstance(call.prompt[0], dict)
+    return "messages" if param == "prompt" and is_chat else param
 
 
 async def _numbered(events: AsyncIterator) -> AsyncIterator[tuple[int, Piece | Finished]]:
