@@ -25,12 +25,17 @@ Notes
    its tokens' logprobs first, computed by the worker over the whole prompt, no cached prefix
    reused). `max_tokens: 0` is allowed with echo alone (the prompt's logprobs, as lm-eval's
    loglikelihood requests may ask).
+8. Types are JSON's, strictly (as OpenAI checks them, not as Python would convert them): "2" is not
+   an integer, 1 not a boolean, 2.0 not a token id; an integer is a float. Every list a client
+   sends is bounded (Bounded), its length checked before its items, and its items' checking stops
+   at the first wrong one: a 4 MiB list of wrong items costs no more than one.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -43,34 +48,54 @@ DEFAULT_CHAT_MAX_TOKENS = 512
 MAX_STOP = 4
 MAX_CHOICES = 8
 MAX_SESSION_CHARS = 256
+MAX_STOP_CHARS = 256      # the worker's bound on one stop string (worker/engine/sampling.py)
+MAX_MESSAGES = 1024       # the worker's bound on a chat (worker/model/chat.py)
+MAX_CONTENT_PARTS = 1024
+MAX_TOKEN_IDS = 2**17     # a prompt's or /detokenize's ids: beyond any context served
 _U32 = 2**32 - 1
+_STRICT = ConfigDict(extra="ignore", strict=True)   # note 8
+
+
+def Bounded(item, max_items: int):
+    """A list of at most max_items, refused at the first wrong item (note 8)."""
+    return Annotated[list[item], Field(max_length=max_items, fail_fast=True)]
+
+
+TokenId = Annotated[int, Field(ge=0, le=_U32)]
+TokenIds = Bounded(TokenId, MAX_TOKEN_IDS)
 
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False   # vLLM's: with include_usage, usage so far on every chunk (note 6)
 
 
 class TextPart(BaseModel):
+    model_config = _STRICT
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, Bounded(TextPart, MAX_CONTENT_PARTS), None] = None
+
+
+Messages = Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0, le=_U32)   # 0 only for a completion's echo (note 7)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=_U32)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    stop: Union[str, list[str], None] = None
+    stop: Union[Annotated[str, Field(max_length=MAX_STOP_CHARS)],
+                Bounded(Annotated[str, Field(max_length=MAX_STOP_CHARS)], MAX_STOP), None] = None
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     user: str | None = Field(None, max_length=MAX_SESSION_CHARS)
     prompt_cache_key: str | None = Field(None, max_length=MAX_SESSION_CHARS)
@@ -83,7 +108,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, Bounded(str, MAX_TOKEN_IDS), TokenIds, Bounded(TokenIds, MAX_TOKEN_IDS)]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
     echo: bool | None = None
     best_of: int | None = None
@@ -91,10 +116,10 @@ class CompletionRequest(_Common):
 
 
 class ChatRequest(_Common):
-    messages: list[Message] = Field(min_length=1)
+    messages: Messages
     max_tokens: int | None = Field(None, ge=1, le=_U32)
     max_completion_tokens: int | None = Field(None, ge=1, le=_U32)
-    tools: list | None = None
+    tools: Bounded(object, MAX_CONTENT_PARTS) | None = None
     logprobs: bool | None = Field(None, strict=True)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
 
@@ -154,15 +179,82 @@ def chat_messages(messages: list[Message]) -> list[dict]:
 
 
 def validate(model: type[BaseModel], body: object) -> BaseModel:
-    """The body as `model`, or a 400 that names the first field it gets wrong."""
+    """The body as `model`, or a 400 that names the first field it gets wrong and what it got."""
     if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
+        raise bad_request(f"the request body must be a JSON object, got {json_kind(body)}")
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
-        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+        raise _refusal(exc.errors()) from None
+
+
+# A place in pydantic's error locations that names a union's member, not a field: "str", "list[int]",
+# "constrained-str", "TextPart".
+_MEMBER = re.compile(r"[\[\]-]|^(str|int|float|bool|none|list|dict|object)$|^[A-Z]")
+# What a field of several shapes takes, said when a value is none of them (by the field's name).
+_SHAPES = {
+    "prompt": "text, a list of token ids (integers from 0 to 2**32 - 1), or a list of one of them",
+    "stop": f"a string or a list of up to {MAX_STOP} strings, each of at most {MAX_STOP_CHARS} characters",
+    "content": "a string, a list of text parts ({\"type\": \"text\", \"text\": ...}) or null",
+}
+_TYPE_ERRORS = ("int_type", "bool_type", "string_type", "float_type", "list_type", "model_type", "dict_type",
+                "int_from_float", "model_attributes_type")
+
+
+def _refusal(errors: list[dict]) -> ApiError:
+    first = errors[0]
+    member = next((i for i, part in enumerate(first["loc"]) if isinstance(part, str) and _MEMBER.search(part)), None)
+    if member is None:
+        param = _dotted(first["loc"])
+        return bad_request(f"{param}: {_said(first)}" if param else _said(first), param=param or None)
+    # None of a union's members took the value. The reason said is a member's that took its JSON type
+    # and refused its value (too long, out of range), else how far the best member got and what it met.
+    param = _dotted(first["loc"][:member])
+    name = next((part for part in reversed(first["loc"][:member]) if isinstance(part, str)), "")
+    group = [e for e in errors if tuple(e["loc"][:member]) == tuple(first["loc"][:member])]
+    values = [e for e in group if e["type"] not in _TYPE_ERRORS]
+    deepest = max(values or group, key=lambda e: (len(_fields(e["loc"])),
+                                                  sum(p for p in e["loc"] if isinstance(p, int))))
+    where = _dotted(deepest["loc"])
+    if values:
+        reason = f"{where}: {_said(deepest)}" if where != param else _said(deepest)
+    else:
+        reason = f"{where} is {json_kind(deepest['input'])}" if where != param else f"got {json_kind(deepest['input'])}"
+    takes = _SHAPES.get(name)
+    return bad_request(f"{param}: must be {takes} ({reason})" if takes else f"{param}: {reason}", param=param)
+
+
+def _fields(loc) -> list:
+    return [part for part in loc if not (isinstance(part, str) and _MEMBER.search(part))]
+
+
+def _dotted(loc) -> str:
+    return ".".join(str(part) for part in _fields(loc))
+
+
+def _said(error: dict) -> str:
+    if error["type"] == "too_long":
+        return f"has {error['ctx']['actual_length']} items; at most {error['ctx']['max_length']}"
+    if error["type"] == "too_short":
+        return f"has {error['ctx']['actual_length']} items; at least {error['ctx']['min_length']}"
+    if error["type"] in _TYPE_ERRORS:
+        return f"{error['msg']}, got {json_kind(error['input'])}"
+    return error["msg"]
+
+
+def json_kind(value: object) -> str:
+    """A value's JSON type, as a client wrote it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number written with a point" if value.is_integer() else "a number with a fraction"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 def _call(request: _Common, prompt: object, max_tokens: int) -> Call:
@@ -196,8 +288,6 @@ def _one_prompt(prompt) -> str | list[int]:
     if not prompt:
         raise bad_request("prompt: is empty", param="prompt")
     if all(isinstance(p, int) for p in prompt):
-        if any(not 0 <= p <= _U32 for p in prompt):
-            raise bad_request("prompt: token ids must be between 0 and 2**32 - 1", param="prompt")
         return list(prompt)
     if len(prompt) == 1:
         return _one_prompt(prompt[0])

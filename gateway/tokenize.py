@@ -11,27 +11,25 @@ Like every route they want a key the coordinators know in front of a secure clus
 
 from __future__ import annotations
 
-from typing import Annotated, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.errors import ApiError, bad_request
-from gateway.shapes import Message, chat_messages, refuse_if, validate
-from gateway.tokenizers import Tokenizers
+from gateway.shapes import _STRICT, Messages, TokenIds, chat_messages, refuse_if, validate
+from gateway.tokenizers import MAX_PROMPT_CHARS_PER_TOKEN, Tokenizers
 from gateway.upstream import Upstream
-
-_TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     model: str | None = Field(None, min_length=1)
     prompt: str | None = None
-    messages: list[Message] | None = Field(None, min_length=1)
+    messages: Messages | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -41,9 +39,9 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     model: str | None = Field(None, min_length=1)
-    tokens: list[_TokenId]
+    tokens: TokenIds
 
 
 def tokenizer_routes(upstream: Upstream, tokenizers: Tokenizers, read_body: Callable[[Request], Awaitable[object]],
@@ -65,11 +63,14 @@ def tokenizer_routes(upstream: Upstream, tokenizers: Tokenizers, read_body: Call
             refuse_if(getattr(body, param), param)
         model = await model_of(request, body.model)
         if body.prompt is not None:
+            model.check_length(body.prompt, "prompt")
             special = True if body.add_special_tokens is None else body.add_special_tokens
             tokens = await anyio.to_thread.run_sync(model.encode, body.prompt, special)
         else:
-            tokens = await anyio.to_thread.run_sync(model.chat, chat_messages(body.messages),
-                                                    body.add_generation_prompt, bool(body.add_special_tokens))
+            messages = chat_messages(body.messages)
+            model.check_length(messages, "messages")
+            tokens = await anyio.to_thread.run_sync(model.chat, messages, body.add_generation_prompt,
+                                                    bool(body.add_special_tokens))
         return JSONResponse({"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens})
 
     async def detokenize(request: Request) -> Response:

@@ -28,9 +28,10 @@ from typing import Sequence
 
 import anyio
 
-from gateway.errors import ApiError, bad_request
+from gateway.errors import ApiError, bad_request, shown
 
 MAX_LOADED = 4
+MAX_PROMPT_CHARS_PER_TOKEN = 32   # as the worker's (worker/service.py): a longer prompt is refused unread
 
 
 @dataclass
@@ -40,6 +41,14 @@ class ModelTokenizer:
     max_model_len: int
     vocab_size: int
     info: dict                         # the body of /tokenizer_info
+
+    def check_length(self, prompt: str | list[dict], param: str) -> None:
+        """A 400 for a text or chat longer than the worker reads, before any of it is tokenized."""
+        limit = self.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) + len(m["role"]) for m in prompt)
+        if chars > limit:
+            raise bad_request(f"{param}: has {chars} characters; this model's context ({self.max_model_len} tokens) "
+                              f"takes at most {limit}", param=param)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -59,8 +68,10 @@ class ModelTokenizer:
     def prompt_tokens(self, prompt: str | list) -> int:
         """How many tokens the worker makes of a prompt (text, token ids or chat messages)."""
         if isinstance(prompt, str):
+            self.check_length(prompt, "prompt")
             return len(self.encode(prompt))
         if prompt and isinstance(prompt[0], dict):
+            self.check_length(prompt, "messages")
             return len(self.chat(prompt))
         return len(prompt)
 
@@ -154,7 +165,7 @@ class Tokenizers:
     async def _load(self, name: str) -> ModelTokenizer:
         source = self.source(name)
         if source is None:
-            raise ApiError(404, f"the gateway cannot load the tokenizer of model `{name}`: start it with "
+            raise ApiError(404, f"the gateway cannot load the tokenizer of model `{shown(name)}`: start it with "
                                 f"--tokenizer and the workers' --model (a GGUF file or folder)",
                            param="model", code="model_not_found")
         try:
