@@ -5,9 +5,9 @@ server-sent events ending in `data: [DONE]`), vLLM's POST /tokenize, POST /detok
 /tokenizer_info, GET /health, and with --metrics GET /metrics, on uvicorn. In front of a secure
 cluster (--tls-*), /metrics wants a key the coordinators know (`Authorization: Bearer KEY`), as
 the OpenAI routes do. With --tls-cert and --tls-key it serves HTTPS only, with that certificate
-(`kvcache cluster up --secure` gives it the run directory's tls/gateway.pem), and presents it to
-the coordinators; with --tls-ca alone it serves plain HTTP and reaches the coordinators over TLS
-without a certificate. Prints `gateway listening on http(s)://HOST:PORT` once it serves; stops on
+(`kvcache cluster up --secure` gives it the run directory's tls/gateway.pem), answering a plain
+HTTP request 400, and presents it to the coordinators; with --tls-ca alone it serves plain HTTP
+and reaches the coordinators over TLS without a certificate. Prints `gateway listening on http(s)://HOST:PORT` once it serves; stops on
 SIGTERM, giving running requests --grace seconds."""
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", default=str(DEFAULT_MAX_BODY_BYTES),
                         help="largest request body; a larger one is answered 413 (default 4MiB)")
     parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
-                        help=f"seconds a request body may take to arrive; then 408 (default {DEFAULT_BODY_TIMEOUT_S:g})")
+                        help="seconds a request's head may take to arrive (then its connection is closed), and "
+                             f"its body (then 408) (default {DEFAULT_BODY_TIMEOUT_S:g})")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds one generation may take on the cluster (default 600)")
     parser.add_argument("--tokenizer", action="append", default=[], metavar="MODEL",
@@ -68,13 +69,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # Here, not at the top: every `kvcache` command builds this parser, and only this one needs them.
     import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     from coordinator.aio_client import AsyncClient
     from gateway.app import create_app
+    from gateway.connections import LimitedWarnings, guarded, tls_context
     from gateway.tokenizers import Tokenizers
     from gateway.upstream import Upstream
 
     startup.log_to_stderr()
+    logging.getLogger("uvicorn.error").addFilter(LimitedWarnings())
     try:
         coordinators = _addresses(args.coordinators)
         max_body_bytes = parse_size(args.max_body_bytes)
@@ -82,13 +86,14 @@ def run(args: argparse.Namespace) -> int:
             if getattr(args, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
         credentials = security.from_args(args, client=True)  # checks the TLS options come together
+        https = credentials is not None and credentials.cert is not None
+        server_tls = tls_context(args.tls_cert, args.tls_key) if https else None   # ssl.SSLError is an OSError
         sock = _listen(args.host, args.port, args.send_timeout)
         host, port = sock.getsockname()[:2]
         reached = addresses.reached_at(host, port, args.advertise)
         observability.setup_tracing(args, "kvcache-gateway")
     except (ValueError, OSError) as exc:
         return startup.refuse("gateway", exc)
-    https = credentials is not None and credentials.cert is not None
     url = f"{'https' if https else 'http'}://{addresses.host_port(host, port)}"
     metrics = None
     if args.metrics:
@@ -113,9 +118,9 @@ def run(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=args.grace,
                             # Connections beyond this get 503 from uvicorn before any work is done.
                             limit_concurrency=args.max_streams * 2 + 16,
-                            # HTTPS only: a plain HTTP request on this port gets no answer (its bytes
-                            # fail the handshake), as a plaintext client of a TLS coordinator.
-                            **({"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key} if https else {}))
+                            # Request heads bounded in time; HTTPS started by the guard, which answers a
+                            # plain HTTP request 400 (gateway/connections.py).
+                            http=guarded(AutoHTTPProtocol, args.body_timeout, server_tls))
     # uvicorn raises the signal that stopped it again once it has shut down; with the default
     # action that killed the gateway (exit 143, no last line). This handler turns it, or a stop
     # that comes before uvicorn has installed its own, into SystemExit, so a stop ends like every

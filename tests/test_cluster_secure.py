@@ -1,7 +1,7 @@
 """`kvcache cluster up --secure`: the whole local cluster on mutual TLS with a generated token;
 a client given its run directory finds the CA and token, and the options it prints for elsewhere
 (the CA and the token, no client certificate) are the ones that work; the gateway serves HTTPS
-to the openai client given the CA and the token as its key, and nothing over plain HTTP; its
+to the openai client given the CA and the token as its key, and plain HTTP a 400 naming https://; its
 metrics ports too, scraped the way the configuration `prometheus-config --scrape-config` prints
 tells Prometheus to."""
 
@@ -68,7 +68,7 @@ def test_cluster_up_secure_prints_a_token_and_options_that_work_and_plaintext_do
             f"not: pass --tls-ca FILE, the cluster's CA (`kvcache cluster up --secure` wrote RUN_DIR/tls/ca.pem; in "
             f"Python Client(tls_ca=FILE)), and its token"], plain.stderr
         # The gateway serves HTTPS with the cluster's certificates, reaches the coordinators over TLS and
-        # passes each caller's key on; plain HTTP to its port gets no answer.
+        # passes each caller's key on; plain HTTP to its port gets a 400 saying to use https://.
         gateway = re.search(r"^gateway: (https://\S+) ", up.stdout, re.M).group(1)
         trusted = tls_context(ca)
         assert completion(gateway, None, trusted)[0] == 401 and completion(gateway, "not-" + token, trusted)[0] == 401
@@ -82,7 +82,9 @@ def test_cluster_up_secure_prints_a_token_and_options_that_work_and_plaintext_do
         with httpx2.Client() as http:  # the system's CAs only: the gateway's certificate is not theirs
             with pytest.raises(openai.APIConnectionError):
                 openai.OpenAI(base_url=f"{gateway}/v1", api_key=token, http_client=http, max_retries=0).models.list()
-        refused(gateway.replace("https://", "http://", 1) + "/health")
+        with pytest.raises(urllib.error.HTTPError) as plain:
+            scrape(gateway.replace("https://", "http://", 1) + "/health")
+        assert plain.value.code == 400 and f"send the request to {gateway}/health" in plain.value.read().decode()
         gateway_log = next(m["log"] for m in members if m["role"] == "gateway")
         assert "Traceback" not in open(gateway_log).read()
         # A gateway started in the cluster's folder finds it, its CA and the gateway certificate by its file.
