@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from base.generation import Finished, Piece
+from base.log_limits import CountedEvent
 from gateway import sse
 from gateway.bodies import CLIENT_GONE, read_json
 from gateway.errors import ApiError
@@ -197,8 +198,13 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return ApiError(exc.status_code, message.get(exc.status_code, str(exc.detail))).response()
 
 
+_BUGS = CountedEvent()   # a failure one request can make, many can make: one traceback per interval
+
+
 async def _bug(request: Request, exc: Exception) -> Response:
-    log.exception("%s %s failed", request.method, request.url.path)
+    _BUGS.happened()
+    if count := _BUGS.to_log():
+        log.exception("%s %s failed (%d failure(s) since the last such line)", request.method, request.url.path, count)
     return ApiError(500, "the gateway failed on this request (a bug: see its log)").response()
 
 

@@ -211,7 +211,8 @@ _PLAIN_PATH = re.compile(rb"/[A-Za-z0-9._~/%?=&+-]{0,200}")
 
 class LimitedWarnings(logging.Filter):
     """uvicorn's line per odd request ("Invalid HTTP request received.") as one line per interval
-    with their count, as the gateway's own (base/log_limits.py): a client cannot flood the log."""
+    with their count, as the gateway's own (base/log_limits.py): a client cannot flood the log.
+    Its traceback of a request that failed is left out: the app logged it, naming the request."""
 
     MAX_KINDS = 32
 
@@ -220,6 +221,8 @@ class LimitedWarnings(logging.Filter):
         self.kinds: dict[str, CountedEvent] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("Exception in ASGI application"):
+            return False   # the app's own line said it, with the request (gateway/app.py)
         if record.levelno != logging.WARNING:
             return True
         message = record.getMessage()

@@ -424,3 +424,34 @@ def test_https_serves_tls_and_answers_plain_http_with_a_400_naming_https(tmp_pat
                     untrusted.models.list()
         log = (tmp_path / "https.log").read_text()
         assert "Traceback" not in log and len([line for line in log.splitlines() if "plain HTTP" in line]) == 1, log
+
+
+def test_a_bug_is_one_traceback_per_interval_and_uvicorns_lines_are_limited(caplog):
+    """A failure a request can make, a flood of them can make: the app's traceback is logged once
+    per interval with the count, uvicorn's copy of it never, its per-request warnings limited."""
+    import asyncio
+    import logging
+
+    from starlette.requests import Request
+
+    from gateway import app
+    from gateway.connections import LimitedWarnings
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""})
+    with caplog.at_level(logging.INFO, logger="gateway"):
+        for _ in range(5):
+            try:
+                raise RuntimeError("a bug")
+            except RuntimeError as exc:
+                assert asyncio.run(app._bug(request, exc)).status_code == 500
+    failed = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert len(failed) <= 1 and all(r.exc_info for r in failed)
+    limited = LimitedWarnings()
+
+    def record(level: int, message: str) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", level, __file__, 1, message, (), None)
+
+    assert not limited.filter(record(logging.ERROR, "Exception in ASGI application\n"))
+    said = [limited.filter(record(logging.WARNING, "Invalid HTTP request received.")) for _ in range(100)]
+    assert said == [True] + [False] * 99
+    assert limited.filter(record(logging.INFO, "Started server process"))
