@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import os
 import select
 import sys
@@ -16,15 +17,26 @@ from kvcache import __version__
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from coordinator import daemon as coordinator_daemon
-    from gateway import daemon as gateway_daemon
-    from kvcache import certs, cluster_cli, export_hf, generate, health, status
-    from kvcache.bench import cli as bench_cli
-    from kvcache.model_pages import MODELS
-    from kvnode import daemon as node_daemon
-    from worker import daemon as worker_daemon
+# Each command: its name, the module holding its add_arguments and run, and its line in --help.
+COMMANDS = (
+    ("node", "kvnode.daemon", "start a KV-store node"),
+    ("worker", "worker.daemon", "start an inference worker"),
+    ("coordinator", "coordinator.daemon", "start a coordinator (membership, ring, routing)"),
+    ("gateway", "gateway.daemon", "serve an OpenAI-compatible HTTP API in front of the coordinators"),
+    ("cluster", "kvcache.cluster_cli", "start or stop a local multi-process cluster"),
+    ("generate", "kvcache.generate", "send a prompt and stream the answer"),
+    ("status", "kvcache.status", "show the cluster: members, pages, load"),
+    ("bench", "kvcache.bench.cli", "measure a part of the service"),
+    ("health", "kvcache.health", "ask a daemon's gRPC health service whether it serves (a probe)"),
+    ("certs", "kvcache.certs", "make a development CA and certificates for TLS between members"),
+    ("export-hf", "kvcache.export_hf", "write a model as a Hugging Face folder for vLLM and transformers"),
+)
 
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command with its options; with `only`, that command's options alone (the others
+    keep their name and help line), so a daemon or a probe starts without importing the code of
+    every other command: that took a second of each start on a busy machine."""
     parser = argparse.ArgumentParser(
         prog="kvcache",
         description="A distributed KV-cache service for LLM inference.",
@@ -33,42 +45,51 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvcache {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
-
-    def command(name: str, module, help: str, run=None) -> argparse.ArgumentParser:
+    for name, module_name, help in COMMANDS:
+        if only is not None and name != only:
+            commands.add_parser(name, help=help)
+            continue
+        module = importlib.import_module(module_name)
         sub = commands.add_parser(name, help=help, description=module.__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(sub)
-        if run or hasattr(module, "run"):
-            sub.set_defaults(run=run or module.run)
-        return sub
-
-    node = command("node", node_daemon, "start a KV-store node", run=_run_node)
-    node.add_argument("--model", default=None,
-                      help=f"size pages for the workers' model, so they fit: {MODELS}; overrides --page-bytes. "
-                           "Unless --capacity is given, the pool is sized so one lookup can lease a prompt of "
-                           "the model's full context")
-    node.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32",
-                      help="with --model: the workers' KV dtype (default float32)")
-    worker = command("worker", worker_daemon, "start an inference worker")
-    _say_models(worker, MODELS)
-    command("coordinator", coordinator_daemon, "start a coordinator (membership, ring, routing)")
-    command("gateway", gateway_daemon, "serve an OpenAI-compatible HTTP API in front of the coordinators",
-            run=_run_gateway)
-    command("cluster", cluster_cli, "start or stop a local multi-process cluster")
-    command("generate", generate, "send a prompt and stream the answer")
-    command("status", status, "show the cluster: members, pages, load")
-    command("bench", bench_cli, "measure a part of the service")
-    command("health", health, "ask a daemon's gRPC health service whether it serves (a probe)")
-    command("certs", certs, "make a development CA and certificates for TLS between members")
-    command("export-hf", export_hf, "write a model as a Hugging Face folder for vLLM and transformers")
+        if name == "node":
+            _add_node_model_options(sub)
+            sub.set_defaults(run=_run_node)
+        elif name == "gateway":
+            sub.set_defaults(run=_run_gateway)
+        elif hasattr(module, "run"):  # else its own subcommands set theirs (bench, cluster)
+            sub.set_defaults(run=module.run)
+        if name == "worker":
+            _say_models(sub)
     return parser
 
 
-def _say_models(parser: argparse.ArgumentParser, models: str) -> None:
+def _command(argv: list[str]) -> str | None:
+    """The command `argv` names: its first word that is not an option (`kvcache` itself takes
+    none with a value); None when there is none, and every command is built."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def _add_node_model_options(parser: argparse.ArgumentParser) -> None:
+    """The node's --model and --kv-dtype: pages sized for the workers' model (_run_node)."""
+    from kvcache.model_pages import MODELS
+
+    parser.add_argument("--model", default=None,
+                        help=f"size pages for the workers' model, so they fit: {MODELS}; overrides --page-bytes. "
+                             "Unless --capacity is given, the pool is sized so one lookup can lease a prompt of "
+                             "the model's full context")
+    parser.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32",
+                        help="with --model: the workers' KV dtype (default float32)")
+
+
+def _say_models(parser: argparse.ArgumentParser) -> None:
     """The worker's --model help names every kind of model it loads (its default stays its own)."""
+    from kvcache.model_pages import MODELS
+
     for action in parser._actions:
         if "--model" in action.option_strings:
-            action.help = f"{models} (default {action.default})"
+            action.help = f"{MODELS} (default {action.default})"
 
 
 def _run_node(args: argparse.Namespace) -> int:
@@ -143,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(name, value)
     try:
         try:
-            args = build_parser().parse_args(argv)
+            argv = sys.argv[1:] if argv is None else argv
+            args = build_parser(_command(argv)).parse_args(argv)
         except SystemExit:  # after --help: argparse hides a failed write, the flush shows it
             sys.stdout.flush()
             raise
