@@ -100,7 +100,8 @@ def _from_run_dir(args: argparse.Namespace, run_dir: Path) -> Target:
         cluster = read_cluster_file(cluster_file, "start a cluster with `kvcache cluster up --run-dir DIR`")
     except ClusterFileError as exc:
         raise ValueError(str(exc).removeprefix("error: ")) from None
-    addresses = [m["address"] for m in cluster.get("members", []) if m.get("role") == "coordinator"]
+    # A member still starting has no address yet (kvcache.cluster.start_cluster).
+    addresses = [m["address"] for m in cluster.get("members", []) if m.get("role") == "coordinator" and m.get("address")]
     if not addresses:
         raise ValueError(f"{cluster_file} names no coordinator: start the cluster again with `kvcache cluster up`")
     options = tls_options(args)

@@ -105,9 +105,11 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
     for vLLM has no workers and vLLM's block size, kvcache/model_pages.py); `max_keys`: their
     --max-keys when given (a vLLM block is one page a layer, all asked for at once).
 
-    `on_start(cluster)` runs after each start, so a caller can record pids as they appear; on
-    failure, or an interrupt (Ctrl-C, a SIGTERM handler's SystemExit), whatever started is
-    stopped before the exception propagates.
+    The coordinators start together, then the rest together, each group waited for once
+    started. `on_start(cluster)` runs after each start, so a caller can record pids as they
+    appear (a daemon's address is None until its group serves), and once more as each group
+    serves; on failure, or an interrupt (Ctrl-C, a SIGTERM handler's SystemExit), whatever
+    started is stopped before the exception propagates.
     """
     cluster = cluster or LocalCluster()
     page_bytes = page_bytes or model_page_bytes(model, kv_dtype)
@@ -124,15 +126,25 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
             extra += tls_args(tls_dir, role)
         if tokens_file is not None and role in ("coordinator", "worker"):
             extra += ["--tokens-file", str(tokens_file)]
-        daemon = Daemon(role, ["--port", "0", *extra, *daemon_args], log_path=logs / f"{name}.log")
+        return spawned(Daemon(role, ["--port", "0", *extra, *daemon_args], log_path=logs / f"{name}.log", wait=False))
+
+    def spawned(daemon: Daemon) -> Daemon:
         cluster.daemons.append(daemon)
         if on_start:
             on_start(cluster)
         return daemon
 
+    def serving() -> None:
+        """Wait for every daemon started so far: they load at once, on every core."""
+        for daemon in cluster.daemons:
+            daemon.started()
+        if on_start:
+            on_start(cluster)  # now with their addresses
+
     try:
         for i in range(coordinators):
             launch("coordinator", f"coordinator-{i}", ["--replicas", str(replicas), "--coordinator-id", f"coordinator-{i}"])
+        serving()
         joined = ",".join(cluster.coordinator_addresses)
         for i in range(nodes):
             node_args = ["--coordinators", joined, "--node-id", f"node-{i}",
@@ -149,16 +161,14 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
             add_worker(cluster, logs, f"worker-{i}", model, kv_dtype, worker_kv_cache, launch, blas_threads=threads,
                        step_log=step_logs, max_prefill_tokens=max_prefill_tokens)
         if gateway_port is not None:
-            gateway = Daemon("gateway", ["--port", str(gateway_port), "--coordinators", joined, "--tokenizer", model,
-                                         *(["--metrics"] if metrics else []),
-                                         *(["--otlp-endpoint", otlp_endpoint] if otlp_endpoint else []),
-                                         *(["--trace-sample-ratio", repr(trace_sample_ratio)]
-                                           if otlp_endpoint and trace_sample_ratio is not None else []),
-                                         *(tls_args(tls_dir, "gateway") if tls_dir is not None else [])],
-                             log_path=logs / "gateway.log")
-            cluster.daemons.append(gateway)
-            if on_start:
-                on_start(cluster)
+            spawned(Daemon("gateway", ["--port", str(gateway_port), "--coordinators", joined, "--tokenizer", model,
+                                       *(["--metrics"] if metrics else []),
+                                       *(["--otlp-endpoint", otlp_endpoint] if otlp_endpoint else []),
+                                       *(["--trace-sample-ratio", repr(trace_sample_ratio)]
+                                         if otlp_endpoint and trace_sample_ratio is not None else []),
+                                       *(tls_args(tls_dir, "gateway") if tls_dir is not None else [])],
+                           log_path=logs / "gateway.log", wait=False))
+        serving()
     except BaseException:
         cluster.stop()
         raise

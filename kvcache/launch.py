@@ -36,10 +36,11 @@ class Daemon:
     """
 
     def __init__(self, role: str, args: Sequence[str], log_path: Path | None = None, timeout_s: float = 60.0, env=None,
-                 prefix: Sequence[str] = (), cwd: Path | None = None):
+                 prefix: Sequence[str] = (), cwd: Path | None = None, wait: bool = True):
         """`prefix`: a command that runs the daemon and execs it, keeping its pid (tests' `ip netns
         exec NAME`, so a member runs on a host address of its own); `cwd`: the folder it runs in
-        (default this process's)."""
+        (default this process's). `wait=False` returns once the child runs, its address None until
+        `started()`: several daemons then start at once."""
         self.role = role
         self.args = list(args)  # so a member can be started again as it was (LocalCluster.restart)
         self._temporary_log = log_path is None
@@ -61,11 +62,21 @@ class Daemon:
             )
         self.pid = self.process.pid
         self.metrics_url: str | None = None  # http://HOST:PORT/metrics when started with --metrics-port
-        try:
-            self.address = self._wait_for_address(timeout_s)
-        except BaseException:  # an interrupt while it starts: nobody else knows this child yet
-            self.stop()
-            raise
+        self.address: str | None = None
+        self._deadline = time.monotonic() + timeout_s
+        if wait:
+            try:
+                self.started()
+            except BaseException:  # an interrupt while it starts: nobody else knows this child yet
+                self.stop()
+                raise
+
+    def started(self) -> str:
+        """Its address, once it serves (at once after the first time); DaemonFailed, the child
+        stopped, if it exits or the start's timeout passes first."""
+        if self.address is None:
+            self.address = self._wait_for_address(max(0.0, self._deadline - time.monotonic()))
+        return self.address
 
     def _wait_for_address(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
