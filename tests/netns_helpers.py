@@ -60,6 +60,7 @@ class Hosts:
         self.ports: dict[str, str] = {}  # host name -> its veth end on the switch
         self.addresses: dict[str, str] = {}
         self._made: list[tuple[str, ...]] = []  # what close() removes, newest first
+        self._faults: set[tuple[str, ...]] = set()  # partitions (host,) and cuts (host, peer) in force
         try:
             _ip("netns", "add", self.switch)
             self._made.append(("netns", "del", self.switch))
@@ -110,10 +111,12 @@ class Hosts:
         """Run a command on `host`: ip execs it inside the namespace, so its pid is the command's."""
         return ["ip", "netns", "exec", self.namespaces[host]]
 
-    def daemon(self, host: str, role: str, args: Sequence[str], log_path: Path, timeout_s: float = 60.0) -> Daemon:
-        """`kvcache ROLE --host ADDRESS ARGS` on `host`; the caller stops it (by its pid)."""
+    def daemon(self, host: str, role: str, args: Sequence[str], log_path: Path, timeout_s: float = 60.0,
+               wait: bool = True) -> Daemon:
+        """`kvcache ROLE --host ADDRESS ARGS` on `host`; the caller stops it (by its pid). `wait=False`:
+        its address once `started()` (several start at once)."""
         return Daemon(role, ["--host", self.addresses[host], *args], log_path=log_path, timeout_s=timeout_s,
-                      prefix=self.prefix(host))
+                      prefix=self.prefix(host), wait=wait)
 
     def run_python(self, host: str, code: str, *args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
         return subprocess.run([*self.prefix(host), sys.executable, "-c", code, *args], capture_output=True,
@@ -130,21 +133,35 @@ class Hosts:
     def partition(self, host: str) -> None:
         """The host's link down at the switch: its packets go nowhere, nobody's reach it."""
         _ip("-n", self.switch, "link", "set", self.ports[host], "down")
+        self._faults.add((host,))
 
     def heal(self, host: str) -> None:
         _ip("-n", self.switch, "link", "set", self.ports[host], "up")
+        self._faults.discard((host,))
 
     def cut(self, host: str, peer: str) -> None:
         """Asymmetric: `host` sends nothing to `peer` (a blackhole route in host's namespace), so
         their connections fail both ways, while everyone else still reaches `host`."""
         _ip("-n", self.namespaces[host], "route", "add", "blackhole", f"{self.addresses[peer]}/32")
+        self._faults.add((host, peer))
 
     def mend(self, host: str, peer: str) -> None:
         _ip("-n", self.namespaces[host], "route", "del", "blackhole", f"{self.addresses[peer]}/32")
+        self._faults.discard((host, peer))
+
+    def undo_faults(self) -> None:
+        """Heal and mend whatever is still partitioned or cut (a test that ended early): a daemon
+        stopped while its peers cannot reach it waits out its drain for calls they never end."""
+        for fault in sorted(self._faults):
+            if len(fault) == 1:
+                self.heal(*fault)
+            else:
+                self.mend(*fault)
 
 
 # A client run on a host (COORDINATOR: one address, or A,B for generate): `status COORDINATOR` prints the members as JSON, `epoch COORDINATOR` its epoch; `busy COORDINATOR` the
-# first worker it sees running a request (none within 60 s: nothing); `generate COORDINATOR
+# first worker it sees running a request (none within 60 s: nothing), `watch COORDINATOR` the same
+# after a line "watching" once its first status call was answered; `generate COORDINATOR
 # PROMPTS_JSON [OPTIONS_JSON]` sends each prompt greedily in turn (options as Client.generate's,
 # default 8 tokens) and prints one JSON line per answer (its tokens, usage and when it ended,
 # time.time()), an error as {"error": ...} (the run goes on).
@@ -154,7 +171,10 @@ from base.generation import Finished, Piece
 from coordinator.client import Client
 command, coordinator = sys.argv[1], sys.argv[2]
 with Client(coordinator.split(","), timeout=60.0) as client:
-    if command == "busy":  # poll every 20 ms, up to 60 s, for a worker running a request; print it
+    if command in ("busy", "watch"):  # poll every 20 ms, up to 60 s, for a worker running a request; print it
+        if command == "watch":
+            client.status()
+            print("watching", flush=True)
         deadline = time.monotonic() + 60.0
         while time.monotonic() < deadline:
             busy = [m.address for m in client.status().members if m.role == "worker" and m.outstanding]
@@ -321,11 +341,23 @@ threading.Event().wait()
 
 def starter(hosts: "Hosts", running: contextlib.ExitStack, log_dir: Path):
     """`start(host, role, *args)`: a daemon on `host` logging to log_dir/HOST.log, stopped by its pid
-    when `running` closes (also when the test fails)."""
+    when `running` closes (also when the test fails), after every fault was undone. With
+    `wait=False` its address comes with `started(*daemons)`, so daemons that need not wait for
+    each other start at once."""
+    daemons = contextlib.ExitStack()
+    running.callback(daemons.close)
+    running.callback(hosts.undo_faults)  # runs first: a stop then need not wait for a partitioned peer
 
-    def start(host: str, role: str, *args: str) -> Daemon:
-        daemon = hosts.daemon(host, role, args, log_path=log_dir / f"{host}.log")
-        running.callback(daemon.stop, 10.0)
+    def start(host: str, role: str, *args: str, wait: bool = True) -> Daemon:
+        daemon = hosts.daemon(host, role, args, log_path=log_dir / f"{host}.log", wait=wait)
+        daemons.callback(daemon.stop, 10.0)
         return daemon
 
     return start
+
+
+def started(*daemons: Daemon) -> list[Daemon]:
+    """The daemons, once each serves (each bounded by its start timeout)."""
+    for daemon in daemons:
+        daemon.started()
+    return list(daemons)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from netns_helpers import CLIENT, LOAD, Hosts, members, starter, wait_until, why_no_namespaces
+from netns_helpers import CLIENT, LOAD, Hosts, members, started, starter, wait_until, why_no_namespaces
 
 _NO_NAMESPACES = why_no_namespaces()
 pytestmark = pytest.mark.skipif(_NO_NAMESPACES is not None, reason=f"multi-host tests: {_NO_NAMESPACES}")
@@ -50,15 +50,18 @@ def test_a_seeded_load_through_a_kvnode_a_worker_and_a_coordinator_partitioned_a
     with Hosts(HOSTS) as hosts, contextlib.ExitStack() as running:
         start = starter(hosts, running, tmp_path)  # each daemon stopped by its pid, also when the test fails
 
-        coordinators = [start(c, "coordinator", "--port", "50050", "--replicas", "2").address
-                        for c in ("coordinator-1", "coordinator-2")]
+        coordinators = [d.address for d in started(*(start(c, "coordinator", "--port", "50050", "--replicas", "2",
+                                                           wait=False) for c in ("coordinator-1", "coordinator-2")))]
         joined = ",".join(coordinators)  # members beat to both; the client tries coordinator-1 first
-        nodes = {start(h, "node", "--port", "50051", "--capacity", "32MiB", "--coordinators", joined).address: h
-                 for h in ("node-a", "node-b", "node-c")}
+        node_hosts = {start(h, "node", "--port", "50051", "--capacity", "32MiB", "--coordinators", joined,
+                            wait=False): h for h in ("node-a", "node-b", "node-c")}
         # 6 MiB: 48 of the tiny model's float32 pages, fewer than one pass over the prompts needs.
-        workers = {start(h, "worker", "--port", "50061", "--model", "tiny", "--kv-cache", "6MiB",
-                         "--blas-threads", "1", "--coordinators", joined).address: h
-                   for h in ("worker-a", "worker-b")}
+        worker_hosts = {start(h, "worker", "--port", "50061", "--model", "tiny", "--kv-cache", "6MiB",
+                              "--blas-threads", "1", "--coordinators", joined, wait=False): h
+                        for h in ("worker-a", "worker-b")}
+        started(*node_hosts, *worker_hosts)
+        nodes = {d.address: h for d, h in node_hosts.items()}
+        workers = {d.address: h for d, h in worker_hosts.items()}
         everyone = set(nodes) | set(workers)
 
         def all_alive(coordinator: str) -> bool:

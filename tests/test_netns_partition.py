@@ -14,7 +14,7 @@ import time
 import pytest
 
 from netns_bench import bench_remote_across_hosts, summary
-from netns_helpers import (CLIENT, Hosts, answers, first_line, members, starter, wait_until,
+from netns_helpers import (CLIENT, Hosts, answers, first_line, members, started, starter, wait_until,
                            why_no_namespaces)
 
 _NO_NAMESPACES = why_no_namespaces()
@@ -35,10 +35,11 @@ def test_a_partitioned_kvnode_costs_no_request_and_rejoins_when_healed(tmp_path)
         start = starter(hosts, running, tmp_path)  # each daemon stopped by its pid, also when the test fails
 
         coordinator = start("coordinator", "coordinator", "--port", "50050", "--replicas", "2").address
-        node_a = start("node-a", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator)
-        start("node-b", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator)
         worker_args = ("--port", "50061", "--model", "tiny", "--coordinators", coordinator)
-        worker = start("worker", "worker", *worker_args)
+        node_a, _, worker = started(
+            start("node-a", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator, wait=False),
+            start("node-b", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator, wait=False),
+            start("worker", "worker", *worker_args, wait=False))
         addresses = {f"{hosts.addresses[h]}:{p}" for h, p in
                      [("node-a", 50051), ("node-b", 50051), ("worker", 50061)]}
         assert wait_until(lambda: {a for a, alive in members(hosts, coordinator).items() if alive} == addresses, 30.0)
@@ -112,9 +113,11 @@ def test_a_partitioned_workers_request_resumes_on_another_worker(tmp_path):
         start = starter(hosts, running, tmp_path)  # each daemon stopped by its pid, also when the test fails
 
         coordinator = start("coordinator", "coordinator", "--port", "50050", "--replicas", "1").address
-        start("node", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator)
-        workers = {start(h, "worker", "--port", "50061", "--model", "tiny", "--coordinators", coordinator).address: h
-                   for h in ("worker-a", "worker-b")}
+        hosts_of = {start(h, "worker", "--port", "50061", "--model", "tiny", "--coordinators", coordinator,
+                          wait=False): h for h in ("worker-a", "worker-b")}
+        started(start("node", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator,
+                      wait=False), *hosts_of)
+        workers = {w.address: h for w, h in hosts_of.items()}
         assert wait_until(lambda: sum(members(hosts, coordinator).get(w) is True for w in workers) == 2, 30.0)
 
         def run(prompt: str) -> subprocess.Popen:
@@ -127,9 +130,9 @@ def test_a_partitioned_workers_request_resumes_on_another_worker(tmp_path):
         (expected,) = answers(out)
         assert expected.get("error") is None and len(expected["tokens"]) == 400, err
 
-        watch = hosts.start_python("client", CLIENT, "busy", coordinator)  # watching before the request starts
+        watch = hosts.start_python("client", CLIENT, "watch", coordinator)  # watching before the request starts
         running.callback(lambda: watch.poll() is None and watch.kill())
-        time.sleep(1.0)  # the watcher is connected: its interpreter and grpc are loaded
+        assert first_line(watch, timeout_s=60.0).strip() == "watching"
         load = run(PROMPTS[1])
         busy = first_line(watch, timeout_s=90.0).strip()
         assert busy in workers, "no worker was seen running the request"
@@ -150,10 +153,11 @@ def test_a_kvnode_cut_off_from_the_coordinator_only_costs_no_request(tmp_path):
         start = starter(hosts, running, tmp_path)  # each daemon stopped by its pid, also when the test fails
 
         coordinator = start("coordinator", "coordinator", "--port", "50050", "--replicas", "1").address
-        node_a = start("node-a", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator)
-        start("node-b", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator)
         worker_args = ("--port", "50061", "--model", "tiny", "--coordinators", coordinator)
-        worker = start("worker", "worker", *worker_args)
+        node_a, _, worker = started(
+            start("node-a", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator, wait=False),
+            start("node-b", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", coordinator, wait=False),
+            start("worker", "worker", *worker_args, wait=False))
         assert wait_until(lambda: sum(members(hosts, coordinator).values()) == 3, 30.0)
         undisturbed = generate(hosts, coordinator)
         assert [a.get("error") for a in undisturbed] == [None] * len(PROMPTS)
@@ -193,11 +197,13 @@ def test_coordinators_that_saw_a_partition_differently_converge_once_it_heals(tm
     with Hosts(names) as hosts, contextlib.ExitStack() as running:
         start = starter(hosts, running, tmp_path)  # each daemon stopped by its pid, also when the test fails
 
-        coordinators = [start(c, "coordinator", "--port", "50050").address for c in ("coordinator-1", "coordinator-2")]
+        coordinators = [d.address for d in started(*(start(c, "coordinator", "--port", "50050", wait=False)
+                                                     for c in ("coordinator-1", "coordinator-2")))]
         joined = ",".join(coordinators)
-        node_a = start("node-a", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", joined)
-        start("node-b", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", joined)
-        start("worker", "worker", "--port", "50061", "--model", "tiny", "--coordinators", joined)
+        node_a, _, _ = started(
+            start("node-a", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", joined, wait=False),
+            start("node-b", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", joined, wait=False),
+            start("worker", "worker", "--port", "50061", "--model", "tiny", "--coordinators", joined, wait=False))
 
         def epochs() -> list[str]:
             return [hosts.run_python("client", CLIENT, "epoch", c, timeout_s=30.0).stdout.strip() for c in coordinators]
@@ -226,10 +232,13 @@ def test_a_request_through_a_partitioned_coordinator_resumes_through_the_other(t
     with Hosts(names) as hosts, contextlib.ExitStack() as running:
         start = starter(hosts, running, tmp_path)  # each daemon stopped by its pid, also when the test fails
 
-        coordinators = [start(c, "coordinator", "--port", "50050").address for c in ("coordinator-1", "coordinator-2")]
+        coordinators = [d.address for d in started(*(start(c, "coordinator", "--port", "50050", wait=False)
+                                                     for c in ("coordinator-1", "coordinator-2")))]
         joined = ",".join(coordinators)
-        start("node", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", joined)
-        worker = start("worker", "worker", "--port", "50061", "--model", "tiny", "--coordinators", joined)
+        _, worker = started(start("node", "node", "--port", "50051", "--capacity", "16MiB", "--coordinators", joined,
+                                  wait=False),
+                            start("worker", "worker", "--port", "50061", "--model", "tiny", "--coordinators", joined,
+                                  wait=False))
         assert all(wait_until(lambda c=c: members(hosts, c).get(worker.address) is True, 30.0) for c in coordinators)
 
         def run(prompt: str) -> subprocess.Popen:
@@ -241,9 +250,9 @@ def test_a_request_through_a_partitioned_coordinator_resumes_through_the_other(t
         (expected,) = answers(out)
         assert expected.get("error") is None and len(expected["tokens"]) == 400
 
-        watch = hosts.start_python("client", CLIENT, "busy", coordinators[0])
+        watch = hosts.start_python("client", CLIENT, "watch", coordinators[0])
         running.callback(lambda: watch.poll() is None and watch.kill())
-        time.sleep(1.0)
+        assert first_line(watch, timeout_s=60.0).strip() == "watching"
         load = run(PROMPTS[2])  # the client tries coordinator-1 first
         assert first_line(watch, timeout_s=90.0).strip() == worker.address
         hosts.partition("coordinator-1")
