@@ -10,7 +10,7 @@ import pytest
 from gguf_helpers import T, as_stored, train_tokenizer, write_gguf, write_hf_folder
 from worker.model import CheckpointError, ForwardBatch, load_model
 from worker.model.dense import reference_logits
-from worker.model.gguf_file import permute_rows, unpermute_rows
+from worker.model.gguf_file import GGUFFile, _decoded, permute_rows, unpermute_rows
 from worker.model.testing import llama_config, random_tensors_for
 
 IDS = [int(t) for t in np.random.default_rng(8).integers(3, 300, 37)]
@@ -80,6 +80,30 @@ def test_k_quants_dequantize_with_ggufs_own_code(tmp_path, tok, qtype):
     want = reference_logits(hf, IDS[:9])
     assert np.isfinite(want).all()
     np.testing.assert_allclose(reference_logits(model, IDS[:9]), want, rtol=1e-6)
+
+
+def _types(value) -> list[type]:
+    return [type(v) for v in (value if isinstance(value, list) else [value])]
+
+
+def test_the_file_reads_as_ggufs_own_reader_reads_it(tmp_path, tok):
+    """GGUFFile (worker/model/gguf_file.py) against gguf.GGUFReader: every metadata value (strings,
+    string and number arrays, floats, bools) and every tensor's type, shape and data."""
+    config = _config()
+    for qtype in (T.F16, T.BF16, T.Q4_1):  # typed as float16, bytes (no NumPy type), bytes (quantized)
+        path = tmp_path / f"{qtype.name}.gguf"
+        write_gguf(path, config, random_tensors_for(config, seed=30), qtype, tok=tok, sliding_window=16)
+        ours, theirs = GGUFFile(path), gguf.GGUFReader(str(path))
+        keys = [k for k in theirs.fields if not k.startswith("GGUF.")]
+        assert list(ours.fields) == keys and {"tokenizer.ggml.tokens", "tokenizer.ggml.merges"} <= set(keys)
+        for key in keys:
+            want, got = theirs.fields[key].contents(), _decoded(ours.fields[key])
+            assert got == want and _types(got) == _types(want), key
+        assert [(t.name, t.tensor_type, t.shape) for t in ours.tensors] == \
+               [(t.name, t.tensor_type, tuple(t.shape.tolist())) for t in theirs.tensors]
+        for mine, reference in zip(ours.tensors, theirs.tensors):
+            assert mine.data.dtype == reference.data.dtype and mine.data.shape == reference.data.shape, mine.name
+            np.testing.assert_array_equal(mine.data, reference.data)
 
 
 def test_qk_permutation_is_undone():

@@ -1,8 +1,10 @@
-"""Load a GGUF file (llama.cpp's format) of the Llama family through the `gguf` package: metadata
-into a ModelConfig, tensors dequantized to float32 by gguf's own dequantizers and renamed to the
-Hugging Face names llama.py runs, the tokenizer built from `tokenizer.ggml.*`, and the chat
-template. Anything we cannot run exactly is refused with a CheckpointError naming the key, tensor
-or type at fault.
+"""Load a GGUF file (llama.cpp's format) of the Llama family: metadata into a ModelConfig, tensors
+dequantized to float32 by the `gguf` package's own dequantizers and renamed to the Hugging Face
+names llama.py runs, the tokenizer built from `tokenizer.ggml.*`, and the chat template. Anything
+we cannot run exactly is refused with a CheckpointError naming the key, tensor or type at fault.
+The file's layout is read here (GGUFFile), not by gguf's GGUFReader: that one makes a NumPy view
+of each string, over two seconds of CPU for the default model's 49k tokens and merges, which
+every worker start paid.
 
 Layout notes:
 1. GGUF lists a tensor's dimensions fastest first (ne0 = the input width); the reader gives data
@@ -20,8 +22,12 @@ Layout notes:
 from __future__ import annotations
 
 import dataclasses
+import math
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -87,32 +93,145 @@ def read_gguf(path: str | Path, with_tensors: bool = True) -> GGUFModel:
     return GGUFModel(config, tensors, tokenizer, template, meta.get("tokenizer.ggml.bos_token_id", required=False))
 
 
-def _open(path: Path):
-    import gguf
-
+def _open(path: Path) -> "GGUFFile":
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
     try:
-        return gguf.GGUFReader(str(path))
-    except (ValueError, KeyError, IndexError, TypeError, OverflowError) as e:
+        return GGUFFile(path)
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError, struct.error) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file, or truncated ({e})") from e
+
+
+class GGUFTensor(NamedTuple):
+    name: str
+    tensor_type: object          # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]       # GGUF's order, fastest dimension first (note 1)
+    data: np.ndarray             # a read-only view of the file: typed for float and integer types, else the bytes
+
+
+# GGUF metadata value types (gguf.GGUFValueType) -> struct formats; 8 is a string, 9 an array.
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_SUPPORTED_VERSIONS = (2, 3)
+_DEFAULT_ALIGNMENT = 32
+
+
+class GGUFFile:
+    """A GGUF file's metadata and tensors, read as gguf.GGUFReader reads them. `fields`: key ->
+    value, strings left as bytes (decoded by _Meta.get, so a bad one is named by its key) and
+    arrays as lists (an array of arrays flattened, as GGUFReader does); `tensors` in file order.
+    ValueError, KeyError or struct.error for a file that is not GGUF, or is truncated."""
+
+    def __init__(self, path: Path):
+        import gguf
+
+        with open(path, "rb") as file:
+            self._buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)  # ValueError when empty
+        if self._buffer[:4] != b"GGUF":
+            raise ValueError("GGUF magic invalid")
+        self._offset = 4
+        self._order = "<"
+        version = self._scalar("I")
+        if version & 0xFFFF == 0:  # written on a machine of the other byte order
+            self._order = ">"
+            version = int.from_bytes(version.to_bytes(4, "little"), "big")
+        if version not in _SUPPORTED_VERSIONS:
+            raise ValueError(f"GGUF version {version} (supported: {', '.join(map(str, _SUPPORTED_VERSIONS))})")
+        tensor_count, kv_count = self._scalar("Q"), self._scalar("Q")
+        self.fields: dict[str, object] = {}
+        types: dict[str, int] = {}
+        for _ in range(kv_count):
+            key = self._string().decode("utf-8")
+            if key in self.fields:
+                raise KeyError(f"duplicate metadata key {key}")
+            types[key] = self._scalar("I")
+            self.fields[key] = self._value(types[key])
+        infos = [self._tensor_info() for _ in range(tensor_count)]
+        alignment = self.fields.get("general.alignment", _DEFAULT_ALIGNMENT)
+        if "general.alignment" in types and types["general.alignment"] != _UINT32:
+            raise ValueError("Bad type for general.alignment field")
+        if alignment == 0 or alignment & (alignment - 1):
+            raise ValueError("Invalid alignment: must be a non-zero power of two")
+        start = -(-self._offset // alignment) * alignment
+        self.tensors = [self._tensor(gguf, start, *info) for info in infos]
+        if len({t.name for t in self.tensors}) != len(self.tensors):
+            raise ValueError("duplicated tensor names")
+
+    def _scalar(self, fmt: str):
+        (value,) = struct.unpack_from(self._order + fmt, self._buffer, self._offset)
+        self._offset += struct.calcsize(fmt)
+        return value
+
+    def _string(self) -> bytes:
+        length = self._scalar("Q")
+        end = self._offset + length
+        if end > len(self._buffer):
+            raise ValueError("a string runs past the end of the file")
+        value, self._offset = self._buffer[self._offset:end], end
+        return value
+
+    def _value(self, kind: int):
+        if kind == _STRING:
+            return self._string()
+        if kind == _ARRAY:
+            item_kind, count = self._scalar("I"), self._scalar("Q")
+            if item_kind in _SCALAR_FORMATS:  # the numbers in one read
+                fmt = f"{self._order}{count}{_SCALAR_FORMATS[item_kind]}"
+                values = list(struct.unpack_from(fmt, self._buffer, self._offset))
+                self._offset += struct.calcsize(fmt)
+                return values
+            values = []
+            for _ in range(count):
+                value = self._value(item_kind)
+                values.extend(value) if item_kind == _ARRAY else values.append(value)
+            return values
+        if kind not in _SCALAR_FORMATS:
+            raise ValueError(f"Unknown/unhandled field type {kind}")
+        return self._scalar(_SCALAR_FORMATS[kind])
+
+    def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
+        name = self._string().decode("utf-8")
+        n_dims = self._scalar("I")
+        dims = struct.unpack_from(f"{self._order}{n_dims}Q", self._buffer, self._offset)
+        self._offset += 8 * n_dims
+        return name, dims, self._scalar("I"), self._scalar("Q")
+
+    def _tensor(self, gguf, start: int, name: str, dims: tuple[int, ...], raw_type: int, offset: int) -> GGUFTensor:
+        """The tensor's data as GGUFReader gives it: float and integer types as their own dtype in
+        NumPy order, quantized ones as bytes (gguf.quant_shape_to_byte_shape)."""
+        T = gguf.GGMLQuantizationType
+        tensor_type = T(raw_type)
+        n_elements = math.prod(dims)
+        block_size, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
+        n_bytes = n_elements * type_size // block_size
+        begin = start + offset
+        if begin + n_bytes > len(self._buffer):
+            raise ValueError(f"tensor {name!r} runs past the end of the file")
+        shape = tuple(reversed(dims))
+        typed = {T.F16: "f2", T.F32: "f4", T.F64: "f8", T.I8: "i1", T.I16: "i2", T.I32: "i4", T.I64: "i8"}
+        if tensor_type in typed:
+            dtype, count = np.dtype(self._order + typed[tensor_type]), n_elements
+        else:
+            dtype, count, shape = np.uint8, n_bytes, gguf.quant_shape_to_byte_shape(shape, tensor_type)
+        data = np.frombuffer(self._buffer, dtype=dtype, count=count, offset=begin).reshape(shape)
+        return GGUFTensor(name, tensor_type, dims, data)
 
 
 class _Meta:
     """Typed access to GGUF metadata; a missing or ill-typed key is an error naming it and the file."""
 
-    def __init__(self, reader, source: str):
+    def __init__(self, reader: GGUFFile, source: str):
         self.fields, self.source = reader.fields, source
 
     def get(self, key: str, kind=int, required: bool = True, default=None):
-        field = self.fields.get(key)
-        if field is None:
+        value = self.fields.get(key)
+        if value is None:
             if required:
                 raise CheckpointError(f"{self.source}: missing metadata key {key!r}")
             return default
         try:
-            value = field.contents()
-        except (ValueError, IndexError, UnicodeDecodeError) as e:
+            value = _decoded(value)
+        except UnicodeDecodeError as e:
             raise CheckpointError(f"{self.source}: metadata key {key!r} is unreadable ({e})") from e
         ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
               float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
@@ -123,6 +242,15 @@ class _Meta:
             raise CheckpointError(f"{self.source}: metadata key {key!r} should be {kind.__name__}, "
                                   f"got {str(value)[:80]!r}")
         return kind(value) if kind in (int, float) else value
+
+
+def _decoded(value):
+    """A metadata value with its strings (GGUFFile keeps bytes) as str, UTF-8 as GGUF's are."""
+    if isinstance(value, bytes):
+        return str(value, encoding="utf-8")
+    if isinstance(value, list) and value and isinstance(value[0], bytes):
+        return [str(item, encoding="utf-8") for item in value]
+    return value
 
 
 def gguf_config(meta: _Meta) -> ModelConfig:
@@ -153,7 +281,7 @@ def gguf_config(meta: _Meta) -> ModelConfig:
         raise CheckpointError(f"{meta.source}: {a}rope.scaling.type={scaling!r} is not implemented "
                               f"(supported: none, linear)")
     tokens = meta.fields.get("tokenizer.ggml.tokens")
-    vocab = meta.get(a + "vocab_size", required=False, default=len(tokens.data) if tokens else None)
+    vocab = meta.get(a + "vocab_size", required=False, default=len(tokens) if tokens is not None else None)
     if vocab is None:
         raise CheckpointError(f"{meta.source}: missing metadata key {a + 'vocab_size'!r} and no tokenizer.ggml.tokens")
     eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -180,7 +308,7 @@ def gguf_config(meta: _Meta) -> ModelConfig:
     )
 
 
-def _read_tensors(reader, config: ModelConfig, source: str, permuted: bool) -> dict[str, np.ndarray]:
+def _read_tensors(reader: GGUFFile, config: ModelConfig, source: str, permuted: bool) -> dict[str, np.ndarray]:
     """-> {canonical name: float32} in llama.py's order; Q/K rows unpermuted if `permuted` (note 2)."""
     import gguf
 
@@ -196,7 +324,7 @@ def _read_tensors(reader, config: ModelConfig, source: str, permuted: bool) -> d
         except (NotImplementedError, ValueError) as e:
             raise CheckpointError(f"{source}: tensor {t.name!r} of type {t.tensor_type.name} "
                                   f"could not be dequantized ({e})") from e
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))   # note 1
+        shape = tuple(int(d) for d in reversed(t.shape))   # note 1
         tensors[name] = np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
     expected = tensor_shapes(config)
     for name, shape in expected.items():
