@@ -33,10 +33,12 @@ COMMANDS = (
 )
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """Every command with its options; with `only`, that command's options alone (the others
-    keep their name and help line), so a daemon or a probe starts without importing the code of
-    every other command: that took a second of each start on a busy machine."""
+def build_parser(words: list[str] | None = None) -> argparse.ArgumentParser:
+    """Every command with its options; with `words` (a command line's words that are not
+    options), the options of the command they name alone (the others keep their name and help
+    line), and of a bench the one named, so a daemon or a probe starts without importing the
+    code of every other command: that took a second of each start on a busy machine."""
+    only = words[0] if words else None
     parser = argparse.ArgumentParser(
         prog="kvcache",
         description="A distributed KV-cache service for LLM inference.",
@@ -52,7 +54,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         sub = commands.add_parser(name, help=help, description=module.__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(sub)
+        if name == "bench" and words:
+            module.add_arguments(sub, only=words[1] if len(words) > 1 else None)
+        else:
+            module.add_arguments(sub)
         if name == "node":
             _add_node_model_options(sub)
             sub.set_defaults(run=_run_node)
@@ -65,10 +70,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _command(argv: list[str]) -> str | None:
-    """The command `argv` names: its first word that is not an option (`kvcache` itself takes
-    none with a value); None when there is none, and every command is built."""
-    return next((word for word in argv if not word.startswith("-")), None)
+def _words(argv: list[str]) -> list[str]:
+    """argv's words that are not options: first the command (`kvcache` and `kvcache bench` take
+    no option with a value), then a bench's name, then whatever else."""
+    return [word for word in argv if not word.startswith("-")]
 
 
 def _add_node_model_options(parser: argparse.ArgumentParser) -> None:
@@ -165,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             argv = sys.argv[1:] if argv is None else argv
-            args = build_parser(_command(argv)).parse_args(argv)
+            args = build_parser(_words(argv)).parse_args(argv)
         except SystemExit:  # after --help: argparse hides a failed write, the flush shows it
             sys.stdout.flush()
             raise

@@ -21,12 +21,17 @@ BENCHES = [
 ]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, only: str | None = None) -> None:
+    """Every bench's options; with `only`, that bench's alone (the others by name and help), so a
+    bench does not import the code of all the others (kvcache.cli.build_parser)."""
     import importlib
 
     benches = parser.add_subparsers(dest="bench", metavar="BENCH")
     benches.required = True
     for name, summary in BENCHES:
+        if only is not None and name != only:
+            benches.add_parser(name, help=summary)
+            continue
         module = importlib.import_module(f"kvcache.bench.{name}")
         sub = benches.add_parser(name, help=summary, description=module.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
