@@ -118,6 +118,7 @@ def test_a_stalled_engine_turns_not_serving_and_ends_its_calls_unavailable(tmp_p
         with pytest.raises(WorkerError) as later:
             collect(client.generate(PROMPT, max_tokens=5))
         assert later.value.code == grpc.StatusCode.UNAVAILABLE
+        w.kill()  # its step never ends: a SIGTERM would wait out the daemon's 10 s for it (the next test does)
     assert "worker cannot serve: an engine step has run for over 2s" in (tmp_path / "worker.log").read_text()
 
 
