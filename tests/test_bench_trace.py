@@ -152,12 +152,17 @@ def test_a_bad_trace_gets_one_clear_line(tmp_path):
 
 
 def test_cost_times_every_policy_at_each_size():
-    result = run_bench("--cost", "--cost-pages", "40,400", "--policies", "prefix-lru,prefix-lfu", "--json")
+    quick = ["--cost", "--cost-pages", "40,400", "--cost-requests", "2000"]
+    result = run_bench(*quick, "--policies", "prefix-lru,prefix-lfu", "--json")
     assert result.returncode == 0, result.stderr
-    rows = json.loads(result.stdout)["results"]
+    report = json.loads(result.stdout)
+    rows = report["results"]
     assert {(r["policy"], r["pages"]) for r in rows} == {(p, n) for p in ("prefix-lru", "prefix-lfu") for n in (40, 400)}
     assert all(r["us_per_page_op"] > 0 and r["us_per_page_op_gc_paused"] > 0 for r in rows)
-    table = run_bench("--cost", "--cost-pages", "40,400", "--policies", "prefix-lru")
+    assert report["options"]["timed_requests"] == 2000
+    table = run_bench(*quick, "--policies", "prefix-lru")
     assert table.returncode == 0 and "gc paused at 400" in table.stdout, table.stderr
     bad = run_bench("--cost", "--cost-pages", "ten")
     assert bad.returncode == 2 and "--cost-pages" in bad.stderr
+    bad = run_bench("--cost", "--cost-requests", "0")
+    assert bad.returncode == 2 and "--cost-requests" in bad.stderr

@@ -56,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure each policy's cost per operation at --cost-pages instead of replaying a trace")
     parser.add_argument("--cost-pages", default="1000,10000,100000",
                         help="pool sizes for --cost, in pages (default 1000,10000,100000)")
+    parser.add_argument("--cost-requests", type=int, default=20_000,
+                        help="requests timed at each size for --cost (default 20000; fewer for a quick look)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--plot", metavar="DIR", help="also draw PNG charts into DIR (needs matplotlib: the bench extra)")
 
