@@ -23,8 +23,10 @@ from kvcache import __version__
 from kvcache.bench.report import dump_json, machine, print_table
 from kvcache.model_pages import MODELS
 from worker.engine.engine import Engine
+from worker.model import load_model
 from worker.model.blas import threads_for_rows
 
+KV_CACHE_BYTES = 64 * 2**20
 PROMPTS = [
     "The history of bread begins with wild grains ground between stones, and",
     "Once upon a time in a small village by the sea there lived a baker who",
@@ -49,10 +51,11 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        engine = Engine.load(args.model, kv_cache_bytes=64 * 2**20)
+        model = load_model(args.model)  # one model; each run below gets an engine (a KV pool) of its own
     except (ValueError, OSError) as exc:
         print(f"kvcache bench determinism: error: {exc}", file=sys.stderr)
         return 2
+    engine = Engine(model, kv_cache_bytes=KV_CACHE_BYTES)
     modes = {"seeded": {"temperature": 0.8}, "greedy": {}}
     options = {"max_new_tokens": args.tokens, "ignore_eos": True}
     reference = {(mode, i): engine.generate(p, seed=i, **modes[mode], **options)[0].token_ids
@@ -62,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         resumed = differing = 0
         for i, prompt in enumerate(PROMPTS):
             for k in np.linspace(1, args.tokens - 1, args.cuts).astype(int):
-                fresh = Engine.load(args.model, kv_cache_bytes=64 * 2**20)  # nothing cached: k tokens recomputed
+                fresh = Engine(model, kv_cache_bytes=KV_CACHE_BYTES)  # nothing cached: k tokens recomputed
                 tokens = fresh.generate(prompt, seed=i, resumed_token_ids=reference[(mode, i)][:k],
                                         **sampling, **options)[0].token_ids
                 resumed += 1
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         batched = differing = 0
         for start in range(0, len(PROMPTS), args.batch):
             group = range(start, min(start + args.batch, len(PROMPTS)))
-            fresh = Engine.load(args.model, kv_cache_bytes=64 * 2**20)
+            fresh = Engine(model, kv_cache_bytes=KV_CACHE_BYTES)
             handles = [fresh.add_request(PROMPTS[i], seed=i, **sampling, **options) for i in group]
             while any(h.completion is None for h in handles):
                 fresh.step()
