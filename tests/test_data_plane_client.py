@@ -275,6 +275,7 @@ def test_a_new_connection_reset_before_any_reply_falls_back_to_grpc_for_that_cal
         assert len(lines) == 1
         seeded.store.check_invariants()
     finally:
+        resetter.shutdown(socket.SHUT_RDWR)  # wakes the accept() waiting for a third try that does not come
         resetter.close()
         thread.join(10.0)
 
