@@ -61,6 +61,7 @@ class Hosts:
         self.addresses: dict[str, str] = {}
         self._made: list[tuple[str, ...]] = []  # what close() removes, newest first
         self._faults: set[tuple[str, ...]] = set()  # partitions (host,) and cuts (host, peer) in force
+        self._status_clients: dict[str, subprocess.Popen] = {}  # host -> its STATUS client, kept for the next polls
         try:
             _ip("netns", "add", self.switch)
             self._made.append(("netns", "del", self.switch))
@@ -88,7 +89,12 @@ class Hosts:
         self.namespaces[name], self.ports[name], self.addresses[name] = namespace, port, address
 
     def close(self) -> None:
-        """Remove what was made, by name, newest first; one failure does not stop the rest."""
+        """Stop the status clients (by pid), then remove what was made, by name, newest first; one
+        failure does not stop the rest."""
+        while self._status_clients:
+            _, process = self._status_clients.popitem()
+            process.kill()
+            process.wait(10.0)
         errors = []
         while self._made:
             command = self._made.pop()
@@ -128,6 +134,21 @@ class Hosts:
         return subprocess.Popen([*self.prefix(host), sys.executable, "-c", code, *args], stdout=stdout,
                                 stderr=stderr, text=True, stdin=stdin)
 
+    def status(self, host: str, coordinator: str, timeout_s: float = 30.0) -> dict:
+        """What `coordinator` says ({"epoch", "members"}, or {"error"} when it does not answer), asked
+        from `host` by a STATUS client left running there (started on first use, killed by its pid
+        on close): a poll then costs a call, not a Python and grpc start (~0.3 s of CPU each)."""
+        process = self._status_clients.get(host)
+        if process is None:
+            process = self._status_clients[host] = self.start_python(host, STATUS, stdin=subprocess.PIPE,
+                                                                     stderr=subprocess.DEVNULL)
+        process.stdin.write(coordinator + "\n")
+        process.stdin.flush()
+        line = first_line(process, timeout_s)
+        if not line:
+            raise TimeoutError(f"the status client on {host} did not answer within {timeout_s:.0f} s")
+        return json.loads(line)
+
     # ---- faults -----------------------------------------------------------------------
 
     def partition(self, host: str) -> None:
@@ -159,7 +180,7 @@ class Hosts:
                 self.mend(*fault)
 
 
-# A client run on a host (COORDINATOR: one address, or A,B for generate): `status COORDINATOR` prints the members as JSON, `epoch COORDINATOR` its epoch; `busy COORDINATOR` the
+# A client run on a host (COORDINATOR: one address, or A,B for generate): `busy COORDINATOR` the
 # first worker it sees running a request (none within 60 s: nothing), `watch COORDINATOR` the same
 # after a line "watching" once its first status call was answered; `generate COORDINATOR
 # PROMPTS_JSON [OPTIONS_JSON]` sends each prompt greedily in turn (options as Client.generate's,
@@ -182,12 +203,6 @@ with Client(coordinator.split(","), timeout=60.0) as client:
                 print(busy[0])
                 break
             time.sleep(0.02)
-    elif command == "status":
-        members = client.status().members
-        print(json.dumps([{"role": m.role, "address": m.address, "alive": m.alive, "outstanding": m.outstanding}
-                          for m in members]))
-    elif command == "epoch":
-        print(client.status().epoch)
     else:
         options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {"max_tokens": 8}
         for prompt in json.loads(sys.argv[3]):
@@ -254,16 +269,35 @@ for thread in running:
 """
 
 
+# A status client left running on a host (Hosts.status): a coordinator's address a line on stdin,
+# one JSON line back: {"epoch": ..., "members": {address: alive}}, or {"error": ...} when it does
+# not answer within 5 s. A channel of its own each time, as a client started anew would have.
+STATUS = """
+import json, sys
+from coordinator.client import Client
+for line in sys.stdin:
+    try:
+        with Client([line.strip()], timeout=10.0) as client:
+            status = client.status(timeout=5.0)
+        print(json.dumps({"epoch": str(status.epoch), "members": {m.address: m.alive for m in status.members}}),
+              flush=True)
+    except Exception as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+"""
+
+
 def members(hosts: Hosts, coordinator: str) -> dict[str, bool]:
     """What `coordinator` says of its members (address -> alive), asked from the host "client";
     {} when it does not answer."""
-    done = hosts.run_python("client", CLIENT, "status", coordinator, timeout_s=30.0)
-    if done.returncode != 0:
-        return {}
-    return {m["address"]: m["alive"] for m in json.loads(done.stdout)}
+    return hosts.status("client", coordinator).get("members", {})
 
 
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.5) -> bool:
+def epoch(hosts: Hosts, coordinator: str) -> str:
+    """`coordinator`'s epoch, asked from the host "client"; "" when it does not answer."""
+    return hosts.status("client", coordinator).get("epoch", "")
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from netns_bench import bench_remote_across_hosts, summary
-from netns_helpers import (CLIENT, Hosts, answers, first_line, members, started, starter, wait_until,
+from netns_helpers import (CLIENT, Hosts, answers, epoch, first_line, members, started, starter, wait_until,
                            why_no_namespaces)
 
 _NO_NAMESPACES = why_no_namespaces()
@@ -206,7 +206,7 @@ def test_coordinators_that_saw_a_partition_differently_converge_once_it_heals(tm
             start("worker", "worker", "--port", "50061", "--model", "tiny", "--coordinators", joined, wait=False))
 
         def epochs() -> list[str]:
-            return [hosts.run_python("client", CLIENT, "epoch", c, timeout_s=30.0).stdout.strip() for c in coordinators]
+            return [epoch(hosts, c) for c in coordinators]
 
         assert all(wait_until(lambda c=c: sum(members(hosts, c).values()) == 3, 30.0) for c in coordinators)
         agreed = epochs()
