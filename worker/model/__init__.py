@@ -6,6 +6,7 @@ Public surface: load_model, Model, ForwardBatch, ModelConfig, CheckpointError.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,14 +21,20 @@ from .checkpoint import ARCH_MODULES, load_checkpoint
 from .config import PRESET_SEEDS, PRESETS, CheckpointError, ModelConfig, read_config
 from .gguf_file import read_gguf
 from .init import random_tensors
+from .invariant import InvariantUnavailable, verify_invariant
 from .named import NAMED_GGUF, named_gguf_path
 from .layers import Attend, BetweenLayers, round_kv
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+
+log = logging.getLogger("worker.model")
 
 __all__ = ["load_model", "load_model_tokenizer", "read_model_config", "Model", "ForwardBatch", "ModelConfig",
            "CheckpointError", "ChatError", "KV_DTYPES", "page_bytes_of"]
 
 KV_DTYPES = {"float32": 4, "float16": 2}   # wire dtype -> bytes per element
+# Batch- and chunk-invariant numerics unless a model is loaded with invariant=False
+# (worker/model/invariant.py; README, "Numerics").
+DEFAULT_INVARIANT = True
 
 
 @dataclass
@@ -47,28 +54,40 @@ class ForwardBatch:
 
 class Model:
     def __init__(self, name: str, config: ModelConfig, tensors: dict[str, np.ndarray], tokenizer: Tokenizer,
-                 chat_template: ChatTemplate | None = None):
+                 chat_template: ChatTemplate | None = None, invariant: bool | None = None):
+        """`invariant`: a row's logits and K/V do not depend on its batch or chunking
+        (worker/model/invariant.py); None takes DEFAULT_INVARIANT. Where the BLAS here cannot give
+        it, the model says so in the log and runs without (`self.invariant` False)."""
         self.name = name
         self.config = config
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.weights_digest = weights_digest(tensors)
         self.arch = ARCH_MODULES[config.arch]
-        self.params = self.arch.build_params(tensors, config)
+        self.invariant = DEFAULT_INVARIANT if invariant is None else bool(invariant)
+        if self.invariant:
+            try:
+                verify_invariant(config)
+            except InvariantUnavailable as exc:
+                log.warning("model %s runs without invariant numerics: %s", name, exc)
+                self.invariant = False
+        self.params = self.arch.build_params(tensors, config, self.invariant)
         self.attn_scale = 1.0 / math.sqrt(config.head_dim)   # a Python float (see layers.py)
 
     def __repr__(self) -> str:
         c = self.config
         return (f"Model({self.name!r}, {c.describe()}, layers={c.n_layers}, d={c.d_model}, "
-                f"heads={c.n_heads}/{c.n_kv_heads})")
+                f"heads={c.n_heads}/{c.n_kv_heads}{', invariant' if self.invariant else ''})")
 
     def fingerprint(self, kv_dtype: str, page_tokens: int) -> bytes:
         """16 bytes that stand in for the parent key of a sequence's first page (docs/architecture.md):
-        equal only for the same architecture, config, weights, KV dtype and page size."""
+        equal only for the same architecture, config, weights, KV dtype, page size and numerics
+        (pages computed with invariant numerics are kept apart from the others')."""
         _check_kv_dtype(kv_dtype)
         h = hashlib.blake2b(digest_size=16)
+        numerics = (b"invariant-v1",) if self.invariant else ()
         for part in (b"kvcache-model-v1", self.config.to_json().encode(), self.weights_digest,
-                     kv_dtype.encode(), str(int(page_tokens)).encode()):
+                     kv_dtype.encode(), str(int(page_tokens)).encode(), *numerics):
             h.update(len(part).to_bytes(4, "little"))
             h.update(part)
         return h.digest()
@@ -99,7 +118,8 @@ class Model:
         _check_kv_dtype(kv_dtype)
         token_ids, positions, query_starts, context_lens = _validate(self.config, batch, kv_pool, kv_dtype)
         meta = AttentionMetadata.build(positions, query_starts, context_lens, batch.block_tables, kv_pool.shape,
-                                       window=self.config.sliding_window, cached_lens=batch.cached_lens)
+                                       window=self.config.sliding_window, cached_lens=batch.cached_lens,
+                                       invariant=self.invariant)
         scale = self.attn_scale
 
         rounding = kv_dtype if kv_pool.dtype == np.float32 else "float32"   # a float16 pool rounds as it stores
@@ -113,24 +133,24 @@ class Model:
         return self.run(token_ids, positions, attend, head_rows, between_layers)
 
 
-def load_model(name_or_path: str) -> Model:
+def load_model(name_or_path: str, invariant: bool | None = None) -> Model:
     """A preset ("tiny", "gpt2-small-shape"), a named model ("smollm2-135m"), a GGUF file or a
-    Hugging Face checkpoint folder."""
+    Hugging Face checkpoint folder; `invariant` as for Model."""
     if name_or_path in PRESETS:
         config = PRESETS[name_or_path]
         shapes = ARCH_MODULES[config.arch].tensor_shapes(config)
         tensors = random_tensors(shapes, config, PRESET_SEEDS[name_or_path])
-        return Model(name_or_path, config, tensors, ByteTokenizer(config.eos_token_id))
+        return Model(name_or_path, config, tensors, ByteTokenizer(config.eos_token_id), invariant=invariant)
     gguf_path = _gguf_path(name_or_path)
     if gguf_path is not None:
-        return _load_gguf(gguf_path, name_or_path if name_or_path in NAMED_GGUF else gguf_path.stem)
+        return _load_gguf(gguf_path, name_or_path if name_or_path in NAMED_GGUF else gguf_path.stem, invariant)
     folder = Path(name_or_path)
     if not folder.exists():
         raise CheckpointError(f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}), a named model "
                               f"({', '.join(NAMED_GGUF)}), a .gguf file nor an existing folder")
     config, tensors = load_checkpoint(folder)
     tokenizer = load_tokenizer(folder, config.eos_token_id, config.vocab_size)
-    return Model(folder.name or str(folder), config, tensors, tokenizer, folder_chat_template(folder))
+    return Model(folder.name or str(folder), config, tensors, tokenizer, folder_chat_template(folder), invariant)
 
 
 def read_model_config(name_or_path: str) -> ModelConfig:
@@ -150,14 +170,14 @@ def _gguf_path(name_or_path: str) -> Path | None:
     return path if path.suffix.lower() == ".gguf" else None
 
 
-def _load_gguf(path: Path, name: str) -> Model:
+def _load_gguf(path: Path, name: str, invariant: bool | None = None) -> Model:
     g = read_gguf(path)
     tokenizer = HFTokenizer(g.tokenizer, g.config.eos_token_id)
     template = None
     if g.chat_template:
         bos = g.tokenizer.id_to_token(g.bos_token_id) if g.bos_token_id is not None else None
         template = ChatTemplate(g.chat_template, bos or "", g.tokenizer.id_to_token(g.config.eos_token_id) or "")
-    return Model(name, g.config, g.tensors, tokenizer, template)
+    return Model(name, g.config, g.tensors, tokenizer, template, invariant)
 
 
 def load_model_tokenizer(name_or_path: str) -> Tokenizer:

@@ -34,6 +34,11 @@ Notes:
    worker/kv/half.py converts into the float32 one: NumPy's matmul has no fast float16 path, and its
    own float16 cast runs element by element. The conversion is exact, so the scores are those of a
    float32 pool holding the same rounded values. New K/V are rounded by the assignment into the pool.
+8. Invariant numerics (worker/model/invariant.py notes 3, 4): a query's scores, softmax and
+   weighted values are summed in one order whatever its step holds. Keys are gathered in whole
+   tiles of KEY_TILE from a tile boundary (a window's first block is rounded down to one), and
+   a decode's queries of a KV head are at least two rows (one would go to the matrix-vector
+   kernel).
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ import numpy as np
 
 from worker.kv.half import float16_to_float32
 from worker.kv.window import first_read_block
+
+from .invariant import (KEY_TILE, QK_ROWS, decode_scores, padded_keys, prefill_scores, tile_sums,
+                        weighted_values)
 
 # Largest score matrix a prefill builds at once (floats): 16 MiB. Also keeps chunks short enough
 # that skipping keys after a chunk's last query saves most of the causal triangle.
@@ -87,14 +95,17 @@ class GatherPlan:
 
 
 def _plan(tables: list[np.ndarray], first_blocks: list[int], n_blocks: list[int],
-          pool_shape: tuple[int, ...]) -> GatherPlan:
-    """Rows of blocks table[first:n] of each sequence, padded to the longest run."""
+          pool_shape: tuple[int, ...], min_blocks: int = 0, readable: list[int] | None = None) -> GatherPlan:
+    """Rows of blocks table[first:n] of each sequence, padded to the longest run (or min_blocks).
+    Blocks before readable[i] (a window's, note 8) are read as that one: their keys are hidden."""
     _, n_layers, _, KV, _, _ = pool_shape
-    MB = max(n - f for f, n in zip(first_blocks, n_blocks))
+    MB = max(min_blocks, max(n - f for f, n in zip(first_blocks, n_blocks)))
     padded = np.empty((len(tables), MB), dtype=np.int64)
     for i, (table, first, nb) in enumerate(zip(tables, first_blocks, n_blocks)):
         padded[i, : nb - first] = table[first:nb]
         padded[i, nb - first:] = table[first]
+        if readable is not None and readable[i] > first:
+            padded[i, : readable[i] - first] = table[readable[i]]
     kv_and_head = (np.arange(2)[:, None] * KV + np.arange(KV)[None, :])          # [2, KV]
     rows = (padded[:, None, None, :] * n_layers) * (2 * KV) + kv_and_head[None, :, :, None]
     return GatherPlan(rows, 2 * KV)
@@ -130,12 +141,17 @@ class AttentionMetadata:
     half_scratch: np.ndarray | None = None   # a float16 pool's rows before their conversion (note 7)
     window: int | None = None   # sliding window: a query at p sees keys at p - window < j <= p
     written: np.ndarray | None = None   # rows whose K/V is stored; None: every row (cached_lens)
+    invariant: bool = False     # invariant numerics (note 8)
 
     @classmethod
     def build(cls, positions: np.ndarray, query_starts: np.ndarray, context_lens: np.ndarray,
               block_tables: list[np.ndarray], pool_shape: tuple[int, ...],
-              window: int | None = None, cached_lens: np.ndarray | None = None) -> "AttentionMetadata":
+              window: int | None = None, cached_lens: np.ndarray | None = None,
+              invariant: bool = False) -> "AttentionMetadata":
         P = pool_shape[4]
+        if invariant and window is not None and KEY_TILE % P:
+            raise ValueError(f"invariant numerics with a sliding window need pages that divide {KEY_TILE} tokens, "
+                             f"got {P}")
         counts = np.diff(query_starts)
         written = None
         if cached_lens is not None:   # positions a cached page holds already are not written
@@ -146,7 +162,11 @@ class AttentionMetadata:
             rows = slice(int(query_starts[s]), int(query_starts[s + 1]))
             slot_blocks[rows] = np.asarray(block_tables[s])[positions[rows] // P]
         n_blocks = [int(n) for n in (np.asarray(context_lens) + P - 1) // P]
-        first = [first_read_block(int(positions[query_starts[s]]), window, P) for s in range(len(context_lens))]
+        readable = [first_read_block(int(positions[query_starts[s]]), window, P) for s in range(len(context_lens))]
+        first = [f // (KEY_TILE // P) * (KEY_TILE // P) for f in readable] if invariant and window else readable
+
+        def tile_blocks(runs: list[int]) -> int:   # blocks that hold whole tiles of keys (note 8)
+            return -(-padded_keys(max(runs) * P) // P) if invariant else 0
 
         groups = []
         decode_seqs = sorted(np.flatnonzero(counts == 1), key=lambda s: first[s] - n_blocks[s])
@@ -157,11 +177,12 @@ class AttentionMetadata:
                     total + n_blocks[decode_seqs[0]] - first[decode_seqs[0]]):
                 total += n_blocks[decode_seqs[0]] - first[decode_seqs[0]]
                 group.append(decode_seqs.pop(0))
+            runs = [n_blocks[s] - first[s] for s in group]
             plan = _plan([np.asarray(block_tables[s]) for s in group], [first[s] for s in group],
-                         [n_blocks[s] for s in group], pool_shape)
-            MB = plan.rows.shape[3]
+                         [n_blocks[s] for s in group], pool_shape, tile_blocks(runs), [readable[s] for s in group])
+            n_keys = padded_keys(max(runs) * P) if invariant else plan.rows.shape[3] * P
             # absolute position of each gathered key; the query is at lens - 1
-            key_positions = np.asarray([first[s] * P for s in group])[:, None] + np.arange(MB * P)[None, :]
+            key_positions = np.asarray([first[s] * P for s in group])[:, None] + np.arange(n_keys)[None, :]
             lens = np.asarray(context_lens)[group][:, None]
             hidden = key_positions >= lens
             if window is not None:
@@ -172,10 +193,12 @@ class AttentionMetadata:
         prefills = []
         for s in np.flatnonzero(counts > 1):
             start, end = int(query_starts[s]), int(query_starts[s + 1])
-            plan = _plan([np.asarray(block_tables[s])], [first[s]], [n_blocks[s]], pool_shape)
+            plan = _plan([np.asarray(block_tables[s])], [first[s]], [n_blocks[s]], pool_shape,
+                         tile_blocks([n_blocks[s] - first[s]]), [readable[s]])
             prefills.append(PrefillSeq(start, end, int(context_lens[s]), positions[start:end], plan, first[s] * P))
         sizes = [g.plan.rows.size for g in groups] + [p.plan.rows.size for p in prefills]
-        return cls(slot_blocks, positions % P, groups, prefills, max(sizes), window=window, written=written)
+        return cls(slot_blocks, positions % P, groups, prefills, max(sizes), window=window, written=written,
+                   invariant=invariant)
 
 
 def write_kv(kv_pool: np.ndarray, layer: int, meta: AttentionMetadata, k: np.ndarray, v: np.ndarray) -> None:
@@ -194,14 +217,17 @@ def paged_attention(q: np.ndarray, kv_pool: np.ndarray, layer: int, meta: Attent
                     scale: float) -> np.ndarray:
     """Attention of new queries over their sequences' pages. q [T, n_heads, hd] -> [T, n_heads, hd]."""
     out = np.empty_like(q)
+    decode = _decode_invariant if meta.invariant else _decode
     for group in meta.decode_groups:
-        out[group.rows] = _decode(q[group.rows], kv_pool, layer, meta, group, scale)
+        out[group.rows] = decode(q[group.rows], kv_pool, layer, meta, group, scale)
     for seq in meta.prefills:
         kv = seq.plan.gather(kv_pool, layer, meta)[0]         # [2, KV, nb*P, hd] from first_position on
         n = seq.context_len - seq.first_position
+        if meta.invariant:
+            n = padded_keys(n)
         k, v = kv[0, :, :n], kv[1, :, :n]
         out[seq.start:seq.end] = causal_attention(q[seq.start:seq.end], k, v, seq.positions - seq.first_position,
-                                                  scale, meta.window)
+                                                  scale, meta.window, meta.invariant)
     return out
 
 
@@ -221,11 +247,37 @@ def _decode(q: np.ndarray, kv_pool: np.ndarray, layer: int, meta: AttentionMetad
     return out.reshape(S, H, hd)
 
 
+def _decode_invariant(q: np.ndarray, kv_pool: np.ndarray, layer: int, meta: AttentionMetadata,
+                      group: DecodeGroup, scale: float) -> np.ndarray:
+    """_decode in invariant numerics (note 8): the same math, each sum in a fixed order."""
+    S, H, hd = q.shape
+    L = group.bias.shape[1]                                            # whole tiles of keys
+    k = group.plan.gather(kv_pool, layer, meta, KEYS)[:, 0, :, :L]     # [S, KV, L, hd]
+    KV = k.shape[1]
+    G = H // KV
+    qs = np.empty((S, KV, max(G, 2), hd), dtype=q.dtype)               # two rows at least
+    np.multiply(q.reshape(S, KV, G, hd), scale, out=qs[:, :, :G])
+    if G == 1:
+        qs[:, :, 1] = qs[:, :, 0]
+    scores = np.empty(qs.shape[:3] + (L,), dtype=np.float32)
+    decode_scores(qs, k, scores)
+    scores += group.bias[:, None, None, :]
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    denom = tile_sums(scores)
+    v = group.plan.gather(kv_pool, layer, meta, VALUES)[:, 0, :, :L]  # overwrites k
+    out = weighted_values(scores, v)                                   # [S, KV, G', hd]
+    out /= denom
+    return out[:, :, :G].reshape(S, H, hd)
+
+
 def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray,
-                     scale: float, window: int | None = None) -> np.ndarray:
+                     scale: float, window: int | None = None, invariant: bool = False) -> np.ndarray:
     """Queries q [n, H, hd] at increasing q_positions over one sequence's keys/values k, v
     [KV, ctx, hd] (position j at index j), causal (and within `window` when given). Used by paged
-    prefill and the dense runner."""
+    prefill and the dense runner. Invariant numerics (note 8) need ctx in whole tiles of keys."""
+    if invariant:
+        return _causal_invariant(q, k, v, q_positions, scale, window)
     n, H, hd = q.shape
     KV, ctx, _ = k.shape
     G = H // KV
@@ -249,6 +301,39 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: n
         o = np.matmul(weights.reshape(KV, G * m, keys), v[:, :keys]).reshape(KV, G, m, hd)
         o /= denom
         out[lo:hi] = o.transpose(2, 0, 1, 3)
+    return out.reshape(n, H, hd)
+
+
+def _causal_invariant(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray,
+                      scale: float, window: int | None) -> np.ndarray:
+    """causal_attention in invariant numerics (note 8); query rows (head, position) padded to QK_ROWS."""
+    n, H, hd = q.shape
+    KV, ctx, _ = k.shape
+    G = H // KV
+    out = np.empty((n, KV, G, hd), dtype=q.dtype)
+    chunk = max(1, min(PREFILL_QUERY_CHUNK, MAX_SCORE_ELEMENTS // (H * ctx)))
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        m = hi - lo
+        keys = min(ctx, padded_keys(int(q_positions[hi - 1]) + 1))   # whole tiles up to the chunk's last query
+        rows = -(-G * m // QK_ROWS) * QK_ROWS
+        qc = np.zeros((KV, rows, hd), dtype=q.dtype)
+        np.multiply(q[lo:hi].reshape(m, KV, G, hd).transpose(1, 2, 0, 3), scale,
+                    out=qc[:, :G * m].reshape(KV, G, m, hd))
+        scores = np.empty((KV, rows, keys), dtype=np.float32)
+        prefill_scores(qc, k[:, :keys], scores)
+        real = scores[:, :G * m].reshape(KV, G, m, keys)
+        masked = 0 if window is not None and keys > window else int(q_positions[lo]) + 1
+        if masked < keys:
+            j, p = np.arange(masked, keys)[None, :], q_positions[lo:hi, None]
+            hidden = j > p if window is None else (j > p) | (j <= p - window)
+            real[..., masked:] += np.where(hidden, np.float32(-np.inf), np.float32(0))
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        denom = tile_sums(scores)
+        o = weighted_values(scores, v[:, :keys])                      # [KV, rows, hd]
+        o /= denom
+        out[lo:hi] = o[:, :G * m].reshape(KV, G, m, hd).transpose(2, 0, 1, 3)
     return out.reshape(n, H, hd)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import ModelConfig
+from .invariant import Linear, TiedEmbedding
 from .layers import Attend, BetweenLayers, gelu_tanh_, layer_norm
 
 # Buffers some GPT-2 checkpoints carry that are not weights (the causal mask).
@@ -38,6 +39,7 @@ def tensor_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# Weight matrices are arrays [in, out], or Linear (the same, with batch-invariant rows) when invariant.
 @dataclass
 class Block:
     ln_1_g: np.ndarray       # [d]
@@ -56,25 +58,29 @@ class Block:
 
 @dataclass
 class Params:
-    wte: np.ndarray          # [vocab, d]
+    wte: np.ndarray          # [vocab, d] (rows read from lm_head when tied and invariant)
     wpe: np.ndarray          # [max_positions, d]
     blocks: list[Block]
     ln_f_g: np.ndarray
     ln_f_b: np.ndarray
-    head: np.ndarray         # [vocab, d]: wte when tied
+    lm_head: np.ndarray      # [d, vocab]: wte.T when tied
 
 
-def build_params(t: dict[str, np.ndarray], c: ModelConfig) -> Params:
+def build_params(t: dict[str, np.ndarray], c: ModelConfig, invariant: bool = False) -> Params:
+    linear = Linear if invariant else (lambda w: w)
     blocks = []
     for i in range(c.n_layers):
         h = f"h.{i}."
         blocks.append(Block(
-            t[h + "ln_1.weight"], t[h + "ln_1.bias"], t[h + "attn.c_attn.weight"], t[h + "attn.c_attn.bias"],
-            t[h + "attn.c_proj.weight"], t[h + "attn.c_proj.bias"], t[h + "ln_2.weight"], t[h + "ln_2.bias"],
-            t[h + "mlp.c_fc.weight"], t[h + "mlp.c_fc.bias"], t[h + "mlp.c_proj.weight"], t[h + "mlp.c_proj.bias"],
+            t[h + "ln_1.weight"], t[h + "ln_1.bias"], linear(t[h + "attn.c_attn.weight"]), t[h + "attn.c_attn.bias"],
+            linear(t[h + "attn.c_proj.weight"]), t[h + "attn.c_proj.bias"], t[h + "ln_2.weight"], t[h + "ln_2.bias"],
+            linear(t[h + "mlp.c_fc.weight"]), t[h + "mlp.c_fc.bias"], linear(t[h + "mlp.c_proj.weight"]),
+            t[h + "mlp.c_proj.bias"],
         ))
     head = t["wte.weight"] if c.tie_word_embeddings else t["lm_head.weight"]
-    return Params(t["wte.weight"], t["wpe.weight"], blocks, t["ln_f.weight"], t["ln_f.bias"], head)
+    lm_head = linear(head.T)
+    wte = TiedEmbedding(lm_head) if invariant and c.tie_word_embeddings else t["wte.weight"]
+    return Params(wte, t["wpe.weight"], blocks, t["ln_f.weight"], t["ln_f.bias"], lm_head)
 
 
 def attention_block(x: np.ndarray, b: Block, c: ModelConfig, layer: int, attend: Attend) -> np.ndarray:
@@ -111,4 +117,4 @@ def forward(p: Params, c: ModelConfig, token_ids: np.ndarray, positions: np.ndar
     if head_rows is not None:
         x = x[head_rows]
     x = layer_norm(x, p.ln_f_g, p.ln_f_b, c.norm_eps)
-    return x @ p.head.T                                      # [rows, vocab]
+    return x @ p.lm_head                                     # [rows, vocab]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import ModelConfig
+from .invariant import Linear, TiedEmbedding
 from .layers import Attend, BetweenLayers, rms_norm, silu_
 
 # Buffers older Llama checkpoints carry that are recomputed from the config.
@@ -45,6 +46,7 @@ def tensor_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# Weight matrices are arrays [in, out], or Linear (the same, with batch-invariant rows) when invariant.
 @dataclass
 class Block:
     attn_norm: np.ndarray    # [d]
@@ -58,31 +60,34 @@ class Block:
 
 @dataclass
 class Params:
-    embed: np.ndarray        # [vocab, d]
+    embed: np.ndarray        # [vocab, d] (rows read from lm_head when tied and invariant)
     blocks: list[Block]
     norm: np.ndarray         # [d]
-    head: np.ndarray         # [vocab, d]: embed when tied
+    lm_head: np.ndarray      # [d, vocab]: embed.T when tied
     inv_freq: np.ndarray     # [hd / 2] float64 RoPE frequencies (after any scaling)
 
 
-def build_params(t: dict[str, np.ndarray], c: ModelConfig) -> Params:
+def build_params(t: dict[str, np.ndarray], c: ModelConfig, invariant: bool = False) -> Params:
+    linear = Linear if invariant else (lambda w: w)
     blocks = []
     for i in range(c.n_layers):
         pre = f"layers.{i}."
         attn, mlp_ = pre + "self_attn.", pre + "mlp."
         blocks.append(Block(
             attn_norm=t[pre + "input_layernorm.weight"],
-            w_qkv=np.concatenate([t[attn + "q_proj.weight"].T, t[attn + "k_proj.weight"].T,
-                                  t[attn + "v_proj.weight"].T], axis=1),
-            w_o=np.ascontiguousarray(t[attn + "o_proj.weight"].T),
+            w_qkv=linear(np.concatenate([t[attn + "q_proj.weight"].T, t[attn + "k_proj.weight"].T,
+                                         t[attn + "v_proj.weight"].T], axis=1)),
+            w_o=linear(np.ascontiguousarray(t[attn + "o_proj.weight"].T)),
             mlp_norm=t[pre + "post_attention_layernorm.weight"],
-            w_gate_up=np.concatenate([t[mlp_ + "gate_proj.weight"].T, t[mlp_ + "up_proj.weight"].T], axis=1),
-            w_down=np.ascontiguousarray(t[mlp_ + "down_proj.weight"].T),
+            w_gate_up=linear(np.concatenate([t[mlp_ + "gate_proj.weight"].T, t[mlp_ + "up_proj.weight"].T], axis=1)),
+            w_down=linear(np.ascontiguousarray(t[mlp_ + "down_proj.weight"].T)),
             b_qkv=np.concatenate([t[attn + "q_proj.bias"], t[attn + "k_proj.bias"],
                                   t[attn + "v_proj.bias"]]) if c.qkv_bias else None,
         ))
     head = t["embed_tokens.weight"] if c.tie_word_embeddings else t["lm_head.weight"]
-    return Params(t["embed_tokens.weight"], blocks, t["norm.weight"], head, rope_inv_freq(c))
+    lm_head = linear(head.T)
+    embed = TiedEmbedding(lm_head) if invariant and c.tie_word_embeddings else t["embed_tokens.weight"]
+    return Params(embed, blocks, t["norm.weight"], lm_head, rope_inv_freq(c))
 
 
 def rope_inv_freq(c: ModelConfig) -> np.ndarray:
@@ -163,4 +168,4 @@ def forward(p: Params, c: ModelConfig, token_ids: np.ndarray, positions: np.ndar
     if head_rows is not None:
         x = x[head_rows]
     x = rms_norm(x, p.norm, c.norm_eps)
-    return x @ p.head.T                                      # [rows, vocab]
+    return x @ p.lm_head                                     # [rows, vocab]

@@ -1,0 +1,319 @@
+"""Batch- and chunk-invariant numerics: a row's result depends on that row alone.
+
+OpenBLAS sums a product's elements in an order that depends on the product's shape: one row goes
+to a matrix-vector kernel, small products to small-matrix kernels, large ones to the packed
+kernel, each with an order of its own. The same token then gets other last bits in another chunk,
+beside other requests, or fetched from a cache that another chunking filled. Here every product is
+cut so that each element is summed in one order, whatever runs it; `verify` checks it at load.
+
+Design notes
+1. Weight products (`Linear`). The packed kernel sums each element as an FMA chain over blocks of
+   the inner dimension K (`k_blocks`: found by calibration, OpenBLAS's own rule) and adds the
+   blocks' chains in order; the small-matrix kernel chains all of K at once, and the
+   matrix-vector kernel (one row) sums otherwise. So a product the small kernel would take is
+   run block by block, the blocks added in the same order, and one row is run as two.
+2. Weights are kept in panels of 64 output columns, [panels, K, 64]: every call has 64 columns (a
+   multiple of the kernels' 16-float vectors, which keeps the small kernel on its chain) and a
+   panel's rows lie 256 bytes apart, which the prefetcher follows: one row then costs what a
+   matrix-vector product costs (a whole-width weight walked that way ran 2x slower).
+3. Attention scores q.k run in calls of at most 1,200 query rows x keys, keys a multiple of 16:
+   OpenBLAS's small kernel for q @ k.T then takes every call and sums each score in one order
+   (16 lanes, then the same tree), for a decode step and a prefill chunk alike.
+4. Softmax denominators and the weighted sum of values run over tiles of KEY_TILE keys at fixed
+   positions (0, KEY_TILE, ...): within a tile one chain (a product whose K is the tile) or
+   NumPy's pairwise sum of a fixed length, then the tiles in order. Keys past a query are
+   weighted 0 and add exactly nothing, so the number of keys gathered does not matter.
+5. Everything else a forward does (norms, RoPE, activations, exp) is elementwise or a reduction
+   over one row of fixed length: already invariant; `verify` and the tests hold it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import numpy as np
+
+log = logging.getLogger("worker.model")
+
+PANEL = 64                 # output columns per weight panel (note 2)
+SMALL_MNK = 1_000_000      # OpenBLAS sends products of up to this many M*N*K to its small kernels
+QK_CALL = 1200             # query rows x keys its small kernel takes for q @ k.T (note 3)
+QK_ROWS, QK_KEYS = 16, 64  # a prefill's score tiles
+KEY_TILE = 256             # keys summed as one chain in softmax and values (note 4)
+_Q_CANDIDATES = (448, 384, 256, 512, 320, 640, 192, 768, 128, 1024, 96, 64)
+_U_CANDIDATES = (16, 8, 4, 32, 2, 1)
+
+
+class InvariantUnavailable(RuntimeError):
+    """The BLAS here does not sum as notes 1-4 need (another library or kernel)."""
+
+
+class Linear:
+    """x @ w with rows independent of each other and of how many there are (notes 1, 2).
+    `x @ linear` works as for the array; `linear.weight()` gives the [K, N] array back."""
+
+    __array_ufunc__ = None  # NumPy defers `x @ linear` to __rmatmul__
+
+    def __init__(self, w: np.ndarray):
+        K, N = w.shape
+        n_panels = -(-N // PANEL)
+        self.panels = np.zeros((n_panels, K, PANEL), dtype=np.float32)
+        for p in range(n_panels):
+            cols = w[:, p * PANEL:(p + 1) * PANEL]
+            self.panels[p, :, :cols.shape[1]] = cols
+        self.shape = (K, N)
+        self.blocks, self.packed_splits = k_blocks(K)
+
+    @property
+    def T(self):
+        raise TypeError("Linear has no transpose; build one from the transposed array")
+
+    def weight(self) -> np.ndarray:
+        K, N = self.shape
+        return self.panels.transpose(1, 0, 2).reshape(K, -1)[:, :N]
+
+    def rows_of_transpose(self, ids: np.ndarray) -> np.ndarray:
+        """weight().T[ids] without building it (a tied embedding's lookup)."""
+        ids = np.asarray(ids)
+        return self.panels[ids // PANEL, :, ids % PANEL]
+
+    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
+        K, N = self.shape
+        if x.ndim != 2 or x.shape[1] != K:
+            raise ValueError(f"Linear {self.shape} cannot take x of shape {x.shape}")
+        M = x.shape[0]
+        if M == 1:  # never the matrix-vector kernel (note 1)
+            x = np.concatenate([x, x])
+        rows = x.shape[0]
+        n_panels = self.panels.shape[0]
+        out = np.empty((rows, n_panels * PANEL), dtype=np.float32)
+        view = out.reshape(rows, n_panels, PANEL).transpose(1, 0, 2)   # [panels, rows, 64], written in place
+        if self.packed_splits and rows * K * PANEL > SMALL_MNK:
+            np.matmul(x, self.panels, out=view)   # the packed kernel splits K as k_blocks says
+        else:
+            _blockwise(x, self.panels, self.blocks, view)
+        if M != rows or out.shape[1] != N:
+            out = out[:M, :N]
+        return out
+
+
+def _blockwise(x: np.ndarray, panels: np.ndarray, blocks, view: np.ndarray) -> None:
+    """view = sum over K blocks, in order, of each block's product (note 1)."""
+    (a, b), rest = blocks[0], blocks[1:]
+    np.matmul(x[:, a:b], panels[:, a:b], out=view)
+    if rest:
+        part = np.empty_like(view)
+        for a, b in rest:
+            np.matmul(x[:, a:b], panels[:, a:b], out=part)
+            view += part
+
+
+class TiedEmbedding:
+    """Embedding rows read from the head's panels (a tied model keeps one copy of the table)."""
+
+    def __init__(self, head: Linear):
+        self.head = head
+
+    def __getitem__(self, ids) -> np.ndarray:
+        return self.head.rows_of_transpose(ids)
+
+
+def _rule(K: int, Q: int, U: int, threaded: bool) -> tuple[tuple[int, int], ...]:
+    """OpenBLAS's split of K (driver/level3/level3.c, level3_thread.c)."""
+    blocks, start = [], 0
+    while start < K:
+        n = K - start
+        if n >= 2 * Q:
+            n = Q
+        elif n > Q:
+            n = (n + 1) // 2 if threaded else (n // 2 + U - 1) // U * U
+        blocks.append((start, start + n))
+        start += n
+    return tuple(blocks)
+
+
+@functools.lru_cache(maxsize=None)
+def k_blocks(K: int) -> tuple[tuple[tuple[int, int], ...], bool]:
+    """(blocks, packed_splits): the K blocks whose chains a product adds, and whether the packed
+    kernel splits K that way itself (on one thread and on several). When no rule fits, blocks of
+    128 and every product block by block (slower, still invariant)."""
+    rng = np.random.default_rng(K)
+    panel = rng.standard_normal((1, K, PANEL), dtype=np.float32)
+    rows = max(SMALL_MNK // (K * PANEL) + 2, 64) // 2 * 2   # even: _chained takes rows two by two
+    x = rng.standard_normal((rows, K), dtype=np.float32)
+    packed = []
+    for threads in _thread_counts():
+        with _threads(threads):
+            packed.append(np.matmul(x, panel)[0])
+    candidates = dict.fromkeys(_rule(K, q, u, t) for q in _Q_CANDIDATES for u in _U_CANDIDATES for t in (False, True))
+    for blocks in candidates:
+        if max(b - a for a, b in blocks) > 1024:
+            continue
+        chained = _chained(x, panel, blocks)
+        if all(np.array_equal(p, chained) for p in packed):
+            return blocks, True
+    fallback = _rule(K, 128, 16, False)
+    log.info("the packed BLAS kernel splits K=%d by no known rule: its products run in blocks of 128", K)
+    return fallback, False
+
+
+def _chained(x: np.ndarray, panel: np.ndarray, blocks) -> np.ndarray:
+    """x @ panel[0] as block chains added in order, two rows per call (the small kernel's chain)."""
+    out = np.empty((x.shape[0], PANEL), dtype=np.float32)
+    for r in range(0, x.shape[0] - 1, 2):
+        view = out[r:r + 2][None]
+        _blockwise(x[r:r + 2], panel, blocks, view)
+    return out
+
+
+def _thread_counts() -> list[int]:
+    from .blas import _blas_controller
+
+    most = max((lib.num_threads for lib in _blas_controller().select(user_api="blas").lib_controllers), default=1)
+    return sorted({1, min(2, max(most, os.cpu_count() or 1))})
+
+
+def _threads(count: int):
+    from .blas import _blas_controller
+
+    return _blas_controller().limit(limits=count, user_api="blas")
+
+
+# ----------------------------------------------------------------------------- attention (notes 3, 4)
+
+def decode_scores(q: np.ndarray, k: np.ndarray, out: np.ndarray) -> None:
+    """q [..., G, hd] (G >= 2) . k [..., L, hd] -> out [..., G, L]; L a multiple of 16."""
+    G, L = q.shape[-2], k.shape[-2]
+    step = QK_CALL // G // 16 * 16
+    for a in range(0, L, step):
+        np.matmul(q, k[..., a:a + step, :].swapaxes(-1, -2), out=out[..., a:a + step])
+
+
+def prefill_scores(q: np.ndarray, k: np.ndarray, out: np.ndarray) -> None:
+    """q [KV, R, hd] (R a multiple of QK_ROWS) . k [KV, L, hd] (L a multiple of QK_KEYS) -> out
+    [KV, R, L], in tiles of QK_ROWS x QK_KEYS (a NumPy call per column of tiles)."""
+    KV, R, hd = q.shape
+    rows = q.reshape(KV, R // QK_ROWS, QK_ROWS, hd)
+    tiles = out.reshape(KV, R // QK_ROWS, QK_ROWS, out.shape[-1])
+    for a in range(0, k.shape[1], QK_KEYS):
+        np.matmul(rows, k[:, None, a:a + QK_KEYS].swapaxes(-1, -2), out=tiles[..., a:a + QK_KEYS])
+
+
+def tile_sums(w: np.ndarray) -> np.ndarray:
+    """[..., L] (L a multiple of KEY_TILE) -> [..., 1]: each tile's pairwise sum, then the tiles in order."""
+    parts = w.reshape(*w.shape[:-1], -1, KEY_TILE).sum(axis=-1)
+    total = parts[..., :1].copy()
+    for t in range(1, parts.shape[-1]):
+        total += parts[..., t:t + 1]
+    return total
+
+
+def weighted_values(w: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """w [..., R, L] @ v [..., L, hd] -> [..., R, hd]: each tile's product (a chain over its keys), then
+    the tiles in order. R >= 2; hd is padded to a multiple of 16 when its rest is 1..8 (the small
+    kernel's other path)."""
+    L, hd = v.shape[-2], v.shape[-1]
+    if 0 < hd % 16 <= 8:
+        padded = np.zeros(v.shape[:-1] + (hd + 16 - hd % 16,), dtype=np.float32)
+        padded[..., :hd] = v
+        return weighted_values(w, padded)[..., :hd]
+    total = np.matmul(w[..., :KEY_TILE], v[..., :KEY_TILE, :])
+    if L > KEY_TILE:
+        part = np.empty_like(total)
+        for a in range(KEY_TILE, L, KEY_TILE):
+            np.matmul(w[..., a:a + KEY_TILE], v[..., a:a + KEY_TILE, :], out=part)
+            total += part
+    return total
+
+
+def padded_keys(n: int) -> int:
+    """Keys a step gathers for n: whole tiles."""
+    return -(-n // KEY_TILE) * KEY_TILE
+
+
+# ----------------------------------------------------------------------------- the check at load
+
+def verify_invariant(config) -> None:
+    """Raise InvariantUnavailable unless this machine's BLAS and NumPy give a row the same bits in
+    every batch and chunk shape the forward uses (random data: products of the model's inner
+    dimensions, attention with its heads, norms and activations). A few tens of ms."""
+    c = config
+    for K in sorted({c.d_model, c.d_ff, c.n_heads * c.head_dim}):
+        _check_products(K)
+    with _threads(1):   # as the forward's attention runs (blas.py)
+        _check_attention(c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim)
+    _check_rows(c.d_model)
+
+
+@functools.lru_cache(maxsize=None)
+def _check_products(K: int) -> None:
+    rng = np.random.default_rng(K + 1)
+    linear = Linear(rng.standard_normal((K, 2 * PANEL), dtype=np.float32))
+    m0 = SMALL_MNK // (K * PANEL)
+    sizes = sorted({1, 2, 3, 5, 8, 17, max(1, m0), m0 + 1, 2 * m0 + 5})
+    x = rng.standard_normal((sizes[-1] + 1, K), dtype=np.float32)
+    want = np.concatenate([_chained(x[:x.shape[0] // 2 * 2], linear.panels[p:p + 1], linear.blocks)
+                           for p in range(2)], axis=1)
+    for M in sizes:
+        for threads in _thread_counts():
+            with _threads(threads):
+                got = x[1:M + 1] @ linear
+            if not np.array_equal(got, want[1:M + 1]):
+                raise InvariantUnavailable(f"a product of {M} rows over K={K} sums in another order "
+                                           f"on {threads} BLAS thread(s)")
+
+
+@functools.lru_cache(maxsize=None)
+def _check_attention(n_kv: int, group: int, hd: int) -> None:
+    """Three sequences computed whole, in chunks, and their last tokens as one decode step."""
+    from .attention import AttentionMetadata, paged_attention, write_kv
+
+    rng = np.random.default_rng(hd)
+    P, lens = 16, [KEY_TILE + 37, 21, 2 * KEY_TILE + 5]
+    blocks = [-(-n // P) for n in lens]
+    pool = np.zeros((sum(blocks) + 1, 1, 2, n_kv, P, hd), dtype=np.float32)
+    free = list(rng.permutation(len(pool)))
+    tables = [np.array([free.pop() for _ in range(b)], dtype=np.int32) for b in blocks]
+    q = [rng.standard_normal((n, n_kv * group, hd), dtype=np.float32) for n in lens]
+
+    def attend(spans) -> list[np.ndarray]:   # spans: (sequence, first, end) -> queries [first, end) in one step
+        positions = np.concatenate([np.arange(a, b) for _, a, b in spans])
+        starts = np.concatenate([[0], np.cumsum([b - a for _, a, b in spans])])
+        meta = AttentionMetadata.build(positions, starts, np.array([b for _, _, b in spans]),
+                                       [tables[s] for s, _, _ in spans], pool.shape, invariant=True)
+        out = paged_attention(np.concatenate([q[s][a:b] for s, a, b in spans]), pool, 0, meta, 0.125)
+        return [out[starts[i]:starts[i + 1]] for i in range(len(spans))]
+
+    everything = [(s, 0, n) for s, n in enumerate(lens)]
+    kv = [rng.standard_normal((n, n_kv, hd), dtype=np.float32) for n in lens]
+    positions = np.concatenate([np.arange(n) for n in lens])
+    meta = AttentionMetadata.build(positions, np.concatenate([[0], np.cumsum(lens)]), np.array(lens), tables,
+                                   pool.shape)
+    write_kv(pool, 0, meta, np.concatenate(kv), np.concatenate(kv[::-1])[::-1].copy())
+    whole = attend(everything)
+    pieces = [attend([(0, 0, 100)])[0], attend([(0, 100, lens[0] - 1), (2, 3, 40)])[0], attend([(0, lens[0] - 1, lens[0])])[0]]
+    decode = attend([(s, n - 1, n) for s, n in enumerate(lens)])
+    ok = np.array_equal(np.concatenate(pieces), whole[0]) and all(
+        np.array_equal(d, w[-1:]) for d, w in zip(decode, whole))
+    if not ok:
+        raise InvariantUnavailable(f"attention over {n_kv} KV heads x {group} of head_dim {hd} sums in another "
+                                   "order in a decode step than in a prefill")
+
+
+@functools.lru_cache(maxsize=None)
+def _check_rows(d: int) -> None:
+    """Norms reduce a row alone; exp and tanh treat an element alike wherever it sits."""
+    from .layers import gelu_tanh_, layer_norm, rms_norm, silu_
+
+    rng = np.random.default_rng(d)
+    x = rng.standard_normal((37, d), dtype=np.float32)
+    g, b = rng.standard_normal(d, dtype=np.float32), rng.standard_normal(d, dtype=np.float32)
+    rows = (lambda y: layer_norm(y, g, b, 1e-5), lambda y: rms_norm(y, g, 1e-6))
+    elementwise = (lambda y: gelu_tanh_(y.copy()), lambda y: silu_(y.copy()), np.exp, np.tanh)
+    for f in rows + elementwise:
+        whole = f(x)
+        if not all(np.array_equal(f(x[i:i + 1]), whole[i:i + 1]) for i in (0, 5, 36)) or (f in elementwise and not
+                np.array_equal(f(x.reshape(-1)[3:3 + d]), whole.reshape(-1)[3:3 + d])):
+            raise InvariantUnavailable("an elementwise or row operation of NumPy depends on its neighbours")
