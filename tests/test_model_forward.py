@@ -273,7 +273,7 @@ def test_blas_threads_one_for_small_forwards_and_attention(monkeypatch):
 
     monkeypatch.setattr(model_module, "paged_attention", attention)
     monkeypatch.setattr(gpt2, "mlp", mlp)
-    runner = PagedRunner(random_model(gpt2_config(), seed=8))
+    runner = PagedRunner(random_model(gpt2_config(), seed=8, invariant=False))
     assert blas_threads(), "threadpoolctl finds numpy's BLAS"
     with controller.limit(limits=2, user_api="blas"):   # a default of 2 threads even on a 1-core machine
         two = blas_threads()
@@ -285,3 +285,10 @@ def test_blas_threads_one_for_small_forwards_and_attention(monkeypatch):
         assert seen["mlp"] and all(t == one for t in seen["mlp"])
         assert seen["attention"] and all(t == one for t in seen["attention"])
         assert blas_threads() == two            # restored afterwards
+    # Invariant numerics: BLAS on one thread throughout (a large product splits its panels itself).
+    seen["mlp"].clear()
+    runner = PagedRunner(random_model(gpt2_config(), seed=8, invariant=True))
+    with controller.limit(limits=2, user_api="blas"):
+        runner.step({0: _prompt(60, 100)})
+        assert seen["mlp"] and all(t == [1] * len(two) for t in seen["mlp"])
+        assert blas_threads() == two

@@ -105,7 +105,7 @@ class Model:
     def run(self, token_ids: np.ndarray, positions: np.ndarray, attend: Attend,
             head_rows: np.ndarray | None = None, between_layers: BetweenLayers | None = None) -> np.ndarray:
         """The family's forward with any KV storage (`attend`); logits at head_rows (None = all)."""
-        with threads_for_rows(len(token_ids)):
+        with threads_for_rows(len(token_ids), self.invariant):
             return self.arch.forward(self.params, self.config, token_ids, positions, attend, head_rows, between_layers)
 
     def forward(self, batch: ForwardBatch, kv_pool: np.ndarray, kv_dtype: str = "float32",
@@ -126,7 +126,7 @@ class Model:
 
         def attend(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
             write_kv(kv_pool, layer, meta, round_kv(k, rounding), round_kv(v, rounding))
-            with attention_threads(len(token_ids)):
+            with attention_threads(len(token_ids), self.invariant):
                 return paged_attention(q, kv_pool, layer, meta, scale)
 
         head_rows = None if batch.all_logits else query_starts[1:] - 1

@@ -35,10 +35,10 @@ Notes:
    own float16 cast runs element by element. The conversion is exact, so the scores are those of a
    float32 pool holding the same rounded values. New K/V are rounded by the assignment into the pool.
 8. Invariant numerics (worker/model/invariant.py notes 3, 4): a query's scores, softmax and
-   weighted values are summed in one order whatever its step holds. Keys are gathered in whole
-   tiles of KEY_TILE from a tile boundary (a window's first block is rounded down to one), and
-   a decode's queries of a KV head are at least two rows (one would go to the matrix-vector
-   kernel).
+   weighted values are summed in one order whatever its step holds. Scores are kept in whole
+   tiles of KEY_TILE keys from position 0 (a window's first block is rounded down to a tile),
+   the keys past those gathered hidden; a decode's queries of a KV head are at least two rows
+   (one would go to the matrix-vector kernel).
 """
 
 from __future__ import annotations
@@ -95,11 +95,11 @@ class GatherPlan:
 
 
 def _plan(tables: list[np.ndarray], first_blocks: list[int], n_blocks: list[int],
-          pool_shape: tuple[int, ...], min_blocks: int = 0, readable: list[int] | None = None) -> GatherPlan:
-    """Rows of blocks table[first:n] of each sequence, padded to the longest run (or min_blocks).
-    Blocks before readable[i] (a window's, note 8) are read as that one: their keys are hidden."""
+          pool_shape: tuple[int, ...], readable: list[int] | None = None) -> GatherPlan:
+    """Rows of blocks table[first:n] of each sequence, padded to the longest run. Blocks before
+    readable[i] (a window's, note 8) are read as that one: their keys are hidden."""
     _, n_layers, _, KV, _, _ = pool_shape
-    MB = max(min_blocks, max(n - f for f, n in zip(first_blocks, n_blocks)))
+    MB = max(n - f for f, n in zip(first_blocks, n_blocks))
     padded = np.empty((len(tables), MB), dtype=np.int64)
     for i, (table, first, nb) in enumerate(zip(tables, first_blocks, n_blocks)):
         padded[i, : nb - first] = table[first:nb]
@@ -165,9 +165,6 @@ class AttentionMetadata:
         readable = [first_read_block(int(positions[query_starts[s]]), window, P) for s in range(len(context_lens))]
         first = [f // (KEY_TILE // P) * (KEY_TILE // P) for f in readable] if invariant and window else readable
 
-        def tile_blocks(runs: list[int]) -> int:   # blocks that hold whole tiles of keys (note 8)
-            return -(-padded_keys(max(runs) * P) // P) if invariant else 0
-
         groups = []
         decode_seqs = sorted(np.flatnonzero(counts == 1), key=lambda s: first[s] - n_blocks[s])
         while decode_seqs:
@@ -177,12 +174,11 @@ class AttentionMetadata:
                     total + n_blocks[decode_seqs[0]] - first[decode_seqs[0]]):
                 total += n_blocks[decode_seqs[0]] - first[decode_seqs[0]]
                 group.append(decode_seqs.pop(0))
-            runs = [n_blocks[s] - first[s] for s in group]
             plan = _plan([np.asarray(block_tables[s]) for s in group], [first[s] for s in group],
-                         [n_blocks[s] for s in group], pool_shape, tile_blocks(runs), [readable[s] for s in group])
-            n_keys = padded_keys(max(runs) * P) if invariant else plan.rows.shape[3] * P
+                         [n_blocks[s] for s in group], pool_shape, readable=[readable[s] for s in group])
+            MB = plan.rows.shape[3]
             # absolute position of each gathered key; the query is at lens - 1
-            key_positions = np.asarray([first[s] * P for s in group])[:, None] + np.arange(n_keys)[None, :]
+            key_positions = np.asarray([first[s] * P for s in group])[:, None] + np.arange(MB * P)[None, :]
             lens = np.asarray(context_lens)[group][:, None]
             hidden = key_positions >= lens
             if window is not None:
@@ -193,8 +189,7 @@ class AttentionMetadata:
         prefills = []
         for s in np.flatnonzero(counts > 1):
             start, end = int(query_starts[s]), int(query_starts[s + 1])
-            plan = _plan([np.asarray(block_tables[s])], [first[s]], [n_blocks[s]], pool_shape,
-                         tile_blocks([n_blocks[s] - first[s]]), [readable[s]])
+            plan = _plan([np.asarray(block_tables[s])], [first[s]], [n_blocks[s]], pool_shape, readable=[readable[s]])
             prefills.append(PrefillSeq(start, end, int(context_lens[s]), positions[start:end], plan, first[s] * P))
         sizes = [g.plan.rows.size for g in groups] + [p.plan.rows.size for p in prefills]
         return cls(slot_blocks, positions % P, groups, prefills, max(sizes), window=window, written=written,
@@ -223,8 +218,6 @@ def paged_attention(q: np.ndarray, kv_pool: np.ndarray, layer: int, meta: Attent
     for seq in meta.prefills:
         kv = seq.plan.gather(kv_pool, layer, meta)[0]         # [2, KV, nb*P, hd] from first_position on
         n = seq.context_len - seq.first_position
-        if meta.invariant:
-            n = padded_keys(n)
         k, v = kv[0, :, :n], kv[1, :, :n]
         out[seq.start:seq.end] = causal_attention(q[seq.start:seq.end], k, v, seq.positions - seq.first_position,
                                                   scale, meta.window, meta.invariant)
@@ -251,21 +244,21 @@ def _decode_invariant(q: np.ndarray, kv_pool: np.ndarray, layer: int, meta: Atte
                       group: DecodeGroup, scale: float) -> np.ndarray:
     """_decode in invariant numerics (note 8): the same math, each sum in a fixed order."""
     S, H, hd = q.shape
-    L = group.bias.shape[1]                                            # whole tiles of keys
-    k = group.plan.gather(kv_pool, layer, meta, KEYS)[:, 0, :, :L]     # [S, KV, L, hd]
-    KV = k.shape[1]
+    k = group.plan.gather(kv_pool, layer, meta, KEYS)[:, 0]            # [S, KV, L, hd]
+    KV, L = k.shape[1], k.shape[2]
     G = H // KV
     qs = np.empty((S, KV, max(G, 2), hd), dtype=q.dtype)               # two rows at least
     np.multiply(q.reshape(S, KV, G, hd), scale, out=qs[:, :, :G])
     if G == 1:
         qs[:, :, 1] = qs[:, :, 0]
-    scores = np.empty(qs.shape[:3] + (L,), dtype=np.float32)
-    decode_scores(qs, k, scores)
-    scores += group.bias[:, None, None, :]
+    scores = np.empty(qs.shape[:3] + (padded_keys(L),), dtype=np.float32)
+    decode_scores(qs, k, scores[..., :L])
+    scores[..., :L] += group.bias[:, None, None, :]
+    scores[..., L:] = -np.inf
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     denom = tile_sums(scores)
-    v = group.plan.gather(kv_pool, layer, meta, VALUES)[:, 0, :, :L]  # overwrites k
+    v = group.plan.gather(kv_pool, layer, meta, VALUES)[:, 0]          # overwrites k
     out = weighted_values(scores, v)                                   # [S, KV, G', hd]
     out /= denom
     return out[:, :, :G].reshape(S, H, hd)
@@ -275,7 +268,7 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: n
                      scale: float, window: int | None = None, invariant: bool = False) -> np.ndarray:
     """Queries q [n, H, hd] at increasing q_positions over one sequence's keys/values k, v
     [KV, ctx, hd] (position j at index j), causal (and within `window` when given). Used by paged
-    prefill and the dense runner. Invariant numerics (note 8) need ctx in whole tiles of keys."""
+    prefill and the dense runner; with invariant numerics (note 8) if asked."""
     if invariant:
         return _causal_invariant(q, k, v, q_positions, scale, window)
     n, H, hd = q.shape
@@ -311,23 +304,24 @@ def _causal_invariant(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: 
     KV, ctx, _ = k.shape
     G = H // KV
     out = np.empty((n, KV, G, hd), dtype=q.dtype)
-    chunk = max(1, min(PREFILL_QUERY_CHUNK, MAX_SCORE_ELEMENTS // (H * ctx)))
+    chunk = max(1, min(PREFILL_QUERY_CHUNK, MAX_SCORE_ELEMENTS // (H * padded_keys(ctx))))
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
         m = hi - lo
-        keys = min(ctx, padded_keys(int(q_positions[hi - 1]) + 1))   # whole tiles up to the chunk's last query
+        keys = min(ctx, int(q_positions[hi - 1]) + 1)   # no query of this chunk sees past this
         rows = -(-G * m // QK_ROWS) * QK_ROWS
         qc = np.zeros((KV, rows, hd), dtype=q.dtype)
         np.multiply(q[lo:hi].reshape(m, KV, G, hd).transpose(1, 2, 0, 3), scale,
                     out=qc[:, :G * m].reshape(KV, G, m, hd))
-        scores = np.empty((KV, rows, keys), dtype=np.float32)
-        prefill_scores(qc, k[:, :keys], scores)
-        real = scores[:, :G * m].reshape(KV, G, m, keys)
+        scores = np.empty((KV, rows, padded_keys(keys)), dtype=np.float32)
+        prefill_scores(qc, k[:, :keys], scores[..., :keys])
+        scores[..., keys:] = -np.inf
+        real = scores[:, :G * m].reshape(KV, G, m, -1)
         masked = 0 if window is not None and keys > window else int(q_positions[lo]) + 1
         if masked < keys:
             j, p = np.arange(masked, keys)[None, :], q_positions[lo:hi, None]
             hidden = j > p if window is None else (j > p) | (j <= p - window)
-            real[..., masked:] += np.where(hidden, np.float32(-np.inf), np.float32(0))
+            real[..., masked:keys] += np.where(hidden, np.float32(-np.inf), np.float32(0))
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         denom = tile_sums(scores)

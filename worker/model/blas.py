@@ -8,10 +8,16 @@ forwards of few rows (decode steps, short prefill chunks) run single-threaded; l
 the default. Attention's matmuls are per head and small (a 512-token causal prefill over 12
 heads: 150-220 ms on one thread against 0.5-2 s on two, same load), so attention always runs
 on one thread.
+
+With invariant numerics (worker/model/invariant.py) BLAS always runs on one thread: a weight
+product is many calls of 64 columns each, and OpenBLAS's threads, woken for each call, waited
+for a busy core each time (3.7x slower than one thread at 512 rows, the other core busy). A large
+product instead splits its panels between `split_workers` Python threads, one wait per product.
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Iterator
 
@@ -19,21 +25,36 @@ SINGLE_THREAD_MAX_ROWS = 48
 
 _controller = None   # threadpoolctl inspects the loaded libraries once (a few ms); reused after
 _forced = False      # inside forced_threads(): forwards leave the thread count alone
+_forced_count = 0    # forced_threads' count
+_cap = None          # cap_threads' count; None: one per core
 
 
-def threads_for_rows(rows: int) -> AbstractContextManager:
-    """Context in which BLAS runs with the thread count suited to a forward of `rows` tokens."""
+def threads_for_rows(rows: int, invariant: bool = False) -> AbstractContextManager:
+    """Context in which BLAS runs with the thread count suited to a forward of `rows` tokens
+    (one thread with invariant numerics: see the module's docstring)."""
+    if invariant:
+        return single_thread()
     if rows > SINGLE_THREAD_MAX_ROWS or _forced:
         return nullcontext()
     return single_thread()
 
 
-def attention_threads(rows: int) -> AbstractContextManager:
+def attention_threads(rows: int, invariant: bool = False) -> AbstractContextManager:
     """Context for the attention of a forward of `rows` tokens: one BLAS thread. A small forward
     already runs on one, and setting it again each layer costs ~15 us per call."""
-    if rows > SINGLE_THREAD_MAX_ROWS and not _forced:
+    if rows > SINGLE_THREAD_MAX_ROWS and not _forced and not invariant:   # invariant: already one thread
         return single_thread()
     return nullcontext()
+
+
+def split_workers(rows: int) -> int:
+    """Python threads an invariant weight product of `rows` rows splits its panels between: as many
+    as BLAS would have run threads for that forward."""
+    if _forced:
+        return _forced_count
+    if rows <= SINGLE_THREAD_MAX_ROWS:
+        return 1
+    return _cap or os.cpu_count() or 1
 
 
 @contextmanager
@@ -43,8 +64,9 @@ def forced_threads(count: int) -> Iterator[None]:
     global _forced
     if count < 1:
         raise ValueError(f"BLAS threads must be at least 1, got {count}")
+    global _forced_count
     with _blas_controller().limit(limits=count, user_api="blas"):
-        _forced = True
+        _forced, _forced_count = True, count
         try:
             yield
         finally:
@@ -60,9 +82,11 @@ def cap_threads(count: int) -> None:
     with other workers must not run one thread per core (two workers prefilling side by side on
     two cores were ~6x slower with a thread per core each than with one). Forwards of few rows
     still drop to one thread; when they end, BLAS returns to this cap."""
+    global _cap
     if count < 1:
         raise ValueError(f"BLAS threads must be at least 1, got {count}")
     _blas_controller().limit(limits=count, user_api="blas")  # stays in force: never restored
+    _cap = count
 
 
 def _blas_controller():

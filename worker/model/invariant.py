@@ -32,8 +32,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from .blas import split_workers
 
 log = logging.getLogger("worker.model")
 
@@ -90,8 +93,8 @@ class Linear:
         n_panels = self.panels.shape[0]
         out = np.empty((rows, n_panels * PANEL), dtype=np.float32)
         view = out.reshape(rows, n_panels, PANEL).transpose(1, 0, 2)   # [panels, rows, 64], written in place
-        if self.packed_splits and rows * K * PANEL > SMALL_MNK:
-            np.matmul(x, self.panels, out=view)   # the packed kernel splits K as k_blocks says
+        if self.packed_splits and rows * K * PANEL > SMALL_MNK:   # the packed kernel splits K as k_blocks says
+            _split(lambda p: np.matmul(x, self.panels[p], out=view[p]), n_panels, split_workers(rows))
         else:
             _blockwise(x, self.panels, self.blocks, view)
         if M != rows or out.shape[1] != N:
@@ -108,6 +111,26 @@ def _blockwise(x: np.ndarray, panels: np.ndarray, blocks, view: np.ndarray) -> N
         for a, b in rest:
             np.matmul(x[:, a:b], panels[:, a:b], out=part)
             view += part
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _split(work, n_panels: int, workers: int) -> None:
+    """work(panels) over `workers` threads, each a share of the panels (blas.py)."""
+    global _pool
+    workers = min(workers, n_panels)
+    if workers <= 1:
+        work(slice(0, n_panels))
+        return
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="invariant-blas")
+    bounds = np.linspace(0, n_panels, workers + 1).astype(int)
+    shares = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    futures = [_pool.submit(work, share) for share in shares[1:]]
+    work(shares[0])
+    for f in futures:
+        f.result()
 
 
 class TiedEmbedding:
@@ -184,21 +207,34 @@ def _threads(count: int):
 # ----------------------------------------------------------------------------- attention (notes 3, 4)
 
 def decode_scores(q: np.ndarray, k: np.ndarray, out: np.ndarray) -> None:
-    """q [..., G, hd] (G >= 2) . k [..., L, hd] -> out [..., G, L]; L a multiple of 16."""
-    G, L = q.shape[-2], k.shape[-2]
-    step = QK_CALL // G // 16 * 16
-    for a in range(0, L, step):
-        np.matmul(q, k[..., a:a + step, :].swapaxes(-1, -2), out=out[..., a:a + step])
+    """q [..., G, hd] (G >= 2) . k [..., L, hd] -> out [..., G, L], in calls of <= QK_CALL rows x keys."""
+    G = q.shape[-2]
+    for rows in np.array_split(np.arange(G), -(-G // QK_ROWS)):   # >= 2 rows each (G > 16: >= 8)
+        r = slice(rows[0], rows[-1] + 1)
+        step = QK_CALL // len(rows) // 16 * 16
+        for a in range(0, k.shape[-2], step):
+            _scores(q[..., r, :], k[..., a:a + step, :], out[..., r, a:a + step])
 
 
 def prefill_scores(q: np.ndarray, k: np.ndarray, out: np.ndarray) -> None:
-    """q [KV, R, hd] (R a multiple of QK_ROWS) . k [KV, L, hd] (L a multiple of QK_KEYS) -> out
-    [KV, R, L], in tiles of QK_ROWS x QK_KEYS (a NumPy call per column of tiles)."""
+    """q [KV, R, hd] (R a multiple of QK_ROWS) . k [KV, L, hd] -> out [KV, R, L], in tiles of
+    QK_ROWS x QK_KEYS (a NumPy call per column of tiles)."""
     KV, R, hd = q.shape
     rows = q.reshape(KV, R // QK_ROWS, QK_ROWS, hd)
     tiles = out.reshape(KV, R // QK_ROWS, QK_ROWS, out.shape[-1])
     for a in range(0, k.shape[1], QK_KEYS):
-        np.matmul(rows, k[:, None, a:a + QK_KEYS].swapaxes(-1, -2), out=tiles[..., a:a + QK_KEYS])
+        _scores(rows, k[:, None, a:a + QK_KEYS], tiles[..., a:a + QK_KEYS])
+
+
+def _scores(q: np.ndarray, k: np.ndarray, out: np.ndarray) -> None:
+    """One call: q @ k.T into out, keys made a multiple of 4 (note 3)."""
+    L = k.shape[-2]
+    if L % 4:
+        padded = np.zeros(k.shape[:-2] + (L + 4 - L % 4, k.shape[-1]), dtype=np.float32)
+        padded[..., :L, :] = k
+        out[...] = np.matmul(q, padded.swapaxes(-1, -2))[..., :L]
+        return
+    np.matmul(q, k.swapaxes(-1, -2), out=out)
 
 
 def tile_sums(w: np.ndarray) -> np.ndarray:
@@ -211,19 +247,20 @@ def tile_sums(w: np.ndarray) -> np.ndarray:
 
 
 def weighted_values(w: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """w [..., R, L] @ v [..., L, hd] -> [..., R, hd]: each tile's product (a chain over its keys), then
-    the tiles in order. R >= 2; hd is padded to a multiple of 16 when its rest is 1..8 (the small
-    kernel's other path)."""
+    """w [..., R, L'] @ v [..., L, hd] -> [..., R, hd], L <= L' and w 0 past L: each tile's product
+    (one chain over its keys: those past L would add exact zeros), then the tiles in order. R >= 2;
+    hd is padded to a multiple of 16 when its rest is 1..8 (the small kernel's other path)."""
     L, hd = v.shape[-2], v.shape[-1]
     if 0 < hd % 16 <= 8:
         padded = np.zeros(v.shape[:-1] + (hd + 16 - hd % 16,), dtype=np.float32)
         padded[..., :hd] = v
         return weighted_values(w, padded)[..., :hd]
-    total = np.matmul(w[..., :KEY_TILE], v[..., :KEY_TILE, :])
+    total = np.matmul(w[..., :min(L, KEY_TILE)], v[..., :KEY_TILE, :])
     if L > KEY_TILE:
         part = np.empty_like(total)
         for a in range(KEY_TILE, L, KEY_TILE):
-            np.matmul(w[..., a:a + KEY_TILE], v[..., a:a + KEY_TILE, :], out=part)
+            b = min(L, a + KEY_TILE)
+            np.matmul(w[..., a:b], v[..., a:b, :], out=part)
             total += part
     return total
 

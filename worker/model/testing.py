@@ -36,5 +36,6 @@ def random_tensors_for(config: ModelConfig, seed: int = 0):
     return random_tensors(ARCH_MODULES[config.arch].tensor_shapes(config), config, seed)
 
 
-def random_model(config: ModelConfig, seed: int = 0, name: str = "random") -> Model:
-    return Model(name, config, random_tensors_for(config, seed), ByteTokenizer(config.eos_token_id))
+def random_model(config: ModelConfig, seed: int = 0, name: str = "random", invariant: bool | None = None) -> Model:
+    return Model(name, config, random_tensors_for(config, seed), ByteTokenizer(config.eos_token_id),
+                 invariant=invariant)
