@@ -224,7 +224,7 @@ def kvnode():
         stack.__exit__(None, None, None)
 
 
-SHARED = "Bread is flour, water and salt, baked. " * 4   # 9 full pages of 16 tokens, and more
+SHARED = "Bread is flour, water and salt, baked. " * 4   # full pages of 16 tokens: 9 (bytes), 2 (smollm2)
 
 
 def _engine(model, kv_dtype):
@@ -252,7 +252,7 @@ def test_cached_fetched_resumed_and_batched_requests_draw_from_the_same_logits(m
     recorded.clear()
     warm = local.generate([prompt], seed=1, **params)[0]
     runs["cached locally"] = (warm, logits_of_seed_1())
-    assert warm.usage.cached_tokens_local >= 8 * 16
+    assert warm.usage.cached_tokens_local >= 2 * 16
     # The prefix fetched from a kvnode another worker wrote it to.
     writer = _engine(model, kv_dtype)
     node = kvnode(writer.kv_pool[0].nbytes)
@@ -270,7 +270,7 @@ def test_cached_fetched_resumed_and_batched_requests_draw_from_the_same_logits(m
     finally:
         tier.close()
     runs["fetched"] = (fetched, logits_of_seed_1())
-    assert fetched.usage.cached_tokens_remote >= 8 * 16
+    assert fetched.usage.cached_tokens_remote >= 2 * 16
     # Resumed after 3 tokens on a fresh engine (the tokens so far recomputed as a prompt).
     resumed = _engine(model, kv_dtype).generate([prompt], seed=1, resumed_token_ids=cold.token_ids[:3], **params)[0]
     runs["resumed"] = (resumed, logits_of_seed_1())

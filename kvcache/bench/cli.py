@@ -16,7 +16,7 @@ BENCHES = [
     ("ring", "the ring at 10-1,000 simulated kvnodes with churn: hit rate, keys moved, balance, placement cost"),
     ("load", "the cluster under concurrent load, with the cache and without"),
     ("chaos", "faults under load: failed and differing answers against an undisturbed run"),
-    ("determinism", "seeded and greedy answers resumed or batched against the same request alone"),
+    ("determinism", "one request resumed, chunked, batched, cached and fetched: logits bit for bit against it alone; what invariant numerics cost"),
     ("vllm", "a vLLM engine's TTFT with its prompt's KV recomputed, from kvcache, or from vLLM's ExampleConnector"),
 ]
 

@@ -1,126 +1,149 @@
-"""Do answers depend on where and with whom a request ran? Seeded (temperature 0.8) and greedy
-requests are run alone (the reference), resumed after k tokens as another worker would resume
-them (the tokens so far recomputed as a prompt), and run in batches of several; every answer is
-compared token for token with the reference. Then the cost of the one sure fix, products whose
-rows do not depend on their batch (one matrix-vector product per row), against the batched
-products of the model's weight matrices, in the same run.
-
-Why it matters: a seeded draw depends only on the seed and the position, but the logits it draws
-from come out of BLAS matrix products whose per-row results differ in the last bits with the
-number of rows (a decode step of one request, of four, a prefill chunk). A draw that falls on a
-near-tie can then pick another token.
+"""Does an answer depend on where, when or beside what it ran? One request is computed in every
+way the service computes requests: alone (the reference), resumed after k tokens on another
+engine (the tokens so far recomputed as a prompt), its prompt in chunks of 16 to 512 tokens,
+beside 1 to 15 random neighbours (some arriving during its run), its prefix from the local
+cache, its prefix fetched from a kvnode another worker wrote it to. Greedy and seeded (a high
+temperature: many near-ties for a draw to fall on), float32 and float16 KV, with invariant
+numerics and without (worker/model/invariant.py). Every answer's tokens and the logits of each
+of its draws are compared with the reference's, bit for bit. Then the cost of invariant numerics:
+prefill and decode at batch 1 and 8, an engine with them beside one without, in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-import time
 
 import numpy as np
 
 from kvcache import __version__
 from kvcache.bench.report import dump_json, machine, print_table
-from kvcache.model_pages import MODELS
-from worker.engine.engine import Engine
-from worker.model import load_model
-from worker.model.blas import threads_for_rows
 
-KV_CACHE_BYTES = 64 * 2**20
-PROMPTS = [
-    "The history of bread begins with wild grains ground between stones, and",
-    "Once upon a time in a small village by the sea there lived a baker who",
-    "def fibonacci(n):\n    ",
-    "Dear customer, thank you for your order of three loaves",
-    "Rye, spelt and wheat differ in",
-    "In 1850 the mill by the river",
-]
+SAMPLINGS = {"greedy": {}, "seeded": {"temperature": 1.5}}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help=f"{MODELS} (default tiny)")
-    parser.add_argument("--tokens", type=int, default=200, help="tokens per answer (default %(default)s)")
-    parser.add_argument("--cuts", type=int, default=4, help="resume points per prompt (default %(default)s)")
-    parser.add_argument("--batch", type=int, default=6, help="requests run together in the batched pass (default 6)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--model", default="tiny", help="tiny, gpt2-small-shape, smollm2-135m, a .gguf file or a checkpoint folder (default tiny)")
+    parser.add_argument("--tokens", type=int, default=40, help="tokens per answer (default %(default)s)")
+    parser.add_argument("--prompts", type=int, default=2, help="prompts, each computed every way (default %(default)s)")
+    parser.add_argument("--cuts", type=int, default=2, help="resume points per prompt (default %(default)s)")
+    parser.add_argument("--chunks", default="16,64,512", help="prefill chunk sizes (default %(default)s)")
+    parser.add_argument("--batches", default="2,8,16", help="batch sizes, the request and random neighbours (default %(default)s)")
+    parser.add_argument("--numerics", choices=["both", "invariant", "fast"], default="both",
+                        help="run the matrix with invariant numerics, without, or both (default both)")
+    parser.add_argument("--kv-dtype", choices=["both", "float32", "float16"], default="both")
+    parser.add_argument("--cost-repeats", type=int, default=5, help="runs per cost figure, 0 skips the cost (default 5)")
+    parser.add_argument("--cost-prompt-tokens", type=int, default=512, help="the cost's prefill prompt (default 512)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.tokens < 2 or args.cuts < 1 or args.batch < 2:
-        print("kvcache bench determinism: error: --tokens must be at least 2, --cuts at least 1, --batch at least 2",
-              file=sys.stderr)
-        return 2
     try:
-        model = load_model(args.model)  # one model; each run below gets an engine (a KV pool) of its own
+        chunks, batches = _sizes(args.chunks, "--chunks"), _sizes(args.batches, "--batches")
+        if args.tokens < 2 or args.prompts < 1 or args.cuts < 1 or args.cost_repeats < 0:
+            raise ValueError("--tokens must be at least 2, --prompts and --cuts at least 1, --cost-repeats at least 0")
+        if max(batches) > 64:
+            raise ValueError("--batches: at most 64")
+    except ValueError as exc:
+        print(f"kvcache bench determinism: error: {exc}", file=sys.stderr)
+        return 2
+    from worker.model import load_model
+
+    numerics = ["invariant", "fast"] if args.numerics == "both" else [args.numerics]
+    kv_dtypes = ["float32", "float16"] if args.kv_dtype == "both" else [args.kv_dtype]
+    try:
+        models = {n: load_model(args.model, invariant=(n == "invariant")) for n in numerics}
     except (ValueError, OSError) as exc:
         print(f"kvcache bench determinism: error: {exc}", file=sys.stderr)
         return 2
-    engine = Engine(model, kv_cache_bytes=KV_CACHE_BYTES)
-    modes = {"seeded": {"temperature": 0.8}, "greedy": {}}
-    options = {"max_new_tokens": args.tokens, "ignore_eos": True}
-    reference = {(mode, i): engine.generate(p, seed=i, **modes[mode], **options)[0].token_ids
-                 for mode in modes for i, p in enumerate(PROMPTS)}
+    if "invariant" in models and not models["invariant"].invariant:
+        print("kvcache bench determinism: error: the BLAS here cannot give invariant numerics (see the log)",
+              file=sys.stderr)
+        return 2
     rows = []
-    for mode, sampling in modes.items():
-        resumed = differing = 0
-        for i, prompt in enumerate(PROMPTS):
-            for k in np.linspace(1, args.tokens - 1, args.cuts).astype(int):
-                fresh = Engine(model, kv_cache_bytes=KV_CACHE_BYTES)  # nothing cached: k tokens recomputed
-                tokens = fresh.generate(prompt, seed=i, resumed_token_ids=reference[(mode, i)][:k],
-                                        **sampling, **options)[0].token_ids
-                resumed += 1
-                differing += tokens != reference[(mode, i)]
-        rows.append((mode, "resumed after k tokens", resumed, differing))
-        batched = differing = 0
-        for start in range(0, len(PROMPTS), args.batch):
-            group = range(start, min(start + args.batch, len(PROMPTS)))
-            fresh = Engine(model, kv_cache_bytes=KV_CACHE_BYTES)
-            handles = [fresh.add_request(PROMPTS[i], seed=i, **sampling, **options) for i in group]
-            while any(h.completion is None for h in handles):
-                fresh.step()
-            for i, handle in zip(group, handles):
-                batched += 1
-                differing += handle.completion.token_ids != reference[(mode, i)]
-        rows.append((mode, f"in batches of {args.batch}", batched, differing))
-    cost = _row_invariant_cost(engine)
+    for kv_dtype in kv_dtypes:
+        with _kvnode(models[numerics[0]], kv_dtype) as node:
+            for n in numerics:
+                rows += _matrix(models[n], n, kv_dtype, node, args, chunks, batches)
     result = {"bench": "determinism", "version": __version__, "machine": machine(), "model": args.model,
-              "tokens": args.tokens,
-              "answers": [dict(zip(("mode", "run", "requests", "differing"), r)) for r in rows],
-              "row_invariant_products": cost}
+              "tokens": args.tokens, "answers": rows}
+    if args.cost_repeats:
+        from kvcache.bench.invariant_cost import measure
+
+        cost_models = {n: models.get(n) or load_model(args.model, invariant=(n == "invariant"))
+                       for n in ("fast", "invariant")}
+        prompt_tokens = min(args.cost_prompt_tokens, cost_models["fast"].config.max_positions - 1)
+        result["cost"] = measure(cost_models, prompt_tokens, args.cost_repeats)
     if args.json:
         dump_json(result)
         return 0
-    print(f"model {args.model}, {args.tokens} tokens per answer; each compared with the same request run alone")
-    print_table(["mode", "run", "requests", "differing"], rows)
-    print("\nweight products of one forward, best of 3: batched against one matrix-vector product per row")
-    print_table(["rows", "batched ms", "per row ms", "ratio"],
-                [(c["rows"], f"{c['batched_ms']:.1f}", f"{c['per_row_ms']:.1f}", f"{c['ratio']:.2f}x") for c in cost])
+    print_report(result)
     return 0
 
 
-def _row_invariant_cost(engine: Engine) -> list[dict]:
-    """Time the model's weight matrices applied to `rows` rows, batched and one row at a time."""
-    weights = [w for w in vars(engine.model.params).values() if isinstance(w, np.ndarray) and w.ndim == 2]
-    for block in getattr(engine.model.params, "blocks", []):
-        weights += [w for w in vars(block).values() if isinstance(w, np.ndarray) and w.ndim == 2]
-    weights = [w for w in weights if w.shape[0] <= 4 * engine.model.config.d_model]
-    rng = np.random.default_rng(0)
-    results = []
-    for rows in (1, 4, 16, 128):
-        x = rng.standard_normal((rows, max(w.shape[0] for w in weights)), dtype=np.float32)
-        with threads_for_rows(rows):  # BLAS threads as the model's forward uses them
-            batched = _best(lambda: [x[:, :w.shape[0]] @ w for w in weights])
-        with threads_for_rows(1):
-            per_row = _best(lambda: [[r[:w.shape[0]] @ w for r in x] for w in weights])
-        results.append({"rows": rows, "batched_ms": batched * 1e3, "per_row_ms": per_row * 1e3,
-                        "ratio": per_row / batched})
-    return results
+def _matrix(model, numerics: str, kv_dtype: str, node: str, args, chunks, batches) -> list[dict]:
+    from kvcache.bench.determinism_runs import Runs, prompts
+
+    runs = Runs(model, kv_dtype, args.tokens, node)
+    found: dict[tuple[str, str], list] = {}
+    for mode, sampling in SAMPLINGS.items():
+        for prompt in prompts(model, args.prompts):
+            ref = runs.reference(prompt, sampling)
+            answers = [(f"resumed after {k} tokens", runs.resumed(prompt, sampling, ref, k))
+                       for k in np.linspace(1, args.tokens - 1, args.cuts).astype(int)]
+            answers += [(f"prompt in chunks of {c}", runs.chunked(prompt, sampling, c)) for c in chunks]
+            answers += [(f"beside {b - 1} random neighbours", runs.batched(prompt, sampling, b)) for b in batches]
+            answers += [("prefix from the local cache", runs.cached_locally(prompt, sampling)),
+                        ("prefix from a kvnode", runs.fetched(prompt, sampling))]
+            for label, answer in answers:
+                kind = label if not label.startswith("resumed") else "resumed after k tokens"
+                found.setdefault((mode, kind), []).append(_compare(answer, ref))
+    return [{"numerics": numerics, "kv_dtype": kv_dtype, "mode": mode, "run": kind, "requests": len(c),
+             "tokens_differing": sum(t for t, _, _ in c), "logits_differing": sum(lg for _, lg, _ in c),
+             "max_logit_difference": max(d for _, _, d in c)} for (mode, kind), c in found.items()]
 
 
-def _best(work, repeats: int = 3) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - started)
-    return min(times)
+def _compare(answer, ref) -> tuple[bool, bool, float]:
+    """(tokens differ, logits differ in any bit, largest difference) against the reference's last draws."""
+    want = ref.logits[len(ref.logits) - len(answer.logits):]
+    tokens_differ = answer.tokens != ref.tokens
+    if answer.logits.shape != want.shape:
+        return tokens_differ, True, float("inf")
+    differ = not np.array_equal(answer.logits.view(np.uint32), want.view(np.uint32))
+    return tokens_differ, differ, float(np.abs(answer.logits - want).max())
+
+
+@contextlib.contextmanager
+def _kvnode(model, kv_dtype: str):
+    """A kvnode process on loopback for this model's pages, stopped at the end."""
+    from kvcache.launch import Daemon
+    from worker.model import page_bytes_of
+
+    page_bytes = page_bytes_of(model.config, kv_dtype, 16)
+    capacity = max(64 << 20, page_bytes * 512)
+    with Daemon("node", ["--port", "0", "--page-bytes", str(page_bytes), "--capacity", str(capacity)]) as node:
+        yield node.address
+
+
+def _sizes(text: str, option: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"{option}: a comma-separated list of numbers, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"{option}: positive sizes, got {text!r}")
+    return sizes
+
+
+def print_report(result: dict) -> None:
+    from kvcache.bench.invariant_cost import rows as cost_rows
+
+    print(f"model {result['model']}, {result['tokens']} tokens per answer; each answer's tokens and the logits "
+          "of each draw compared bit for bit with the same request run alone")
+    print_table(["numerics", "KV", "mode", "run", "requests", "tokens differ", "logits differ", "max |diff|"],
+                [[a["numerics"], a["kv_dtype"], a["mode"], a["run"], a["requests"], a["tokens_differing"],
+                  a["logits_differing"], f"{a['max_logit_difference']:.1e}"] for a in result["answers"]])
+    if "cost" in result:
+        print("\nthe cost of invariant numerics: engines with and without them, alternating, best run and median")
+        print_table(["measure", "fast", "invariant", "cost (best)", "cost (median)"], cost_rows(result["cost"]))
