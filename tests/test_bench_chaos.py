@@ -147,3 +147,24 @@ def test_streams_resumed_mid_stream_are_counted_from_the_coordinator_logs(tmp_pa
                    "(request 1a2b, 64 tokens sent)\n2999-01-01 00:00:00,000 coordinator WARNING worker 127.0.0.1:7 "
                    "failed: UNAVAILABLE: gone (request 3c4d, 0 tokens sent)\n")
     assert resumed_streams([log], since=time.time()) == 1
+
+
+def test_busy_processes_run_beside_and_are_killed_by_pid_or_end_by_themselves():
+    from kvcache.bench.busy import busy_processes, running as busy
+
+    with busy_processes(2, 60.0) as pids:
+        deadline = time.monotonic() + 10
+        while busy(pids) != pids and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pids) == 2 and busy(pids) == pids
+    assert busy(pids) == []
+    with busy_processes(1, 0.3) as pids:
+        deadline = time.monotonic() + 20
+        while busy(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert busy(pids) == [], "a busy process ends by itself after its bound"
+
+
+def test_load_is_bounded():
+    code, _, err = run_bench(["--load", "-1"], timeout=60)
+    assert code == 2 and "--load" in err and err.count("\n") == 1

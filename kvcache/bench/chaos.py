@@ -16,8 +16,11 @@ differing 0, PASS or FAIL; the exit code is 0 either way once the bench ran. Eve
 starts is stopped at the end, also on Ctrl-C, SIGTERM or an error.
 
 --eviction runs the kvnodes with another policy (a small --node-capacity makes them evict).
---kv-dtype float16: seeded answers may then differ from the reference (greedy ones did not in
-any run): K/V computed in another chunking (a prefix cached by another request, a resumed
+--load N runs N busy processes beside the cluster for the whole run (kvcache/bench/busy.py): a
+machine short of cores, as when other work shares it.
+--kv-dtype float16: before invariant numerics (the workers' default now), seeded answers could
+differ from the reference (greedy ones did not in any run): K/V computed in another chunking (a
+prefix cached by another request, a resumed
 stream's tokens recomputed as a prompt) differs in float32's last bits, which rounding to
 float16 can turn into a whole float16 step, enough to move a seeded draw that falls on a
 near-tie (the runs: docs/benchmarks-log.md).
@@ -35,6 +38,7 @@ import uuid
 from pathlib import Path
 
 from kvcache.bench import chaosreport as report
+from kvcache.bench.busy import busy_processes, running as busy_running
 from kvcache.bench.chaosfaults import KINDS, FaultInjector
 from kvcache.bench.chaosload import SEEDED_TEMPERATURE, build_requests, run_clients
 from kvcache.bench.chaoswatch import StatusWatcher, log_sightings, resumed_streams, wrongly_dead
@@ -60,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--worker-kv-cache", default="64MiB", help="local KV pool per worker (default 64MiB)")
     cluster.add_argument("--blas-threads", type=int, default=None, help="BLAS threads per worker (default: cores / "
                          "workers, at least 1)")
+    cluster.add_argument("--load", type=int, default=0, metavar="N", help="busy processes beside the cluster for the "
+                         "whole run, each multiplying matrices on one core (default 0)")
     load = parser.add_argument_group("load")
     load.add_argument("--duration", type=float, default=60.0, help="seconds of load and faults (default 60)")
     load.add_argument("--concurrency", type=int, default=8, help="concurrent clients (default 8)")
@@ -95,21 +101,26 @@ def run(args: argparse.Namespace) -> int:
     say(f"starting a local cluster ({args.coordinators} coordinators, {args.nodes} kvnodes, {args.workers} workers, "
         f"model {args.model}); logs in {logs}")
     cluster = LocalCluster()
-    try:
-        start_cluster(logs, args.nodes, args.workers, args.coordinators, args.replicas, args.model,
-                      kv_dtype=args.kv_dtype, node_capacity=args.node_capacity, worker_kv_cache=args.worker_kv_cache,
-                      blas_threads=args.blas_threads, cluster=cluster, eviction=args.eviction)
-        wait_healthy(cluster.coordinator_addresses, args.nodes, args.workers, timeout_s=120.0)
-        result = _bench(args, kinds, cluster, logs, say)
-    except (DaemonFailed, TimeoutError, OSError, ValueError) as exc:
-        print(f"kvcache bench chaos: error: {exc} (logs: {logs})", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("kvcache bench chaos: interrupted; stopping the cluster", file=sys.stderr)
-        return 130
-    finally:
-        cluster.stop()
-    result["processes_left"] = [pid for pid in result["pids"] if _still_running(pid)]
+    with busy_processes(args.load, _busy_bound(args)) as busy_pids:   # killed by pid on the way out
+        if args.load:
+            say(f"{args.load} busy processes beside the cluster: pids {', '.join(map(str, busy_pids))}")
+        try:
+            start_cluster(logs, args.nodes, args.workers, args.coordinators, args.replicas, args.model,
+                          kv_dtype=args.kv_dtype, node_capacity=args.node_capacity,
+                          worker_kv_cache=args.worker_kv_cache, blas_threads=args.blas_threads, cluster=cluster,
+                          eviction=args.eviction)
+            wait_healthy(cluster.coordinator_addresses, args.nodes, args.workers, timeout_s=120.0)
+            result = _bench(args, kinds, cluster, logs, say)
+        except (DaemonFailed, TimeoutError, OSError, ValueError) as exc:
+            print(f"kvcache bench chaos: error: {exc} (logs: {logs})", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("kvcache bench chaos: interrupted; stopping the cluster", file=sys.stderr)
+            return 130
+        finally:
+            cluster.stop()
+    result["processes_left"] = [pid for pid in result["pids"] if _still_running(pid)] + busy_running(busy_pids)
+    result["busy_pids"] = busy_pids
     if args.json:
         dump_json(result)
     else:
@@ -180,6 +191,8 @@ def _check(args) -> list[str]:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.down_time < 0:
         raise ValueError(f"--down-time must be >= 0, got {args.down_time}")
+    if not 0 <= args.load <= 64:
+        raise ValueError(f"--load must be 0 to 64 busy processes, got {args.load}")
     kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
@@ -190,6 +203,12 @@ def _check(args) -> list[str]:
     model_page_bytes(args.model, "float32")  # ValueError for an unknown model
     parse_size(args.node_capacity), parse_size(args.worker_kv_cache)
     return kinds
+
+
+def _busy_bound(args) -> float:
+    """Seconds after which a busy process stops by itself, should the bench not kill it: the
+    cluster's start, the reference pass and the load, with room to spare."""
+    return 600.0 + 3 * args.duration + 2 * args.request_timeout * args.prompts
 
 
 def _exit_on_sigterm(signum, frame):

@@ -63,7 +63,8 @@ def print_report(result: dict) -> None:
           f"workers, model {c['model']}, {o.get('kv_dtype', 'float32')} KV, eviction "
           f"{o.get('eviction') or 'prefix-lru'}; {ref['requests']} requests ({o['prompts']} prompts, each greedy and "
           f"seeded at temperature {result['seeded_temperature']}), {o['max_tokens']} tokens each, "
-          f"{o['concurrency']} clients, {o['duration']:.0f}s of faults")
+          f"{o['concurrency']} clients, {o['duration']:.0f}s of faults"
+          + (f"; {o['load']} busy processes beside it" if o.get("load") else ""))
     print(f"reference on the undisturbed cluster: {ref['completed']} of {ref['requests']} completed"
           + (f"; failed: {'; '.join(ref['first_failures'])}" if ref["failed"] else ""))
     faults = result["faults"]
