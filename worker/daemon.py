@@ -69,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read a request's fetched pages where they lie in the shared pool of a kvnode on this "
                              "host for its first step, and copy them into its blocks after its first token "
                              "(default on; needs the node's shared pool and --kv-dtype as the pages')")
+    parser.add_argument("--invariant-numerics", action=argparse.BooleanOptionalAction, default=True,
+                        help="a token's logits and K/V bit-identical whatever its batch, chunking or cache "
+                             "(worker/model/invariant.py; default on). Off: the BLAS's own fastest kernels, whose "
+                             "last bits depend on the batch")
     parser.add_argument("--worker-id", default=None, help="name shown in Info and logs (default: random)")
     parser.add_argument(
         "--blas-threads", type=int, default=None,
@@ -123,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         credentials = security.from_args(args)
         client_tokens = tokens.from_args(args)  # the coordinators' file: they send their caller's token on
         serving.tune_allocator()
-        model = load_model(args.model)
+        model = load_model(args.model, invariant=args.invariant_numerics)
         if kv_cache_bytes is None:  # sized to the model (base/pool_sizes.py)
             kv_cache_bytes = worker_pool(model.page_bytes(args.kv_dtype, args.page_tokens),
                                          model.config.max_positions, args.page_tokens).bytes
@@ -136,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_batched_tokens,
             max_prefill_tokens=args.max_prefill_tokens,
         )
+        log.info("numerics: %s", "invariant (a token's bits do not depend on its batch)" if engine.model.invariant
+                 else "fast (a token's last bits depend on its batch and chunking)")
         tracing = observability.setup_tracing(args, "kvcache-worker")
         observed = tracing or args.metrics_port is not None
         if observed:

@@ -95,9 +95,9 @@ class Engine:
         self._runner = StepRunner(model, self.pool, kv_dtype, self.scheduler, self)
 
     @classmethod
-    def load(cls, model: str, **options) -> "Engine":
-        """`model` is "tiny", "gpt2-small-shape" or a Hugging Face-format checkpoint folder."""
-        return cls(load_model(model), **options)
+    def load(cls, model: str, invariant: bool | None = None, **options) -> "Engine":
+        """`model` as load_model takes it; `invariant`: batch-invariant numerics (default on, worker/model/invariant.py)."""
+        return cls(load_model(model, invariant=invariant), **options)
 
     @property
     def kv_pool(self) -> np.ndarray:
