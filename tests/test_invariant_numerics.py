@@ -157,8 +157,9 @@ def test_logits_and_kv_are_bit_identical_in_any_chunking_and_batch(models, name,
 
 
 @pytest.mark.parametrize("config", [gpt2_config(), llama_config(), llama_config(n_kv_heads=4, head_dim=24),
-                                    llama_config(n_kv_heads=1, tie_word_embeddings=True, qkv_bias=True)],
-                         ids=["gpt2", "llama-gqa", "llama-headdim-24", "qwen2-tied-gqa1"])
+                                    llama_config(n_kv_heads=1, tie_word_embeddings=True, qkv_bias=True),
+                                    llama_config(sliding_window=24)],
+                         ids=["gpt2", "llama-gqa", "llama-headdim-24", "qwen2-tied-gqa1", "mistral-window-24"])
 @PROPERTY
 @given(data=st.data(), fp16=st.booleans())
 def test_random_batch_compositions_give_the_logits_of_the_request_alone(config, data, fp16):
