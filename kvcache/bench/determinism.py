@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numerics", choices=["both", "invariant", "fast"], default="both",
                         help="run the matrix with invariant numerics, without, or both (default both)")
     parser.add_argument("--kv-dtype", choices=["both", "float32", "float16"], default="both")
+    parser.add_argument("--matrix", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the comparisons (default on; --no-matrix: the cost alone)")
     parser.add_argument("--cost-repeats", type=int, default=5, help="runs per cost figure, 0 skips the cost (default 5)")
     parser.add_argument("--cost-prompt-tokens", type=int, default=512, help="the cost's prefill prompt (default 512)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     rows = []
-    for kv_dtype in kv_dtypes:
+    for kv_dtype in kv_dtypes if args.matrix else []:
         with _kvnode(models[numerics[0]], kv_dtype) as node:
             for n in numerics:
                 rows += _matrix(models[n], n, kv_dtype, node, args, chunks, batches)
@@ -139,11 +141,13 @@ def _sizes(text: str, option: str) -> list[int]:
 def print_report(result: dict) -> None:
     from kvcache.bench.invariant_cost import rows as cost_rows
 
-    print(f"model {result['model']}, {result['tokens']} tokens per answer; each answer's tokens and the logits "
-          "of each draw compared bit for bit with the same request run alone")
-    print_table(["numerics", "KV", "mode", "run", "requests", "tokens differ", "logits differ", "max |diff|"],
-                [[a["numerics"], a["kv_dtype"], a["mode"], a["run"], a["requests"], a["tokens_differing"],
-                  a["logits_differing"], f"{a['max_logit_difference']:.1e}"] for a in result["answers"]])
+    if result["answers"]:
+        print(f"model {result['model']}, {result['tokens']} tokens per answer; each answer's tokens and the logits "
+              "of each draw compared bit for bit with the same request run alone")
+        print_table(["numerics", "KV", "mode", "run", "requests", "tokens differ", "logits differ", "max |diff|"],
+                    [[a["numerics"], a["kv_dtype"], a["mode"], a["run"], a["requests"], a["tokens_differing"],
+                      a["logits_differing"], f"{a['max_logit_difference']:.1e}"] for a in result["answers"]])
     if "cost" in result:
-        print("\nthe cost of invariant numerics: engines with and without them, alternating, best run and median")
+        print(f"\nthe cost of invariant numerics ({result['model']}): engines with and without them, alternating, "
+              "best run and median")
         print_table(["measure", "fast", "invariant", "cost (best)", "cost (median)"], cost_rows(result["cost"]))

@@ -94,29 +94,32 @@ class Runs:
         engine.generate([self._sharing(prompt)], max_new_tokens=1)
         return self._answer(engine, prompt, sampling)
 
-    def fetched(self, prompt, sampling) -> Answer:
-        """Its first pages fetched from a kvnode, written there by another worker."""
+    def fetched(self, prompt, sampling, attempts: int = 3) -> Answer:
+        """Its first pages fetched from a kvnode, written there by another worker (a reader whose
+        lookup missed, as one may on a loaded machine, is tried again)."""
         from worker.remote.tier import Placement, RemoteTier
 
         placement = Placement([self.node])
-        writer = self.engine()
-        writer.attach_remote_tier(tier := RemoteTier(writer.kv_pool, self.kv_dtype))
-        try:
-            writer.generate([self._sharing(prompt)], max_new_tokens=1, tier_context=placement)
-            if not tier.flush(timeout_s=60.0):
-                raise RuntimeError("write-back to the kvnode did not finish within 60 s")
-        finally:
-            tier.close()
-        reader = self.engine()
-        reader.attach_remote_tier(tier := RemoteTier(reader.kv_pool, self.kv_dtype, first_contact_wait_s=5.0,
-                                                     lookup_timeout_s=5.0))
-        try:
-            answer = self._answer(reader, prompt, sampling, tier_context=placement)
-        finally:
-            tier.close()
-        if tier.stats.pages_fetched == 0:
-            raise RuntimeError("the reader fetched no page from the kvnode")
-        return answer
+        sharing = self._sharing(prompt)
+        for _ in range(attempts):
+            writer = self.engine()
+            writer.attach_remote_tier(tier := RemoteTier(writer.kv_pool, self.kv_dtype))
+            try:
+                writer.generate([sharing], max_new_tokens=1, tier_context=placement)
+                if not tier.flush(timeout_s=60.0):
+                    raise RuntimeError("write-back to the kvnode did not finish within 60 s")
+            finally:
+                tier.close()
+            reader = self.engine()
+            reader.attach_remote_tier(tier := RemoteTier(reader.kv_pool, self.kv_dtype, first_contact_wait_s=5.0,
+                                                         lookup_timeout_s=5.0))
+            try:
+                answer = self._answer(reader, prompt, sampling, tier_context=placement)
+            finally:
+                tier.close()
+            if tier.stats.pages_fetched:
+                return answer
+        raise RuntimeError(f"the reader fetched no page from the kvnode in {attempts} attempts")
 
     def batched(self, prompt, sampling, size: int) -> Answer:
         """Beside size - 1 random neighbours (prompts, lengths, sampling), half arriving with it and

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-tokens", type=int, default=DEFAULT_PAGE_TOKENS,
                         help=f"tokens per page (default {DEFAULT_PAGE_TOKENS})")
     parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16"])
+    parser.add_argument("--numerics", default="invariant", choices=["invariant", "fast"],
+                        help="the engine's numerics (worker/model/invariant.py; default invariant); the dense "
+                             "reference runs the same weight products")
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is shown (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt_tokens <= args.page_tokens:
         print("kvcache bench engine: error: --prompt-tokens must exceed one page", file=sys.stderr)
         return 2
-    model = load_model(args.model)
+    model = load_model(args.model, invariant=args.numerics == "invariant")
     try:
         chat = BenchChat(model, args.prompt_tokens, 2 * args.repeats) if model.chat_template is not None else None
     except ValueError as exc:
@@ -202,7 +205,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def print_report(result: dict) -> None:
     o = result["options"]
     print(f"engine bench: {result['model']}, {o['kv_dtype']} KV, pages of {o['page_tokens']} tokens, "
-          f"median of {o['repeats']}")
+          f"{o.get('numerics', 'invariant')} numerics, median of {o['repeats']}")
     kind = "chat" if result["prompts"]["kind"] == "chat" else "prompt"
     if kind == "chat":
         print(f"prompts: a chat, a system prompt of {result['prompts']['system_rules']} house rules "
