@@ -299,7 +299,7 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: n
 
 def _causal_invariant(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray,
                       scale: float, window: int | None) -> np.ndarray:
-    """causal_attention in invariant numerics (note 8); query rows (head, position) padded to QK_ROWS."""
+    """causal_attention in invariant numerics (note 8); each head's queries padded to QK_ROWS."""
     n, H, hd = q.shape
     KV, ctx, _ = k.shape
     G = H // KV
@@ -309,14 +309,14 @@ def _causal_invariant(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: 
         hi = min(n, lo + chunk)
         m = hi - lo
         keys = min(ctx, int(q_positions[hi - 1]) + 1)   # no query of this chunk sees past this
-        rows = -(-G * m // QK_ROWS) * QK_ROWS
-        qc = np.zeros((KV, rows, hd), dtype=q.dtype)
-        np.multiply(q[lo:hi].reshape(m, KV, G, hd).transpose(1, 2, 0, 3), scale,
-                    out=qc[:, :G * m].reshape(KV, G, m, hd))
-        scores = np.empty((KV, rows, padded_keys(keys)), dtype=np.float32)
-        prefill_scores(qc, k[:, :keys], scores[..., :keys])
+        rows = -(-m // QK_ROWS) * QK_ROWS
+        qc = np.zeros((KV, G, rows, hd), dtype=q.dtype)
+        np.multiply(q[lo:hi].reshape(m, KV, G, hd).transpose(1, 2, 0, 3), scale, out=qc[:, :, :m])
+        scores = np.empty((KV, G, rows, padded_keys(keys)), dtype=np.float32)
+        tile_last = q_positions[lo:hi][np.minimum(np.arange(QK_ROWS - 1, rows, QK_ROWS), m - 1)]
+        prefill_scores(qc, k[:, :keys], scores, None if window is not None else tile_last)
         scores[..., keys:] = -np.inf
-        real = scores[:, :G * m].reshape(KV, G, m, -1)
+        real = scores[:, :, :m]
         masked = 0 if window is not None and keys > window else int(q_positions[lo]) + 1
         if masked < keys:
             j, p = np.arange(masked, keys)[None, :], q_positions[lo:hi, None]
@@ -325,9 +325,9 @@ def _causal_invariant(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: 
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         denom = tile_sums(scores)
-        o = weighted_values(scores, v[:, :keys])                      # [KV, rows, hd]
-        o /= denom
-        out[lo:hi] = o[:, :G * m].reshape(KV, G, m, hd).transpose(2, 0, 1, 3)
+        o = weighted_values(scores.reshape(KV, G * rows, -1), v[:, :keys])   # [KV, G * rows, hd]
+        o /= denom.reshape(KV, G * rows, 1)
+        out[lo:hi] = o.reshape(KV, G, rows, hd)[:, :, :m].transpose(2, 0, 1, 3)
     return out.reshape(n, H, hd)
 
 

@@ -216,14 +216,21 @@ def decode_scores(q: np.ndarray, k: np.ndarray, out: np.ndarray) -> None:
             _scores(q[..., r, :], k[..., a:a + step, :], out[..., r, a:a + step])
 
 
-def prefill_scores(q: np.ndarray, k: np.ndarray, out: np.ndarray) -> None:
-    """q [KV, R, hd] (R a multiple of QK_ROWS) . k [KV, L, hd] -> out [KV, R, L], in tiles of
-    QK_ROWS x QK_KEYS (a NumPy call per column of tiles)."""
-    KV, R, hd = q.shape
-    rows = q.reshape(KV, R // QK_ROWS, QK_ROWS, hd)
-    tiles = out.reshape(KV, R // QK_ROWS, QK_ROWS, out.shape[-1])
-    for a in range(0, k.shape[1], QK_KEYS):
-        _scores(rows, k[:, None, a:a + QK_KEYS], tiles[..., a:a + QK_KEYS])
+def prefill_scores(q: np.ndarray, k: np.ndarray, out: np.ndarray, last: np.ndarray | None = None) -> None:
+    """q [KV, G, R, hd] (R a multiple of QK_ROWS) . k [KV, L, hd] -> out [KV, G, R, L'] (L <= L'), in
+    tiles of QK_ROWS x QK_KEYS (a NumPy call per column of tiles). last[t]: the last key row tile t
+    sees; tiles wholly past it are -inf, not computed (a causal chunk's upper triangle)."""
+    KV, G, R, hd = q.shape
+    rows = q.reshape(KV, G, R // QK_ROWS, QK_ROWS, hd)
+    tiles = out.reshape(KV, G, R // QK_ROWS, QK_ROWS, out.shape[-1])
+    L = k.shape[1]
+    for a in range(0, L, QK_KEYS):
+        b = min(L, a + QK_KEYS)
+        t0 = 0 if last is None else int(np.searchsorted(last, a))   # the first row tile that sees key a
+        if t0:
+            tiles[:, :, :t0, :, a:b] = -np.inf
+        if t0 < rows.shape[2]:
+            _scores(rows[:, :, t0:], k[:, None, None, a:b], tiles[:, :, t0:, :, a:b])
 
 
 def _scores(q: np.ndarray, k: np.ndarray, out: np.ndarray) -> None:
