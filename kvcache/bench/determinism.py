@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the comparisons (default on; --no-matrix: the cost alone)")
     parser.add_argument("--cost-repeats", type=int, default=5, help="runs per cost figure, 0 skips the cost (default 5)")
     parser.add_argument("--cost-prompt-tokens", type=int, default=512, help="the cost's prefill prompt (default 512)")
+    parser.add_argument("--cost-threads", type=int, default=None, help="BLAS threads (or, invariant, Python threads "
+                        "splitting a product) for the cost's forwards, whatever their rows (default: the worker's "
+                        "own choice, worker/model/blas.py)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -45,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         chunks, batches = _sizes(args.chunks, "--chunks"), _sizes(args.batches, "--batches")
         if args.tokens < 2 or args.prompts < 1 or args.cuts < 1 or args.cost_repeats < 0:
             raise ValueError("--tokens must be at least 2, --prompts and --cuts at least 1, --cost-repeats at least 0")
+        if args.cost_threads is not None and args.cost_threads < 1:
+            raise ValueError(f"--cost-threads must be at least 1, got {args.cost_threads}")
         if max(batches) > 64:
             raise ValueError("--batches: at most 64")
     except ValueError as exc:
@@ -72,11 +77,14 @@ def run(args: argparse.Namespace) -> int:
               "tokens": args.tokens, "answers": rows}
     if args.cost_repeats:
         from kvcache.bench.invariant_cost import measure
+        from worker.model.blas import forced_threads
 
         cost_models = {n: models.get(n) or load_model(args.model, invariant=(n == "invariant"))
                        for n in ("fast", "invariant")}
         prompt_tokens = min(args.cost_prompt_tokens, cost_models["fast"].config.max_positions - 1)
-        result["cost"] = measure(cost_models, prompt_tokens, args.cost_repeats)
+        with forced_threads(args.cost_threads) if args.cost_threads else contextlib.nullcontext():
+            result["cost"] = measure(cost_models, prompt_tokens, args.cost_repeats)
+        result["cost"]["threads"] = args.cost_threads
     if args.json:
         dump_json(result)
         return 0
@@ -148,6 +156,8 @@ def print_report(result: dict) -> None:
                     [[a["numerics"], a["kv_dtype"], a["mode"], a["run"], a["requests"], a["tokens_differing"],
                       a["logits_differing"], f"{a['max_logit_difference']:.1e}"] for a in result["answers"]])
     if "cost" in result:
-        print(f"\nthe cost of invariant numerics ({result['model']}): engines with and without them, alternating, "
-              "best run and median")
+        threads = result["cost"].get("threads")
+        print(f"\nthe cost of invariant numerics ({result['model']}"
+              + (f", {threads} thread(s) for every forward" if threads else "")
+              + "): engines with and without them, alternating, best run and median")
         print_table(["measure", "fast", "invariant", "cost (best)", "cost (median)"], cost_rows(result["cost"]))

@@ -1,6 +1,7 @@
 """What invariant numerics cost: an engine with them beside one without, same model, same run.
 
-Prefill tokens/s of one prompt, and decode tokens/s at batch 1 and 8 (128-token contexts). The two
+Prefill tokens/s of one prompt (in the engine's chunks, --max-prefill-tokens' default), and decode
+tokens/s at batch 1 and 8 (128-token contexts). The two
 engines alternate, run by run and decode step by decode step, which one goes first alternating
 too, so both see the same machine load; each figure is the best of its runs (the least disturbed)
 and the median. Both take the greedy next token.
@@ -26,8 +27,8 @@ def measure(models: dict, prompt_tokens: int, repeats: int, decode_steps: int = 
     context = 128
     longest = max(prompt_tokens, context + decode_steps + 2)
     engines = {m: Engine(models[m], num_blocks=(longest // 16 + 2) * (max(batches) + 2), page_tokens=16,
-                         max_num_seqs=max(batches), max_num_batched_tokens=max(prompt_tokens, max(batches)),
-                         max_prefill_tokens=prompt_tokens) for m in MODES}
+                         max_num_seqs=max(batches), max_num_batched_tokens=max(prompt_tokens, max(batches)))
+               for m in MODES}
 
     def prompt(n):
         return [int(t) for t in rng.integers(0, vocab, n)]

@@ -15,7 +15,9 @@ Design notes
 2. Weights are kept in panels of 64 output columns, [panels, K, 64]: every call has 64 columns (a
    multiple of the kernels' 16-float vectors, which keeps the small kernel on its chain) and a
    panel's rows lie 256 bytes apart, which the prefetcher follows: one row then costs what a
-   matrix-vector product costs (a whole-width weight walked that way ran 2x slower).
+   matrix-vector product costs (a whole-width weight walked that way ran 2x slower). A product of
+   many rows (a prefill chunk) copies the panels back into one [K, N] matrix first: the packed
+   kernel then packs the rows once rather than once a panel (10% of a 512-row product here).
 3. Attention scores q.k run in calls of at most 1,200 query rows x keys, keys a multiple of 16:
    OpenBLAS's small kernel for q @ k.T then takes every call and sums each score in one order
    (16 lanes, then the same tree), for a decode step and a prefill chunk alike.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -42,6 +45,8 @@ log = logging.getLogger("worker.model")
 
 PANEL = 64                 # output columns per weight panel (note 2)
 SMALL_MNK = 1_000_000      # OpenBLAS sends products of up to this many M*N*K to its small kernels
+WIDE_ROWS = 256            # from this many rows a product runs on the whole weight (note 2),
+WIDE_MAX = 1 << 22         # if it is no larger than this (floats): not a vocabulary's head
 QK_CALL = 1200             # query rows x keys its small kernel takes for q @ k.T (note 3)
 QK_ROWS, QK_KEYS = 16, 64  # a prefill's score tiles
 KEY_TILE = 256             # keys summed as one chain in softmax and values (note 4)
@@ -93,7 +98,10 @@ class Linear:
         n_panels = self.panels.shape[0]
         out = np.empty((rows, n_panels * PANEL), dtype=np.float32)
         view = out.reshape(rows, n_panels, PANEL).transpose(1, 0, 2)   # [panels, rows, 64], written in place
-        if self.packed_splits and rows * K * PANEL > SMALL_MNK:   # the packed kernel splits K as k_blocks says
+        if self.packed_splits and rows >= WIDE_ROWS and self.panels.size <= WIDE_MAX:   # packed: k_blocks
+            wide = _wide(self.panels)
+            _split(lambda r: np.matmul(x[r], wide, out=out[r]), rows, split_workers(rows))
+        elif self.packed_splits and rows * K * PANEL > SMALL_MNK:
             _split(lambda p: np.matmul(x, self.panels[p], out=view[p]), n_panels, split_workers(rows))
         else:
             _blockwise(x, self.panels, self.blocks, view)
@@ -114,18 +122,30 @@ def _blockwise(x: np.ndarray, panels: np.ndarray, blocks, view: np.ndarray) -> N
 
 
 _pool: ThreadPoolExecutor | None = None
+_scratch = threading.local()   # each forward's thread its own whole-width weight (note 2)
 
 
-def _split(work, n_panels: int, workers: int) -> None:
-    """work(panels) over `workers` threads, each a share of the panels (blas.py)."""
+def _wide(panels: np.ndarray) -> np.ndarray:
+    """The panels as one [K, panels * 64] matrix, in this thread's scratch (overwritten by the next call)."""
+    n_panels, K, width = panels.shape
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.size < panels.size:
+        buffer = _scratch.buffer = np.empty(panels.size, dtype=np.float32)
+    wide = buffer[:panels.size].reshape(K, n_panels * width)
+    np.copyto(wide.reshape(K, n_panels, width), panels.transpose(1, 0, 2))
+    return wide
+
+
+def _split(work, n: int, workers: int) -> None:
+    """work(part) over `workers` threads, each a share of range(n) (panels or rows; blas.py)."""
     global _pool
-    workers = min(workers, n_panels)
+    workers = min(workers, n)
     if workers <= 1:
-        work(slice(0, n_panels))
+        work(slice(0, n))
         return
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="invariant-blas")
-    bounds = np.linspace(0, n_panels, workers + 1).astype(int)
+    bounds = np.linspace(0, n, workers + 1).astype(int)
     shares = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
     futures = [_pool.submit(work, share) for share in shares[1:]]
     work(shares[0])
@@ -296,7 +316,7 @@ def _check_products(K: int) -> None:
     rng = np.random.default_rng(K + 1)
     linear = Linear(rng.standard_normal((K, 2 * PANEL), dtype=np.float32))
     m0 = SMALL_MNK // (K * PANEL)
-    sizes = sorted({1, 2, 3, 5, 8, 17, max(1, m0), m0 + 1, 2 * m0 + 5})
+    sizes = sorted({1, 2, 3, 5, 8, 17, max(1, m0), m0 + 1, 2 * m0 + 5, WIDE_ROWS - 1, WIDE_ROWS + 3})
     x = rng.standard_normal((sizes[-1] + 1, K), dtype=np.float32)
     want = np.concatenate([_chained(x[:x.shape[0] // 2 * 2], linear.panels[p:p + 1], linear.blocks)
                            for p in range(2)], axis=1)
