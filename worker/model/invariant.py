@@ -4,7 +4,7 @@ OpenBLAS sums a product's elements in an order that depends on the product's sha
 to a matrix-vector kernel, small products to small-matrix kernels, large ones to the packed
 kernel, each with an order of its own. The same token then gets other last bits in another chunk,
 beside other requests, or fetched from a cache that another chunking filled. Here every product is
-cut so that each element is summed in one order, whatever runs it; `verify` checks it at load.
+cut so that each element is summed in one order, whatever runs it; `verify_invariant` checks it at load.
 
 Design notes
 1. Weight products (`Linear`). The packed kernel sums each element as an FMA chain over blocks of
@@ -26,7 +26,7 @@ Design notes
    NumPy's pairwise sum of a fixed length, then the tiles in order. Keys past a query are
    weighted 0 and add exactly nothing, so the number of keys gathered does not matter.
 5. Everything else a forward does (norms, RoPE, activations, exp) is elementwise or a reduction
-   over one row of fixed length: already invariant; `verify` and the tests hold it.
+   over one row of fixed length: already invariant; `verify_invariant` and the tests hold it.
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ def _blockwise(x: np.ndarray, panels: np.ndarray, blocks, view: np.ndarray) -> N
 
 
 _pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 _scratch = threading.local()   # each forward's thread its own whole-width weight (note 2)
 
 
@@ -143,8 +144,9 @@ def _split(work, n: int, workers: int) -> None:
     if workers <= 1:
         work(slice(0, n))
         return
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="invariant-blas")
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="invariant-blas")
     bounds = np.linspace(0, n, workers + 1).astype(int)
     shares = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
     futures = [_pool.submit(work, share) for share in shares[1:]]
