@@ -27,11 +27,14 @@ SYSTEM = "You are a careful assistant. Answer briefly and precisely, citing the 
 
 @contextlib.contextmanager
 def daemons(tmp_path, *specs):
-    """Start (role, name, args) daemons; stop each by its pid at the end, whatever happened."""
+    """Start (role, name, args) daemons, all at once (none needs another's address); stop each by
+    its pid at the end, whatever happened."""
     started = []
     try:
         for role, name, args in specs:
-            started.append(Daemon(role, ["--port", "0", *args], log_path=tmp_path / f"{name}.log"))
+            started.append(Daemon(role, ["--port", "0", *args], log_path=tmp_path / f"{name}.log", wait=False))
+        for daemon in started:
+            daemon.started()
         yield started
     finally:
         for daemon in started:

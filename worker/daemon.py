@@ -126,6 +126,12 @@ def run(args: argparse.Namespace) -> int:
         member.advertised_address(args, args.port)  # refused before the model loads
         credentials = security.from_args(args)
         client_tokens = tokens.from_args(args)  # the coordinators' file: they send their caller's token on
+        step_log = None
+        if args.step_log:  # opened before the model loads: a bad path is refused in a moment, not after seconds
+            try:
+                step_log = StepLog(args.step_log)
+            except OSError as exc:
+                raise OSError(f"--step-log {args.step_log}: {exc.strerror or exc}") from None
         serving.tune_allocator()
         model = load_model(args.model, invariant=args.invariant_numerics)
         if kv_cache_bytes is None:  # sized to the model (base/pool_sizes.py)
@@ -152,12 +158,7 @@ def run(args: argparse.Namespace) -> int:
             tier = RemoteTier(engine.kv_pool, args.kv_dtype, lease_ms=args.lease_ms, credentials=credentials,
                               layerwise_fill=args.layerwise_fill, read_in_place=args.read_in_place)
         engine.attach_remote_tier(tier)
-        step_log = None
-        if args.step_log:
-            try:
-                step_log = StepLog(args.step_log)
-            except OSError as exc:
-                raise OSError(f"--step-log {args.step_log}: {exc.strerror or exc}") from None
+        if step_log is not None:
             engine.on_step = step_log.write
             log.info("logging every engine step to %s", args.step_log)
         broken = threading.Event()
