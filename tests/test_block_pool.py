@@ -43,7 +43,8 @@ def test_the_pool_holds_the_kv_dtype():
     assert BlockPool(4, SHAPE).kv.dtype == np.float32
     half = BlockPool(4, SHAPE, np.float16)
     assert half.kv.dtype == np.float16 and not half.kv.any()
-    with pytest.raises(ValueError, match="float32 or float16"):
+    assert BlockPool(4, SHAPE, np.uint8).kv.dtype == np.uint8   # int8 and int4 KV: pages' bytes
+    with pytest.raises(ValueError, match="float32, float16 or bytes"):
         BlockPool(4, SHAPE, np.float64)
 
 

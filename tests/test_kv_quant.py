@@ -88,5 +88,6 @@ def test_bytes_a_token_and_pages_per_gib_against_float16():
     assert float16 / int4.token_bytes >= 3.0
     assert storage_dtype("int4") == np.uint8 and storage_dtype("float16") == np.float16
     assert kv_codec("float16", HEAD_DIM) is None
-    with pytest.raises(ValueError, match="multiple of 32"):
-        kv_codec("int4", 48)
+    assert kv_codec("int4", 48).value.group == 16 and kv_codec("int8", 16).key.group == 16   # groups that divide
+    with pytest.raises(ValueError, match="even head_dim"):
+        kv_codec("int4", 15)

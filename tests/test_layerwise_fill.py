@@ -1,7 +1,7 @@
 """Layer-wise overlap of a remote fill with the suffix's forward (issue 19): a request whose prefix
 comes from a kvnode joins a step of its own once its first layer landed, each layer computed once
 that layer of its pages is in the pool. Its tokens equal the cold run's and the warm-local run's
-(float32 and float16 KV, GPT-2 and Llama shapes); a fill that fails part way, a page that fails
+(float32, float16, int8 and int4 KV, GPT-2 and Llama shapes); a fill that fails part way, a page that fails
 its checksum (the pages before it are still reused), and a layer that comes late all still give
 the exact tokens, with usage saying what was reused; a request decoding meanwhile gets its own exact tokens."""
 
@@ -114,7 +114,7 @@ def warm_engine(model, kv_dtype, **slow):
     return reader, tier
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8", "int4"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_layerwise_warm_run_gives_the_cold_and_the_warm_local_tokens(models, node, name, kv_dtype):
     model = models[name]

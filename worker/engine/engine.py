@@ -24,7 +24,8 @@ from base.generation import Prompt, TokenLogprob, Usage
 from base.pages import DEFAULT_PAGE_TOKENS
 from worker.kv.block_pool import BlockPool
 from worker.connector.connector import KVConnector, Tier
-from worker.model import load_model
+from worker.kv.quant import storage_dtype
+from worker.model import KV_DTYPES, kv_block_shape, load_model
 from worker.kv.pages import tenant_root
 from worker.engine.request import Request, RequestStatus
 from worker.engine.logprobs import log_softmax, token_logprob
@@ -57,8 +58,8 @@ class Engine:
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 1024, remote_tier: Tier | None = None,
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, seed: int | None = None,
                  max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP):
-        if kv_dtype not in ("float32", "float16"):
-            raise ValueError(f"kv_dtype must be 'float32' or 'float16', got {kv_dtype!r}")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         if page_tokens < 1:
             raise ValueError(f"page_tokens must be positive, got {page_tokens}")
         cfg = model.config
@@ -67,12 +68,13 @@ class Engine:
         self.kv_dtype = kv_dtype
         self.page_tokens = page_tokens
         self.fingerprint = model.fingerprint(kv_dtype, page_tokens)
-        block_shape = (cfg.n_layers, 2, cfg.n_kv_heads, page_tokens, cfg.head_dim)
+        block_shape = kv_block_shape(cfg, kv_dtype, page_tokens)
         # The pool is in the KV dtype: with float16 KV a block holds a page exactly as it goes on the
         # wire, so a fetched page lands without a cast, a full page is sent as it is, and
         # kv_cache_bytes holds twice the blocks; attention converts what it reads
-        # (worker/model/attention.py: why the pool is converted a page at a time).
-        dtype = np.dtype(kv_dtype)  # the pool holds KV as stored and sent
+        # (worker/model/attention.py: why the pool is converted a page at a time). With int8 or int4
+        # KV a block is a page's bytes, K/V encoded as computed (worker/kv/quant.py).
+        dtype = storage_dtype(kv_dtype)  # the pool holds KV as stored and sent
         if num_blocks is None:
             num_blocks = max(1, kv_cache_bytes // (int(np.prod(block_shape)) * dtype.itemsize))
         self.pool = BlockPool(num_blocks, block_shape, dtype, arena=True)  # arena: pages read in place
@@ -101,7 +103,8 @@ class Engine:
 
     @property
     def kv_pool(self) -> np.ndarray:
-        """The pool array `[num_blocks, n_layers, 2, n_kv_heads, page_tokens, head_dim]`, KV dtype (for tiers)."""
+        """The pool array `[num_blocks, n_layers, 2, n_kv_heads, page_tokens, head_dim]`, KV dtype (for tiers);
+        with int8 or int4 KV, bytes `[num_blocks, n_layers, n_kv_heads, page_tokens, token bytes]`."""
         return self.pool.kv
 
     def attach_remote_tier(self, tier: Tier | None) -> None:

@@ -22,14 +22,15 @@ class BlockPool:
     """`num_blocks` blocks of `block_shape` values, one array: `kv[block_id]` is one page.
 
     `dtype` is the KV dtype: a float16 pool holds the rounded values the forward computes
-    (docs/architecture.md), in half the memory, and a fetched page lands in it as it came.
+    (docs/architecture.md), in half the memory, and a fetched page lands in it as it came; an int8
+    or int4 pool (uint8) holds pages' bytes (worker/kv/quant.py).
     """
 
     def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype=np.float32, arena: bool = False):
         if num_blocks < 1:
             raise ValueError(f"the pool needs at least one block, got {num_blocks}")
-        if np.dtype(dtype) not in (np.float32, np.float16):
-            raise ValueError(f"the pool holds float32 or float16, not {np.dtype(dtype)}")
+        if np.dtype(dtype) not in (np.float32, np.float16, np.uint8):
+            raise ValueError(f"the pool holds float32, float16 or bytes (int8, int4 KV), not {np.dtype(dtype)}")
         self.num_blocks = num_blocks
         # Written once now, not lazily zero-mapped (np.zeros): the first write into an untouched
         # block page-faults, and a warm fetch paid those faults inside the request's time to first

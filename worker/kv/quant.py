@@ -21,7 +21,7 @@ Design notes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -148,14 +148,20 @@ _FORMATS = {
 
 
 def kv_codec(kv_dtype: str, head_dim: int) -> KVCodec | None:
-    """The codec of a quantized KV dtype (None for float32 and float16); ValueError for a head size it cannot group."""
+    """The codec of a quantized KV dtype (None for float32 and float16). A group that does not divide
+    the head is halved until it does (a 16-wide head: int8 groups of 16); an odd head is refused."""
     if kv_dtype not in _FORMATS:
         return None
-    key, value = _FORMATS[kv_dtype]
-    group = max(key.group, value.group)
-    if head_dim % group:
-        raise ValueError(f"{kv_dtype} KV needs a head_dim that is a multiple of {group}, got {head_dim}")
+    if head_dim % 2:
+        raise ValueError(f"{kv_dtype} KV needs an even head_dim, got {head_dim}")
+    key, value = (replace(fmt, group=_divisor(fmt.group, head_dim)) for fmt in _FORMATS[kv_dtype])
     return KVCodec(kv_dtype, head_dim, key, value)
+
+
+def _divisor(group: int, head_dim: int) -> int:
+    while head_dim % group:
+        group //= 2
+    return group
 
 
 def storage_dtype(kv_dtype: str) -> np.dtype:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .attention import AttentionMetadata, paged_attention, write_kv
+from ..kv.quant import kv_codec
 from ..kv.window import first_read_block
 from .blas import attention_threads, threads_for_rows
 from .chat import ChatError, ChatTemplate, folder_chat_template
@@ -29,9 +30,10 @@ from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 log = logging.getLogger("worker.model")
 
 __all__ = ["load_model", "load_model_tokenizer", "read_model_config", "Model", "ForwardBatch", "ModelConfig",
-           "CheckpointError", "ChatError", "KV_DTYPES", "page_bytes_of"]
+           "CheckpointError", "ChatError", "KV_DTYPES", "page_bytes_of", "kv_block_shape", "kv_token_bytes"]
 
-KV_DTYPES = {"float32": 4, "float16": 2}   # wire dtype -> bytes per element
+KV_DTYPES = ("float32", "float16", "int8", "int4")   # int8 and int4: worker/kv/quant.py
+_FLOAT_BYTES = {"float32": 4, "float16": 2}
 # Batch- and chunk-invariant numerics unless a model is loaded with invariant=False
 # (worker/model/invariant.py; README, "Numerics").
 DEFAULT_INVARIANT = True
@@ -112,20 +114,25 @@ class Model:
                 between_layers: BetweenLayers | None = None) -> np.ndarray:
         """Compute the batch's new tokens over the paged pool, writing their K/V into it.
         -> [S, vocab] (last new token of each sequence) or [T, vocab] with all_logits.
-        The pool is float32, or float16 with float16 KV (the same rounded values, half the memory).
+        The pool is float32, or float16 with float16 KV (the same rounded values, half the memory),
+        or bytes [blocks, layers, kv_heads, page_tokens, token bytes] with int8 or int4 KV (worker/kv/quant.py).
         `between_layers()` runs after each layer but the last; it may run other forwards over
         other blocks of the pool (none of this batch's)."""
         _check_kv_dtype(kv_dtype)
         token_ids, positions, query_starts, context_lens = _validate(self.config, batch, kv_pool, kv_dtype)
-        meta = AttentionMetadata.build(positions, query_starts, context_lens, batch.block_tables, kv_pool.shape,
+        codec = kv_codec(kv_dtype, self.config.head_dim)
+        shape = kv_pool.shape if codec is None else logical_pool_shape(self.config, kv_pool)
+        meta = AttentionMetadata.build(positions, query_starts, context_lens, batch.block_tables, shape,
                                        window=self.config.sliding_window, cached_lens=batch.cached_lens,
                                        invariant=self.invariant)
+        meta.codec = codec
         scale = self.attn_scale
 
-        rounding = kv_dtype if kv_pool.dtype == np.float32 else "float32"   # a float16 pool rounds as it stores
+        # a float16 pool rounds as it stores, a quantized one encodes (write_kv)
+        rounding = kv_dtype if kv_pool.dtype == np.float32 else "float32"
 
         def attend(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-            write_kv(kv_pool, layer, meta, round_kv(k, rounding), round_kv(v, rounding))
+            write_kv(kv_pool, layer, meta, round_kv(k, rounding), round_kv(v, rounding, "v"))
             with attention_threads(len(token_ids), self.invariant):
                 return paged_attention(q, kv_pool, layer, meta, scale)
 
@@ -204,9 +211,28 @@ def weights_digest(tensors: dict[str, np.ndarray]) -> bytes:
 
 
 def page_bytes_of(c: ModelConfig, kv_dtype: str, page_tokens: int) -> int:
-    """Bytes of one page [layers, 2 (k, v), kv_heads, page_tokens, head_dim] in `kv_dtype`, from the
-    config alone: what a worker writes and its kvnodes must be started with."""
-    return c.n_layers * 2 * c.n_kv_heads * page_tokens * c.head_dim * KV_DTYPES[_check_kv_dtype(kv_dtype)]
+    """Bytes of one page [layers, 2 (k, v), kv_heads, page_tokens, head_dim] in `kv_dtype` (int8 and
+    int4: [layers, kv_heads, page_tokens, token bytes]), from the config alone: what a worker writes
+    and its kvnodes must be started with."""
+    return c.n_layers * c.n_kv_heads * page_tokens * kv_token_bytes(c, kv_dtype)
+
+
+def kv_token_bytes(c: ModelConfig, kv_dtype: str) -> int:
+    """Bytes of one token's K and V of one head in `kv_dtype`, scales included."""
+    codec = kv_codec(_check_kv_dtype(kv_dtype), c.head_dim)
+    return 2 * c.head_dim * _FLOAT_BYTES[kv_dtype] if codec is None else codec.token_bytes
+
+
+def kv_block_shape(c: ModelConfig, kv_dtype: str, page_tokens: int) -> tuple[int, ...]:
+    """The shape of one block of a pool in `kv_dtype` (its dtype: worker.kv.quant.storage_dtype)."""
+    if kv_codec(_check_kv_dtype(kv_dtype), c.head_dim) is None:
+        return (c.n_layers, 2, c.n_kv_heads, page_tokens, c.head_dim)
+    return (c.n_layers, c.n_kv_heads, page_tokens, kv_token_bytes(c, kv_dtype))
+
+
+def logical_pool_shape(c: ModelConfig, kv_pool: np.ndarray) -> tuple[int, ...]:
+    """A quantized pool's shape as attention plans it: that of a float pool of as many blocks."""
+    return (kv_pool.shape[0], c.n_layers, 2, c.n_kv_heads, kv_pool.shape[3], c.head_dim)
 
 
 def _check_kv_dtype(kv_dtype: str) -> str:
@@ -217,13 +243,19 @@ def _check_kv_dtype(kv_dtype: str) -> str:
 
 def _validate(c: ModelConfig, batch: ForwardBatch, kv_pool: np.ndarray, kv_dtype: str):
     """Refuse a malformed batch with a ValueError before anything is written to the pool."""
-    expected_pool = (c.n_layers, 2, c.n_kv_heads, None, c.head_dim)
-    dtypes = ("float32", "float16") if kv_dtype == "float16" else ("float32",)   # no float32 KV in a float16 pool
-    if (kv_pool.dtype.name not in dtypes or kv_pool.ndim != 6 or not kv_pool.flags.c_contiguous
+    if kv_dtype in ("float32", "float16"):
+        expected_pool = (c.n_layers, 2, c.n_kv_heads, None, c.head_dim)
+        dtypes = ("float32", "float16") if kv_dtype == "float16" else ("float32",)   # no float32 KV in a float16 pool
+        described = f"[blocks, {c.n_layers}, 2, {c.n_kv_heads}, page_tokens, {c.head_dim}]"
+    else:
+        expected_pool = (c.n_layers, c.n_kv_heads, None, kv_token_bytes(c, kv_dtype))
+        dtypes = ("uint8",)
+        described = f"[blocks, {c.n_layers}, {c.n_kv_heads}, page_tokens, {expected_pool[-1]}]"
+    if (kv_pool.dtype.name not in dtypes or kv_pool.ndim != len(expected_pool) + 1 or not kv_pool.flags.c_contiguous
             or any(e is not None and e != g for e, g in zip(expected_pool, kv_pool.shape[1:]))):
-        raise ValueError(f"kv_pool should be C-ordered {' or '.join(dtypes)} [blocks, {c.n_layers}, 2, {c.n_kv_heads}, "
-                         f"page_tokens, {c.head_dim}] for {kv_dtype} KV, got {kv_pool.dtype} {list(kv_pool.shape)}")
-    num_blocks, page_tokens = kv_pool.shape[0], kv_pool.shape[4]
+        raise ValueError(f"kv_pool should be C-ordered {' or '.join(dtypes)} {described} for {kv_dtype} KV, "
+                         f"got {kv_pool.dtype} {list(kv_pool.shape)}")
+    num_blocks, page_tokens = kv_pool.shape[0], kv_pool.shape[-2]
     token_ids = np.asarray(batch.token_ids, dtype=np.int64).reshape(-1)
     positions = np.asarray(batch.positions, dtype=np.int64).reshape(-1)
     query_starts = np.asarray(batch.query_starts, dtype=np.int64).reshape(-1)

@@ -39,6 +39,10 @@ Notes:
    tiles of KEY_TILE keys from position 0 (a window's first block is rounded down to a tile),
    the keys past those gathered hidden; a decode's queries of a KV head are at least two rows
    (one would go to the matrix-vector kernel).
+9. An int8 or int4 pool (worker/kv/quant.py) is bytes [blocks, layer, kv_head, token, K then V bytes]:
+   its (block, layer, head) rows are taken into a byte scratch and decoded into the float32 one, the
+   same step as note 7's. Plans keep their [S, 2, KV, MB] rows of the float layout (`logical_shape`),
+   mapped to these rows; decode's keys and values come from one take.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from worker.kv.half import float16_to_float32
+from worker.kv.quant import KVCodec
 from worker.kv.window import first_read_block
 
 from .invariant import (KEY_TILE, QK_ROWS, decode_scores, padded_keys, prefill_scores, tile_sums,
@@ -70,10 +75,13 @@ class GatherPlan:
 
     rows: np.ndarray        # [S, 2, KV, MB] row of (block, layer 0, k|v, head) in the pool seen as [rows, P*hd]
     layer_stride: int       # add layer * layer_stride for another layer
+    byte_rows: np.ndarray | None = None   # [S, KV, MB] row of (block, layer 0, head) of a quantized pool (note 8)
 
     def gather(self, kv_pool: np.ndarray, layer: int, meta: "AttentionMetadata",
                parts: slice = KEYS_AND_VALUES) -> np.ndarray:
         """-> [S, len(parts), KV, MB * P, hd] (in the forward's scratch buffer, overwritten by the next gather)."""
+        if meta.codec is not None:
+            return self._gather_quantized(kv_pool, layer, meta, parts)
         rows = self.rows[:, parts]
         S, n_parts, KV, MB = rows.shape
         P, hd = kv_pool.shape[4], kv_pool.shape[5]
@@ -91,6 +99,35 @@ class GatherPlan:
                 out=taken, mode="clip")
         if taken is not out:
             float16_to_float32(taken, out)
+        return out.reshape(S, n_parts, KV, MB * P, hd)
+
+    def _gather_quantized(self, kv_pool: np.ndarray, layer: int, meta: "AttentionMetadata", parts: slice) -> np.ndarray:
+        """Note 9: the rows' bytes, taken once for a plan's keys and values, decoded into float32."""
+        codec = meta.codec
+        S, n_parts, KV, MB = self.rows[:, parts].shape
+        P, token_bytes, hd = kv_pool.shape[3], kv_pool.shape[4], codec.head_dim
+        if self.byte_rows is None:
+            first = self.rows[:, 0]
+            self.byte_rows = (first // (2 * KV)) * KV + first % KV
+        n, m = S * n_parts * KV * MB, S * KV * MB
+        if meta.scratch is None or meta.scratch.shape[0] < n:
+            meta.scratch = np.empty((meta.max_gather_rows, P * hd), dtype=np.float32)
+        if meta.byte_scratch is None or meta.byte_scratch.shape[0] < m:
+            meta.byte_scratch = np.empty((meta.max_gather_rows // 2, P * token_bytes), dtype=np.uint8)
+        taken = meta.byte_scratch[:m]
+        if meta.bytes_taken != (id(self), layer):
+            np.take(kv_pool.reshape(-1, P * token_bytes), (self.byte_rows + layer * KV).reshape(-1), axis=0,
+                    out=taken, mode="clip")
+            meta.bytes_taken = (id(self), layer)
+        out = meta.scratch[:n].reshape(S, n_parts, KV * MB * P, hd)
+        tokens = taken.reshape(S, KV * MB * P, token_bytes)
+        decoders = [codec.decode_keys, codec.decode_values][parts]
+        for i, decode in enumerate(decoders):
+            if n_parts == 1:
+                decode(tokens.reshape(-1, token_bytes), out.reshape(-1, hd))
+                continue
+            for s in range(S):
+                decode(tokens[s], out[s, i])
         return out.reshape(S, n_parts, KV, MB * P, hd)
 
 
@@ -139,6 +176,9 @@ class AttentionMetadata:
     max_gather_rows: int        # largest gather of any group or sequence
     scratch: np.ndarray | None = None   # the gather buffer (note 2)
     half_scratch: np.ndarray | None = None   # a float16 pool's rows before their conversion (note 7)
+    codec: KVCodec | None = None        # an int8 or int4 pool's (note 9)
+    byte_scratch: np.ndarray | None = None   # its rows' bytes before their decoding
+    bytes_taken: tuple | None = None    # (plan, layer) whose bytes byte_scratch holds
     window: int | None = None   # sliding window: a query at p sees keys at p - window < j <= p
     written: np.ndarray | None = None   # rows whose K/V is stored; None: every row (cached_lens)
     invariant: bool = False     # invariant numerics (note 8)
@@ -198,7 +238,12 @@ class AttentionMetadata:
 
 def write_kv(kv_pool: np.ndarray, layer: int, meta: AttentionMetadata, k: np.ndarray, v: np.ndarray) -> None:
     """Store new tokens' keys and values ([T, kv_heads, head_dim] each) in their pool slots (only
-    the `written` rows when a cached page already holds the others'); a float16 pool rounds them."""
+    the `written` rows when a cached page already holds the others'); a float16 pool rounds them,
+    an int8 or int4 pool holds them encoded (note 8)."""
+    if meta.codec is not None:
+        rows = slice(None) if meta.written is None else meta.written
+        kv_pool[meta.slot_blocks[rows], layer, :, meta.slot_offsets[rows], :] = meta.codec.encode(k[rows], v[rows])
+        return
     if meta.written is None:
         kv_pool[meta.slot_blocks, layer, 0, :, meta.slot_offsets, :] = k
         kv_pool[meta.slot_blocks, layer, 1, :, meta.slot_offsets, :] = v

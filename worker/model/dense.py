@@ -60,7 +60,7 @@ class DenseRunner:
         def attend(layer, q, k, v):
             n = len(q)
             state.k[layer, :, :n] = round_kv(k, kv_dtype).transpose(1, 0, 2)
-            state.v[layer, :, :n] = round_kv(v, kv_dtype).transpose(1, 0, 2)
+            state.v[layer, :, :n] = round_kv(v, kv_dtype, "v").transpose(1, 0, 2)
             with single_thread():   # as the paged forward's attention (blas.py)
                 return causal_attention(q, state.k[layer, :, :n], state.v[layer, :, :n], positions, scale,
                                         self.model.config.sliding_window)
@@ -81,7 +81,7 @@ class DenseRunner:
         window = self.model.config.sliding_window
 
         def attend(layer, q, k, v):
-            k, v = round_kv(k, kv_dtype), round_kv(v, kv_dtype)
+            k, v = round_kv(k, kv_dtype), round_kv(v, kv_dtype, "v")
             B, H, hd = q.shape
             out = np.empty_like(q)
             for i, s in enumerate(states):   # (already on one BLAS thread: decode rows are few)
@@ -116,7 +116,7 @@ def reference_logits(model: Model, token_ids, kv_dtype: str = "float32") -> np.n
         raise ValueError(f"{len(ids)} tokens exceed the model's {model.config.max_positions} positions")
 
     def attend(layer, q, k, v):
-        return dense_attention(q, round_kv(k, kv_dtype), round_kv(v, kv_dtype), positions, model.attn_scale,
+        return dense_attention(q, round_kv(k, kv_dtype), round_kv(v, kv_dtype, "v"), positions, model.attn_scale,
                                model.config.sliding_window)
 
     return model.run(ids, positions, attend)

@@ -10,6 +10,8 @@ from typing import Callable
 
 import numpy as np
 
+from ..kv.quant import kv_codec
+
 # attend(layer, q [T, n_heads, hd], k [T, n_kv_heads, hd], v [T, n_kv_heads, hd]) -> [T, n_heads, hd]:
 # stores the new keys/values wherever the caller keeps its cache and attends over the whole context.
 Attend = Callable[[int, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
@@ -62,9 +64,11 @@ def silu_(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def round_kv(x: np.ndarray, kv_dtype: str) -> np.ndarray:
-    """Keys/values as they will be stored: float16 KV is rounded the moment it is computed
-    (docs/architecture.md), so a page fetched from a node is bit-identical to one computed here."""
+def round_kv(x: np.ndarray, kv_dtype: str, part: str = "k") -> np.ndarray:
+    """Keys (part "k") or values ("v") [..., head_dim] as attention reads them once stored: float16 KV is
+    rounded the moment it is computed (docs/architecture.md), int8 and int4 KV quantized then
+    (worker/kv/quant.py), so a page fetched from a node is bit-identical to one computed here."""
     if kv_dtype == "float16":
         return x.astype(np.float16).astype(np.float32)
-    return x
+    codec = kv_codec(kv_dtype, x.shape[-1])
+    return x if codec is None else codec.round_trip(x, part)

@@ -23,6 +23,7 @@ from kvnode.client import NodeError, PageRejected
 from worker.kv.block_arena import arena_of
 from worker.connector.connector import Tier
 from worker.kv.pages_in_place import InPlaceReader, PagesInPlace
+from worker.kv.quant import storage_dtype
 from worker.remote.fetch import PageFetcher, transfer_timeout
 from worker.remote.nodes import Node, NodeTable
 from worker.remote.writeback import WriteBack
@@ -62,6 +63,7 @@ class RemoteTier(Tier):
 
     `pool` is the engine's block array [blocks, layers, 2, kv_heads, page_tokens, head_dim], in
     `kv_dtype` or float32; on the wire a page is that block in `kv_dtype` (float16 halves the bytes).
+    An int8 or int4 pool is the pages' bytes (worker/kv/quant.py), sent and received as they are.
     """
 
     def __init__(
@@ -83,8 +85,9 @@ class RemoteTier(Tier):
         read_in_place: bool = True,
     ):
         self.pool = pool
-        self.wire_dtype = np.dtype(kv_dtype)
-        if pool.dtype not in (self.wire_dtype, np.float32):
+        self.wire_dtype = storage_dtype(kv_dtype)
+        holds = (self.wire_dtype,) if self.wire_dtype == np.uint8 else (self.wire_dtype, np.float32)  # no cast of bytes
+        if pool.dtype not in holds:
             raise ValueError(f"a {pool.dtype} pool cannot hold {kv_dtype} pages")
         self.block_shape = pool.shape[1:]
         self.page_bytes = int(np.prod(self.block_shape)) * self.wire_dtype.itemsize

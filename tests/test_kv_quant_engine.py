@@ -1,0 +1,111 @@
+"""int8 and int4 KV in the engine (worker/kv/quant.py): paged attention over a quantized pool reads
+what the dense reference reads, and a prompt computed, cached locally or fetched from a kvnode gets
+the same answer in every KV dtype."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cluster_helpers import serve_node
+from kvnode.data_plane.server import DataPlaneServer
+from kvnode.store.page_store import PageStore
+from worker.engine.engine import Engine
+from worker.model import ForwardBatch, kv_block_shape, load_model
+from worker.model.dense import reference_logits
+from worker.model.testing import llama_config, random_model
+from worker.kv.quant import storage_dtype
+from worker.remote.tier import Placement, RemoteTier
+
+PAGE_TOKENS = 16
+SHARED = "You are a helpful assistant. Answer briefly, and cite what you read. " * 2  # 8 full pages and more
+PROMPT = SHARED + "What does a kvnode store?"
+PARAMS = dict(max_new_tokens=12, ignore_eos=True)
+KV_DTYPES = ["float32", "float16", "int8", "int4"]
+
+MODELS = {
+    "tiny": lambda: load_model("tiny"),   # GPT-2, 64-wide heads
+    "llama-gqa": lambda: random_model(llama_config(n_layers=3, max_positions=512), seed=4),   # 16-wide heads
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: make() for name, make in MODELS.items()}
+
+
+def engine(model, kv_dtype):
+    return Engine(model, kv_dtype=kv_dtype, num_blocks=96, page_tokens=PAGE_TOKENS, max_num_batched_tokens=256,
+                  seed=0)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_paged_attention_over_a_quantized_pool_reads_what_the_reference_reads(models, name, kv_dtype):
+    model = models[name]
+    c = model.config
+    ids = np.random.default_rng(0).integers(0, c.vocab_size, 70)
+    pool = np.zeros((8, *kv_block_shape(c, kv_dtype, PAGE_TOKENS)), dtype=storage_dtype(kv_dtype))
+    n = len(ids)
+    batch = ForwardBatch(ids, np.arange(n), np.array([0, n]), np.array([n]), [np.arange(5)], all_logits=True)
+    logits = model.forward(batch, pool, kv_dtype)
+    np.testing.assert_allclose(logits, reference_logits(model, ids, kv_dtype), atol=2e-4, rtol=0)
+    assert np.abs(logits - reference_logits(model, ids, "float32")).max() > 1e-4   # the KV really was quantized
+
+
+@pytest.fixture
+def node():
+    """A kvnode with a data plane, of the page size asked for."""
+    stops = []
+
+    def make(page_bytes):
+        store = PageStore(64, page_bytes)
+        stack = serve_node(store, max_keys=64)
+        served = stack.__enter__()
+        plane = DataPlaneServer(store, "127.0.0.1", 0, max_keys=64).start()
+        served.service.data_port = plane.port
+        stops.append((stack, plane))
+        return served
+
+    yield make
+    for stack, plane in stops:
+        plane.stop()
+        stack.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_prompt_computed_cached_or_fetched_gets_the_same_answer(models, node, name, kv_dtype):
+    model = models[name]
+    cold = engine(model, kv_dtype).generate([PROMPT], **PARAMS)[0]
+    local = engine(model, kv_dtype)
+    local.generate([SHARED + "First question?"], max_new_tokens=2)
+    warm_local = local.generate([PROMPT], **PARAMS)[0]
+    assert warm_local.usage.cached_tokens_local >= 8 * PAGE_TOKENS
+
+    writer = engine(model, kv_dtype)
+    served = node(model.page_bytes(kv_dtype, PAGE_TOKENS))
+    assert writer.kv_pool[0].nbytes == model.page_bytes(kv_dtype, PAGE_TOKENS)
+    placement = Placement([served.address])
+    tier = RemoteTier(writer.kv_pool, kv_dtype)
+    writer.attach_remote_tier(tier)
+    try:
+        writer.generate([SHARED + "First question?"], max_new_tokens=2, tier_context=placement)
+        assert tier.flush(timeout_s=10.0) and tier.stats.pages_written >= 8
+    finally:
+        tier.close()
+    reader = engine(model, kv_dtype)
+    tier = RemoteTier(reader.kv_pool, kv_dtype, first_contact_wait_s=5.0, lookup_timeout_s=5.0)
+    reader.attach_remote_tier(tier)
+    try:
+        warm = reader.generate([PROMPT], tier_context=placement, **PARAMS)[0]
+        assert tier.stats.pages_fetched + tier.stats.pages_in_place >= 8 and tier.stats.pages_rejected == 0
+    finally:
+        tier.close()
+    assert warm.token_ids == cold.token_ids == warm_local.token_ids
+    assert warm.usage.cached_tokens_remote == warm_local.usage.cached_tokens_local
+    fetched = [reader.pool.key_to_block[key] for key in writer.pool.key_to_block if key in reader.pool.key_to_block]
+    assert fetched, "no page of the writer's reached the reader's pool"
+    for key, block in writer.pool.key_to_block.items():   # the bytes the writer computed are the bytes read
+        if key in reader.pool.key_to_block:
+            np.testing.assert_array_equal(reader.kv_pool[reader.pool.key_to_block[key]], writer.kv_pool[block])
