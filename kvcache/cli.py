@@ -78,13 +78,14 @@ def _words(argv: list[str]) -> list[str]:
 
 def _add_node_model_options(parser: argparse.ArgumentParser) -> None:
     """The node's --model and --kv-dtype: pages sized for the workers' model (_run_node)."""
+    from base.pages import KV_DTYPES
     from kvcache.model_pages import MODELS
 
     parser.add_argument("--model", default=None,
                         help=f"size pages for the workers' model, so they fit: {MODELS}; overrides --page-bytes. "
                              "Unless --capacity is given, the pool is sized so one lookup can lease a prompt of "
                              "the model's full context")
-    parser.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32",
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32",
                         help="with --model: the workers' KV dtype (default float32)")
 
 

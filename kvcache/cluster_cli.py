@@ -27,6 +27,7 @@ from kvcache.model_pages import VllmBlockPages
 from kvnode.disk.tier import CHECK_AT_START, DISK_CHECKS
 from kvnode.store.flusher import DEFAULT_FLUSH_INTERVAL_S
 from base import tokens
+from base.pages import KV_DTYPES
 from worker.model.named import DEFAULT_MODEL
 
 MONITOR_TOKEN_FILE = "monitor.token"
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--replicas", type=int, default=2, help="kvnodes per sequence (default 2)")
     up.add_argument("--model", default=None,
                     help=f"{DEFAULT_MODEL}, tiny, gpt2-small-shape, a .gguf file or a checkpoint folder (default {DEFAULT_MODEL})")
-    up.add_argument("--kv-dtype", choices=["float32", "float16"], default=None, help="KV dtype (default float32)")
+    up.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help="KV dtype (default float32)")
     up.add_argument("--node-capacity", default=None,
                     help="page pool per kvnode, allocated at start (default: enough that one kvnode leases a whole "
                          "prompt of the model's full context at once, half its pool: 720MiB for smollm2-135m in "

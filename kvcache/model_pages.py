@@ -19,7 +19,7 @@ MODELS = (f"a named model ({', '.join(NAMED_GGUF)}), a preset with random weight
 def model_page_bytes(model: str, kv_dtype: str = "float32", page_tokens: int = DEFAULT_PAGE_TOKENS) -> int:
     """Bytes of one page of `model` in `kv_dtype` (worker.model.page_bytes_of), its config read alone."""
     if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv dtype must be float32 or float16, got {kv_dtype!r}")
+        raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     return page_bytes_of(_config(model), kv_dtype, page_tokens)
 
 

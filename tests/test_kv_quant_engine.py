@@ -4,6 +4,8 @@ the same answer in every KV dtype."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -109,3 +111,19 @@ def test_a_prompt_computed_cached_or_fetched_gets_the_same_answer(models, node, 
     for key, block in writer.pool.key_to_block.items():   # the bytes the writer computed are the bytes read
         if key in reader.pool.key_to_block:
             np.testing.assert_array_equal(reader.kv_pool[reader.pool.key_to_block[key]], writer.kv_pool[block])
+
+
+def test_a_worker_refuses_a_kvnode_of_another_kv_dtype_with_one_line_naming_both(models, node, caplog):
+    model = models["tiny"]
+    served = node(model.page_bytes("int8", PAGE_TOKENS))
+    reader = engine(model, "int4")
+    tier = RemoteTier(reader.kv_pool, "int4", first_contact_wait_s=5.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="worker.remote"):
+            for _ in range(2):
+                assert tier.lookup([bytes(16)], Placement([served.address])) == 0
+        refusals = [r.getMessage() for r in caplog.records if "refusing kvnode" in r.getMessage()]
+        assert len(refusals) == 1
+        assert "(int8 KV of this model)" in refusals[0] and "--kv-dtype int4" in refusals[0], refusals[0]
+    finally:
+        tier.close()

@@ -146,6 +146,7 @@ def test_node_with_another_page_size_is_refused_and_counts_as_a_miss(tmp_path):
         assert used_pages(kv.address) == 0
         log = (tmp_path / "worker.log").read_text()
         assert log.count("refusing kvnode") == 1
+        assert "(float16 KV of this model)" in log and "--kv-dtype float32)" in log   # one line names both
         assert "Traceback" not in log
 
 

@@ -14,7 +14,7 @@ import threading
 import time
 
 from base import member, observability, security, serving, startup, tokens
-from base.pages import DEFAULT_PAGE_TOKENS
+from base.pages import DEFAULT_PAGE_TOKENS, KV_DTYPES
 from base.pool_sizes import (MAX_WORKER_POOL_BYTES, MIN_POOL_BYTES, describe, full_context_pages, prompt_cap,
                              worker_pool)
 from base.units import format_size, parse_size
@@ -38,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serving.add_listen_arguments(parser, default_port=50061)
     parser.add_argument("--model", default="tiny", help="tiny, gpt2-small-shape, or a Hugging Face checkpoint folder")
     parser.add_argument(
-        "--kv-dtype", choices=["float32", "float16"], default="float32",
-        help="KV dtype of the local pool and on the wire (default float32; float16 fits twice the pages)"
+        "--kv-dtype", choices=KV_DTYPES, default="float32",
+        help="KV dtype of the local pool and on the wire (default float32; float16 fits twice the pages, "
+             "int8 1.9x float16's, int4 3x: quantized as computed, docs/benchmarks.md says at what cost)"
     )
     parser.add_argument(
         "--kv-cache", default=None, metavar="SIZE",

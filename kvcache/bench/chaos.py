@@ -37,6 +37,7 @@ import time
 import uuid
 from pathlib import Path
 
+from base.pages import KV_DTYPES
 from kvcache.bench import chaosreport as report
 from kvcache.bench.busy import busy_processes, running as busy_running
 from kvcache.bench.chaosfaults import KINDS, FaultInjector
@@ -56,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--nodes", type=int, default=3, help="kvnodes (default 3)")
     cluster.add_argument("--workers", type=int, default=2, help="workers (default 2)")
     cluster.add_argument("--replicas", type=int, default=2, help="kvnodes per sequence (default 2)")
-    cluster.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32",
+    cluster.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32",
                          help="KV dtype (default float32)")
     cluster.add_argument("--eviction", choices=NODE_POLICIES, default=None, help="the kvnodes' eviction policy "
                          "(default theirs, prefix-lru); a small --node-capacity makes them evict under the load")

@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from base.pages import KV_DTYPES
 from base.pages import DEFAULT_PAGE_TOKENS
 from kvcache.bench.chat_prompt import BenchChat
 from kvcache.bench.report import dump_json, machine, print_table
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=8, help="the larger decode batch (default 8)")
     parser.add_argument("--page-tokens", type=int, default=DEFAULT_PAGE_TOKENS,
                         help=f"tokens per page (default {DEFAULT_PAGE_TOKENS})")
-    parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16"])
+    parser.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES)
     parser.add_argument("--numerics", default="invariant", choices=["invariant", "fast"],
                         help="the engine's numerics (worker/model/invariant.py; default invariant); the dense "
                              "reference runs the same weight products")

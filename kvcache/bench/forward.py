@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from base.pages import KV_DTYPES
 from kvcache.bench.report import dump_json, machine, print_table
 
 PREFILL_CHUNK = 128   # the context is written as the engine's default prefill chunks would write it
@@ -27,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"a model name, .gguf file or folder (default {DEFAULT_MODEL})")
     parser.add_argument("--context", type=int, default=1024, help="tokens of context after the step (default 1024)")
     parser.add_argument("--rows", default="16", help="comma-separated counts of new tokens per forward (default 16)")
-    parser.add_argument("--kv-dtype", choices=["float32", "float16"], default="float16", help="KV dtype, of the pool too (default float16)")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="float16", help="KV dtype, of the pool too (default float16)")
     parser.add_argument("--threads", type=int, default=None,
                         help="BLAS threads for every timed forward (default: what the engine picks for its rows)")
     parser.add_argument("--repeats", type=int, default=20, help="forwards timed per row count; medians shown (default 20)")
@@ -35,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from worker.model import ForwardBatch, load_model
+    from worker.kv.quant import storage_dtype
+    from worker.model import ForwardBatch, kv_block_shape, load_model
     from worker.model.blas import forced_threads
 
     try:
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     page = 16
     blocks = -(-args.context // page)
     # In the KV dtype, as the engine keeps it (a float16 pool is converted as attention reads it).
-    pool = np.zeros((blocks, c.n_layers, 2, c.n_kv_heads, page, c.head_dim), dtype=np.dtype(args.kv_dtype))
+    pool = np.zeros((blocks, *kv_block_shape(c, args.kv_dtype, page)), dtype=storage_dtype(args.kv_dtype))
     table = np.arange(blocks)
     tokens = np.random.default_rng(0).integers(0, c.vocab_size, args.context)
 

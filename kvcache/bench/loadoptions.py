@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from base.pages import KV_DTYPES
 from kvcache.bench import workload as wl
 
 
@@ -23,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--nodes", type=int, default=3, help="kvnodes of the local cluster (default 3)")
     cluster.add_argument("--workers", type=int, default=2, help="workers of the local cluster (default 2)")
     cluster.add_argument("--replicas", type=int, default=2, help="kvnodes per sequence (default 2)")
-    cluster.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32", help="KV dtype (default float32)")
+    cluster.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32", help="KV dtype (default float32)")
     cluster.add_argument("--node-capacity", default="512MiB", help="page pool per kvnode (default 512MiB)")
     cluster.add_argument("--worker-kv-cache", default="256MiB", help="local KV pool per worker (default 256MiB)")
     cluster.add_argument("--blas-threads", type=int, default=None, help="BLAS threads per worker of the local cluster "

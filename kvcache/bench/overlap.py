@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from base.pages import KV_DTYPES
 from base import serving
 from kvcache.bench.report import dump_json, machine, print_table
 from kvcache.launch import Daemon
@@ -36,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="gpt2-small-shape", help="tiny, gpt2-small-shape, smollm2-135m, a .gguf file "
                         "or a checkpoint folder")
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="both prompts' length (default 1024)")
-    parser.add_argument("--kv-dtype", choices=["float32", "float16"], default="float16",
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="float16",
                         help="KV dtype on the wire (default float16)")
     parser.add_argument("--rounds", type=int, default=6, help="rounds of both modes; medians are shown (default 6)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

@@ -32,6 +32,7 @@ from typing import Iterator
 
 import numpy as np
 
+from base.pages import KV_DTYPES
 from base import serving
 from kvcache.bench.report import dump_json, machine, print_table
 from kvcache.launch import Daemon
@@ -41,7 +42,7 @@ from kvcache.model_pages import model_page_bytes
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="gpt2-small-shape", help="tiny, gpt2-small-shape, smollm2-135m, a .gguf file or a checkpoint folder")
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length (default 1024)")
-    parser.add_argument("--kv-dtype", choices=["float32", "float16"], default="float16",
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="float16",
                         help="KV dtype on the wire (default float16, half the bytes)")
     parser.add_argument("--repeats", type=int, default=3, help="prompts measured; medians are shown (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

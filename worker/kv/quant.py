@@ -25,7 +25,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-QUANTIZED_KV_DTYPES = ("int8", "int4")
 _FLOAT16_MAX = np.float32(65504.0)
 
 
@@ -162,6 +161,28 @@ def _divisor(group: int, head_dim: int) -> int:
     while head_dim % group:
         group //= 2
     return group
+
+
+def token_bytes(kv_dtype: str, head_dim: int) -> int:
+    """Bytes of one token's K and V of one head in `kv_dtype`, scales included."""
+    codec = kv_codec(kv_dtype, head_dim)
+    return 2 * head_dim * np.dtype(kv_dtype).itemsize if codec is None else codec.token_bytes
+
+
+def page_sizes(block_shape: tuple[int, ...], kv_dtype: str) -> dict[str, int]:
+    """The bytes of a page of the same model in each KV dtype, from a pool's block shape in `kv_dtype`
+    (so a worker can say which KV dtype a kvnode of another page size was started for)."""
+    if len(block_shape) != (4 if kv_dtype in _FORMATS else 5):
+        return {}   # not an engine's pool
+    if kv_dtype in _FORMATS:
+        layers, kv_heads, page_tokens, held = block_shape
+        head_dim = next((h for h in range(2, 2 * held, 2) if token_bytes(kv_dtype, h) == held), None)
+    else:
+        layers, _, kv_heads, page_tokens, head_dim = block_shape
+    if head_dim is None:
+        return {}
+    return {dtype: layers * kv_heads * page_tokens * token_bytes(dtype, head_dim)
+            for dtype in ("float32", "float16", *_FORMATS)}
 
 
 def storage_dtype(kv_dtype: str) -> np.dtype:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from base.pages import KV_DTYPES  # int8 and int4: worker/kv/quant.py
 from .attention import AttentionMetadata, paged_attention, write_kv
-from ..kv.quant import kv_codec
+from ..kv.quant import kv_codec, token_bytes
 from ..kv.window import first_read_block
 from .blas import attention_threads, threads_for_rows
 from .chat import ChatError, ChatTemplate, folder_chat_template
@@ -32,8 +33,6 @@ log = logging.getLogger("worker.model")
 __all__ = ["load_model", "load_model_tokenizer", "read_model_config", "Model", "ForwardBatch", "ModelConfig",
            "CheckpointError", "ChatError", "KV_DTYPES", "page_bytes_of", "kv_block_shape", "kv_token_bytes"]
 
-KV_DTYPES = ("float32", "float16", "int8", "int4")   # int8 and int4: worker/kv/quant.py
-_FLOAT_BYTES = {"float32": 4, "float16": 2}
 # Batch- and chunk-invariant numerics unless a model is loaded with invariant=False
 # (worker/model/invariant.py; README, "Numerics").
 DEFAULT_INVARIANT = True
@@ -219,8 +218,7 @@ def page_bytes_of(c: ModelConfig, kv_dtype: str, page_tokens: int) -> int:
 
 def kv_token_bytes(c: ModelConfig, kv_dtype: str) -> int:
     """Bytes of one token's K and V of one head in `kv_dtype`, scales included."""
-    codec = kv_codec(_check_kv_dtype(kv_dtype), c.head_dim)
-    return 2 * c.head_dim * _FLOAT_BYTES[kv_dtype] if codec is None else codec.token_bytes
+    return token_bytes(_check_kv_dtype(kv_dtype), c.head_dim)
 
 
 def kv_block_shape(c: ModelConfig, kv_dtype: str, page_tokens: int) -> tuple[int, ...]:
@@ -237,7 +235,7 @@ def logical_pool_shape(c: ModelConfig, kv_pool: np.ndarray) -> tuple[int, ...]:
 
 def _check_kv_dtype(kv_dtype: str) -> str:
     if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype {kv_dtype!r} is not one of {sorted(KV_DTYPES)}")
+        raise ValueError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
     return kv_dtype
 
 

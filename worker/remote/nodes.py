@@ -51,10 +51,12 @@ class NodeTable:
         on_failure: Callable[[], None] = lambda: None,
         credentials=None,
         on_answered: Callable[[Node], None] = lambda node: None,
+        page_sizes: dict[str, int] | None = None,
     ):
         if max_nodes < 1 or max_probes < 1:
             raise ValueError(f"max_nodes and max_probes must be positive, got {max_nodes} and {max_probes}")
         self.page_bytes = page_bytes
+        self.page_sizes = page_sizes or {}   # KV dtype -> this model's page bytes in it: names a refused node's dtype
         self.info_timeout_s = info_timeout_s
         self.retry_after_s = retry_after_s
         self.max_retry_after_s = max(retry_after_s, max_retry_after_s)
@@ -208,10 +210,13 @@ class NodeTable:
         node.max_lookup_keys = min(node.max_keys, info.max_leases_per_call or node.max_keys)
         if info.page_bytes != self.page_bytes:
             node.refused = True
+            dtypes = {size: dtype for dtype, size in self.page_sizes.items()}
+            theirs, ours = dtypes.get(info.page_bytes), dtypes.get(self.page_bytes)
             log.warning(
-                "refusing kvnode %s: its pages are %d bytes, this worker's are %d "
-                "(start the node with the worker's --model and --kv-dtype)",
-                node.address, info.page_bytes, self.page_bytes,
+                "refusing kvnode %s: its pages are %d bytes%s, this worker's are %d%s "
+                "(start the node with the worker's --model and --kv-dtype%s)",
+                node.address, info.page_bytes, f" ({theirs} KV of this model)" if theirs else "", self.page_bytes,
+                f" ({ours} KV)" if ours else "", f" {ours}" if ours else "",
             )
             return
         try:

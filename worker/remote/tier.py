@@ -23,7 +23,7 @@ from kvnode.client import NodeError, PageRejected
 from worker.kv.block_arena import arena_of
 from worker.connector.connector import Tier
 from worker.kv.pages_in_place import InPlaceReader, PagesInPlace
-from worker.kv.quant import storage_dtype
+from worker.kv.quant import page_sizes, storage_dtype
 from worker.remote.fetch import PageFetcher, transfer_timeout
 from worker.remote.nodes import Node, NodeTable
 from worker.remote.writeback import WriteBack
@@ -110,7 +110,8 @@ class RemoteTier(Tier):
         self.nodes = NodeTable(self.page_bytes, lookup_timeout_s, retry_after_s, max_retry_after_s, max_nodes,
                                max_probes, on_failure=lambda: self._count("node_failures", 1),
                                credentials=credentials,
-                               on_answered=self.in_place.prepare if self.in_place is not None else lambda node: None)
+                               on_answered=self.in_place.prepare if self.in_place is not None else lambda node: None,
+                               page_sizes=page_sizes(self.block_shape, kv_dtype))
         self.fetcher = PageFetcher(pool, self.wire_dtype, fetch_batch_bytes, min_batch_bytes, self._count)
         self.fetch_batch_pages, self.min_batch_pages = self.fetcher.fetch_batch_pages, self.fetcher.min_batch_pages
         # Copies of blocks (a float32 one cast when sent): bounded in bytes (1,024 gpt2-small pages would be 1.2 GB).
