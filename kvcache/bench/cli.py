@@ -17,6 +17,7 @@ BENCHES = [
     ("load", "the cluster under concurrent load, with the cache and without"),
     ("chaos", "faults under load: failed and differing answers against an undisturbed run"),
     ("determinism", "one request resumed, chunked, batched, cached and fetched: logits bit for bit against it alone; what invariant numerics cost"),
+    ("kv-dtype", "float32, float16, int8 and int4 KV: perplexity, pages per GiB, trace hit rate, fill, tokens/s"),
     ("vllm", "a vLLM engine's TTFT with its prompt's KV recomputed, from kvcache, or from vLLM's ExampleConnector"),
 ]
 
@@ -32,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser, only: str | None = None) -> N
         if only is not None and name != only:
             benches.add_parser(name, help=summary)
             continue
-        module = importlib.import_module(f"kvcache.bench.{name}")
+        module = importlib.import_module(f"kvcache.bench.{name.replace('-', '_')}")
         sub = benches.add_parser(name, help=summary, description=module.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(sub)
