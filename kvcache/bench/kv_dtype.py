@@ -14,6 +14,7 @@ decode >= 0.8x float16's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -75,10 +76,8 @@ def run(args: argparse.Namespace) -> int:
     if args.trace and "trace" not in skip:
         trace_info = hit_rates(args.trace, args.budget_percent, rows, model)
     if "serve" not in skip:
-        for d in dtypes:
-            rows[d].update(serve(model, args.model, d, args))
-            _say(f"{d}: fill {rows[d]['fill_ms']:.1f} ms, prefill {rows[d]['prefill_tokens_per_s']:.0f} tok/s, "
-                 f"decode {rows[d]['decode_tokens_per_s']:.2f} tok/s")
+        for d, figures in serve(model, dtypes, args).items():
+            rows[d].update(figures)
     result = {"bench": "kv-dtype", "machine": machine(), "model": args.model,
               "options": {k: v for k, v in vars(args).items() if k != "run"},
               "text_tokens": len(ids) if "ppl" not in skip else None, "trace": trace_info,
@@ -136,29 +135,36 @@ def hit_rates(trace: str, percent: float, rows: dict, model) -> dict:
             "block_tokens": block_tokens, "budget_bytes": budget, "budget_percent_float16": percent, "policy": POLICY}
 
 
-def serve(model, model_name: str, kv_dtype: str, args: argparse.Namespace) -> dict:
-    """Cold prefill, decode on the warm prompt, and a warm fill from a kvnode process, --repeats times."""
+def serve(model, dtypes: list[str], args: argparse.Namespace) -> dict[str, dict]:
+    """Per dtype, a writer and a reader engine and a kvnode process; each repeat runs every dtype in
+    turn (a loaded machine's drift then falls on all alike): the cold prefill, decode on the warm
+    prompt, and the reader's warm fill from the node. Medians per dtype."""
     from kvcache.bench.remote import _first_contact, _node
     from worker.engine.engine import Engine
     from worker.remote.tier import Placement, RemoteTier
 
-    page_bytes = model.page_bytes(kv_dtype, DEFAULT_PAGE_TOKENS)
     pages = args.prompt_tokens // DEFAULT_PAGE_TOKENS + 2
-    pool_bytes = page_bytes * (pages + args.decode_tokens // DEFAULT_PAGE_TOKENS + 2) * 3
-    engines = [Engine(model, kv_dtype=kv_dtype, kv_cache_bytes=pool_bytes) for _ in range(2)]
-    rng = np.random.default_rng(0)
-    samples: dict[str, list[float]] = {"prefill_tokens_per_s": [], "decode_tokens_per_s": [], "fill_ms": [],
-                                       "warm_ttft_ms": [], "cold_ttft_ms": []}
-    with _node(None, page_bytes, str(page_bytes * pages * (args.repeats + 1))) as node:
-        tiers = [RemoteTier(engine.kv_pool, kv_dtype, read_in_place=False) for engine in engines]
-        for engine, tier in zip(engines, tiers):
-            engine.attach_remote_tier(tier)
-        writer, reader = engines
-        placement = Placement([node.address])
-        try:
+    setups, samples = {}, {}
+    with contextlib.ExitStack() as stack:
+        for d in dtypes:
+            page_bytes = model.page_bytes(d, DEFAULT_PAGE_TOKENS)
+            pool_bytes = page_bytes * (pages + args.decode_tokens // DEFAULT_PAGE_TOKENS + 2) * 3
+            engines = [Engine(model, kv_dtype=d, kv_cache_bytes=pool_bytes) for _ in range(2)]
+            node = stack.enter_context(_node(None, page_bytes, str(page_bytes * pages * (args.repeats + 1))))
+            tiers = [RemoteTier(engine.kv_pool, d, read_in_place=False) for engine in engines]
+            for engine, tier in zip(engines, tiers):
+                engine.attach_remote_tier(tier)
+                stack.callback(tier.close)
+            placement = Placement([node.address])
             _first_contact(tiers[1], placement)
-            for _ in range(args.repeats):
-                prompt = rng.integers(0, model.config.vocab_size - 1, size=args.prompt_tokens).tolist()
+            setups[d] = (engines, tiers, placement)
+            samples[d] = {"prefill_tokens_per_s": [], "decode_tokens_per_s": [], "fill_ms": [], "warm_ttft_ms": [],
+                          "cold_ttft_ms": []}
+        rng = np.random.default_rng(0)
+        for _ in range(args.repeats):
+            prompt = rng.integers(0, model.config.vocab_size - 1, size=args.prompt_tokens).tolist()
+            for d in dtypes:
+                (writer, reader), tiers, placement = setups[d]
                 cold = writer.generate(prompt, max_new_tokens=1, bypass_cache=True)[0]
                 t = time.perf_counter()
                 decoded = writer.generate(prompt, max_new_tokens=args.decode_tokens, ignore_eos=True,
@@ -169,19 +175,22 @@ def serve(model, model_name: str, kv_dtype: str, args: argparse.Namespace) -> di
                 fill_before = tiers[1].stats.fill_ms
                 warm = reader.generate(prompt, max_new_tokens=1, tier_context=placement)[0]
                 if warm.usage.cached_tokens_remote == 0 or warm.token_ids != cold.token_ids:
-                    raise RuntimeError(f"{kv_dtype}: the warm run fetched {warm.usage.cached_tokens_remote} tokens "
+                    raise RuntimeError(f"{d}: the warm run fetched {warm.usage.cached_tokens_remote} tokens "
                                        f"and its token is {'the same' if warm.token_ids == cold.token_ids else 'another'}")
-                samples["cold_ttft_ms"].append(cold.usage.ttft_ms)
-                samples["prefill_tokens_per_s"].append(args.prompt_tokens / (cold.usage.ttft_ms / 1000.0))
-                samples["decode_tokens_per_s"].append((args.decode_tokens - 1) / ((wall_ms - decoded.usage.ttft_ms) / 1000.0))
-                samples["fill_ms"].append(tiers[1].stats.fill_ms - fill_before)
-                samples["warm_ttft_ms"].append(warm.usage.ttft_ms)
-        finally:
-            for tier in tiers:
-                tier.close()
-    figures = {name: statistics.median(values) for name, values in samples.items()}
-    figures["fill_bytes"] = (args.prompt_tokens // DEFAULT_PAGE_TOKENS) * page_bytes
-    return figures
+                s = samples[d]
+                s["cold_ttft_ms"].append(cold.usage.ttft_ms)
+                s["prefill_tokens_per_s"].append(args.prompt_tokens / (cold.usage.ttft_ms / 1000.0))
+                s["decode_tokens_per_s"].append((args.decode_tokens - 1) / ((wall_ms - decoded.usage.ttft_ms) / 1000.0))
+                s["fill_ms"].append(tiers[1].stats.fill_ms - fill_before)
+                s["warm_ttft_ms"].append(warm.usage.ttft_ms)
+                _say(f"{d}: fill {s['fill_ms'][-1]:.1f} ms, prefill {s['prefill_tokens_per_s'][-1]:.0f} tok/s, "
+                     f"decode {s['decode_tokens_per_s'][-1]:.2f} tok/s")
+    out = {}
+    for d in dtypes:
+        out[d] = {name: statistics.median(values) for name, values in samples[d].items()}
+        out[d]["samples"] = samples[d]
+        out[d]["fill_bytes"] = (args.prompt_tokens // DEFAULT_PAGE_TOKENS) * model.page_bytes(d, DEFAULT_PAGE_TOKENS)
+    return out
 
 
 def ratios(rows: dict) -> dict:

@@ -78,8 +78,8 @@ class TokenFormat:
         n, hd = out.shape
         groups = hd // self.group
         code_bytes = hd * self.bits // 8
-        meta = np.ascontiguousarray(raw[:, code_bytes:]).view(np.float16)   # [n, groups (, + groups)]
-        scale = meta[:, :groups].astype(np.float32)[:, :, None]
+        meta = np.ascontiguousarray(raw[:, code_bytes:]).view(np.float16).astype(np.float32)[:, :, None]
+        scale = meta[:, :groups]   # [n, groups, 1]; then the minimums (int4 keys)
         og = out.reshape(n, groups, self.group)
         if self.bits == 8:   # a cast, then the scales (one mixed-type multiply ran 3x slower here)
             np.copyto(og, raw[:, :code_bytes].view(np.int8).reshape(n, groups, self.group))
@@ -88,7 +88,7 @@ class TokenFormat:
             np.take(lut, raw[:, :code_bytes], out=out.view(np.uint64), mode="clip")
         og *= scale
         if self.minimum:
-            og += meta[:, groups:].astype(np.float32)[:, :, None]
+            og += meta[:, groups:]
 
 
 # byte -> (low nibble, high nibble) as float32: int4 codes, unsigned (asymmetric) or minus 8 (symmetric)
