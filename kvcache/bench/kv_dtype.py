@@ -171,10 +171,11 @@ def serve(model, dtypes: list[str], args: argparse.Namespace) -> dict[str, dict]
                 prefill_cpu_s = time.process_time() - cpu
                 writer.generate(prompt, max_new_tokens=1, tier_context=placement)   # its pages to the node
                 cpu = time.process_time()
-                writer.generate(prompt, max_new_tokens=1)
+                writer.generate(prompt, max_new_tokens=1, tier_context=placement)
                 cpu_one = time.process_time() - cpu
                 cpu, t = time.process_time(), time.perf_counter()
-                decoded = writer.generate(prompt, max_new_tokens=args.decode_tokens, ignore_eos=True)[0]
+                decoded = writer.generate(prompt, max_new_tokens=args.decode_tokens, ignore_eos=True,
+                                          tier_context=placement)[0]
                 wall_ms, cpu_many = (time.perf_counter() - t) * 1000.0, time.process_time() - cpu
                 if not tiers[0].flush(timeout_s=60.0):
                     raise RuntimeError("write-back to the node did not finish within 60 s")
