@@ -66,7 +66,7 @@ def test_the_same_kv_cache_bytes_hold_twice_the_blocks_in_float16(tiny):
     assert half.get_num_free_blocks() == half.pool.num_blocks
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8", "int4"])
 def test_tiny_engine_prefix_cache_hit_gives_the_cold_tokens(tiny, kv_dtype):
     engine = Engine.load("tiny", kv_dtype=kv_dtype, num_blocks=32, page_tokens=16)
     system = "You are a helpful assistant. Answer briefly. "  # 45 bytes: two full pages
@@ -78,7 +78,7 @@ def test_tiny_engine_prefix_cache_hit_gives_the_cold_tokens(tiny, kv_dtype):
     assert warm.token_ids == cold.token_ids and warm.text == cold.text
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8", "int4"])
 def test_a_prompt_whose_every_page_is_cached_computes_its_last_token_alone(tiny, kv_dtype):
     """64 bytes: four full pages. Asked again, every page is reused and only the last token is
     computed (its K/V read from the cached page, which is left as it was), for the cold tokens."""
