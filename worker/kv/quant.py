@@ -2,10 +2,10 @@
 
 Design notes
 1. Per token, in groups of channels: a token's K (or V) of one head is split into groups of
-   channels, each with its own float16 scale (and, for int4 keys, its float16 minimum). Nothing
-   depends on another token, so a token's stored bytes are the same whether its page was
-   computed in one prefill, a token at a time, or fetched: no hit can change an answer, and an
-   open page needs no staging. Keys per channel over a page (KIVI) scored better in int4 (0.6%
+   channels, each with its own float16 scale (and, for int4 keys, its float16 minimum). A token's
+   bytes depend on its own K/V alone, as float16's rounding does: a fetched page is the bytes its
+   writer computed, a page's tokens read the same open or full, and a page computed in one
+   prefill or a token at a time differs only where the forward's floats do. No open page is kept aside. Keys per channel over a page (KIVI) scored better in int4 (0.6%
    against 2.1% more perplexity, docs/benchmarks.md) but a query would then see its own open page
    otherwise than a later query sees it full, so pages computed in decode and in prefill differ.
 2. int8: keys and values symmetric, one scale for a head's 64 channels: 66 bytes a token-head,
