@@ -5,9 +5,10 @@ Design notes
    channels, each with its own float16 scale (and, for int4 keys, its float16 minimum). A token's
    bytes depend on its own K/V alone, as float16's rounding does: a fetched page is the bytes its
    writer computed, a page's tokens read the same open or full, and a page computed in one
-   prefill or a token at a time differs only where the forward's floats do. No open page is kept aside. Keys per channel over a page (KIVI) scored better in int4 (0.6%
-   against 2.1% more perplexity, docs/benchmarks.md) but a query would then see its own open page
-   otherwise than a later query sees it full, so pages computed in decode and in prefill differ.
+   prefill or a token at a time differs only where the forward's floats do; no open page is kept
+   aside. Keys per channel over a page (KIVI) scored better in int4 (0.6% against 2.1% more
+   perplexity, docs/benchmarks-log.md) but a query would then see its own open page otherwise than
+   a later query sees it full, so pages computed in decode and in prefill would differ.
 2. int8: keys and values symmetric, one scale for a head's 64 channels: 66 bytes a token-head,
    1.94x float16's pages per GiB. int4: keys asymmetric (scale and minimum: a key group's
    values often share a sign) in groups of 16 channels, values symmetric in groups of 32:
