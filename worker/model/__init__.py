@@ -23,7 +23,8 @@ from .checkpoint import ARCH_MODULES, load_checkpoint
 from .config import PRESET_SEEDS, PRESETS, CheckpointError, ModelConfig, read_config
 from .gguf_file import read_gguf
 from .init import random_tensors
-from .invariant import InvariantUnavailable, verify_invariant
+from .invariant import InvariantUnavailable
+from .invariant_check import verify_invariant
 from .named import NAMED_GGUF, named_gguf_path
 from .layers import Attend, BetweenLayers, round_kv
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
