@@ -36,9 +36,10 @@ COMMANDS = (
 def build_parser(words: list[str] | None = None) -> argparse.ArgumentParser:
     """Every command with its options; with `words` (a command line's words that are not
     options), the options of the command they name alone (the others keep their name and help
-    line), and of a bench the one named, so a daemon or a probe starts without importing the
-    code of every other command: that took a second of each start on a busy machine."""
-    only = words[0] if words else None
+    line; none for no words: --help and --version need none), and of a bench the one named, so a
+    daemon or a probe starts without importing the code of every other command: that took a
+    second of each start on a busy machine."""
+    only = None if words is None else words[0] if words else ""
     parser = argparse.ArgumentParser(
         prog="kvcache",
         description="A distributed KV-cache service for LLM inference.",
