@@ -75,7 +75,7 @@ class GatherPlan:
 
     rows: np.ndarray        # [S, 2, KV, MB] row of (block, layer 0, k|v, head) in the pool seen as [rows, P*hd]
     layer_stride: int       # add layer * layer_stride for another layer
-    byte_rows: np.ndarray | None = None   # [S, KV, MB] row of (block, layer 0, head) of a quantized pool (note 8)
+    byte_rows: np.ndarray | None = None   # [S, KV, MB] row of (block, layer 0, head) of a quantized pool (note 9)
 
     def gather(self, kv_pool: np.ndarray, layer: int, meta: "AttentionMetadata",
                parts: slice = KEYS_AND_VALUES) -> np.ndarray:
@@ -239,7 +239,7 @@ class AttentionMetadata:
 def write_kv(kv_pool: np.ndarray, layer: int, meta: AttentionMetadata, k: np.ndarray, v: np.ndarray) -> None:
     """Store new tokens' keys and values ([T, kv_heads, head_dim] each) in their pool slots (only
     the `written` rows when a cached page already holds the others'); a float16 pool rounds them,
-    an int8 or int4 pool holds them encoded (note 8)."""
+    an int8 or int4 pool holds them encoded (note 9)."""
     if meta.codec is not None:
         rows = slice(None) if meta.written is None else meta.written
         kv_pool[meta.slot_blocks[rows], layer, :, meta.slot_offsets[rows], :] = meta.codec.encode(k[rows], v[rows])
