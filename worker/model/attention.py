@@ -4,45 +4,13 @@ Pool layout (docs/architecture.md): kv_pool[block, layer, 0 = K | 1 = V, kv_head
 KV dtype (float32 or float16); attention itself runs in float32.
 A sequence's block table maps its position p to block table[p // P], offset p % P.
 
-Notes:
-1. New tokens' K/V are written into the pool first, then attention reads every position from the
-   pool, so cached-prefix positions (filled by the engine) and new ones are treated alike.
-2. Reads gather a sequence's pages head-major, [kv_heads, blocks * P, head_dim]: one copy, after
-   which each head's keys are contiguous and attention is plain batched matmuls, as in a dense
-   cache. The gather is one np.take of (block, layer, k|v, head) rows of P * head_dim floats into a
-   scratch buffer that every layer of the forward reuses (fresh memory each layer cost more than
-   the copy itself here). Decode gathers the keys, computes the scores, then gathers the values
-   into the same buffer: half the buffer, which stays in cache between the copy and the matmul
-   that reads it (measured here: less attention time at batch 8 than gathering both at once).
-   With the page layout fixed by the wire (docs/architecture.md), a head's keys in two consecutive blocks
-   are a whole page apart, so even consecutive blocks are no matmul operand without this copy.
-3. Decode (one new token per sequence) runs many sequences in one pass: each group's tables are
-   padded to the group's longest (pad entries repeat a real block; positions past each context
-   length are masked). Sequences are grouped by length so padding stays under ~25% of the copy.
-4. Prefill (several new tokens of one sequence, on top of a cached prefix) loops over sequences;
-   within one, queries attend causally with one batched matmul per KV head (GQA: the G query heads
-   of a group share their K/V), in query chunks that each read only the keys up to their last
-   position and bound the score matrix's memory.
-5. With a sliding window, a sequence's blocks are read from the first one its step's queries can
-   see (worker/kv/window.py): the cost of a token stays bounded by the window, and the blocks
-   before, which the scheduler may have released (RELEASED in the table), are never touched.
-6. The softmax scale multiplies the queries (G * m * hd floats) rather than the scores (G * m *
-   context): for a 16-token step over 1,024 keys that is 64x fewer multiplications. With a
-   power-of-two scale (head_dim 64, 256, ...) the scores are bit-identical to scaling after the
-   matmul; otherwise they differ in the last bit.
-7. A float16 pool is gathered into a float16 scratch (half the bytes read from the pool), which
-   worker/kv/half.py converts into the float32 one: NumPy's matmul has no fast float16 path, and its
-   own float16 cast runs element by element. The conversion is exact, so the scores are those of a
-   float32 pool holding the same rounded values. New K/V are rounded by the assignment into the pool.
-8. Invariant numerics (worker/model/invariant.py notes 3, 4): a query's scores, softmax and
-   weighted values are summed in one order whatever its step holds. Scores are kept in whole
-   tiles of KEY_TILE keys from position 0 (a window's first block is rounded down to a tile),
-   the keys past those gathered hidden; a decode's queries of a KV head are at least two rows
-   (one would go to the matrix-vector kernel).
-9. An int8 or int4 pool (worker/kv/quant.py) is bytes [blocks, layer, kv_head, token, K then V bytes]:
-   its (block, layer, head) rows are taken into a byte scratch and decoded into the float32 one, the
-   same step as note 7's. Plans keep their [S, 2, KV, MB] rows of the float layout (`logical_shape`),
-   mapped to these rows; decode's keys and values come from one take.
+New tokens' K/V are written into the pool first (write_kv), then attention reads every position
+from the pool, so cached-prefix positions (filled by the engine) and new ones are treated alike.
+Reads gather a sequence's pages head-major into a reused scratch buffer (GatherPlan), after which
+attention is plain batched matmuls as over a dense cache. Decodes (one new token per sequence) run
+many sequences at once in groups of similar length; a prefill (several new tokens of one sequence
+on top of a cached prefix) attends causally in query chunks. With invariant numerics
+(worker/model/invariant.py) each query's sums run in one order whatever its step holds.
 """
 
 from __future__ import annotations
@@ -71,11 +39,15 @@ KEYS, VALUES, KEYS_AND_VALUES = slice(0, 1), slice(1, 2), slice(0, 2)
 
 @dataclass
 class GatherPlan:
-    """Which pool rows to copy for a set of sequences, padded to [S, 2, KV, max_blocks]."""
+    """Which pool rows to copy for a set of sequences, padded to [S, 2, KV, max_blocks].
+
+    A gather copies a sequence's pages head-major, [kv_heads, blocks * P, head_dim]: with the page
+    layout fixed by the wire (docs/architecture.md), a head's keys in two consecutive blocks are a
+    whole page apart, so even consecutive blocks are no matmul operand without this copy."""
 
     rows: np.ndarray        # [S, 2, KV, MB] row of (block, layer 0, k|v, head) in the pool seen as [rows, P*hd]
     layer_stride: int       # add layer * layer_stride for another layer
-    byte_rows: np.ndarray | None = None   # [S, KV, MB] row of (block, layer 0, head) of a quantized pool (note 9)
+    byte_rows: np.ndarray | None = None   # [S, KV, MB] row of (block, layer 0, head) of a quantized pool
 
     def gather(self, kv_pool: np.ndarray, layer: int, meta: "AttentionMetadata",
                parts: slice = KEYS_AND_VALUES) -> np.ndarray:
@@ -86,11 +58,16 @@ class GatherPlan:
         S, n_parts, KV, MB = rows.shape
         P, hd = kv_pool.shape[4], kv_pool.shape[5]
         n = rows.size
+        # One np.take into a scratch buffer every layer of the forward reuses: fresh memory each
+        # layer cost more than the copy itself here.
         if meta.scratch is None or meta.scratch.shape[0] < n:
             meta.scratch = np.empty((meta.max_gather_rows, P * hd), dtype=np.float32)
         out = meta.scratch[:n]
         taken = out
-        if kv_pool.dtype == np.float16:  # note 7
+        # A float16 pool is taken into a float16 scratch (half the bytes read), then converted by
+        # worker/kv/half.py: NumPy's matmul has no fast float16 path and its own cast runs element by
+        # element. The conversion is exact: the scores are those of a float32 pool of the same values.
+        if kv_pool.dtype == np.float16:
             if meta.half_scratch is None or meta.half_scratch.shape[0] < n:
                 meta.half_scratch = np.empty((meta.max_gather_rows, P * hd), dtype=np.float16)
             taken = meta.half_scratch[:n]
@@ -102,7 +79,9 @@ class GatherPlan:
         return out.reshape(S, n_parts, KV, MB * P, hd)
 
     def _gather_quantized(self, kv_pool: np.ndarray, layer: int, meta: "AttentionMetadata", parts: slice) -> np.ndarray:
-        """Note 9: the rows' bytes, taken once for a plan's keys and values, decoded into float32."""
+        """An int8 or int4 pool (worker/kv/quant.py) is bytes [blocks, layer, kv_head, token, K then V
+        bytes]: its (block, layer, head) rows, mapped from the plan's float-layout rows, are taken
+        once for a plan's keys and values into a byte scratch and decoded into the float32 one."""
         codec = meta.codec
         S, n_parts, KV, MB = self.rows[:, parts].shape
         P, token_bytes, hd = kv_pool.shape[3], kv_pool.shape[4], codec.head_dim
@@ -134,7 +113,7 @@ class GatherPlan:
 def _plan(tables: list[np.ndarray], first_blocks: list[int], n_blocks: list[int],
           pool_shape: tuple[int, ...], readable: list[int] | None = None) -> GatherPlan:
     """Rows of blocks table[first:n] of each sequence, padded to the longest run. Blocks before
-    readable[i] (a window's, note 8) are read as that one: their keys are hidden."""
+    readable[i] (a window's, see AttentionMetadata.build) are read as that one: their keys are hidden."""
     _, n_layers, _, KV, _, _ = pool_shape
     MB = max(n - f for f, n in zip(first_blocks, n_blocks))
     padded = np.empty((len(tables), MB), dtype=np.int64)
@@ -174,14 +153,14 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSeq]
     max_gather_rows: int        # largest gather of any group or sequence
-    scratch: np.ndarray | None = None   # the gather buffer (note 2)
-    half_scratch: np.ndarray | None = None   # a float16 pool's rows before their conversion (note 7)
-    codec: KVCodec | None = None        # an int8 or int4 pool's (note 9)
+    scratch: np.ndarray | None = None   # the gather buffer, reused by every layer
+    half_scratch: np.ndarray | None = None   # a float16 pool's rows before their conversion
+    codec: KVCodec | None = None        # an int8 or int4 pool's
     byte_scratch: np.ndarray | None = None   # its rows' bytes before their decoding
     bytes_taken: tuple | None = None    # (plan, layer) whose bytes byte_scratch holds
     window: int | None = None   # sliding window: a query at p sees keys at p - window < j <= p
     written: np.ndarray | None = None   # rows whose K/V is stored; None: every row (cached_lens)
-    invariant: bool = False     # invariant numerics (note 8)
+    invariant: bool = False     # invariant numerics (worker/model/invariant.py)
 
     @classmethod
     def build(cls, positions: np.ndarray, query_starts: np.ndarray, context_lens: np.ndarray,
@@ -202,9 +181,15 @@ class AttentionMetadata:
             rows = slice(int(query_starts[s]), int(query_starts[s + 1]))
             slot_blocks[rows] = np.asarray(block_tables[s])[positions[rows] // P]
         n_blocks = [int(n) for n in (np.asarray(context_lens) + P - 1) // P]
+        # With a sliding window, blocks are read from the first one the step's queries can see: the
+        # cost of a token stays bounded by the window, and blocks before, maybe RELEASED, are never touched.
         readable = [first_read_block(int(positions[query_starts[s]]), window, P) for s in range(len(context_lens))]
+        # Invariant numerics keep scores in whole KEY_TILE tiles from position 0: a window's first
+        # block is rounded down to a tile and the keys before `readable` gathered hidden.
         first = [f // (KEY_TILE // P) * (KEY_TILE // P) for f in readable] if invariant and window else readable
 
+        # Decodes are grouped by length, each group's tables padded to its longest (pad entries
+        # repeat a real block, masked by `bias`), so padding stays within MAX_PADDING of the copy.
         groups = []
         decode_seqs = sorted(np.flatnonzero(counts == 1), key=lambda s: first[s] - n_blocks[s])
         while decode_seqs:
@@ -239,7 +224,7 @@ class AttentionMetadata:
 def write_kv(kv_pool: np.ndarray, layer: int, meta: AttentionMetadata, k: np.ndarray, v: np.ndarray) -> None:
     """Store new tokens' keys and values ([T, kv_heads, head_dim] each) in their pool slots (only
     the `written` rows when a cached page already holds the others'); a float16 pool rounds them,
-    an int8 or int4 pool holds them encoded (note 9)."""
+    an int8 or int4 pool holds them encoded."""
     if meta.codec is not None:
         rows = slice(None) if meta.written is None else meta.written
         kv_pool[meta.slot_blocks[rows], layer, :, meta.slot_offsets[rows], :] = meta.codec.encode(k[rows], v[rows])
@@ -271,12 +256,14 @@ def paged_attention(q: np.ndarray, kv_pool: np.ndarray, layer: int, meta: Attent
 
 def _decode(q: np.ndarray, kv_pool: np.ndarray, layer: int, meta: AttentionMetadata, group: DecodeGroup,
             scale: float) -> np.ndarray:
-    # q [S, H, hd] -> [S, H, hd]; keys, then values, gathered [S, KV, L, hd] (L = padded context, note 2)
+    # q [S, H, hd] -> [S, H, hd]; keys, then values, gathered [S, KV, L, hd] (L = padded context).
+    # Keys and values go through the same half of the scratch buffer, which stays in cache between
+    # the copy and the matmul that reads it: less attention time at batch 8 than both at once.
     S, H, hd = q.shape
     k = group.plan.gather(kv_pool, layer, meta, KEYS)[:, 0]
     KV = k.shape[1]
     G = H // KV
-    scores = np.matmul(q.reshape(S, KV, G, hd) * scale, k.swapaxes(-1, -2))   # [S, KV, G, L] (note 6)
+    scores = np.matmul(q.reshape(S, KV, G, hd) * scale, k.swapaxes(-1, -2))   # [S, KV, G, L]
     scores += group.bias[:, None, None, :]
     weights, denom = _exp_normalizer_(scores)
     v = group.plan.gather(kv_pool, layer, meta, VALUES)[:, 0]          # overwrites k
@@ -287,12 +274,13 @@ def _decode(q: np.ndarray, kv_pool: np.ndarray, layer: int, meta: AttentionMetad
 
 def _decode_invariant(q: np.ndarray, kv_pool: np.ndarray, layer: int, meta: AttentionMetadata,
                       group: DecodeGroup, scale: float) -> np.ndarray:
-    """_decode in invariant numerics (note 8): the same math, each sum in a fixed order."""
+    """_decode in invariant numerics: the same math, each sum in a fixed order."""
     S, H, hd = q.shape
     k = group.plan.gather(kv_pool, layer, meta, KEYS)[:, 0]            # [S, KV, L, hd]
     KV, L = k.shape[1], k.shape[2]
     G = H // KV
-    qs = np.empty((S, KV, max(G, 2), hd), dtype=q.dtype)               # two rows at least
+    # A KV head's queries are two rows at least: one would go to the matrix-vector kernel.
+    qs = np.empty((S, KV, max(G, 2), hd), dtype=q.dtype)
     np.multiply(q.reshape(S, KV, G, hd), scale, out=qs[:, :, :G])
     if G == 1:
         qs[:, :, 1] = qs[:, :, 0]
@@ -313,7 +301,9 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: n
                      scale: float, window: int | None = None, invariant: bool = False) -> np.ndarray:
     """Queries q [n, H, hd] at increasing q_positions over one sequence's keys/values k, v
     [KV, ctx, hd] (position j at index j), causal (and within `window` when given). Used by paged
-    prefill and the dense runner; with invariant numerics (note 8) if asked."""
+    prefill and the dense runner; with invariant numerics if asked. GQA: the G query heads of a
+    group share their K/V, one batched matmul per KV head; query chunks each read only the keys up
+    to their last position and bound the score matrix (MAX_SCORE_ELEMENTS)."""
     if invariant:
         return _causal_invariant(q, k, v, q_positions, scale, window)
     n, H, hd = q.shape
@@ -325,7 +315,9 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: n
         hi = min(n, lo + chunk)
         m = hi - lo
         keys = int(q_positions[hi - 1]) + 1                 # no query of this chunk sees past this
-        qc = np.empty((KV, G, m, hd), dtype=q.dtype)      # the queries head-major, scaled (note 6)
+        # The scale multiplies the queries (G * m * hd floats), not the scores (G * m * keys): 64x
+        # fewer for 16 queries over 1,024 keys; bit-identical for a power-of-two scale, else last bit.
+        qc = np.empty((KV, G, m, hd), dtype=q.dtype)      # the queries head-major, scaled
         np.multiply(q[lo:hi].reshape(m, KV, G, hd).transpose(1, 2, 0, 3), scale, out=qc)
         scores = np.matmul(qc.reshape(KV, G * m, hd), k[:, :keys].transpose(0, 2, 1)).reshape(KV, G, m, keys)
         # Without a window, the keys up to the chunk's first query are seen by all its queries:
@@ -344,7 +336,7 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: n
 
 def _causal_invariant(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray,
                       scale: float, window: int | None) -> np.ndarray:
-    """causal_attention in invariant numerics (note 8); each head's queries padded to QK_ROWS."""
+    """causal_attention in invariant numerics; each head's queries padded to QK_ROWS."""
     n, H, hd = q.shape
     KV, ctx, _ = k.shape
     G = H // KV
