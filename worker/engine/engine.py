@@ -15,12 +15,10 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from base.generation import Prompt, TokenLogprob, Usage
 from base.pages import DEFAULT_PAGE_TOKENS
 from worker.kv.block_pool import BlockPool
 from worker.connector.connector import KVConnector, Tier
@@ -31,6 +29,7 @@ from worker.engine.request import Request, RequestStatus
 from worker.engine.logprobs import log_softmax, token_logprob
 from worker.engine.sampling import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, SamplingParams, StopChecker, sample
 from worker.engine.scheduler import PREFILL_TOKENS_PER_STEP, Scheduler
+from worker.engine.delivery import Delivery
 from worker.engine.outputs import Completion, RequestHandle, RequestIdInUse, StreamDelta
 from worker.engine.step_runner import StepRunner
 from worker.kv.window import release_window
@@ -39,18 +38,6 @@ log = logging.getLogger("worker.engine")
 
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 IDLE_WAIT_S = 0.05  # a step with nothing to run waits this long at most for remote KV or a new request
-
-
-@dataclass
-class _Live:
-    request: Request
-    handle: RequestHandle
-    checker: StopChecker
-    arrival: float
-    first_token_time: float | None = None
-    num_sent_tokens: int = 0
-    logprobs: list[TokenLogprob | None] | None = None  # per output token, with params.logprobs (None: resumed)
-    prompt_sent: bool = False  # the prompt went out on a delta (echo, prompt_logprobs: _prompt)
 
 
 class Engine:
@@ -85,8 +72,8 @@ class Engine:
         self.max_total_tokens = min(cfg.max_positions, num_blocks * page_tokens)
         self.eos_token_ids = (self.tokenizer.eos_token_id, *cfg.extra_eos_token_ids)  # any of them stops
         self._rng = np.random.default_rng(seed)
-        self._live: dict[str, _Live] = {}
-        self._inbox: queue.SimpleQueue[_Live] = queue.SimpleQueue()
+        self._live: dict[str, Delivery] = {}
+        self._inbox: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
         self._cancelled: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
         self._lock = threading.RLock()
         self._ids_in_use: set[str] = set()  # added and not finished: inbox and _live (add_request)
@@ -156,8 +143,9 @@ class Engine:
                 raise ValueError(f"the resumed tokens go on after the request ended ({checker.finish_reason})")
             request.token_ids.append(token)
             checker.append(token, len(request.output_token_ids), request.num_tokens)
-        live = _Live(request, RequestHandle(request_id), checker, arrival=time.monotonic(), num_sent_tokens=len(resumed),
-                     logprobs=[None] * len(resumed) if params.logprobs is not None else None)
+        live = Delivery(request, RequestHandle(request_id), checker, arrival=time.monotonic(),
+                        num_sent_tokens=len(resumed),
+                        logprobs=[None] * len(resumed) if params.logprobs is not None else None)
         checker.take_text_delta()  # what the first worker already handed out
         connector = self.scheduler.connector
         keys = None if connector is None else request.page_keys(request.num_reusable_pages())
@@ -359,7 +347,7 @@ class Engine:
         live.checker.append(token, len(request.output_token_ids), request.num_tokens)
         if live.checker.finish_reason is not None:
             return self._finish(live)
-        return self._send(live)
+        return live.send(self.tokenizer)
 
     def fail(self, request: Request, message: str) -> list[StreamDelta]:
         """Finish one request with an error; the rest of the engine goes on (StepRunner._run_isolated)."""
@@ -369,30 +357,7 @@ class Engine:
         live.checker.finish_reason = FINISH_ERROR  # not finish(): decoding its text may be what failed
         return [self._finish(live, error=message)]
 
-    def _prompt(self, live: _Live) -> Prompt | None:
-        """The prompt to hand back, once it is computed, when the request asked for it (`echo`,
-        `prompt_logprobs`): its ids, its text and its tokens' logprobs, on the first delta after it."""
-        request = live.request
-        if not request.prompt_computed or not (request.params.echo or request.prompt_logprobs is not None):
-            return None
-        ids = request.token_ids[:request.num_prompt_tokens]
-        return Prompt(ids, self.tokenizer.decode(ids),
-                      None if request.prompt_logprobs is None else list(request.prompt_logprobs),
-                      self.tokenizer.token_bytes(ids[0]))
-
-    def _send(self, live: _Live, completion: Completion | None = None) -> StreamDelta:
-        output = live.request.output_token_ids
-        prompt = None if live.prompt_sent else self._prompt(live)
-        delta = StreamDelta(live.request.request_id, output[live.num_sent_tokens:], live.checker.take_text_delta(),
-                            finished=completion is not None, completion=completion,
-                            logprobs=None if live.logprobs is None else live.logprobs[live.num_sent_tokens:],
-                            prompt=prompt)
-        live.prompt_sent |= prompt is not None
-        live.num_sent_tokens = len(output)
-        live.handle.queue.put(delta)
-        return delta
-
-    def _finish(self, live: _Live, error: str | None = None) -> StreamDelta:
+    def _finish(self, live: Delivery, error: str | None = None) -> StreamDelta:
         request = live.request
         if request.status is not RequestStatus.FINISHED:
             self.scheduler.finish(request)
@@ -401,25 +366,14 @@ class Engine:
         del self._live[request.request_id]
         with self._ids_lock:
             self._ids_in_use.discard(request.request_id)
-        # prompt_tokens = cached_tokens_local + cached_tokens_remote + computed_tokens, as decided at the
-        # request's first admission: recomputing after a preemption is not counted (num_preemptions is).
-        # A resumed request's cache hits may reach into its resumed tokens: count prompt tokens only.
-        local = min(request.cached_tokens_local or 0, request.num_prompt_tokens)
-        remote = min(request.cached_tokens_remote or 0, request.num_prompt_tokens - local)
-        ttft = 0.0 if live.first_token_time is None else (live.first_token_time - live.arrival) * 1000.0
-        usage = Usage(prompt_tokens=request.num_prompt_tokens, cached_tokens_local=local, cached_tokens_remote=remote,
-                      computed_tokens=request.num_prompt_tokens - local - remote if request.cached_tokens_local is not None else 0,
-                      completion_tokens=len(request.output_token_ids), ttft_ms=ttft)
-        completion = Completion(request.request_id, request.token_ids[:request.num_prompt_tokens],
-                                request.output_token_ids, live.checker.text, live.checker.finish_reason, usage,
-                                request.num_preemptions, error, logprobs=live.logprobs, prompt=self._prompt(live))
+        completion = live.completion(self.tokenizer, error)
         live.handle.completion = completion
         if self.on_finish is not None:
             try:
                 self.on_finish(completion)
             except Exception as exc:  # metrics that fail must not fail the request
                 log.warning("on_finish failed: %r", exc)
-        return self._send(live, completion)
+        return live.send(self.tokenizer, completion)
 
 
 def _drained(items: queue.SimpleQueue) -> Iterator:
