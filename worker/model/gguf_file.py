@@ -6,17 +6,7 @@ The file's layout is read here (GGUFFile), not by gguf's GGUFReader: that one ma
 of each string, over two seconds of CPU for the default model's 49k tokens and merges, which
 every worker start paid.
 
-Layout notes:
-1. GGUF lists a tensor's dimensions fastest first (ne0 = the input width); the reader gives data
-   in NumPy order, [out, in] as Hugging Face stores linear weights.
-2. llama.cpp's converter permutes the rows of attn_q / attn_k of "llama" models so its rope
-   rotates adjacent pairs (dims 2i, 2i+1); HF rotates i with i + head_dim/2. We undo the
-   permutation at load, so one forward serves both formats. "qwen2" models are written in HF's
-   layout as they are (llama.cpp ropes them NEOX-style, HF's rotate_half pairs): nothing to undo.
-   (A q/k bias would be permuted as its rows, and unpermuted here alike; a "llama" file with
-   biases is refused as having unexpected tensors, so only "qwen2" biases reach the forward.)
-3. "qwen2" is the Llama forward plus blk.N.attn_q/attn_k/attn_v.bias (required; no attn_output
-   bias), its metadata under "qwen2.*".
+"qwen2" is the Llama forward plus q/k/v biases, its metadata under "qwen2.*".
 """
 
 from __future__ import annotations
@@ -36,7 +26,8 @@ from .gguf_tokenizer import build_tokenizer
 from .llama import tensor_shapes
 
 # Architectures whose tensors and rope match llama.py, and those of them whose Q/K rows the
-# converter permuted (note 2); which of them add q/k/v biases (note 3).
+# converter permuted (see _read_tensors); which of them add q/k/v biases: blk.N.attn_q/attn_k/attn_v.bias,
+# required, and no attn_output bias.
 SUPPORTED_ARCHS = ("llama", "qwen2")
 PERMUTED_QK_ARCHS = ("llama",)
 QKV_BIAS_ARCHS = ("qwen2",)
@@ -105,7 +96,7 @@ def _open(path: Path) -> "GGUFFile":
 class GGUFTensor(NamedTuple):
     name: str
     tensor_type: object          # gguf.GGMLQuantizationType
-    shape: tuple[int, ...]       # GGUF's order, fastest dimension first (note 1)
+    shape: tuple[int, ...]       # GGUF's order, fastest dimension first (ne0 = the input width)
     data: np.ndarray             # a read-only view of the file: typed for float and integer types, else the bytes
 
 
@@ -309,7 +300,7 @@ def gguf_config(meta: _Meta) -> ModelConfig:
 
 
 def _read_tensors(reader: GGUFFile, config: ModelConfig, source: str, permuted: bool) -> dict[str, np.ndarray]:
-    """-> {canonical name: float32} in llama.py's order; Q/K rows unpermuted if `permuted` (note 2)."""
+    """-> {canonical name: float32} in llama.py's order; Q/K rows unpermuted if `permuted`."""
     import gguf
 
     allowed = supported_types()
@@ -324,7 +315,8 @@ def _read_tensors(reader: GGUFFile, config: ModelConfig, source: str, permuted: 
         except (NotImplementedError, ValueError) as e:
             raise CheckpointError(f"{source}: tensor {t.name!r} of type {t.tensor_type.name} "
                                   f"could not be dequantized ({e})") from e
-        shape = tuple(int(d) for d in reversed(t.shape))   # note 1
+        # GGUF lists dimensions fastest first; the data is in NumPy order, [out, in] as HF stores linear weights.
+        shape = tuple(int(d) for d in reversed(t.shape))
         tensors[name] = np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
     expected = tensor_shapes(config)
     for name, shape in expected.items():
@@ -338,7 +330,11 @@ def _read_tensors(reader: GGUFFile, config: ModelConfig, source: str, permuted: 
     if extra:
         raise CheckpointError(f"{source}: unexpected tensor {gguf_name(extra[0])!r} for a {config.n_layers}-layer "
                               f"{config.describe()} model")
-    if permuted:                                                      # note 2
+    # llama.cpp's converter permutes attn_q / attn_k rows of "llama" models so its rope rotates
+    # adjacent pairs (2i, 2i+1); HF rotates i with i + head_dim/2. Undone here, so one forward serves
+    # both. "qwen2" files are in HF's layout already (NEOX-style rope). A q/k bias would be unpermuted
+    # alike, but a "llama" file with biases is refused as having unexpected tensors, so none is.
+    if permuted:
         for name in expected:
             if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
                 heads = config.n_heads if ".q_proj." in name else config.n_kv_heads
