@@ -122,10 +122,14 @@ def _chunked(model, prompt, chunks, neighbours, kv_dtype, seed):
                          pool_dtype=np.float16 if fp16 else np.float32)
     rng = np.random.default_rng(seed)
     logits, done = [], 0
+    grown = [0] * neighbours   # a neighbour's tokens so far: it stops growing at the model's positions
     for size in chunks:
         batch = {0: prompt[done:done + size]}
         for n in range(neighbours):
-            batch[n + 1] = _prompt(int(rng.integers(1 << 30)), int(rng.choice([1, 1, 3, 20])))
+            more = min(int(rng.choice([1, 1, 3, 20])), model.config.max_positions - grown[n])
+            if more:
+                batch[n + 1] = _prompt(int(rng.integers(1 << 30)), more)
+                grown[n] += more
         order = list(batch.items())
         rng.shuffle(order)   # the request anywhere in the batch
         out = runner.step(dict(order), all_logits=True)
