@@ -4,6 +4,12 @@ This package is the `kvcache` command line; the parts live in kvnode/, worker/, 
 gateway/, protos/ (the wire) and base/ (what they all share: serving, TLS, units, the version).
 """
 
-from base.version import __version__
+from base import version as _version
 
 __all__ = ["__version__"]
+
+
+def __getattr__(name: str) -> str:
+    if name == "__version__":  # read when asked (base/version.py)
+        return _version.installed()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

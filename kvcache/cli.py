@@ -9,7 +9,7 @@ import os
 import select
 import sys
 
-from kvcache import __version__
+from base import version
 
 # gRPC's own log lines at INFO (one per failed TLS handshake, "Handshake failed with error ...") would
 # come beside ours, which say what happened and what to do (base/security.py: tls_mismatch): only its
@@ -45,7 +45,7 @@ def build_parser(words: list[str] | None = None) -> argparse.ArgumentParser:
         description="A distributed KV-cache service for LLM inference.",
         epilog="`kvcache COMMAND --help` explains each command. Start here: kvcache cluster up",
     )
-    parser.add_argument("--version", action="version", version=f"kvcache {__version__}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="show program's version number and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
     for name, module_name, help in COMMANDS:
@@ -69,6 +69,14 @@ def build_parser(words: list[str] | None = None) -> argparse.ArgumentParser:
         if name == "worker":
             _say_models(sub)
     return parser
+
+
+class _Version(argparse.Action):
+    """--version, the version read only when asked (base/version.py)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"kvcache {version.installed()}")  # on stdout, as argparse's own version action
+        parser.exit()
 
 
 def _words(argv: list[str]) -> list[str]:

@@ -13,7 +13,7 @@ import grpc
 
 from base import security
 from base.serving import DEFAULT_MAX_MESSAGE_BYTES, Malformed, tolerant
-from base.version import __version__
+from base import version
 from kvnode.wire import grpc_frames as wire
 from kvnode.wire.checksum import CHECKSUM_BYTES
 from kvnode.store.put_refusals import log_refused
@@ -79,7 +79,7 @@ class KVStoreService:
         leased = store.num_leased()
         return pb.NodeInfo(
             node_id=self.node_id,
-            version=__version__,
+            version=version.installed(),
             page_bytes=store.page_bytes,
             capacity_pages=store.capacity_pages,
             used_pages=store.num_used(),

@@ -18,7 +18,7 @@ from typing import Callable
 import grpc
 
 from base import serving
-from base.version import __version__
+from base import version
 from protos import kvcache_pb2 as pb
 from protos.methods import service_name
 from worker.client import DRAINING_KEY, generate_reply, usage_to_proto
@@ -189,7 +189,7 @@ class WorkerService:
         engine = self.engine
         return pb.WorkerInfo(
             worker_id=self.worker_id,
-            version=__version__,
+            version=version.installed(),
             model=engine.model.name,
             fingerprint=engine.fingerprint.hex(),
             kv_dtype=engine.kv_dtype,
