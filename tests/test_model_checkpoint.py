@@ -343,8 +343,9 @@ def test_fingerprint_covers_kv_dtype_page_size_and_weights(tmp_path):
     assert load_model("tiny").fingerprint("float32", 16) != fp
     assert a.page_bytes("float32", 16) == 2 * 2 * 4 * 16 * 16 * 4
     assert a.page_bytes("float16", 16) == a.page_bytes("float32", 16) // 2
+    assert len({fp, a.fingerprint("int8", 16), a.fingerprint("int4", 16)}) == 3   # quantized pages apart too
     with pytest.raises(ValueError, match="kv_dtype"):
-        a.fingerprint("int8", 16)
+        a.fingerprint("bfloat16", 16)
 
 
 def test_prefix_and_dtype_of_the_files_do_not_change_the_digest(tmp_path):
