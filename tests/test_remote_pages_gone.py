@@ -92,14 +92,15 @@ def test_a_layerwise_fill_whose_pages_went_leaves_the_node_in_use(make_node, cap
             written(client, gone, pool)
             written(client, kept, pool)
         placement = Placement([node.address])
-        assert tier.lookup(gone, placement) == 3
+        # the tier meets a node off the caller's thread: a lookup under load may come before it
+        assert wait_for(lambda: tier.lookup(gone, placement) == 3, timeout_s=10.0)
         drop(node.store, gone[0])
         assert tier.fill_layerwise(gone, [8, 9, 10], placement, lambda layer: None) == 0
         assert tier.stats.fetches_not_found == 1
         assert_still_used(tier, node.address)
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING], "a routine miss logged a warning"
         placement = Placement([node.address])
-        assert tier.lookup(kept, placement) == 3
+        assert wait_for(lambda: tier.lookup(kept, placement) == 3, timeout_s=10.0)
         assert tier.fill_layerwise(kept, [8, 9, 10], placement, lambda layer: None) == 3
         np.testing.assert_array_equal(pool[8:11], pool[0:3])
     finally:
