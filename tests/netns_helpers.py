@@ -307,9 +307,19 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
 
 
 def first_line(process: subprocess.Popen, timeout_s: float) -> str:
-    """The first line `process` prints, waiting timeout_s at most ("" if none came)."""
-    ready, _, _ = select.select([process.stdout], [], [], timeout_s)
-    return process.stdout.readline() if ready else ""
+    """The next line `process` prints, waiting timeout_s at most ("" if none came whole). Read from
+    its pipe a byte at a time: a buffered readline could take the lines after it too, where a
+    later communicate() (which reads the pipe itself) would never see them."""
+    deadline, line, pipe = time.monotonic() + timeout_s, b"", process.stdout.fileno()
+    while not line.endswith(b"\n"):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([pipe], [], [], remaining)[0]:
+            return ""
+        byte = os.read(pipe, 1)
+        if not byte:  # it ended without finishing the line
+            return ""
+        line += byte
+    return line.decode()
 
 
 def answers(output: str) -> list[dict]:
