@@ -32,6 +32,7 @@ from worker.step_log import StepLog
 log = logging.getLogger("worker")
 
 CONTROL_THREADS = 8  # gRPC threads beyond --max-streams: health and Info never wait behind streams
+LOOP_STOP_WAIT_S = 10.0  # on stop, how long the engine's loop gets to leave its step (--step-timeout if shorter)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -210,10 +211,14 @@ def run(args: argparse.Namespace) -> int:
     if not tier.flush(timeout_s=10.0):
         log.warning("some pages were not written back to kvnodes within 10s")
     serving.stop(server, health, grace_s=1.0)
-    if not service.stop():
+    # The loop gets 10 s to leave its step, or --step-timeout when shorter: a step that outlasts
+    # that is stalled by this worker's own measure, and waiting on only delays its restart.
+    loop_wait_s = min(LOOP_STOP_WAIT_S, args.step_timeout)
+    if not service.stop(timeout_s=loop_wait_s):
         # Closing the tier would unmap the node pools' windows a step may still read (a crash):
         # exit instead; the nodes let go of the pages when its connections close.
-        log.warning("the engine's loop is still inside a step after 10s; exiting without closing the remote tier")
+        log.warning("the engine's loop is still inside a step after %gs; exiting without closing the remote tier",
+                    loop_wait_s)
     else:
         if engine.connector is not None:
             engine.connector.close(wait_s=5.0)  # before the tier: its lookups and loads use the tier's clients
