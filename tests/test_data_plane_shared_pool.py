@@ -260,7 +260,7 @@ def test_a_stale_pooled_connection_is_retried_and_asks_for_its_memory_once():
         assert client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3
         assert client.map_shared_pool(timeout=5)
         client.get_pages(GOOD)
-        time.sleep(1.0)  # the pooled connection is closed by the node meanwhile
+        assert wait_for(lambda: server.num_connections() == 0, timeout_s=5.0)  # the node closed the idle pooled one
         asked, out = [], np.zeros((3, NODE_PAGE_BYTES), dtype=np.uint8)
         client.get_pages_in_batches([GOOD], lambda i: asked.append(i) or out, lambda i: None)
         assert asked == [0] and np.array_equal(out, pages(3))

@@ -229,7 +229,7 @@ def test_a_stale_pooled_connection_is_retried_and_unreleased_pins_are_not_leaked
         assert client.put_pages(GOOD, GOOD_PARENTS, pages(3)).stored == 3
         assert client.map_shared_pool(timeout=5)
         client.pin_pages(GOOD).release()
-        time.sleep(1.0)  # the node closes the idle pooled connection meanwhile
+        assert wait_for(lambda: server.num_connections() == 0, timeout_s=5.0)  # the node closed the idle pooled one
         pinned = client.pin_pages(GOOD)
         assert pinned is not None and node.store.num_pinned() == 3
         del pinned  # never released: collected, its connection closed, the node unpins
