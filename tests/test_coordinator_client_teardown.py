@@ -55,10 +55,17 @@ def collector_off():
         gc.enable()
 
 
+def alive(kind: type) -> list:
+    """Every object of `kind` alive now. By type(), not isinstance(), which asks each object for its
+    __class__: openai's lazy module proxies (the gateway tests import openai) then import their
+    modules, seconds of it."""
+    return [o for o in gc.get_objects() if issubclass(type(o), kind)]
+
+
 def made_since(before: list, kind: type) -> list:
     """Objects of `kind` alive now that were not in `before` (kept alive there, so ids stay unique)."""
     old = {id(o) for o in before}
-    return [o for o in gc.get_objects() if isinstance(o, kind) and id(o) not in old]
+    return [o for o in alive(kind) if id(o) not in old]
 
 
 @pytest.mark.parametrize("order", ["resumed", "first"])
@@ -66,7 +73,7 @@ def test_no_call_outlives_generate_even_after_a_coordinator_failed_mid_stream(or
     with fake_coordinator(failing) as gone, fake_coordinator(finishing) as serving_one:
         coordinators = [gone, serving_one] if order == "resumed" else [serving_one]
         with Client(coordinators, timeout=30.0) as client, collector_off():
-            before = [o for o in gc.get_objects() if isinstance(o, grpc.Call)]
+            before = alive(grpc.Call)
             events = list(client.generate([1, 2, 3], temperature=0.0, max_tokens=2))
             left = made_since(before, grpc.Call)
         assert [type(e) for e in events][-1] is Finished
@@ -77,7 +84,7 @@ def test_no_call_outlives_generate_even_after_a_coordinator_failed_mid_stream(or
 
 def test_close_lets_go_of_the_channels_and_a_closed_client_says_so():
     with fake_coordinator(finishing) as address, collector_off():
-        before = [o for o in gc.get_objects() if isinstance(o, grpc.Channel)]
+        before = alive(grpc.Channel)
         client = Client([address, "127.0.0.1:9"], timeout=30.0)
         assert [type(e) for e in client.generate([1], temperature=0.0)][-1] is Finished
         client.close()
@@ -93,7 +100,7 @@ def test_no_call_outlives_a_worker_stream_that_failed():
     """`kvcache generate --worker` meets the same exit with WorkerClient's error in hand."""
     with fake_coordinator(failing, "kvcache.v1.Worker") as worker, WorkerClient(worker, timeout=30.0) as client, \
             collector_off():
-        before = [o for o in gc.get_objects() if isinstance(o, grpc.Call)]
+        before = alive(grpc.Call)
         with pytest.raises(WorkerError) as failed:
             list(client.generate([1, 2, 3], max_tokens=2))
         assert failed.value.code == grpc.StatusCode.UNAVAILABLE
