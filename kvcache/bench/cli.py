@@ -18,6 +18,7 @@ BENCHES = [
     ("chaos", "faults under load: failed and differing answers against an undisturbed run"),
     ("determinism", "one request resumed, chunked, batched, cached and fetched: logits bit for bit against it alone; what invariant numerics cost"),
     ("kv-dtype", "float32, float16, int8 and int4 KV: perplexity, pages per GiB, trace hit rate, fill, tokens/s"),
+    ("versus-torch", "the engine's prefill and decode tokens/s beside transformers on PyTorch, the same weights"),
     ("vllm", "a vLLM engine's TTFT with its prompt's KV recomputed, from kvcache, or from vLLM's ExampleConnector"),
 ]
 
