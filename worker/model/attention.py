@@ -23,7 +23,8 @@ from worker.kv.quant import KVCodec
 from worker.kv.window import first_read_block
 
 from .gather import KEYS, VALUES, GatherPlan, gather_plan
-from .invariant import (KEY_TILE, QK_ROWS, decode_scores, padded_keys, prefill_scores, tile_sums,
+from .blas import split_workers
+from .invariant import (KEY_TILE, QK_ROWS, decode_scores, padded_keys, prefill_scores, split, tile_sums,
                         weighted_values)
 
 # Largest score matrix a prefill builds at once (floats): 16 MiB. Also keeps chunks short enough
@@ -213,7 +214,7 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: n
     group share their K/V, one batched matmul per KV head; query chunks each read only the keys up
     to their last position and bound the score matrix (MAX_SCORE_ELEMENTS)."""
     if invariant:
-        return _causal_invariant(q, k, v, q_positions, scale, window)
+        return _causal_invariant_split(q, k, v, q_positions, scale, window)
     n, H, hd = q.shape
     KV, ctx, _ = k.shape
     G = H // KV
@@ -242,14 +243,34 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: n
     return out.reshape(n, H, hd)
 
 
+def _causal_invariant_split(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray,
+                            scale: float, window: int | None) -> np.ndarray:
+    """_causal_invariant with its KV heads shared between the forward's threads (a head's result
+    is the same whichever thread computes it, beside whichever others)."""
+    n, H, hd = q.shape
+    KV, ctx, _ = k.shape
+    G = H // KV
+    chunk = max(1, min(PREFILL_QUERY_CHUNK, MAX_SCORE_ELEMENTS // (H * padded_keys(ctx))))
+    workers = split_workers(n)
+    if workers <= 1 or KV < 2:
+        return _causal_invariant(q, k, v, q_positions, scale, window, chunk)
+    out = np.empty((n, H, hd), dtype=q.dtype)
+
+    def heads(share: slice) -> None:
+        h = slice(share.start * G, share.stop * G)
+        out[:, h] = _causal_invariant(q[:, h], k[share], v[share], q_positions, scale, window, chunk)
+
+    split(heads, KV, workers)
+    return out
+
+
 def _causal_invariant(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray,
-                      scale: float, window: int | None) -> np.ndarray:
+                      scale: float, window: int | None, chunk: int) -> np.ndarray:
     """causal_attention in invariant numerics; each head's queries padded to QK_ROWS."""
     n, H, hd = q.shape
     KV, ctx, _ = k.shape
     G = H // KV
     out = np.empty((n, KV, G, hd), dtype=q.dtype)
-    chunk = max(1, min(PREFILL_QUERY_CHUNK, MAX_SCORE_ELEMENTS // (H * padded_keys(ctx))))
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
         m = hi - lo

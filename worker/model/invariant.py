@@ -100,9 +100,9 @@ class Linear:
         view = out.reshape(rows, n_panels, PANEL).transpose(1, 0, 2)   # [panels, rows, 64], written in place
         if self.packed_splits and rows >= WIDE_ROWS and self.panels.size <= WIDE_MAX:   # packed: k_blocks
             wide = _wide(self.panels)
-            _split(lambda r: np.matmul(x[r], wide, out=out[r]), rows, split_workers(rows))
+            split(lambda r: np.matmul(x[r], wide, out=out[r]), rows, split_workers(rows))
         elif self.packed_splits and rows * K * PANEL > SMALL_MNK:
-            _split(lambda p: np.matmul(x, self.panels[p], out=view[p]), n_panels, split_workers(rows))
+            split(lambda p: np.matmul(x, self.panels[p], out=view[p]), n_panels, split_workers(rows))
         else:
             _blockwise(x, self.panels, self.blocks, view)
         if M != rows or out.shape[1] != N:
@@ -137,8 +137,8 @@ def _wide(panels: np.ndarray) -> np.ndarray:
     return wide
 
 
-def _split(work, n: int, workers: int) -> None:
-    """work(part) over `workers` threads, each a share of range(n) (panels or rows; blas.py)."""
+def split(work, n: int, workers: int) -> None:
+    """work(part) over `workers` threads, each a share of range(n) (panels, rows or heads; blas.py)."""
     global _pool
     workers = min(workers, n)
     if workers <= 1:
