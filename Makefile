@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Two processes, each taking whole files (a file's module fixtures start their daemons once).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # vLLM's CPU build in an environment of its own (3.5 GB; torch 2.13.0+cpu, which pip takes from this
 # machine's wheel folder where it has one), the project beside it, and the default model as a Hugging Face
