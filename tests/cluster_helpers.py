@@ -65,6 +65,24 @@ def serve_node(
 
 
 @contextlib.contextmanager
+def data_plane_nodes(capacity_pages: int) -> Iterator[Callable[[int], InProcessNode]]:
+    """make(page_bytes): a kvnode in this process with its gRPC service and data plane, holding
+    capacity_pages pages of that size; every one made is stopped when the block ends."""
+    from kvnode.data_plane.server import DataPlaneServer
+
+    with contextlib.ExitStack() as stack:
+        def make(page_bytes: int) -> InProcessNode:
+            store = PageStore(capacity_pages, page_bytes)
+            node = stack.enter_context(serve_node(store, max_keys=64))
+            plane = DataPlaneServer(store, "127.0.0.1", 0, max_keys=64).start()
+            stack.callback(plane.stop)
+            node.service.data_port = plane.port
+            return node
+
+        yield make
+
+
+@contextlib.contextmanager
 def started(tmp_path: Path, role: str, name: str, *args: str, env=None, stop_timeout_s: float = 10.0) -> Iterator[Daemon]:
     """A daemon of `role` on a free port, logging to tmp_path/NAME.log; stopped when the block ends."""
     daemon = Daemon(role, ["--port", "0", *args], log_path=tmp_path / f"{name}.log", env=env)

@@ -11,9 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import worker.engine.engine as engine_module
-from cluster_helpers import serve_node
-from kvnode.data_plane.server import DataPlaneServer
-from kvnode.store.page_store import PageStore
+from cluster_helpers import data_plane_nodes
 from test_model_forward import PagedRunner
 from worker.engine.engine import Engine
 from worker.model import load_model
@@ -212,21 +210,8 @@ def recorded(monkeypatch):
 @pytest.fixture
 def kvnode():
     """A kvnode in this process (store, gRPC and data plane), for pages of any size."""
-    started = []
-
-    def make(page_bytes):
-        store = PageStore(256, page_bytes)
-        stack = serve_node(store, max_keys=64)
-        node = stack.__enter__()
-        plane = DataPlaneServer(store, "127.0.0.1", 0, max_keys=64).start()
-        node.service.data_port = plane.port
-        started.append((stack, plane))
-        return node
-
-    yield make
-    for stack, plane in started:
-        plane.stop()
-        stack.__exit__(None, None, None)
+    with data_plane_nodes(256) as make:
+        yield make
 
 
 SHARED = "Bread is flour, water and salt, baked. " * 4   # full pages of 16 tokens: 9 (bytes), 2 (smollm2)

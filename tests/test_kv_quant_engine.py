@@ -9,9 +9,7 @@ import logging
 import numpy as np
 import pytest
 
-from cluster_helpers import serve_node
-from kvnode.data_plane.server import DataPlaneServer
-from kvnode.store.page_store import PageStore
+from cluster_helpers import data_plane_nodes
 from worker.engine.engine import Engine
 from worker.model import ForwardBatch, kv_block_shape, load_model
 from worker.model.dense import reference_logits
@@ -60,21 +58,8 @@ def test_paged_attention_over_a_quantized_pool_reads_what_the_reference_reads(mo
 @pytest.fixture
 def node():
     """A kvnode with a data plane, of the page size asked for."""
-    stops = []
-
-    def make(page_bytes):
-        store = PageStore(64, page_bytes)
-        stack = serve_node(store, max_keys=64)
-        served = stack.__enter__()
-        plane = DataPlaneServer(store, "127.0.0.1", 0, max_keys=64).start()
-        served.service.data_port = plane.port
-        stops.append((stack, plane))
-        return served
-
-    yield make
-    for stack, plane in stops:
-        plane.stop()
-        stack.__exit__(None, None, None)
+    with data_plane_nodes(64) as make:
+        yield make
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
