@@ -216,6 +216,7 @@ def test_pool_matches_a_reference_model(ops):
 
 
 RESIDENT_AT_START = """
+import os
 from pathlib import Path
 from worker.kv.block_pool import BlockPool
 
