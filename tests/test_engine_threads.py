@@ -81,7 +81,7 @@ def arrive_during_next_forward(engine, prompt, **params):
 
 
 def test_a_short_prompt_arriving_during_a_long_chunk_is_computed_between_its_layers():
-    engine = make_engine(max_prefill_tokens=32)
+    engine = make_engine(max_prefill_tokens=32, alone_prefill_tokens=32)
     steps = []
     engine.on_step = steps.append
     long = engine.add_request("a long prompt that is computed in chunks " * 3, max_new_tokens=5)
@@ -103,7 +103,7 @@ def test_a_short_prompt_arriving_during_a_long_chunk_is_computed_between_its_lay
 
 
 def test_a_newcomer_no_shorter_than_the_chunk_waits_for_the_next_step():
-    engine = make_engine(max_prefill_tokens=32)
+    engine = make_engine(max_prefill_tokens=32, alone_prefill_tokens=32)
     engine.add_request("a long prompt that is computed in chunks " * 3, max_new_tokens=5)
     engine.step()
     added = arrive_during_next_forward(engine, "x" * 40, max_new_tokens=5)

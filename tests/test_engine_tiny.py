@@ -102,24 +102,42 @@ def test_a_prompt_whose_every_page_is_cached_computes_its_last_token_alone(tiny,
     engine.pool.check_invariants()
 
 
-def test_max_prefill_tokens_chunks_a_prompt_even_alone(tiny):
-    """A 40-token prompt with 16-token chunks takes three steps; its tokens are those of one step."""
+def test_a_prompt_alone_is_computed_in_chunks_of_alone_prefill_tokens(tiny):
+    """A 40-token prompt alone: one step by default, three with 16-token chunks alone; its tokens
+    are the same either way."""
     prompt = list(range(1, 41))
-    expected = tiny_engine(tiny, max_prefill_tokens=64).generate([prompt], max_new_tokens=3)[0].token_ids
+    answers = []
+    for options, num_chunks in (({}, 1), ({"alone_prefill_tokens": 16}, 3)):
+        engine = tiny_engine(tiny, max_prefill_tokens=8, **options)
+        handle = engine.add_request(prompt, max_new_tokens=3)
+        chunks = 0
+        while handle.queue.empty():
+            engine.step()
+            chunks += 1
+        assert chunks == num_chunks
+        while handle.completion is None:
+            engine.step()
+        answers.append(handle.completion.token_ids)
+    assert answers[0] == answers[1]
+
+
+def test_beside_a_decode_a_prompt_is_computed_in_chunks_of_max_prefill_tokens(tiny):
     engine = tiny_engine(tiny, max_prefill_tokens=16)
-    handle = engine.add_request(prompt, max_new_tokens=3)
-    chunks = 0
-    while handle.queue.empty():
+    records = []
+    engine.on_step = records.append
+    decoding = engine.add_request([5, 6, 7], max_new_tokens=3, ignore_eos=True, request_id="d")
+    engine.step()
+    engine.add_request(list(range(1, 61)), max_new_tokens=1, request_id="p")
+    while engine.has_unfinished():
         engine.step()
-        chunks += 1
-    assert chunks == 3
-    while handle.completion is None:
-        engine.step()
-    assert handle.completion.token_ids == expected
+    # Two chunks beside "d"'s last two tokens, then the rest alone, in one chunk.
+    assert [[(q["id"], q["new"]) for q in r["requests"]] for r in records] == [
+        [("d", 3)], [("d", 1), ("p", 16)], [("d", 1), ("p", 16)], [("p", 28)]]
+    assert decoding.completion.usage.completion_tokens == 3
 
 
 def test_every_step_is_reported_with_its_requests_and_tokens(tiny):
-    engine = tiny_engine(tiny, max_prefill_tokens=16)
+    engine = tiny_engine(tiny, max_prefill_tokens=16, alone_prefill_tokens=16)
     records = []
     engine.on_step = records.append
     out = engine.generate([list(range(1, 41))], max_new_tokens=3, request_id="r")[0]
@@ -139,7 +157,7 @@ def test_a_newcomer_computed_between_the_layers_of_a_chunk_gets_its_own_tokens(t
     long_prompt, newcomer = list(range(100, 180)), shared + [7, 8, 9, 10, 11]
     alone = {name: tiny_engine(tiny).generate([p], max_new_tokens=4)[0].token_ids
              for name, p in (("long", long_prompt), ("newcomer", newcomer))}
-    engine = tiny_engine(tiny, num_blocks=10, max_prefill_tokens=32)
+    engine = tiny_engine(tiny, num_blocks=10, max_prefill_tokens=32, alone_prefill_tokens=32)
     engine.generate([list(range(200, 250))], max_new_tokens=2)  # 3 idle cached pages, the oldest
     engine.generate([shared + [1, 2]], max_new_tokens=2)  # 3 more: the newcomer's prefix
     long = engine.add_request(long_prompt, max_new_tokens=4)

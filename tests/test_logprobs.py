@@ -20,7 +20,7 @@ TOL = 2e-5  # paged and chunked against dense and whole: float32 sums in other o
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine.load("tiny", max_prefill_tokens=16, page_tokens=8)
+    return Engine.load("tiny", max_prefill_tokens=16, alone_prefill_tokens=16, page_tokens=8)
 
 
 def reference(engine, ids) -> np.ndarray:

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from worker.connector.loads import FinishedLoads
 from worker.kv.block_pool import BlockPool
 from worker.engine.sampling import SamplingParams
 from worker.engine.request import Request, RequestStatus
@@ -145,6 +146,8 @@ def test_options_are_checked():
         Scheduler(pool, P, max_num_seqs=8, max_num_batched_tokens=4)
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         Scheduler(pool, P, max_prefill_tokens=0)
+    with pytest.raises(ValueError, match="alone_prefill_tokens"):
+        Scheduler(pool, P, alone_prefill_tokens=0)
     with pytest.raises(ValueError, match="aging_steps"):
         Scheduler(pool, P, aging_steps=-1)
     with pytest.raises(ValueError, match="join_tokens"):
@@ -166,12 +169,13 @@ def test_a_mostly_cached_prompt_goes_before_a_long_uncached_one_that_came_first(
     assert log == [[("cached", 4)]]
     assert cached.cached_tokens_local == 20 and cached.status is RequestStatus.FINISHED
     run_step(sched, pool, log)
-    assert log[1] == [("long", 16)], "then the long prompt, in chunks of max_prefill_tokens"
+    assert log[1] == [("long", 40)], "then the long prompt, whole: no decode waits on its step"
 
 
 def test_a_short_prefill_goes_through_while_a_long_one_is_chunked():
-    """The long prompt is chunked even alone, so a short one arriving meanwhile waits one chunk."""
-    pool, sched = make(pool_blocks=32, budget=64, max_prefill_tokens=12)
+    """The long prompt is chunked even alone (its alone chunk no larger), so a short one arriving
+    meanwhile waits one chunk."""
+    pool, sched = make(pool_blocks=32, budget=64, max_prefill_tokens=12, alone_prefill_tokens=12)
     sched.add(request("long", 100, max_new=2, first=500))
     log = []
     run_step(sched, pool, log)
@@ -179,6 +183,112 @@ def test_a_short_prefill_goes_through_while_a_long_one_is_chunked():
     for _ in range(3):
         run_step(sched, pool, log)
     assert log == [[("long", 12)], [("short", 5)], [("short", 1), ("long", 12)], [("long", 12)]]
+
+
+def test_a_prompt_alone_in_its_step_is_computed_in_chunks_of_alone_prefill_tokens():
+    pool, sched = make(pool_blocks=32, budget=64, max_prefill_tokens=8, alone_prefill_tokens=24)
+    sched.add(request("long", 60, max_new=1))
+    log = []
+    for _ in range(3):
+        run_step(sched, pool, log)
+    assert log == [[("long", 24)], [("long", 24)], [("long", 12)]]
+    # Never a smaller chunk alone than beside decodes.
+    pool, sched = make(pool_blocks=32, budget=64, max_prefill_tokens=16, alone_prefill_tokens=4)
+    sched.add(request("long", 40, max_new=1))
+    assert run_step(sched, pool).num_new_tokens == [16]
+
+
+def test_beside_a_decode_a_prompt_is_computed_in_chunks_of_max_prefill_tokens():
+    pool, sched = make(pool_blocks=32, budget=64, max_prefill_tokens=8, alone_prefill_tokens=24)
+    sched.add(request("decoding", 3, max_new=3))
+    log = []
+    run_step(sched, pool, log)
+    sched.add(request("long", 60, max_new=1, first=100))
+    for _ in range(4):
+        run_step(sched, pool, log)
+    # Once "decoding" finished (its third token), the prompt's steps are alone.
+    assert log == [[("decoding", 3)], [("decoding", 1), ("long", 8)], [("decoding", 1), ("long", 8)],
+                   [("long", 24)], [("long", 20)]]
+
+
+def test_a_prompt_alone_takes_the_smaller_chunk_where_the_pool_lacks_room_for_the_larger():
+    """Neither preempting nor holding admission for a chunk that is only faster: the high-priority
+    prompt starts in chunks of max_prefill_tokens beside the one whose blocks fill the pool."""
+    pool, sched = make(pool_blocks=12, budget=64, max_prefill_tokens=4, alone_prefill_tokens=48)
+    sched.add(request("decoding", 3, max_new=4))
+    log = []
+    run_step(sched, pool, log)
+    low = Request("low", list(range(100, 140)), SamplingParams(max_new_tokens=1), ROOT, P, priority=1)
+    sched.add(low)
+    for _ in range(3):
+        run_step(sched, pool, log)
+    sched.add(Request("high", list(range(300, 340)), SamplingParams(max_new_tokens=1), ROOT, P, priority=0))
+    for _ in range(3):
+        run_step(sched, pool, log)
+    assert log[4:] == [[("high", 4)]] * 3, "admitted, then grown, in the chunk the pool has room for"
+    assert sched.num_preemptions == 0 and low.status is RequestStatus.RUNNING and low.num_computed_tokens == 12
+
+
+class AnsweringTier:
+    """A connector whose lookups answer at once, `found` pages for each request, and whose loads
+    never land (the requests stay parked, holding their blocks); those in `early` may join a step
+    before (RemoteJoins.join_early)."""
+
+    def __init__(self, found, early=()):
+        self.found, self.early, self.loaded = found, early, {}
+        self.lookups = self.layerwise_loads = self
+
+    def take(self, request):
+        return self.found[request.request_id]
+
+    peek = take
+
+    def start_load(self, request, keys, block_ids):
+        self.loaded[request.request_id] = len(block_ids)
+
+    def take_finished_loads(self):
+        return FinishedLoads()
+
+    def in_flight(self, request):
+        return False
+
+    def can_join_early(self, request):
+        return request.request_id in self.early
+
+    def start(self, request, keys):
+        pass
+
+    def join_early(self, request):
+        pass
+
+    def write_back(self, request, keys, local_blocks, start):
+        pass
+
+    def on_page_full(self, key, parent_key, block_id, context):
+        pass
+
+
+def test_a_prompt_alone_takes_the_smaller_chunk_rather_than_fewer_remote_pages():
+    """"r"'s 6 remote pages and a 16-token chunk after them would need 10 blocks, 8 are left beside
+    the parked "q": it takes the 4-token chunk and all 6 pages, not 4 pages and the larger chunk."""
+    tier = AnsweringTier({"q": 2, "r": 6})
+    pool, sched = make(pool_blocks=10, budget=64, max_prefill_tokens=4, alone_prefill_tokens=16, connector=tier)
+    sched.add(request("q", 8, first=100))
+    sched.add(request("r", 40, first=200))
+    assert sched.schedule().requests == []
+    assert tier.loaded == {"q": 2, "r": 6} and [r.request_id for r in sched.parked] == ["q", "r"]
+
+
+def test_an_early_join_alone_takes_the_alone_chunk_where_the_pool_has_room():
+    for pool_blocks, chunk in ((16, 16), (10, 4)):  # 10: 2 blocks beside "q" and "r"'s 6 remote pages
+        tier = AnsweringTier({"q": 2, "r": 6}, early={"r"})
+        pool, sched = make(pool_blocks=pool_blocks, budget=64, max_prefill_tokens=4, alone_prefill_tokens=16,
+                           connector=tier)
+        sched.add(request("q", 8, first=100))
+        sched.add(request("r", 40, first=200))
+        sched.schedule()
+        batch = sched.schedule()
+        assert batch.layerwise and [r.request_id for r in batch.requests] == ["r"] and batch.num_new_tokens == [chunk]
 
 
 def test_one_prefill_per_step_so_the_shortest_gets_its_first_token_first():
@@ -224,7 +334,8 @@ def test_aging_bounds_the_wait_of_a_long_prompt_under_a_stream_of_short_ones(agi
     """Three new short prompts every step fill the prefill budget, so shortest-first alone would
     never serve the long prompt; it must start once aged and then be computed at full budget."""
     budget, long_len = 8, 40
-    pool, sched = make(pool_blocks=256, budget=64, max_seqs=64, max_prefill_tokens=budget, aging_steps=aging_steps)
+    pool, sched = make(pool_blocks=256, budget=64, max_seqs=64, max_prefill_tokens=budget, alone_prefill_tokens=budget,
+                       aging_steps=aging_steps)
     long = request("long", long_len, max_new=1, first=10_000)
     sched.add(long)
     first_token_step = None
@@ -241,21 +352,21 @@ def test_aging_bounds_the_wait_of_a_long_prompt_under_a_stream_of_short_ones(agi
 
 
 def test_a_newcomer_shorter_than_the_chunk_goes_between_its_layers_unless_it_would_preempt_or_it_is_aged():
-    pool, sched = make(pool_blocks=64, budget=64, max_prefill_tokens=16, join_tokens=4)
+    pool, sched = make(pool_blocks=64, budget=64, max_prefill_tokens=16, alone_prefill_tokens=16, join_tokens=4)
     sched.add(request("long", 60, max_new=1))
     log = []
     run_step(sched, pool, log, arriving=[request("short", 10, max_new=2, first=500)])
     run_step(sched, pool, log, arriving=[request("as long", 16, max_new=1, first=600)])
     assert log == [[("long", 16)], ("between layers", "short", 10), [("short", 1), ("long", 16)]]
     # Not when the pool could only take it by preempting a running request.
-    pool, sched = make(pool_blocks=5, budget=64, max_prefill_tokens=16, join_tokens=4)
+    pool, sched = make(pool_blocks=5, budget=64, max_prefill_tokens=16, alone_prefill_tokens=16, join_tokens=4)
     sched.add(request("long", 19, max_new=1))
     log = []
     run_step(sched, pool, log, arriving=[request("short", 6, max_new=1, first=500)])
     assert log == [[("long", 16)]] and sched.waiting[0].request_id == "short"
     # Nor in a step that found the pool short for a waiting prompt, though the newcomer would fit:
     # "w" (its first 12 tokens cached, idle) cannot be admitted beside "long"'s next chunk.
-    pool, sched = make(pool_blocks=7, budget=64, max_prefill_tokens=12, join_tokens=2)
+    pool, sched = make(pool_blocks=7, budget=64, max_prefill_tokens=12, alone_prefill_tokens=12, join_tokens=2)
     log = []
     sched.add(request("x", 12, max_new=1))
     run_step(sched, pool, log)
@@ -266,7 +377,8 @@ def test_a_newcomer_shorter_than_the_chunk_goes_between_its_layers_unless_it_wou
     assert log == [[("x", 12)], [("long", 12)], [("long", 12)]]
     assert [r.request_id for r in sched.waiting] == ["w", "short"]
     # Nor when the step's prompt was chosen for its age.
-    pool, sched = make(pool_blocks=64, budget=64, max_prefill_tokens=16, join_tokens=4, aging_steps=0)
+    pool, sched = make(pool_blocks=64, budget=64, max_prefill_tokens=16, alone_prefill_tokens=16, join_tokens=4,
+                       aging_steps=0)
     sched.add(request("long", 60, max_new=1))
     sched.num_steps = 5
     log = []
@@ -286,15 +398,16 @@ def test_aging_zero_serves_in_arrival_order():
 
 @settings(max_examples=150, deadline=None)
 @given(num_blocks=st.integers(3, 12), budget=st.integers(4, 24), max_seqs=st.integers(1, 4),
-       prefill=st.integers(1, 24), aging=st.integers(0, 6), requests=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6), st.integers(0, 3), st.booleans(),
-                                                   st.booleans()),
+       prefill=st.integers(1, 24), alone=st.integers(1, 48), aging=st.integers(0, 6),
+       requests=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6), st.integers(0, 3), st.booleans(),
+                                   st.booleans()),
                          min_size=1, max_size=6))
 def test_every_request_finishes_with_its_tokens_whatever_the_pool_budget_and_arrivals(num_blocks, budget, max_seqs,
-                                                                                        prefill, aging, requests):
+                                                                                        prefill, alone, aging, requests):
     """Random prompts (sharing prefixes), arrivals spread over steps, tiny pools: invariants hold every step,
     nothing deadlocks, and every request ends with exactly the tokens it would get alone."""
     pool, sched = make(pool_blocks=num_blocks, budget=max(budget, max_seqs), max_seqs=max_seqs,
-                       max_prefill_tokens=prefill, aging_steps=aging)
+                       max_prefill_tokens=prefill, alone_prefill_tokens=alone, aging_steps=aging)
     pending, created = [], []
     for i, (n_prompt, max_new, family, bypass, mid_step) in enumerate(requests):
         n_prompt = min(n_prompt, num_blocks * P - max_new)

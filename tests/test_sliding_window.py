@@ -92,7 +92,7 @@ def test_mistral_folder_and_gguf_match_the_textbook_window(models):
 
 def test_decode_past_the_window_matches_recomputation(models):
     _, hf, _ = models
-    engine = Engine(hf, page_tokens=4, num_blocks=64, max_prefill_tokens=6)
+    engine = Engine(hf, page_tokens=4, num_blocks=64, max_prefill_tokens=6, alone_prefill_tokens=6)
     [done] = engine.generate(IDS[:20], max_new_tokens=12, ignore_eos=True)
     ids = list(IDS[:20])
     for _ in range(12):                                   # greedy by recomputing everything

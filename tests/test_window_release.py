@@ -25,7 +25,8 @@ def mistral():
 
 
 def engine_for(model, release=True, **options):
-    engine = Engine(model, page_tokens=P, max_prefill_tokens=6, **dict(dict(num_blocks=64), **options))
+    engine = Engine(model, page_tokens=P, max_prefill_tokens=6, alone_prefill_tokens=6,
+                    **dict(dict(num_blocks=64), **options))
     if not release:
         engine.scheduler.release_window = None  # the same engine holding every page to the end
     return engine

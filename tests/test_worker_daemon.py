@@ -262,17 +262,18 @@ def test_info_describes_the_worker(shared_worker):
     assert 0 < info.free_blocks <= info.total_blocks
 
 
-def test_a_prefill_chunk_below_one_token_is_refused_with_one_line():
-    done = subprocess.run([sys.executable, "-m", "kvcache.cli", "worker", "--port", "0", "--max-prefill-tokens", "0"],
+@pytest.mark.parametrize("option", ["--max-prefill-tokens", "--alone-prefill-tokens"])
+def test_a_prefill_chunk_below_one_token_is_refused_with_one_line(option):
+    done = subprocess.run([sys.executable, "-m", "kvcache.cli", "worker", "--port", "0", option, "0"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert "--max-prefill-tokens must be at least 1, got 0" in done.stderr
-    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [f"kvcache worker: error: {option} must be at least 1, got 0"]
 
 
 def test_step_log_has_a_json_line_per_engine_step_and_prompts_come_in_chunks(tmp_path):
     steps = tmp_path / "steps.jsonl"
-    with daemons(tmp_path, worker("w", "--step-log", str(steps), "--max-prefill-tokens", "16")) as (w,):
+    with daemons(tmp_path, worker("w", "--step-log", str(steps), "--max-prefill-tokens", "8",
+                                  "--alone-prefill-tokens", "16")) as (w,):
         with WorkerClient(w.address) as client:
             _, done = run(client, "Where does the time go? " * 3, max_tokens=4, request_id="traced")
     records = [json.loads(line) for line in steps.read_text().splitlines()]
@@ -280,7 +281,7 @@ def test_step_log_has_a_json_line_per_engine_step_and_prompts_come_in_chunks(tmp
     # Every prompt token and every generated one but the last went through a step exactly once.
     assert sum(q["new"] for q in ours) == done.usage.prompt_tokens + done.usage.completion_tokens - 1
     prefill = [q["new"] for q in ours if q["computed"] < q["prompt"]]
-    assert done.usage.prompt_tokens == 72 and prefill == [16, 16, 16, 16, 8]  # --max-prefill-tokens 16
+    assert done.usage.prompt_tokens == 72 and prefill == [16, 16, 16, 16, 8]  # alone: --alone-prefill-tokens 16
     assert "logging every engine step to" in (tmp_path / "w.log").read_text()
 
 

@@ -16,7 +16,7 @@ TOL = 2e-4  # two float32 implementations of 30 layers (3.7e-5 apart here): sums
 def test_prompt_and_generated_logprobs_equal_transformers(model_dir):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    engine = Engine.load(str(model_dir), max_prefill_tokens=16)   # its prompt in chunks
+    engine = Engine.load(str(model_dir), max_prefill_tokens=16, alone_prefill_tokens=16)   # its prompt in chunks
     text = "The bakery opens at seven, and the first loaves of rye bread come out of the oven at"
     ids = engine.tokenizer.encode(text)
     [done] = engine.generate(ids, max_new_tokens=4, prompt_logprobs=0, logprobs=0, echo=True)

@@ -24,7 +24,7 @@ from worker.metrics import WorkerMetrics
 from worker.model import blas, load_model
 from worker.observe import ObservedRemoteTier, attach
 from worker.remote.tier import RemoteTier
-from worker.engine.scheduler import PREFILL_TOKENS_PER_STEP
+from worker.engine.scheduler import ALONE_PREFILL_TOKENS, PREFILL_TOKENS_PER_STEP
 from worker.service import (DEFAULT_MAX_STREAMS, DEFAULT_STEP_TIMEOUT_S, SERVICE_NAME, TRACE_ROOTS, WorkerService,
                             handler)
 from worker.step_log import StepLog
@@ -58,8 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-prefill-tokens", type=int, default=PREFILL_TOKENS_PER_STEP,
-        help="prompt tokens per step at most: longer prompts are computed in chunks of this size, so a "
-             "request arriving meanwhile waits one chunk, not a whole prompt (default %(default)s)",
+        help="prompt tokens at most in a step that has decodes: longer prompts are computed in chunks of "
+             "this size, so decoding requests and one arriving meanwhile wait one chunk, not a whole prompt "
+             "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--alone-prefill-tokens", type=int, default=ALONE_PREFILL_TOKENS,
+        help="prompt tokens at most in a step that has no decode, so no running request waits on it: a "
+             "prompt alone is computed in these larger, faster chunks (default %(default)s; at least "
+             "--max-prefill-tokens)",
     )
     parser.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
     parser.add_argument("--lease-ms", type=int, default=2000, help="how long kvnodes hold looked-up pages for the fetch")
@@ -115,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--page-tokens must be at least 1, got {args.page_tokens}")
         if args.max_prefill_tokens < 1:
             raise ValueError(f"--max-prefill-tokens must be at least 1, got {args.max_prefill_tokens}")
+        if args.alone_prefill_tokens < 1:
+            raise ValueError(f"--alone-prefill-tokens must be at least 1, got {args.alone_prefill_tokens}")
         if args.max_streams < 1:
             raise ValueError(f"--max-streams must be at least 1, got {args.max_streams}")
         if not args.step_timeout > 0 or args.drain_timeout < 0:
@@ -147,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_batched_tokens,
             max_prefill_tokens=args.max_prefill_tokens,
+            alone_prefill_tokens=args.alone_prefill_tokens,
         )
         log.info("numerics: %s", "invariant (a token's bits do not depend on its batch)" if engine.model.invariant
                  else "fast (a token's last bits depend on its batch and chunking)")

@@ -60,8 +60,8 @@ class Runs:
 
         blocks = ((1024 + 2 * self.tokens) // 16 + 2) * (sequences + 2)
         return Engine(self.model, kv_dtype=self.kv_dtype, num_blocks=blocks, page_tokens=16,
-                      max_num_seqs=sequences, max_prefill_tokens=prefill_tokens,
-                      max_num_batched_tokens=max(prefill_tokens, sequences))
+                      max_num_seqs=sequences, max_num_batched_tokens=max(prefill_tokens, sequences),
+                      max_prefill_tokens=prefill_tokens, alone_prefill_tokens=prefill_tokens)
 
     def _answer(self, engine, prompt: list[int], sampling: dict, **options) -> Answer:
         with recording() as seen:

@@ -1,10 +1,10 @@
 """What invariant numerics cost: an engine with them beside one without, same model, same run.
 
-Prefill tokens/s of one prompt (in the engine's chunks, --max-prefill-tokens' default), and decode
-tokens/s at batch 1 and 8 (128-token contexts). The two
-engines alternate, run by run and decode step by decode step, which one goes first alternating
-too, so both see the same machine load; each figure is the best of its runs (the least disturbed)
-and the median. Both take the greedy next token.
+Prefill tokens/s of one prompt (in the engine's chunks for a prompt alone, --alone-prefill-tokens'
+default), and decode tokens/s at batch 1 and 8 (128-token contexts). The two engines alternate,
+run by run and decode step by decode step, which one goes first alternating too, so both see the
+same machine load; each figure is the best of its runs (the least disturbed) and the median.
+Both take the greedy next token.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from worker.kv.pages import tenant_root
 from worker.engine.request import Request, RequestStatus
 from worker.engine.logprobs import log_softmax, token_logprob
 from worker.engine.sampling import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, SamplingParams, StopChecker, sample
-from worker.engine.scheduler import PREFILL_TOKENS_PER_STEP, Scheduler
+from worker.engine.scheduler import ALONE_PREFILL_TOKENS, PREFILL_TOKENS_PER_STEP, Scheduler
 from worker.engine.delivery import Delivery
 from worker.engine.outputs import Completion, RequestHandle, RequestIdInUse, StreamDelta
 from worker.engine.step_runner import StepRunner
@@ -44,7 +44,7 @@ class Engine:
     def __init__(self, model, kv_dtype: str = "float32", num_blocks: int | None = None, page_tokens: int = DEFAULT_PAGE_TOKENS,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 1024, remote_tier: Tier | None = None,
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, seed: int | None = None,
-                 max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP):
+                 max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP, alone_prefill_tokens: int = ALONE_PREFILL_TOKENS):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         if page_tokens < 1:
@@ -68,6 +68,7 @@ class Engine:
         self._work = threading.Event()  # set by add_request, cancel and the connector's finished work
         self.scheduler = Scheduler(self.pool, page_tokens, max_num_seqs, max_num_batched_tokens,
                                    self._connector_for(remote_tier), max_prefill_tokens=max_prefill_tokens,
+                                   alone_prefill_tokens=alone_prefill_tokens,
                                    release_window=release_window(cfg.layer_windows()))
         self.max_total_tokens = min(cfg.max_positions, num_blocks * page_tokens)
         self.eos_token_ids = (self.tokenizer.eos_token_id, *cfg.extra_eos_token_ids)  # any of them stops

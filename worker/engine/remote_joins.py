@@ -69,9 +69,10 @@ class RemoteJoins:
             request.cached_tokens_local = min(num_hits * P, request.num_computed_tokens)
             request.cached_tokens_remote = request.num_computed_tokens - request.cached_tokens_local
 
-    def join_early(self, parked: Sequence[Request]) -> tuple[Request, int] | None:
+    def join_early(self, parked: Sequence[Request], chunk: int) -> tuple[Request, int] | None:
         """A parked request whose layer-wise load is under way, and its new tokens, to run in a step of
-        its own: its remote pages counted as computed and its blocks grown.
+        its own: its remote pages counted as computed and its blocks grown. It computes `chunk` tokens
+        at most (the scheduler's for the step), max_prefill_tokens where the pool lacks room for more.
 
         The step is its own so that no other request shares its waits on the network: the forward
         waits, briefly, for each layer of its pages (StepRunner._step_layerwise), and a layer that
@@ -87,8 +88,11 @@ class RemoteJoins:
             num_hits = request.num_cached_pages
             num_remote = len(request.block_table) - num_hits
             computed = min((num_hits + num_remote) * P, request.num_tokens - 1)   # the last token is computed
-            num_new = min(request.num_tokens - computed, self.max_prefill_tokens)
-            if self.tables.num_pages(computed + num_new) - len(request.block_table) > self.tables.pool.get_num_free_blocks():
+            num_new = min(request.num_tokens - computed, chunk)
+            free = self.tables.pool.get_num_free_blocks()
+            if self.tables.num_pages(computed + num_new) - len(request.block_table) > free:
+                num_new = min(num_new, self.max_prefill_tokens)  # as Scheduler.schedule where the pool is short
+            if self.tables.num_pages(computed + num_new) - len(request.block_table) > free:
                 continue  # it joins once its load landed, as any parked request
             self.connector.layerwise_loads.join_early(request)
             set_usage = request.cached_tokens_local is None

@@ -28,7 +28,8 @@ def _tokens_left(request: Request) -> int:
     return request.num_tokens - request.num_computed_tokens
 
 
-PREFILL_TOKENS_PER_STEP = 128  # prompt tokens per step at most: bounds the wait of a newly arrived prompt
+PREFILL_TOKENS_PER_STEP = 128  # prompt tokens in a step with decodes at most: bounds their wait, and a new prompt's
+ALONE_PREFILL_TOKENS = 512     # in a step without: no running request waits, and larger weight products run faster
 AGING_STEPS = 64                # steps waited after which a request goes before every younger one
 JOIN_TOKENS = 16                # tokens other prompts may add to a step's prefill if they finish in it
 
@@ -39,21 +40,23 @@ _PARKED = -2          # _admit: blocks given, remote pages on their way (the req
 class Scheduler:
     def __init__(self, pool: BlockPool, page_tokens: int, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 1024, connector: Connector | None = None,
-                 max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP, aging_steps: int = AGING_STEPS,
-                 join_tokens: int = JOIN_TOKENS, release_window: int | None = None):
+                 max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP, alone_prefill_tokens: int = ALONE_PREFILL_TOKENS,
+                 aging_steps: int = AGING_STEPS, join_tokens: int = JOIN_TOKENS, release_window: int | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
                              f"max_num_seqs ({max_num_seqs}), so every running request can decode each step")
-        if max_prefill_tokens < 1 or aging_steps < 0 or join_tokens < 0:
-            raise ValueError(f"max_prefill_tokens must be at least 1, aging_steps and join_tokens at least 0, "
-                             f"got {max_prefill_tokens}, {aging_steps} and {join_tokens}")
+        if max_prefill_tokens < 1 or alone_prefill_tokens < 1 or aging_steps < 0 or join_tokens < 0:
+            raise ValueError(f"max_prefill_tokens and alone_prefill_tokens must be at least 1, aging_steps and "
+                             f"join_tokens at least 0, got {max_prefill_tokens}, {alone_prefill_tokens}, "
+                             f"{aging_steps} and {join_tokens}")
         self.pool = pool
         self.page_tokens = page_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_tokens = max_prefill_tokens
+        self.alone_prefill_tokens = max(alone_prefill_tokens, max_prefill_tokens)  # never a smaller chunk alone
         self.join_tokens = join_tokens
         self.release_window = release_window  # a sliding window (on_computed); None keeps every page to the end
         self.tables = BlockTables(pool, page_tokens)
@@ -94,7 +97,9 @@ class Scheduler:
         for request in self.in_place.land():  # before anything may take blocks (InPlaceJoins.land)
             self._wait_again(request)
         self._take_finished_loads()
-        early = self.remote.join_early(self.parked)
+        # An early join's step is its own: the chunk of a step without decodes when none is decoding.
+        decoding = any(_tokens_left(r) == 1 for r in self.running)
+        early = self.remote.join_early(self.parked, self.max_prefill_tokens if decoding else self.alone_prefill_tokens)
         if early is not None:
             request, num_new = early
             self._move(request, self.parked, RequestStatus.RUNNING)
@@ -113,19 +118,27 @@ class Scheduler:
         # Then one prompt, the one with the fewest tokens left to compute (_prefill_order), at most
         # max_prefill_tokens of it; other prompts join the step only if they finish within join_tokens
         # more. A mostly cached prompt thus starts at once instead of queueing behind long uncached
-        # ones, and a long prompt is computed in chunks between them, even alone. Only one, because on
-        # a CPU a prefill token costs about the same in any batch: a second prompt's chunk would delay
-        # the first one's first token by its whole cost, while a step of its own costs only the
-        # weights' pass (docs/benchmarks-log.md, "The cluster under load").
-        budget = min(self.max_num_batched_tokens - sum(batch.num_new_tokens), self.max_prefill_tokens)
+        # ones, and a long prompt is computed in chunks between them. A step with no decode takes
+        # alone_prefill_tokens instead, if the pool has room: no running request waits on it, and
+        # larger chunks compute faster. Only one prompt, because on a CPU a prefill token costs about
+        # the same in any batch: a second prompt's chunk would delay the first one's first token by
+        # its whole cost, while a step of its own costs only the weights' pass
+        # (docs/benchmarks-log.md, "The cluster under load").
+        chunk = self.max_prefill_tokens if batch.requests else self.alone_prefill_tokens
+        budget = min(self.max_num_batched_tokens - sum(batch.num_new_tokens), chunk)
         pool_short = False
         joining = None  # once the step has its prefill: tokens that prompts finishing with it may add
         for request, left in self._prefill_order(batch) if budget > 0 else []:
             if joining is not None and left > joining:
                 continue
             limit = budget if joining is None else joining
+            # Where the pool lacks room for a chunk larger than max_prefill_tokens, the prompt takes
+            # max_prefill_tokens: a faster chunk is not worth a preemption or a held admission.
+            fallback = self.max_prefill_tokens if joining is None else None
             if request.status is RequestStatus.RUNNING:
                 num_new = min(_tokens_left(request), limit)
+                if fallback is not None and not self.tables.can_grow(request, num_new):
+                    num_new = min(num_new, fallback)
                 preempted |= self._make_room(request, num_new, batch)
                 if request.status is not RequestStatus.RUNNING:
                     continue
@@ -133,7 +146,7 @@ class Scheduler:
             else:
                 if preempted or pool_short or self.num_seats_taken() >= self.max_num_seqs:
                     continue  # no admission now; running requests later in the order may still compute
-                num_new = self._admit(request, limit)
+                num_new = self._admit(request, limit, fallback)
                 if num_new == 0:
                     pool_short = True  # no request later in the order is admitted before this one
                     continue
@@ -142,7 +155,11 @@ class Scheduler:
                 self._move(request, self.waiting, RequestStatus.RUNNING)
                 batch.requests.append(request)
                 batch.num_new_tokens.append(num_new)
-            joining = min(self.join_tokens, budget - num_new) if joining is None else joining - num_new
+            if joining is None:  # others join only a prompt that finishes here, not one the pool cut short
+                finishes = request.num_computed_tokens + num_new == request.num_tokens
+                joining = min(self.join_tokens, budget - num_new) if finishes else 0
+            else:
+                joining -= num_new
             if joining <= 0:
                 break
         assert batch.requests or not self.running, "requests are running but none could be scheduled"
@@ -301,6 +318,7 @@ class Scheduler:
         if request is None or (self.connector is not None and self.connector.lookups.in_flight(request)):
             return  # it could not be admitted now anyway
         hits = self.pool.lookup(request.page_keys(request.num_reusable_pages()))
+        # The chunk of a step with decodes: a larger one is taken only where the pool has room (schedule).
         first_chunk_end = min(request.num_tokens, self._num_cached(request) + self.max_prefill_tokens)
         needed = self.tables.num_pages(first_chunk_end) - len(hits)
         # Its own idle cached prefix counts among the free blocks, but admission takes a reference
@@ -331,10 +349,12 @@ class Scheduler:
             pages = max(pages, self.connector.lookups.peek(request) or 0)
         return min(pages * self.page_tokens, request.num_tokens - 1)   # the last token is computed
 
-    def _admit(self, request: Request, budget: int) -> int:
+    def _admit(self, request: Request, budget: int, fallback: int | None = None) -> int:
         """Give a waiting request its cached prefix and first chunk: its new tokens; 0 if the pool
         cannot take it now; _LOOKUP_PENDING while the tier's lookup is in flight (it stays waiting
-        and others go first); _PARKED when remote pages past its local hits are on their way.
+        and others go first); _PARKED when remote pages past its local hits are on their way. The
+        chunk is `budget` tokens at most, or `fallback` where the pool lacks room for that chunk or
+        for it and every remote page found.
 
         The tier is asked about the whole chain, local hits included, so it learns which of our
         pages it lacks (write_back). No network call is made here: the connector only submits and
@@ -350,6 +370,8 @@ class Scheduler:
             return self.tables.num_pages(end) - num_hits
 
         available = self.pool.get_num_free_blocks() - self.pool.num_idle(hits)
+        if fallback is not None and fallback < budget and blocks_needed(0) > available:
+            budget = fallback
         if blocks_needed(0) > available:
             return 0
         num_remote = 0
@@ -361,6 +383,8 @@ class Scheduler:
             if found < num_hits:
                 self.connector.write_back(request, keys, hits, found)
             num_remote = max(0, found - num_hits)
+            if fallback is not None and fallback < budget and blocks_needed(num_remote) > available:
+                budget = fallback  # remote pages save more than a larger chunk
             while num_remote and blocks_needed(num_remote) > available:
                 num_remote -= 1
         self.pool.ref(hits)
