@@ -78,7 +78,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
                   model: str = "tiny", kv_dtype: str = "float32", node_capacity: str = "64MiB",
                   worker_kv_cache: str = "64MiB", blas_threads: int | None = None, on_start=None,
                   cluster: LocalCluster | None = None, step_logs: bool = False,
-                  max_prefill_tokens: int | None = None, data_dir: Path | None = None,
+                  max_prefill_tokens: int | None = None, alone_prefill_tokens: int | None = None,
+                  data_dir: Path | None = None,
                   flush_interval: float | None = None, disk_check: str | None = None,
                   metrics: bool = False, tls_dir: Path | None = None,
                   tokens_file: Path | None = None, gateway_port: int | None = None,
@@ -87,11 +88,11 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
                   max_keys: int | None = None) -> LocalCluster:
     """Start coordinators, then kvnodes and workers registered with them (not yet waiting for health).
 
-    Each worker gets `blas_threads` BLAS threads (default: cores / workers, at least 1) and
-    `max_prefill_tokens` (default: the worker's own); with `step_logs`, each writes one JSON line
-    per engine step to `<logs>/<worker>.steps.jsonl`. With `data_dir`, kvnode i keeps its pages in
-    `<data_dir>/node-i` (kvcache node --data-dir; `flush_interval` and `disk_check` are its
-    --flush-interval and --disk-check when given); with `metrics`, every member serves Prometheus
+    Each worker gets `blas_threads` BLAS threads (default: cores / workers, at least 1),
+    `max_prefill_tokens` and `alone_prefill_tokens` (default: the worker's own); with `step_logs`,
+    each writes one JSON line per engine step to `<logs>/<worker>.steps.jsonl`. With `data_dir`,
+    kvnode i keeps its pages in `<data_dir>/node-i` (kvcache node --data-dir; `flush_interval` and
+    `disk_check` are its --flush-interval and --disk-check when given); with `metrics`, every member serves Prometheus
     metrics on a free port (`Daemon.metrics_url`). With `tls_dir` (made by `kvcache certs`), every
     member serves and calls over mutual TLS with its role's certificate (tls_args); with
     `tokens_file`, coordinators and workers want a client token from it (base/tokens.py). With
@@ -159,7 +160,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
         threads = blas_threads or default_blas_threads(workers)
         for i in range(workers):
             add_worker(cluster, logs, f"worker-{i}", model, kv_dtype, worker_kv_cache, launch, blas_threads=threads,
-                       step_log=step_logs, max_prefill_tokens=max_prefill_tokens)
+                       step_log=step_logs, max_prefill_tokens=max_prefill_tokens,
+                       alone_prefill_tokens=alone_prefill_tokens)
         if gateway_port is not None:
             spawned(Daemon("gateway", ["--port", str(gateway_port), "--coordinators", joined, "--tokenizer", model,
                                        *(["--metrics"] if metrics else []),
@@ -177,7 +179,8 @@ def start_cluster(logs: Path, nodes: int = 3, workers: int = 2, coordinators: in
 
 def add_worker(cluster: LocalCluster, logs: Path, name: str, model: str = "tiny", kv_dtype: str = "float32",
                kv_cache: str = "64MiB", launch=None, blas_threads: int | None = None,
-               step_log: bool = False, max_prefill_tokens: int | None = None) -> Daemon:
+               step_log: bool = False, max_prefill_tokens: int | None = None,
+               alone_prefill_tokens: int | None = None) -> Daemon:
     """Start one more worker registered with the cluster's coordinators."""
     args = ["--coordinators", ",".join(cluster.coordinator_addresses), "--worker-id", name, "--model", model,
             "--kv-dtype", kv_dtype, "--kv-cache", kv_cache]
@@ -185,6 +188,8 @@ def add_worker(cluster: LocalCluster, logs: Path, name: str, model: str = "tiny"
         args += ["--blas-threads", str(blas_threads)]
     if max_prefill_tokens is not None:
         args += ["--max-prefill-tokens", str(max_prefill_tokens)]
+    if alone_prefill_tokens is not None:
+        args += ["--alone-prefill-tokens", str(alone_prefill_tokens)]
     if step_log:
         args += ["--step-log", str(logs / f"{name}.steps.jsonl")]
     if launch:

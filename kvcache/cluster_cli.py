@@ -71,7 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="BLAS threads per worker (default: cores / workers, at least 1, so workers do not "
                          "fight over the cores)")
     up.add_argument("--max-prefill-tokens", type=int, default=None,
-                    help="prompt tokens a worker computes per step, in chunks (default: the worker's, 128)")
+                    help="prompt tokens a worker computes per step beside decodes, in chunks (default: the "
+                         "worker's, 128)")
+    up.add_argument("--alone-prefill-tokens", type=int, default=None,
+                    help="prompt tokens a worker computes in a step with no decode, in chunks (default: the "
+                         "worker's, 512)")
     up.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help=f"cluster file and logs (default ./{DEFAULT_RUN_DIR})")
     up.add_argument("--detach", action="store_true", help="return once healthy; stop later with `kvcache cluster down`")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a healthy cluster (default 120)")
@@ -130,7 +134,8 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         start_cluster(logs, args.nodes, args.workers, args.coordinators, args.replicas, args.model, args.kv_dtype,
                       args.node_capacity, args.worker_kv_cache, blas_threads=args.blas_threads,
-                      max_prefill_tokens=args.max_prefill_tokens, cluster=cluster, metrics=not args.no_metrics,
+                      max_prefill_tokens=args.max_prefill_tokens, alone_prefill_tokens=args.alone_prefill_tokens,
+                      cluster=cluster, metrics=not args.no_metrics,
                       data_dir=Path(args.data_dir).resolve() if args.data_dir else None,
                       flush_interval=args.flush_interval, disk_check=args.disk_check,
                       tls_dir=tls_dir, tokens_file=tokens_file,
@@ -284,8 +289,9 @@ def _check_counts(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.blas_threads is not None and args.blas_threads < 1:
         raise ValueError(f"--blas-threads must be at least 1, got {args.blas_threads}")
-    if args.max_prefill_tokens is not None and args.max_prefill_tokens < 1:
-        raise ValueError(f"--max-prefill-tokens must be at least 1, got {args.max_prefill_tokens}")
+    for name in ("max_prefill_tokens", "alone_prefill_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not 0 <= args.gateway_port <= 65535:
         raise ValueError(f"--gateway-port must be between 0 and 65535, got {args.gateway_port}")
     if args.replicas > args.nodes:

@@ -29,7 +29,8 @@ VLLM_NODE_CAPACITY = "1GiB"
 # neither, so giving one with --vllm-model is refused rather than silently ignored.
 # The pools' sizes (--worker-kv-cache, and --node-capacity) come from the model (kvcache/cluster_sizes.py).
 WORKER_DEFAULTS = {"workers": 2, "model": DEFAULT_MODEL, "kv_dtype": "float32", "worker_kv_cache": None,
-                   "blas_threads": None, "max_prefill_tokens": None, "gateway_port": 0}
+                   "blas_threads": None, "max_prefill_tokens": None, "alone_prefill_tokens": None,
+                   "gateway_port": 0}
 
 
 def add_arguments(up: argparse.ArgumentParser) -> None:

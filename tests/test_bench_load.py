@@ -26,7 +26,7 @@ def test_short_run_reports_both_passes_and_ratios(tmp_path):
     plots = importlib.util.find_spec("matplotlib") is not None
     extra = ["--plot", str(tmp_path / "charts")] if plots else []
     code, out, err = run_bench(SMALL + ["--json", "--logs", str(tmp_path / "logs"), "--step-logs",
-                                        "--max-prefill-tokens", "24", *extra])
+                                        "--max-prefill-tokens", "24", "--alone-prefill-tokens", "24", *extra])
     assert code == 0, err
     report = json.loads(out)
     assert report["bench"] == "load" and report["cluster"]["started_here"]
@@ -59,7 +59,7 @@ def test_short_run_reports_both_passes_and_ratios(tmp_path):
     first_tokens = sum(1 for s in steps for q in s["requests"] if q["computed"] < q["prompt"] <= q["computed"] + q["new"])
     assert first_tokens == 1 + 2 * 6, "the warm-up request and both passes' requests each got a first token"
     chunks = [q["new"] for s in steps for q in s["requests"]]
-    assert max(chunks) == 24, "the workers computed prompts in chunks of --max-prefill-tokens"
+    assert max(chunks) == 24, "the workers computed prompts in chunks of --max-prefill-tokens, alone too"
     assert level["pages_evicted"] >= 0 and set(level["goals_met"]) == {"ttft_p50_gain", "cached_share_once_warm"}
     if plots:
         assert [p.rsplit("/", 1)[-1] for p in report["plots"]] == ["load_ttft_c2.png"]
@@ -156,6 +156,9 @@ def test_requests_in_window_counts_a_running_request_by_its_share_and_no_failed_
     (["--step-logs", "--logs", "x", "--coordinators", "127.0.0.1:1"], "--step-logs is for the local cluster"),
     (["--max-prefill-tokens", "0"], "--max-prefill-tokens must be at least 1"),
     (["--max-prefill-tokens", "8", "--coordinators", "127.0.0.1:1"], "--max-prefill-tokens is for the local cluster"),
+    (["--alone-prefill-tokens", "0"], "--alone-prefill-tokens must be at least 1"),
+    (["--alone-prefill-tokens", "8", "--coordinators", "127.0.0.1:1"],
+     "--alone-prefill-tokens is for the local cluster"),
 ])
 def test_bad_options_are_one_line_and_exit_2(args, message):
     code, out, err = run_bench(args, timeout=60)

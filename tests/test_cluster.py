@@ -263,6 +263,7 @@ def _busy_worker(cluster):
 
 @pytest.mark.parametrize("option, message", [
     (["--max-prefill-tokens", "0"], "--max-prefill-tokens must be at least 1, got 0"),
+    (["--alone-prefill-tokens", "0"], "--alone-prefill-tokens must be at least 1, got 0"),
     (["--replicas", "4"], "--replicas 4 exceeds --nodes 3"),
     (["--gateway-port", "70000"], "--gateway-port must be between 0 and 65535, got 70000"),
     (["--disk-check", "always"],

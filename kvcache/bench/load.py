@@ -139,6 +139,7 @@ class _cluster:
                                    model=a.model, kv_dtype=a.kv_dtype, node_capacity=a.node_capacity,
                                    worker_kv_cache=a.worker_kv_cache, blas_threads=blas_threads(a),
                                    step_logs=a.step_logs, max_prefill_tokens=a.max_prefill_tokens,
+                                   alone_prefill_tokens=a.alone_prefill_tokens,
                                    metrics=a.metrics, gateway_port=0 if a.gateway == "local" else None)
         try:
             wait_healthy(self.local.coordinator_addresses, a.nodes, a.workers, timeout_s=180.0)

@@ -30,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--blas-threads", type=int, default=None, help="BLAS threads per worker of the local cluster "
                          "(default: cores / workers, at least 1; see the description)")
     cluster.add_argument("--max-prefill-tokens", type=int, default=None, help="prompt tokens a local worker "
-                         "computes per step, in chunks (default: the worker's, 128)")
+                         "computes per step beside decodes, in chunks (default: the worker's, 128)")
+    cluster.add_argument("--alone-prefill-tokens", type=int, default=None, help="prompt tokens a local worker "
+                         "computes in a step with no decode, in chunks (default: the worker's, 512)")
     load = parser.add_argument_group("load")
     load.add_argument("--concurrency", default="4", help="concurrent clients; a list such as 1,2,4 runs each level "
                       "(default 4)")
@@ -94,10 +96,12 @@ def check(args) -> tuple[wl.WorkloadConfig, list[int]]:
         raise ValueError(f"--replicas {args.replicas} exceeds --nodes {args.nodes}")
     if args.duration <= 0:
         raise ValueError(f"--duration must be positive, got {args.duration}")
-    if args.max_prefill_tokens is not None and args.max_prefill_tokens < 1:
-        raise ValueError(f"--max-prefill-tokens must be at least 1, got {args.max_prefill_tokens}")
-    if args.max_prefill_tokens is not None and args.coordinators:
-        raise ValueError("--max-prefill-tokens is for the local cluster; start a running cluster's workers with it")
+    for name in ("max_prefill_tokens", "alone_prefill_tokens"):
+        flag, value = f"--{name.replace('_', '-')}", getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+        if value is not None and args.coordinators:
+            raise ValueError(f"{flag} is for the local cluster; start a running cluster's workers with it")
     if args.observability_cost and (args.coordinators or args.gateway or args.metrics or args.plot):
         raise ValueError("--observability-cost starts its own two local clusters: give it without --coordinators, "
                          "--gateway, --metrics and --plot")

@@ -95,7 +95,8 @@ def run(args: argparse.Namespace, config, levels: list[int], tokenizer) -> int:
                 logs / arm, nodes=args.nodes, workers=args.workers, coordinators=2, replicas=args.replicas,
                 model=args.model, kv_dtype=args.kv_dtype, node_capacity=args.node_capacity,
                 worker_kv_cache=args.worker_kv_cache, blas_threads=blas_threads(args),
-                max_prefill_tokens=args.max_prefill_tokens, metrics=arm == "on",
+                max_prefill_tokens=args.max_prefill_tokens, alone_prefill_tokens=args.alone_prefill_tokens,
+                metrics=arm == "on",
                 otlp_endpoint=sink.url if arm == "on" and sink is not None else None,
                 trace_sample_ratio=args.trace_sample_ratio))
         for cluster in clusters.values():
