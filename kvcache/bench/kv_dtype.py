@@ -241,7 +241,8 @@ def goals(r: dict) -> dict:
 
 
 def report(result: dict) -> None:
-    print(f"bench kv-dtype: {result['model']}, {result['text_tokens']} tokens of text, {result['seconds']:.0f} s")
+    text = f"{result['text_tokens']} tokens of text" if result["text_tokens"] is not None else "no perplexity (--skip ppl)"
+    print(f"bench kv-dtype: {result['model']}, {text}, {result['seconds']:.0f} s")
     if result["trace"]:
         t = result["trace"]
         print(f"trace {t['file']}: {t['requests']} requests, {t['distinct_blocks']} distinct blocks of {t['block_tokens']} "

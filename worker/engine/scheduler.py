@@ -115,15 +115,10 @@ class Scheduler:
             preempted |= self._make_room(request, 1, batch)
             if request.status is RequestStatus.RUNNING:
                 self._add_to_batch(batch, request, 1)
-        # Then one prompt, the one with the fewest tokens left to compute (_prefill_order), at most
-        # max_prefill_tokens of it; other prompts join the step only if they finish within join_tokens
-        # more. A mostly cached prompt thus starts at once instead of queueing behind long uncached
-        # ones, and a long prompt is computed in chunks between them. A step with no decode takes
-        # alone_prefill_tokens instead, if the pool has room: no running request waits on it, and
-        # larger chunks compute faster. Only one prompt, because on a CPU a prefill token costs about
-        # the same in any batch: a second prompt's chunk would delay the first one's first token by
-        # its whole cost, while a step of its own costs only the weights' pass
-        # (docs/benchmarks-log.md, "The cluster under load").
+        # Then one prompt, the one with the fewest tokens left (_prefill_order), max_prefill_tokens of
+        # it beside decodes, alone_prefill_tokens in a step without (nobody waits on it; larger chunks
+        # run faster); others join only if they finish within join_tokens more. One, because on a CPU
+        # a second prompt's chunk would delay the first one's first token by its whole cost.
         chunk = self.max_prefill_tokens if batch.requests else self.alone_prefill_tokens
         budget = min(self.max_num_batched_tokens - sum(batch.num_new_tokens), chunk)
         pool_short = False
@@ -350,15 +345,10 @@ class Scheduler:
         return min(pages * self.page_tokens, request.num_tokens - 1)   # the last token is computed
 
     def _admit(self, request: Request, budget: int, fallback: int | None = None) -> int:
-        """Give a waiting request its cached prefix and first chunk: its new tokens; 0 if the pool
-        cannot take it now; _LOOKUP_PENDING while the tier's lookup is in flight (it stays waiting
-        and others go first); _PARKED when remote pages past its local hits are on their way. The
-        chunk is `budget` tokens at most, or `fallback` where the pool lacks room for that chunk or
-        for it and every remote page found.
-
-        The tier is asked about the whole chain, local hits included, so it learns which of our
-        pages it lacks (write_back). No network call is made here: the connector only submits and
-        reports, and a tier that fails counts as a miss."""
+        """Give a waiting request its cached prefix and first chunk (`budget` tokens, `fallback` where
+        the pool lacks room): its new tokens; 0 if the pool cannot take it now; _LOOKUP_PENDING while
+        the tier's lookup is in flight; _PARKED when remote pages past its local hits are on their way.
+        The tier hears of the whole chain, local hits included, so it learns what it lacks (write_back)."""
         P = self.page_tokens
         reusable = request.num_reusable_pages()
         keys = request.page_keys(reusable)
@@ -390,15 +380,11 @@ class Scheduler:
         self.pool.ref(hits)
         request.block_table = list(hits)
         request.num_cached_pages = num_hits
-        # Every full page may be reused, the last one too, but one prompt token is always computed
-        # (its logits give the next token): a prompt whose every page is cached computes its last
-        # token alone, reading its K/V from the cached page and writing nothing there
-        # (ForwardBatch.cached_lens), instead of recomputing its whole last page.
+        # Every full page may be reused, but the last prompt token is always computed (its logits give
+        # the next token), reading its K/V from the cached page and writing nothing there (cached_lens).
         request.num_computed_tokens = min(num_hits * P, request.num_tokens - 1)
         if num_remote:
-            # Parked (WAITING_FOR_REMOTE_KVS) while the connector fetches its pages off the engine's
-            # thread: not scheduled, not preempted, holding a seat; it joins in the first step after
-            # its load ended (_take_finished_loads).
+            # Parked while the connector fetches its pages: holding a seat, not scheduled nor preempted.
             blocks = self.pool.allocate(num_remote)
             request.block_table += blocks
             self.connector.start_load(request, keys[num_hits:num_hits + num_remote], blocks)
