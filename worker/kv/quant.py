@@ -44,58 +44,86 @@ class TokenFormat:
     # ---- encode ---------------------------------------------------------------
 
     def encode(self, x: np.ndarray, out: np.ndarray) -> None:
-        """x [..., hd] float32 -> out [..., nbytes] uint8."""
+        """x [..., hd] float32 -> out [..., nbytes] uint8. A decode step encodes one token a layer, so
+        what counts is the number of NumPy calls: few temporaries, reused in place."""
         hd = x.shape[-1]
-        groups = hd // self.group
+        groups, code_bytes = hd // self.group, hd * self.bits // 8
         xg = x.reshape(*x.shape[:-1], groups, self.group).astype(np.float32, copy=False)
+        halves = out[..., code_bytes:].view(np.float16)   # the groups' scales, then their minimums
         if self.minimum:
-            lo = xg.min(axis=-1, keepdims=True)
-            hi = xg.max(axis=-1, keepdims=True)
-            levels = 2**self.bits - 1
-            lo16 = np.clip(lo, -_FLOAT16_MAX, _FLOAT16_MAX).astype(np.float16)
-            scale16 = np.minimum((hi - lo16.astype(np.float32)) / levels, _FLOAT16_MAX).astype(np.float16)
-            scale = scale16.astype(np.float32)
-            codes = np.rint((xg - lo16.astype(np.float32)) / np.where(scale == 0, 1, scale))
-            codes = np.clip(codes, 0, levels).astype(np.uint8)
-            meta = np.concatenate([scale16[..., 0], lo16[..., 0]], axis=-1)
+            high = np.float32(2**self.bits - 1)
+            lo = np.minimum.reduce(xg, axis=-1)
+            lo16 = np.minimum(np.maximum(lo, -_FLOAT16_MAX, out=lo), _FLOAT16_MAX, out=lo).astype(np.float16)
+            np.copyto(lo, lo16)   # the stored minimum, in float32
+            span = np.maximum.reduce(xg, axis=-1)
+            span -= lo
+            span /= high
+            scale16 = np.minimum(span, _FLOAT16_MAX, out=span).astype(np.float16)
+            halves[..., groups:] = lo16
+            codes, low = xg - lo[..., None], np.float32(0)
         else:
-            qmax = 2 ** (self.bits - 1) - 1
-            scale16 = np.minimum(np.abs(xg).max(axis=-1, keepdims=True) / qmax, _FLOAT16_MAX).astype(np.float16)
-            scale = scale16.astype(np.float32)
-            codes = np.clip(np.rint(xg / np.where(scale == 0, 1, scale)), -qmax, qmax)
-            codes = (codes + (8 if self.bits == 4 else 0)).astype(np.int8).view(np.uint8)  # int4: nibble = code + 8
-            meta = scale16[..., 0]
-        codes = codes.reshape(*x.shape[:-1], hd)
-        code_bytes = hd * self.bits // 8
-        if self.bits == 4:
-            codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
-        out[..., :code_bytes] = codes
-        out[..., code_bytes:] = np.ascontiguousarray(meta).view(np.uint8)
+            high = np.float32(2 ** (self.bits - 1) - 1)
+            amax = np.maximum.reduce(np.abs(xg), axis=-1)
+            amax /= high
+            scale16 = np.minimum(amax, _FLOAT16_MAX, out=amax).astype(np.float16)
+            codes, low = xg.copy(), -high
+        halves[..., :groups] = scale16
+        scale = scale16.astype(np.float32)
+        if np.count_nonzero(scale) < scale.size:
+            scale[scale == 0] = 1   # a zero scale divides by 1
+        codes /= scale[..., None]
+        np.rint(codes, out=codes)
+        np.minimum(np.maximum(codes, low, out=codes), high, out=codes)
+        if self.bits == 8:
+            np.copyto(out[..., :code_bytes].view(np.int8), codes.reshape(*x.shape[:-1], hd), casting="unsafe")
+            return
+        if not self.minimum:
+            codes += 8   # a nibble holds code + 8
+        pairs = codes.reshape(*x.shape[:-1], hd).astype(np.uint8).view(np.uint16)   # (low, high) little-endian
+        np.copyto(out[..., :code_bytes], pairs | (pairs >> 4), casting="unsafe")    # low nibble first
 
     # ---- decode ---------------------------------------------------------------
 
     def decode(self, raw: np.ndarray, out: np.ndarray) -> None:
-        """raw [n, nbytes] uint8 (rows may be strided) -> out [n, hd] float32 (C-contiguous)."""
+        """raw [n, nbytes] uint8 (rows may be strided) -> out [n, hd] float32 (C-contiguous).
+        Every product runs over whole rows: the scales are repeated over their channels first, since
+        NumPy's broadcasting of one scale over a group of 16 or 32 channels costs more than that."""
         n, hd = out.shape
-        groups = hd // self.group
-        code_bytes = hd * self.bits // 8
-        meta = np.ascontiguousarray(raw[:, code_bytes:]).view(np.float16).astype(np.float32)[:, :, None]
-        scale = meta[:, :groups]   # [n, groups, 1]; then the minimums (int4 keys)
-        og = out.reshape(n, groups, self.group)
-        if self.bits == 8:   # a cast, then the scales (one mixed-type multiply ran 3x slower here)
-            np.copyto(og, raw[:, :code_bytes].view(np.int8).reshape(n, groups, self.group))
-        else:                # a byte's two codes at once: a table of float32 pairs seen as 8-byte items
-            lut = _PAIRS_UNSIGNED if self.minimum else _PAIRS_SIGNED
-            np.take(lut, raw[:, :code_bytes], out=out.view(np.uint64), mode="clip")
-        og *= scale
+        groups, code_bytes = hd // self.group, hd * self.bits // 8
+        if raw.strides[-1] != 1:
+            raw = np.ascontiguousarray(raw)
+        flat = out.reshape(-1)
+        if self.bits == 8:   # a cast, then the product: a mixed-type product runs slower
+            np.copyto(out, raw[:, :code_bytes].view(np.int8))
+        else:
+            np.copyto(out, _nibbles(raw[:, :code_bytes], signed=not self.minimum))
+        np.multiply(flat, self._per_channel(raw, code_bytes, groups), out=flat)
         if self.minimum:
-            og += meta[:, groups:]
+            np.add(flat, self._per_channel(raw, code_bytes + 2 * groups, groups), out=flat)
+
+    def _per_channel(self, raw: np.ndarray, start: int, groups: int) -> np.ndarray:
+        """The float16s raw[:, start:start + 2 * groups] as float32, each repeated over its group's channels."""
+        width = 2 * groups
+        bits = np.ascontiguousarray(raw[:, start:start + width].view(f"V{width}")[:, 0])   # one item a row: one copy loop
+        return np.repeat(np.take(_HALF_TO_FLOAT, bits.view(np.uint16), mode="clip"), self.group)
 
 
-# byte -> (low nibble, high nibble) as float32: int4 codes, unsigned (asymmetric) or minus 8 (symmetric)
-_NIBBLES = np.stack([np.arange(256) & 15, np.arange(256) >> 4], axis=1).astype(np.float32)
-_PAIRS_UNSIGNED = np.ascontiguousarray(_NIBBLES).view(np.uint64).reshape(256)
-_PAIRS_SIGNED = np.ascontiguousarray(_NIBBLES - 8).view(np.uint64).reshape(256)
+def _nibbles(packed: np.ndarray, signed: bool) -> np.ndarray:
+    """int4 codes [n, b] (two a byte, low nibble first) -> [n, 2b], one a byte (signed: minus 8, int8).
+    A byte widened to 16 bits and spread is its two nibbles as little-endian bytes."""
+    pairs = packed.astype(np.uint16)
+    np.bitwise_or(pairs, np.left_shift(pairs, _FOUR), out=pairs)
+    np.bitwise_and(pairs, _LOW_NIBBLES, out=pairs)
+    codes = pairs.view(np.uint8)
+    if signed:
+        np.subtract(codes, _EIGHT, out=codes)
+        return codes.view(np.int8)
+    return codes
+
+
+_FOUR, _EIGHT, _LOW_NIBBLES = np.uint16(4), np.uint8(8), np.uint16(0x0F0F)
+# float16 bits -> float32: a table, exactly NumPy's cast (which runs element by element here)
+_HALF_TO_FLOAT = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)
 
 
 @dataclass(frozen=True)
