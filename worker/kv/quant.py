@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 _FLOAT16_MAX = np.float32(65504.0)
+DECODE_ROWS = 8192   # rows TokenFormat.decode converts at a time
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,14 @@ class TokenFormat:
     # ---- decode ---------------------------------------------------------------
 
     def decode(self, raw: np.ndarray, out: np.ndarray) -> None:
-        """raw [n, nbytes] uint8 (rows may be strided) -> out [n, hd] float32 (C-contiguous).
-        Every product runs over whole rows: the scales are repeated over their channels first, since
+        """raw [n, nbytes] uint8 (rows may be strided) -> out [n, hd] float32 (C-contiguous), in slices
+        of DECODE_ROWS: a batch's whole gather at once, with temporaries several times its size, ran
+        out of the caches."""
+        for start in range(0, len(out), DECODE_ROWS):
+            self._decode(raw[start:start + DECODE_ROWS], out[start:start + DECODE_ROWS])
+
+    def _decode(self, raw: np.ndarray, out: np.ndarray) -> None:
+        """Every product runs over whole rows: the scales are repeated over their channels first, since
         NumPy's broadcasting of one scale over a group of 16 or 32 channels costs more than that."""
         n, hd = out.shape
         groups, code_bytes = hd // self.group, hd * self.bits // 8
