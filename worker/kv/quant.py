@@ -104,15 +104,17 @@ class TokenFormat:
             np.copyto(out, raw[:, :code_bytes].view(np.int8))
         else:
             np.copyto(out, _nibbles(raw[:, :code_bytes], signed=not self.minimum))
-        np.multiply(flat, self._per_channel(raw, code_bytes, groups), out=flat)
+        per_channel = self._per_channel(raw[:, code_bytes:], groups)
+        np.multiply(flat, per_channel[0], out=flat)
         if self.minimum:
-            np.add(flat, self._per_channel(raw, code_bytes + 2 * groups, groups), out=flat)
+            np.add(flat, per_channel[1], out=flat)
 
-    def _per_channel(self, raw: np.ndarray, start: int, groups: int) -> np.ndarray:
-        """The float16s raw[:, start:start + 2 * groups] as float32, each repeated over its group's channels."""
-        width = 2 * groups
-        bits = np.ascontiguousarray(raw[:, start:start + width].view(f"V{width}")[:, 0])   # one item a row: one copy loop
-        return np.repeat(np.take(_HALF_TO_FLOAT, bits.view(np.uint16), mode="clip"), self.group)
+    def _per_channel(self, halves: np.ndarray, groups: int) -> np.ndarray:
+        """Rows' float16 scales (then minimums), [n, groups (+ groups)] -> float32 [1 (or 2), n * hd]:
+        each repeated over its group's channels. Copied out one item a row, then one table lookup."""
+        bits = np.ascontiguousarray(halves.view(f"V{2 * groups}").T)   # [scales (, minimums), n]
+        per_group = np.take(_HALF_TO_FLOAT, bits.view(np.uint16), mode="clip")
+        return np.repeat(per_group, self.group).reshape(len(bits), -1)
 
 
 def _nibbles(packed: np.ndarray, signed: bool) -> np.ndarray:
