@@ -58,7 +58,7 @@ def test_encode_decode_through_page_bytes(kv_dtype):
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
 def test_a_tokens_bytes_do_not_depend_on_the_others(kv_dtype):
-    """Computed in one prefill or one at a time, a token is stored alike (quant.py design note 1)."""
+    """Computed in one prefill or one at a time, a token is stored alike (per-token scales: worker/kv/quant.py)."""
     codec = kv_codec(kv_dtype, HEAD_DIM)
     rng = np.random.default_rng(3)
     k, v = keys_like(rng, 20), keys_like(rng, 20)

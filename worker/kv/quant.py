@@ -1,23 +1,20 @@
 """int8 and int4 KV: each token's key and value quantized once, when computed, with their scales.
 
-Design notes
-1. Per token, in groups of channels: a token's K (or V) of one head is split into groups of
-   channels, each with its own float16 scale (and, for int4 keys, its float16 minimum). A token's
-   bytes depend on its own K/V alone, as float16's rounding does: a fetched page is the bytes its
-   writer computed, a page's tokens read the same open or full, and a page computed in one
-   prefill or a token at a time differs only where the forward's floats do; no open page is kept
-   aside. Keys per channel over a page (KIVI) scored better in int4 (0.6% against 2.1% more
-   perplexity, docs/benchmarks-log.md) but a query would then see its own open page otherwise than
-   a later query sees it full, so pages computed in decode and in prefill would differ.
-2. int8: keys and values symmetric, one scale for a head's 64 channels: 66 bytes a token-head,
-   1.94x float16's pages per GiB. int4: keys asymmetric (scale and minimum: a key group's
-   values often share a sign) in groups of 16 channels, values symmetric in groups of 32:
-   48 + 36 bytes a token-head, 3.05x float16's. The grouping is the fingerprint's (the KV dtype's name).
-3. Page layout (layer-major, so the layer-wise fill's bands still hold): [layer, kv_head, token,
-   K bytes then V bytes]; a token's K bytes are its codes (int4: two a byte, low nibble first),
-   then its groups' scales, then (int4 keys) their minimums, float16 little-endian.
-4. Decoding goes into the float32 attention reads: the value a token's code stands for is
-   code * scale (+ minimum) in float32, the same arithmetic everywhere (`round_trip` too).
+Per token, in groups of channels: a token's K (or V) of one head is split into groups of channels,
+each with its own float16 scale (and, for int4 keys, a float16 minimum). A token's bytes then
+depend on its own K/V alone, as float16's rounding does: a fetched page is the bytes its writer
+computed, and a page computed in one prefill or a token at a time is stored alike. (Keys scaled per
+channel over a page, as KIVI does, would let a query see its own open page otherwise than a later
+query sees it full; docs/benchmarks-log.md has the trial.)
+
+int8: keys and values symmetric, one scale per head. int4: keys asymmetric (a key group's values
+often share a sign) in groups of 16 channels, values symmetric in groups of 32. The KV dtype's name
+stands for its grouping in the fingerprint.
+
+Page layout, layer-major so the layer-wise fill's bands still hold: [layer, kv_head, token, K bytes
+then V bytes]; a token's K bytes are its codes (int4: two a byte, low nibble first), then its groups'
+scales, then (int4 keys) their minimums, float16 little-endian. The value a code stands for is
+code * scale (+ minimum) in float32, the same arithmetic everywhere (`round_trip` too).
 """
 
 from __future__ import annotations
@@ -137,7 +134,7 @@ _HALF_TO_FLOAT = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.fl
 
 @dataclass(frozen=True)
 class KVCodec:
-    """A quantized KV dtype for one head size: a token's K then V bytes (design notes 2, 3)."""
+    """A quantized KV dtype for one head size: a token's K then V bytes."""
 
     name: str
     head_dim: int

@@ -6,27 +6,24 @@ kernel, each with an order of its own. The same token then gets other last bits 
 beside other requests, or fetched from a cache that another chunking filled. Here every product is
 cut so that each element is summed in one order, whatever runs it; invariant_check.py checks it at load.
 
-Design notes
-1. Weight products (`Linear`). The packed kernel sums each element as an FMA chain over blocks of
-   the inner dimension K (`k_blocks`: found by calibration, OpenBLAS's own rule) and adds the
-   blocks' chains in order; the small-matrix kernel chains all of K at once, and the
-   matrix-vector kernel (one row) sums otherwise. So a product the small kernel would take is
-   run block by block, the blocks added in the same order, and one row is run as two.
-2. Weights are kept in panels of 64 output columns, [panels, K, 64]: every call has 64 columns (a
-   multiple of the kernels' 16-float vectors, which keeps the small kernel on its chain) and a
-   panel's rows lie 256 bytes apart, which the prefetcher follows: one row then costs what a
-   matrix-vector product costs (a whole-width weight walked that way ran 2x slower). A product of
-   many rows (a prefill chunk) copies the panels back into one [K, N] matrix first: the packed
-   kernel then packs the rows once rather than once a panel (10% of a 512-row product here).
-3. Attention scores q.k run in calls of at most 1,200 query rows x keys, keys a multiple of 16:
-   OpenBLAS's small kernel for q @ k.T then takes every call and sums each score in one order
-   (16 lanes, then the same tree), for a decode step and a prefill chunk alike.
-4. Softmax denominators and the weighted sum of values run over tiles of KEY_TILE keys at fixed
-   positions (0, KEY_TILE, ...): within a tile one chain (a product whose K is the tile) or
-   NumPy's pairwise sum of a fixed length, then the tiles in order. Keys past a query are
-   weighted 0 and add exactly nothing, so the number of keys gathered does not matter.
-5. Everything else a forward does (norms, RoPE, activations, exp) is elementwise or a reduction
-   over one row of fixed length: already invariant; the check at load and the tests hold it.
+Weight products (`Linear`). The packed kernel sums each element as an FMA chain over blocks of
+the inner dimension K (`k_blocks`, found by calibration against OpenBLAS's own rule) and adds the
+blocks' chains in order; the small-matrix kernel chains all of K at once and the matrix-vector
+kernel sums otherwise. So a product the small kernel would take runs block by block, the blocks
+added in the same order, and a single row runs as two.
+
+Weights are kept in panels of 64 output columns, [panels, K, 64]: every call has 64 columns (a
+multiple of the kernels' 16-float vectors, which keeps the small kernel on its chain) and a
+panel's rows lie close together, which the prefetcher follows, so one row costs what a
+matrix-vector product costs. A product of many rows copies the panels back into one [K, N]
+matrix first, so the packed kernel packs the rows once rather than once a panel.
+
+Attention scores q.k run in calls small enough for OpenBLAS's small kernel to take every one,
+with keys a multiple of 16, so each score is summed in one order in decode and prefill alike.
+Softmax denominators and the weighted sum of values run over tiles of KEY_TILE keys at fixed
+positions, each tile one chain, then the tiles in order; keys past a query are weighted 0 and add
+exactly nothing, so the number of keys gathered does not matter. Everything else a forward does
+(norms, RoPE, activations, exp) is elementwise or a reduction over one row of fixed length.
 """
 
 from __future__ import annotations
@@ -43,23 +40,23 @@ from .blas import split_workers
 
 log = logging.getLogger("worker.model")
 
-PANEL = 64                 # output columns per weight panel (note 2)
+PANEL = 64                 # output columns per weight panel
 SMALL_MNK = 1_000_000      # OpenBLAS sends products of up to this many M*N*K to its small kernels
-WIDE_ROWS = 256            # from this many rows a product runs on the whole weight (note 2),
+WIDE_ROWS = 256            # from this many rows a product runs on the whole weight,
 WIDE_MAX = 1 << 22         # if it is no larger than this (floats): not a vocabulary's head
-QK_CALL = 1200             # query rows x keys its small kernel takes for q @ k.T (note 3)
+QK_CALL = 1200             # query rows x keys OpenBLAS's small kernel takes for q @ k.T
 QK_ROWS, QK_KEYS = 16, 64  # a prefill's score tiles
-KEY_TILE = 256             # keys summed as one chain in softmax and values (note 4)
+KEY_TILE = 256             # keys summed as one chain in softmax and values
 _Q_CANDIDATES = (448, 384, 256, 512, 320, 640, 192, 768, 128, 1024, 96, 64)
 _U_CANDIDATES = (16, 8, 4, 32, 2, 1)
 
 
 class InvariantUnavailable(RuntimeError):
-    """The BLAS here does not sum as notes 1-4 need (another library or kernel)."""
+    """The BLAS here does not sum in the orders this module relies on (another library or kernel)."""
 
 
 class Linear:
-    """x @ w with rows independent of each other and of how many there are (notes 1, 2).
+    """x @ w with rows independent of each other and of how many there are.
     `x @ linear` works as for the array; `linear.weight()` gives the [K, N] array back."""
 
     __array_ufunc__ = None  # NumPy defers `x @ linear` to __rmatmul__
@@ -92,7 +89,7 @@ class Linear:
         if x.ndim != 2 or x.shape[1] != K:
             raise ValueError(f"Linear {self.shape} cannot take x of shape {x.shape}")
         M = x.shape[0]
-        if M == 1:  # never the matrix-vector kernel (note 1)
+        if M == 1:  # never the matrix-vector kernel, which sums in another order
             x = np.concatenate([x, x])
         rows = x.shape[0]
         n_panels = self.panels.shape[0]
@@ -111,7 +108,7 @@ class Linear:
 
 
 def _blockwise(x: np.ndarray, panels: np.ndarray, blocks, view: np.ndarray) -> None:
-    """view = sum over K blocks, in order, of each block's product (note 1)."""
+    """view = sum over K blocks, in order, of each block's product: the packed kernel's order."""
     (a, b), rest = blocks[0], blocks[1:]
     np.matmul(x[:, a:b], panels[:, a:b], out=view)
     if rest:
@@ -123,7 +120,7 @@ def _blockwise(x: np.ndarray, panels: np.ndarray, blocks, view: np.ndarray) -> N
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
-_scratch = threading.local()   # each forward's thread its own whole-width weight (note 2)
+_scratch = threading.local()   # each forward's thread its own whole-width weight
 
 
 def _wide(panels: np.ndarray) -> np.ndarray:
@@ -226,7 +223,7 @@ def blas_threads(count: int):
     return _blas_controller().limit(limits=count, user_api="blas")
 
 
-# ----------------------------------------------------------------------------- attention (notes 3, 4)
+# ----------------------------------------------------------------------------- attention
 
 def decode_scores(q: np.ndarray, k: np.ndarray, out: np.ndarray) -> None:
     """q [..., G, hd] (G >= 2) . k [..., L, hd] -> out [..., G, L], in calls of <= QK_CALL rows x keys."""
@@ -256,7 +253,7 @@ def prefill_scores(q: np.ndarray, k: np.ndarray, out: np.ndarray, last: np.ndarr
 
 
 def _scores(q: np.ndarray, k: np.ndarray, out: np.ndarray) -> None:
-    """One call: q @ k.T into out, keys made a multiple of 4 (note 3)."""
+    """One call: q @ k.T into out, keys made a multiple of 4 (the small kernel's own path)."""
     L = k.shape[-2]
     if L % 4:
         padded = np.zeros(k.shape[:-2] + (L + 4 - L % 4, k.shape[-1]), dtype=np.float32)
