@@ -63,8 +63,8 @@ def test_an_altered_page_is_rejected_computed_and_dropped_on_the_node(make_node,
 def test_an_altered_page_in_a_later_batch_keeps_the_batches_before_and_its_own_pages_before_it(
         make_node, kv_dtype, targets, use_data_plane):
     keys = fill.chain_keys(fill.PAGES, b"batches" + kv_dtype.encode())
-    node, pages = fill.stored_node(make_node, kv_dtype, keys)
-    plane = DataPlaneServer(node.store, "127.0.0.1", 0).start() if use_data_plane else None
+    node, pages = fill.stored_node(make_node, kv_dtype, keys, max_keys=3)
+    plane = DataPlaneServer(node.store, "127.0.0.1", 0, max_keys=3).start() if use_data_plane else None
     node.service.data_port = plane.port if plane else 0
     tier = fill.make_tier(kv_dtype, batch_pages=3, min_pages=3)  # batches of 3, 3, 3, 2: all asked at once
     tier.pool[fill.PAGES :] = 0.0

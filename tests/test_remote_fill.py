@@ -190,6 +190,18 @@ def test_a_float16_pool_sends_and_receives_pages_as_the_node_holds_them(make_nod
         tier.close()
 
 
+@pytest.mark.parametrize("pool_dtype,kv_dtype", [(np.float32, "float32"), (np.float16, "float16")])
+def test_a_pool_in_the_wire_dtype_asks_for_as_many_pages_a_request_as_the_node_takes(pool_dtype, kv_dtype):
+    """Pages received straight into their blocks have no cast to overlap: one request per node key
+    limit, whatever fetch_batch_bytes says."""
+    tier = make_tier(kv_dtype, batch_pages=2, min_pages=1, pool_dtype=pool_dtype)
+    try:
+        assert tier.fetcher._batches(11, 256) == [(0, 11)]
+        assert tier.fetcher._batches(11, 4) == [(0, 4), (4, 8), (8, 11)]
+    finally:
+        tier.close()
+
+
 def test_a_float16_pool_takes_no_float32_pages():
     with pytest.raises(ValueError, match="float16 pool cannot hold float32 pages"):
         RemoteTier(np.zeros((2, *BLOCK_SHAPE), dtype=np.float16), "float32")
@@ -224,8 +236,8 @@ def fail_on_batch(tier, address, batch_number):
 @pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
 def test_a_fetch_failing_part_way_counts_only_the_batches_that_arrived(make_node, kv_dtype):
     keys = chain_keys(PAGES, b"partial" + kv_dtype.encode())
-    node, pages = stored_node(make_node, kv_dtype, keys)
-    tier = make_tier(kv_dtype, batch_pages=3, min_pages=3)  # batches of 3, 3, 3, 2
+    node, pages = stored_node(make_node, kv_dtype, keys, max_keys=3)  # a float32 pool's requests: 3, 3, 3, 2 pages
+    tier = make_tier(kv_dtype, batch_pages=3, min_pages=3)  # a float16 fetch's batches: 3, 3, 3, 2
     tier.pool[PAGES:] = 0.0
     try:
         placement = Placement([node.address])
@@ -245,7 +257,7 @@ def test_a_fetch_failing_part_way_counts_only_the_batches_that_arrived(make_node
 @pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
 def test_a_replica_serves_the_rest_after_the_source_fails_part_way(make_node, kv_dtype):
     keys = chain_keys(PAGES, b"replica" + kv_dtype.encode())
-    source, pages = stored_node(make_node, kv_dtype, keys)
+    source, pages = stored_node(make_node, kv_dtype, keys, max_keys=4)
     replica, _ = stored_node(make_node, kv_dtype, keys)
     tier = make_tier(kv_dtype, batch_pages=4, min_pages=1)
     tier.pool[PAGES:] = 0.0

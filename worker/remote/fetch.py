@@ -65,76 +65,99 @@ class PageFetcher:
         self._band_staging = np.empty((0, self.page_bytes), dtype=np.uint8)  # float16 layer-wise fills: grown, kept
 
     def fetch(self, node: Node, keys: Sequence[bytes], block_ids: Sequence[int]) -> tuple[int, NodeError | None]:
-        """Receive batches on the fetch thread, write each into the pool here; (pages written, error or None).
-        Every batch is checked before it is written; with PageRejected the pages before the rejected one
-        were written, those of its own batch too (RemoteTier._reject: why the rest is computed).
+        """Receive `keys` into `block_ids`; (pages written, error or None). Every batch is checked
+        before it is written; with PageRejected the pages before the rejected one were written, those
+        of its own batch too (RemoteTier._reject: why the rest is computed).
 
-        Batches let the transfer and the writing overlap instead of adding up: the fetch thread
-        receives batch i+1 while this one writes batch i. Their requests all go out at once
-        (get_pages_in_batches), so a fetch costs one round trip to the node, not one a batch; two
-        staging buffers take turns, the fetch thread waiting for the one written last."""
+        Pages in the pool's dtype are received straight into their blocks, here, in requests as large
+        as the node takes: nothing is left to overlap, and each batch more cost a round trip or a
+        thread hop that weighed most on the smallest pages. Pages to cast arrive in batches on the
+        fetch thread while this one casts the batch before (see _fetch_staged)."""
         batches = self._batches(len(keys), node.max_keys)
         with self._fetch_lock:
-            if len(batches) == 1:  # nothing to overlap: received here, no thread hop
-                into_pool = self._pool_rows(block_ids, 0, len(keys))
-                rows = into_pool if into_pool is not None else self._staging_rows(0, len(keys))
-                try:
-                    node.client.get_pages_in_batches([keys], lambda _: rows, lambda _: None,
-                                                     timeout=self._fetch_timeout(len(keys)))
-                except PageRejected as exc:  # the pages before it are intact (RemoteTier._reject)
-                    self._land(block_ids[: exc.index], None if into_pool is not None else rows[: exc.index], exc.index)
-                    return exc.index, exc
-                except NodeError as exc:
-                    return 0, exc
-                self._land(block_ids, None if into_pool is not None else rows, len(keys))
-                return len(keys), None
-            landed: queue.SimpleQueue = queue.SimpleQueue()  # batch numbers as they arrive, then None
-            free = [threading.Semaphore(1), threading.Semaphore(1)]  # staging buffer i may be received into
-            abandoned = threading.Event()
+            if self.wire_dtype == self.pool.dtype:
+                return self._fetch_straight(node, keys, block_ids, batches)
+            return self._fetch_staged(node, keys, block_ids, batches)
 
-            def out_for(number: int) -> np.ndarray:
-                start, end = batches[number]
-                into_pool = self._pool_rows(block_ids, start, end)
-                if into_pool is not None:
-                    return into_pool
-                while not free[number % 2].acquire(timeout=0.1):  # until batch number - 2 is written
-                    if abandoned.is_set():
-                        raise NodeError(node.address, grpc.StatusCode.CANCELLED, "the fetch was given up")
-                return self._staging_rows(number % 2, end - start)
+    def _fetch_straight(self, node: Node, keys: Sequence[bytes], block_ids: Sequence[int],
+                        batches: list[tuple[int, int]]) -> tuple[int, NodeError | None]:
+        written = 0
 
-            def receive() -> None:
-                try:
-                    node.client.get_pages_in_batches([keys[start:end] for start, end in batches], out_for,
-                                                     landed.put, timeout=self._fetch_timeout(len(keys)))
-                finally:
-                    landed.put(None)
+        def landed(number: int) -> None:
+            nonlocal written
+            start, end = batches[number]
+            self._land(block_ids[start:end], None, end - start)
+            written = end
 
-            pending = self._receiver.submit(receive)
-            written = 0
+        try:
+            node.client.get_pages_in_batches([keys[start:end] for start, end in batches],
+                                             lambda number: self._pool_rows(block_ids, *batches[number]), landed,
+                                             timeout=self._fetch_timeout(len(keys)))
+        except PageRejected as exc:  # the pages of its batch before it are in their blocks, intact
+            self._land(block_ids[written : exc.index], None, exc.index - written)
+            return exc.index, exc
+        except NodeError as exc:
+            return written, exc
+        return len(keys), None
+
+    def _fetch_staged(self, node: Node, keys: Sequence[bytes], block_ids: Sequence[int],
+                      batches: list[tuple[int, int]]) -> tuple[int, NodeError | None]:
+        """Batches let the transfer and the cast overlap instead of adding up: the fetch thread
+        receives batch i+1 while this one casts batch i. Their requests all go out at once
+        (get_pages_in_batches), so a fetch costs one round trip to the node, not one a batch; two
+        staging buffers take turns, the fetch thread waiting for the one written last."""
+        if len(batches) == 1:  # nothing to overlap: received and cast here, no thread hop
+            rows = self._staging_rows(0, len(keys))
             try:
-                while (number := landed.get()) is not None:
-                    start, end = batches[number]
-                    rows = None if self._pool_rows(block_ids, start, end) is not None else \
-                        self._staging_rows(number % 2, end - start)
-                    self._land(block_ids[start:end], rows, end - start)
-                    if rows is not None:
-                        free[number % 2].release()
-                    written = end
+                node.client.get_pages_in_batches([keys], lambda _: rows, lambda _: None,
+                                                 timeout=self._fetch_timeout(len(keys)))
+            except PageRejected as exc:  # the pages before it are intact (RemoteTier._reject)
+                self._land(block_ids[: exc.index], rows[: exc.index], exc.index)
+                return exc.index, exc
+            except NodeError as exc:
+                return 0, exc
+            self._land(block_ids, rows, len(keys))
+            return len(keys), None
+        landed: queue.SimpleQueue = queue.SimpleQueue()  # batch numbers as they arrive, then None
+        free = [threading.Semaphore(1), threading.Semaphore(1)]  # staging buffer i may be received into
+        abandoned = threading.Event()
+
+        def out_for(number: int) -> np.ndarray:
+            start, end = batches[number]
+            while not free[number % 2].acquire(timeout=0.1):  # until batch number - 2 is written
+                if abandoned.is_set():
+                    raise NodeError(node.address, grpc.StatusCode.CANCELLED, "the fetch was given up")
+            return self._staging_rows(number % 2, end - start)
+
+        def receive() -> None:
+            try:
+                node.client.get_pages_in_batches([keys[start:end] for start, end in batches], out_for,
+                                                 landed.put, timeout=self._fetch_timeout(len(keys)))
             finally:
-                abandoned.set()
-                error = pending.exception()  # the fetch thread lets go of the buffers before anyone reuses them
-            if isinstance(error, PageRejected):  # the pages of its batch before it are intact (RemoteTier._reject)
-                number, (start, end) = next((n, (b, e)) for n, (b, e) in enumerate(batches) if b <= error.index < e)
-                if written != start:
-                    raise AssertionError(f"page {error.index} rejected in batch {number} ({start}..{end}), but "
-                                         f"{written} pages were written before it: batches land in order")
-                rows = None if self._pool_rows(block_ids, start, end) is not None else \
-                    self._staging_rows(number % 2, error.index - start)  # the fetch thread is done with it
-                self._land(block_ids[start : error.index], rows, error.index - start)
-                written = error.index
-            if error is None or isinstance(error, NodeError):
-                return written, error
-            raise error
+                landed.put(None)
+
+        pending = self._receiver.submit(receive)
+        written = 0
+        try:
+            while (number := landed.get()) is not None:
+                start, end = batches[number]
+                self._land(block_ids[start:end], self._staging_rows(number % 2, end - start), end - start)
+                free[number % 2].release()
+                written = end
+        finally:
+            abandoned.set()
+            error = pending.exception()  # the fetch thread lets go of the buffers before anyone reuses them
+        if isinstance(error, PageRejected):  # the pages of its batch before it are intact (RemoteTier._reject)
+            number, (start, end) = next((n, (b, e)) for n, (b, e) in enumerate(batches) if b <= error.index < e)
+            if written != start:
+                raise AssertionError(f"page {error.index} rejected in batch {number} ({start}..{end}), but "
+                                     f"{written} pages were written before it: batches land in order")
+            rows = self._staging_rows(number % 2, error.index - start)  # the fetch thread is done with it
+            self._land(block_ids[start : error.index], rows, error.index - start)
+            written = error.index
+        if error is None or isinstance(error, NodeError):
+            return written, error
+        raise error
 
     def fetch_in_bands(self, node: Node, keys: Sequence[bytes], block_ids: Sequence[int],
                        landed: Callable[[int], None]) -> None:
@@ -178,11 +201,9 @@ class PageFetcher:
         self._count("pages_fetched", count)
         self._count("bytes_fetched", count * self.page_bytes)
 
-    def _pool_rows(self, block_ids: Sequence[int], start: int, end: int) -> np.ndarray | list[np.ndarray] | None:
-        """Pages in the pool's dtype are received straight into their blocks: the blocks' bytes, one
-        array when they are consecutive, else one a block; None for pages that must be cast first."""
-        if self.wire_dtype != self.pool.dtype:
-            return None
+    def _pool_rows(self, block_ids: Sequence[int], start: int, end: int) -> np.ndarray | list[np.ndarray]:
+        """The bytes of blocks block_ids[start:end] of a pool in the wire dtype, to receive pages
+        straight into: one array when the blocks are consecutive, else one a block."""
         count, first = end - start, block_ids[start]
         if list(block_ids[start:end]) == list(range(first, first + count)):
             return self.pool[first : first + count].reshape(count, -1).view(np.uint8)
@@ -192,11 +213,14 @@ class PageFetcher:
         return self._staging[buffer][:count]
 
     def _batches(self, count: int, max_keys: int) -> list[tuple[int, int]]:
-        """(start, end) of each batch: halving sizes, so the last write, which nothing overlaps, is short.
+        """(start, end) of each batch. Pages to cast: halving sizes, so the last cast, which nothing
+        overlaps, is short. Pages received straight into the pool: as many as the node takes.
 
         Each batch is a request of its own: one message more over the data plane, where they share
         a round trip, but ~1 ms apiece over gRPC here, hence few of them.
         """
+        if self.wire_dtype == self.pool.dtype:  # received straight into the blocks: no cast to overlap
+            return [(start, min(start + max_keys, count)) for start in range(0, count, max_keys)]
         most = min(self.fetch_batch_pages, max_keys)
         bounds, start = [], 0
         while start < count:
