@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from kvcache.bench import kv_dtype
 from trace_helpers import write_trace
 
 
@@ -27,7 +28,8 @@ def test_a_short_run_reports_every_dtype_and_part(tmp_path):
     assert report["text_tokens"] == 96
     for row in rows.values():
         assert row["perplexity"] > 1 and 0 <= row["trace_hit_rate"] <= 1
-        assert row["fill_ms"] > 0 and row["prefill_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0
+        assert row["fill_ms"] > 0 and row["fill_socket_ms"] > 0
+        assert row["prefill_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0
     ratios = report["ratios"]
     assert ratios["float32"]["perplexity_vs_float32"] == 0
     assert ratios["int8"]["pages_vs_float16"] >= 1.9 and ratios["int4"]["pages_vs_float16"] >= 3.0
@@ -36,6 +38,22 @@ def test_a_short_run_reports_every_dtype_and_part(tmp_path):
     assert rows["int4"]["trace_hit_rate"] >= rows["float16"]["trace_hit_rate"] >= rows["float32"]["trace_hit_rate"]
     assert set(report["goals"]) >= {"int8_perplexity_within_0.5%", "int4_pages_at_least_3.0x_float16",
                                     "int4_hit_rate_5_points_over_float16"}
+
+
+def test_the_fixed_part_of_a_fill_is_the_intercept_of_a_line_through_float16_and_the_smaller_dtypes():
+    rows = {d: {"page_bytes": b, "fill_ms": 0.5 + b / 100_000} for d, b in
+            (("float32", 800_000), ("float16", 400_000), ("int8", 200_000), ("int4", 100_000))}
+    rows["float32"]["fill_ms"] = 20.0  # above float16's bytes: not in the fit
+    assert kv_dtype.fixed_fill_ms(rows, "fill_ms") == pytest.approx(0.5)
+    assert kv_dtype.fixed_fill_ms({d: rows[d] for d in ("float16", "int4")}, "fill_ms") is None  # two points fit any line
+    for d, row in rows.items():
+        row.update(pages_per_gib=2**30 // row["page_bytes"])
+    ratios = kv_dtype.ratios(rows)
+    assert ratios["int4"]["fill_beyond_fixed_vs_float16"] == pytest.approx(0.25)
+    goals = kv_dtype.goals(ratios)
+    assert goals["int4_fill_beyond_fixed_in_proportion_to_bytes"] and goals["int8_fill_beyond_fixed_in_proportion_to_bytes"]
+    rows["int4"]["fill_ms"] += 1.0  # int4 slower than its bytes: off the line, the goal missed
+    assert not kv_dtype.goals(kv_dtype.ratios(rows))["int4_fill_beyond_fixed_in_proportion_to_bytes"]
 
 
 @pytest.mark.parametrize("option,value", [("--dtypes", "int2"), ("--skip", "everything")])
