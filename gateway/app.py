@@ -84,30 +84,33 @@ def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, o
         call = parse(await read_json(request, max_body_bytes, body_timeout_s))
         await upstream.check_model(call.model, token)
         # The worker reports the prompt's tokens only at the end: with continuous usage the gateway
-        # counts them itself, before the first chunk.
-        prompt_tokens = await tokenizers.prompt_tokens(call.model, call.prompt) if call.continuous_usage else None
+        # counts them itself, before the first chunk (a count per choice, of its prompt).
+        prompt_tokens = None
+        if call.continuous_usage:
+            counts = [await tokenizers.prompt_tokens(call.model, prompt) for prompt in call.prompts]
+            prompt_tokens = [counts[choice // call.n] for choice in range(call.choices)]
         reply = Reply(call.model, chat)
         events = upstream.choices(call, token)
         finished = metrics.finished if metrics is not None else None
 
-        def choice_text() -> ChoiceText:
-            return ChoiceText(chat, call.logprobs, call.echo, call.echo_text)
+        def choice_text(choice: int) -> ChoiceText:
+            return ChoiceText(chat, call.logprobs, call.echo, call.echo_text_of(choice))
 
         if call.stream:
             first = await _unless_disconnected(request, events.__anext__)
-            return StreamingResponse(sse.stream(reply, call.n, first, events, call.include_usage, finished,
-                                                call.return_token_ids, prompt_tokens, choice_text),
+            return StreamingResponse(sse.stream(reply, call.choices, first, events, call.include_usage, finished,
+                                                call.return_token_ids, prompt_tokens, choice_text, call.n),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
         async def collect() -> tuple[list[ChoiceText], dict[int, Finished]]:
-            texts, done = [choice_text() for _ in range(call.n)], {}
+            texts, done = [choice_text(choice) for choice in range(call.choices)], {}
             async with aclosing(events):
                 async for index, event in events:
                     if isinstance(event, Piece):
                         texts[index].piece(event)
                     else:
                         done[index] = event
-                        if len(done) == call.n:
+                        if len(done) == call.choices:
                             return texts, done
             raise ApiError(503, "the cluster ended the stream without a final message")
 
@@ -115,9 +118,9 @@ def create_app(upstream: Upstream, max_body_bytes: int, body_timeout_s: float, o
         if finished is not None:
             for event in done.values():
                 finished(event)
-        wholes = [texts[i].whole() for i in range(call.n)]
+        wholes = [texts[i].whole() for i in range(call.choices)]
         choices = [(text, done[i].finish_reason, logprobs) for i, (text, logprobs) in enumerate(wholes)]
-        return JSONResponse(reply.whole(choices, combined([done[i].usage for i in range(call.n)])))
+        return JSONResponse(reply.whole(choices, combined([done[i].usage for i in range(call.choices)], call.n)))
 
     async def health(request: Request) -> Response:
         token = bearer(request)

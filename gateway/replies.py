@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from base.generation import Usage
 
@@ -42,10 +42,17 @@ def usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def combined(usages: list[Usage]) -> Usage:
-    """The usage of n choices of one prompt, as OpenAI counts it: the prompt once (the first
-    choice's, with where its tokens came from), the completion tokens of all."""
-    return replace(usages[0], completion_tokens=sum(u.completion_tokens for u in usages))
+def combined(usages: list[Usage], n: int = 1) -> Usage:
+    """The usage of a call's choices (n of each prompt, in order), as OpenAI counts it: each prompt
+    once (its first choice's, with where its tokens came from), the completion tokens of all; the
+    time to first token of the slowest prompt."""
+    firsts = usages[::n]
+    return Usage(prompt_tokens=sum(u.prompt_tokens for u in firsts),
+                 cached_tokens_local=sum(u.cached_tokens_local for u in firsts),
+                 cached_tokens_remote=sum(u.cached_tokens_remote for u in firsts),
+                 computed_tokens=sum(u.computed_tokens for u in firsts),
+                 completion_tokens=sum(u.completion_tokens for u in usages),
+                 ttft_ms=max(u.ttft_ms for u in firsts))
 
 
 def model_body(name: str, created: int) -> dict:

@@ -1,34 +1,37 @@
 """The request bodies of /v1/completions and /v1/chat/completions as OpenAI's reference shapes
 them (pydantic models), and what a valid one asks the cluster for (a Call).
 
-Notes
-1. Defaults are OpenAI's, not `kvcache generate`'s: temperature 1 (0 is greedy), max_tokens 16
-   for completions; a chat without max_tokens gets DEFAULT_CHAT_MAX_TOKENS (OpenAI's "up to the
-   context" would tie every such request to the worker's limit).
-2. Unknown fields are ignored, as vLLM does; fields we cannot honour (tools, best_of, suffix,
-   penalties) are refused with a 400 that names them, never ignored.
-3. `prompt_cache_key`, else `user`, becomes the session id: the coordinators place by it, so one
-   user's requests meet the same kvnodes and worker.
-4. `n` choices (at most MAX_CHOICES) are n requests to the cluster, choice i with seed + i when
-   a seed is given (else each sampled on its own; greedy ones are alike).
-5. Extensions vLLM also takes: `top_k` (0 or -1: no cut), `ignore_eos`, and `return_token_ids`
-   (each streamed chunk carries the token ids of its text: a client can send a conversation back
-   as token ids, as the load bench does).
-6. `stream_options.continuous_usage_stats` with `include_usage` (vLLM's): every chunk carries the
-   usage so far. The worker reports the prompt's tokens only at the end, so the gateway counts
-   them itself, with the model's tokenizer (tokenizers.py), before the request starts.
-7. Logprobs (gateway/logprobs.py has their shapes): a chat's `logprobs: true` with `top_logprobs`
-   0..20 (OpenAI's bounds; top_logprobs without logprobs is refused, as OpenAI does); a
-   completion's `logprobs` 0..20, the most likely tokens given beside each (OpenAI's legacy API
-   stops at 5, vLLM at its --max-logprobs, 20 by default: the tools this serves are written against
-   either, and one bound serves both routes) and `echo` (the prompt before the text; with logprobs
-   its tokens' logprobs first, computed by the worker over the whole prompt, no cached prefix
-   reused). `max_tokens: 0` is allowed with echo alone (the prompt's logprobs, as lm-eval's
-   loglikelihood requests may ask).
-8. Types are JSON's, strictly (as OpenAI checks them, not as Python would convert them): "2" is not
-   an integer, 1 not a boolean, 2.0 not a token id; an integer is a float. Every list a client
-   sends is bounded (Bounded), its length checked before its items, and its items' checking stops
-   at the first wrong one: a 4 MiB list of wrong items costs no more than one.
+Defaults are OpenAI's, not `kvcache generate`'s: temperature 1 (0 is greedy), max_tokens 16 for
+completions; a chat without max_tokens gets DEFAULT_CHAT_MAX_TOKENS (OpenAI's "up to the context"
+would tie every such request to the worker's limit). Unknown fields are ignored, as vLLM does;
+fields we cannot honour (tools, best_of, suffix, penalties) are refused with a 400 that names them.
+`prompt_cache_key`, else `user`, becomes the session id: the coordinators place by it, so one
+user's requests meet the same kvnodes and worker.
+
+Choices: a completion may carry several prompts (a list of strings or of token-id lists), and
+each prompt gets `n` choices; every choice is a request to the cluster of its own, choice j of a
+prompt seeded seed + j when a seed is given (else each sampled on its own; greedy ones are alike),
+so a prompt among others gets what it gets alone. Choice index = prompt index x n + j, as OpenAI
+numbers them.
+
+Extensions vLLM also takes: `top_k` (0 or -1: no cut), `ignore_eos`, `return_token_ids` (each
+streamed chunk carries the token ids of its text: a client can send a conversation back as token
+ids, as the load bench does) and `stream_options.continuous_usage_stats` with `include_usage`
+(every chunk carries the usage so far; the worker reports the prompt's tokens only at the end, so
+the gateway counts them itself with the model's tokenizer, tokenizers.py, before it starts).
+
+Logprobs (gateway/logprobs.py has their shapes): a chat's `logprobs: true` with `top_logprobs`
+0..20 (OpenAI's bounds; top_logprobs without logprobs is refused, as OpenAI does); a completion's
+`logprobs` 0..20 (OpenAI's legacy API stops at 5, vLLM at its --max-logprobs, 20 by default: one
+bound serves the tools written against either) and `echo` (the prompt before the text; with
+logprobs its tokens' logprobs first, computed by the worker over the whole prompt, no cached
+prefix reused). `max_tokens: 0` is allowed with echo alone (the prompt's logprobs, as lm-eval's
+loglikelihood requests may ask).
+
+Types are JSON's, strictly (as OpenAI checks them, not as Python would convert them): "2" is not an
+integer, 1 not a boolean, 2.0 not a token id; an integer is a float. Every list a client sends is
+bounded (Bounded), its length checked before its items, and its items' checking stops at the first
+wrong one: a 4 MiB list of wrong items costs no more than one.
 """
 
 from __future__ import annotations
@@ -46,18 +49,20 @@ MAX_LOGPROBS = 20  # the worker's bound too (worker/engine/logprobs.py)
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 512
 MAX_STOP = 4
-MAX_CHOICES = 8
+MAX_CHOICES = 8           # n
+MAX_PROMPTS = 64          # a completion's prompts; with n, at most MAX_REQUESTS choices in all
+MAX_REQUESTS = 64         # requests to the cluster one call makes (each prompt's n choices)
 MAX_SESSION_CHARS = 256
 MAX_STOP_CHARS = 256      # the worker's bound on one stop string (worker/engine/sampling.py)
 MAX_MESSAGES = 1024       # the worker's bound on a chat (worker/model/chat.py)
 MAX_CONTENT_PARTS = 1024
 MAX_TOKEN_IDS = 2**17     # a prompt's or /detokenize's ids: beyond any context served
 _U32 = 2**32 - 1
-_STRICT = ConfigDict(extra="ignore", strict=True)   # note 8
+_STRICT = ConfigDict(extra="ignore", strict=True)   # JSON's types, not Python's conversions
 
 
 def Bounded(item, max_items: int):
-    """A list of at most max_items, refused at the first wrong item (note 8)."""
+    """A list of at most max_items, refused at the first wrong item."""
     return Annotated[list[item], Field(max_length=max_items, fail_fast=True)]
 
 
@@ -68,7 +73,7 @@ TokenIds = Bounded(TokenId, MAX_TOKEN_IDS)
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
-    continuous_usage_stats: bool = False   # vLLM's: with include_usage, usage so far on every chunk (note 6)
+    continuous_usage_stats: bool = False   # vLLM's: with include_usage, usage so far on every chunk
 
 
 class TextPart(BaseModel):
@@ -89,7 +94,7 @@ Messages = Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES,
 class _Common(BaseModel):
     model_config = _STRICT
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0, le=_U32)   # 0 only for a completion's echo (note 7)
+    max_tokens: int | None = Field(None, ge=0, le=_U32)   # 0 only for a completion's echo
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=_U32)
@@ -108,7 +113,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, Bounded(str, MAX_TOKEN_IDS), TokenIds, Bounded(TokenIds, MAX_TOKEN_IDS)]
+    prompt: Union[str, Bounded(str, MAX_PROMPTS), TokenIds, Bounded(TokenIds, MAX_PROMPTS)]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
     echo: bool | None = None
     best_of: int | None = None
@@ -126,20 +131,35 @@ class ChatRequest(_Common):
 
 @dataclass
 class Call:
-    """What one request asks the cluster: generate(prompt, session_id, **options)."""
+    """What one request asks the cluster: generate(prompt, session_id, **options) for each choice."""
 
     model: str
-    prompt: object                      # text, token ids or chat messages
+    prompts: list                       # each a text, token ids or chat messages (a chat has one)
     session_id: str
     options: dict = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
-    continuous_usage: bool = False      # usage so far on every chunk (note 6)
+    continuous_usage: bool = False      # usage so far on every chunk
     return_token_ids: bool = False
-    n: int = 1                          # choices: n requests (note 4)
-    logprobs: int | None = None         # the top-k count of each token's logprobs; None: no logprobs (note 7)
-    echo: bool = False                  # a completion's prompt before its text (note 7)
-    echo_text: str | None = None        # a text prompt's own text, to echo; None: the worker's reading of ids
+    n: int = 1                          # choices of each prompt
+    logprobs: int | None = None         # the top-k count of each token's logprobs; None: no logprobs
+    echo: bool = False                  # a completion's prompt before its text
+    echo_texts: list = field(default_factory=list)  # per prompt: its text to echo; None: the worker's reading of ids
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def prompt_of(self, choice: int):
+        return self.prompts[choice // self.n]
+
+    def echo_text_of(self, choice: int) -> str | None:
+        return self.echo_texts[choice // self.n] if self.echo_texts else None
+
+    def options_of(self, choice: int) -> dict:
+        """Choice j of a prompt is seeded seed + j (a seeded prompt gets what it gets alone)."""
+        seed = self.options["seed"]
+        return {**self.options, "seed": None if seed is None else (seed + choice % self.n) % 2**64}
 
 
 def parse_completion(body: object) -> Call:
@@ -150,10 +170,10 @@ def parse_completion(body: object) -> Call:
     if request.max_tokens == 0 and not echo:
         raise bad_request("max_tokens: 0 is only for echo (the prompt alone, with its logprobs); give at least 1",
                           param="max_tokens")
-    prompt = _one_prompt(request.prompt)
-    call = _call(request, prompt, DEFAULT_COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens)
+    prompts = _prompts(request.prompt)
+    call = _call(request, prompts, DEFAULT_COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens)
     call.logprobs, call.echo = request.logprobs, echo
-    call.echo_text = prompt if echo and isinstance(prompt, str) else None
+    call.echo_texts = [prompt if echo and isinstance(prompt, str) else None for prompt in prompts]
     call.options.update(echo=echo, logprobs=request.logprobs,
                         prompt_logprobs=request.logprobs if echo else None)
     return call
@@ -166,7 +186,7 @@ def parse_chat(body: object) -> Call:
     max_tokens = request.max_completion_tokens or request.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs: needs logprobs: true", param="top_logprobs")
-    call = _call(request, messages, max_tokens)
+    call = _call(request, [messages], max_tokens)
     if request.logprobs:
         call.logprobs = request.top_logprobs or 0
         call.options["logprobs"] = call.logprobs
@@ -193,7 +213,7 @@ def validate(model: type[BaseModel], body: object) -> BaseModel:
 _MEMBER = re.compile(r"[\[\]-]|^(str|int|float|bool|none|list|dict|object)$|^[A-Z]")
 # What a field of several shapes takes, said when a value is none of them (by the field's name).
 _SHAPES = {
-    "prompt": "text, a list of token ids (integers from 0 to 2**32 - 1), or a list of one of them",
+    "prompt": "text, a list of token ids (integers from 0 to 2**32 - 1), or a list of prompts (texts, or lists of token ids)",
     "stop": f"a string or a list of up to {MAX_STOP} strings, each of at most {MAX_STOP_CHARS} characters",
     "content": "a string, a list of text parts ({\"type\": \"text\", \"text\": ...}) or null",
 }
@@ -257,7 +277,7 @@ def json_kind(value: object) -> str:
     return "an array" if isinstance(value, list) else "an object"
 
 
-def _call(request: _Common, prompt: object, max_tokens: int) -> Call:
+def _call(request: _Common, prompts: list, max_tokens: int) -> Call:
     refuse_if(request.presence_penalty, "presence_penalty")
     refuse_if(request.frequency_penalty, "frequency_penalty")
     if request.stream_options is not None and not request.stream:
@@ -275,23 +295,29 @@ def _call(request: _Common, prompt: object, max_tokens: int) -> Call:
         stop=stop,
         ignore_eos=request.ignore_eos,
     )
-    return Call(model=request.model, prompt=prompt, session_id=request.prompt_cache_key or request.user or "",
+    n = request.n or 1
+    if len(prompts) * n > MAX_REQUESTS:
+        raise bad_request(f"n: {len(prompts)} prompts of {n} choices each are {len(prompts) * n} requests; at most "
+                          f"{MAX_REQUESTS} in one call: send fewer prompts or choices per call", param="n")
+    return Call(model=request.model, prompts=prompts, session_id=request.prompt_cache_key or request.user or "",
                 options=options, stream=bool(request.stream),
                 include_usage=include_usage,
                 continuous_usage=include_usage and request.stream_options.continuous_usage_stats,
-                return_token_ids=request.return_token_ids, n=request.n or 1)
+                return_token_ids=request.return_token_ids, n=n)
 
 
-def _one_prompt(prompt) -> str | list[int]:
+def _prompts(prompt) -> list[str | list[int]]:
+    """A completion's prompts: a text, token ids, or a list of either (several prompts)."""
     if isinstance(prompt, str):
-        return prompt
+        return [prompt]
     if not prompt:
         raise bad_request("prompt: is empty", param="prompt")
     if all(isinstance(p, int) for p in prompt):
-        return list(prompt)
-    if len(prompt) == 1:
-        return _one_prompt(prompt[0])
-    raise bad_request(f"prompt: one prompt per request is supported, got {len(prompt)}", param="prompt")
+        return [list(prompt)]
+    for i, p in enumerate(prompt):
+        if not p and not isinstance(p, str):
+            raise bad_request(f"prompt[{i}]: is an empty list of token ids", param="prompt")
+    return [p if isinstance(p, str) else list(p) for p in prompt]
 
 
 def _text(content) -> str:

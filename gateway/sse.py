@@ -25,28 +25,29 @@ def event(body: dict) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def stream(reply: Reply, n: int, first: tuple[int, Piece | Finished], events: AsyncIterator,
+async def stream(reply: Reply, count: int, first: tuple[int, Piece | Finished], events: AsyncIterator,
                  include_usage: bool, on_finish=None, token_ids: bool = False,
-                 prompt_tokens: int | None = None, choice_text=None) -> AsyncIterator[bytes]:
-    """The events of one response of n choices; `events` gives (choice index, event) pairs. Leaving
-    early (the client went away, or took nothing for the gateway's --send-timeout and was dropped)
-    closes `events`, which cancels the requests on their workers, with one log line.
-    `on_finish(finished)` runs as each choice's final event is sent. `prompt_tokens`: given, each
-    chunk carries usage so far (continuous usage stats). `choice_text()`: a new choice's ChoiceText
-    (gateway/logprobs.py: its echo and logprobs), by default text alone."""
-    texts = [(choice_text or (lambda: ChoiceText(reply.chat, None)))() for _ in range(n)]
+                 prompt_tokens: list[int] | None = None, choice_text=None, n: int = 1) -> AsyncIterator[bytes]:
+    """The events of one response of `count` choices (n of each prompt); `events` gives (choice
+    index, event) pairs. Leaving early (the client went away, or took nothing for the gateway's
+    --send-timeout and was dropped) closes `events`, which cancels the requests on their workers,
+    with one log line. `on_finish(finished)` runs as each choice's final event is sent.
+    `prompt_tokens`: given (one count a choice), each chunk carries usage so far (continuous usage
+    stats). `choice_text(i)`: choice i's ChoiceText (gateway/logprobs.py: its echo and logprobs),
+    by default text alone."""
+    texts = [(choice_text or (lambda _: ChoiceText(reply.chat, None)))(i) for i in range(count)]
     tokens = 0
-    made = [0] * n   # tokens each choice has made so far
+    made = [0] * count   # tokens each choice has made so far
     finished: dict[int, Finished] = {}
 
     def so_far(i: int) -> dict | None:
-        return None if prompt_tokens is None else usage_so_far(prompt_tokens, made[i])
+        return None if prompt_tokens is None else usage_so_far(prompt_tokens[i], made[i])
 
     async with aclosing(events):
         index, current = first
         try:
             if reply.chat:
-                for i in range(n):
+                for i in range(count):
                     yield event(reply.chunk(role=True, with_usage_field=include_usage, index=i, usage=so_far(i)))
             while True:
                 if isinstance(current, Finished):
@@ -57,9 +58,9 @@ async def stream(reply: Reply, n: int, first: tuple[int, Piece | Finished], even
                                             usage_so_far(final.prompt_tokens, final.completion_tokens)))
                     if on_finish is not None:
                         on_finish(current)
-                    if len(finished) == n:
+                    if len(finished) == count:
                         if include_usage:
-                            yield event(reply.usage_chunk(combined([finished[i].usage for i in range(n)])))
+                            yield event(reply.usage_chunk(combined([finished[i].usage for i in range(count)], n)))
                         break
                 else:
                     # Every token is sent as it comes, also one whose text is still empty (a character
@@ -74,7 +75,7 @@ async def stream(reply: Reply, n: int, first: tuple[int, Piece | Finished], even
         except ApiError as exc:   # the status line is sent already: the error goes in the stream, as vLLM does
             yield event(exc.body())
         except (GeneratorExit, asyncio.CancelledError):   # closed while sending, or while waiting for a token
-            if len(finished) < n:
+            if len(finished) < count:
                 log.info("%s: the client went away or stopped reading after %d tokens: cancelled on its worker",
                          reply.id, tokens)
             raise

@@ -2,18 +2,17 @@
 and nothing else. Its calls run on the gateway's own event loop (grpc.aio): a request's tokens go
 from the gRPC stream to the HTTP response with no thread between them.
 
-Notes
-1. Models are the names the live workers registered (ClusterStatus), asked again at most every
-   MODELS_TTL_S seconds, and at once for a name not seen yet (a worker that just joined).
-2. At most `max_streams` requests run at once; one more is refused with 429 before anything is
-   sent to the cluster.
-3. A request whose client goes away is cancelled: leaving `events` early cancels its gRPC call,
-   the coordinator cancels the worker's, and the worker frees the request's blocks.
-4. The caller's key (`Authorization: Bearer`) goes to the coordinators with each of its calls;
-   they check it, so the gateway keeps no tokens file. Models are cached per key (a bounded
-   number of keys), so a caller without a valid key never sees another's answer.
-5. The client is made by `open()` on the running loop (grpc.aio's channels belong to one loop),
-   from the gateway's startup, and closed by `close()` at its shutdown.
+Models are the names the live workers registered (ClusterStatus), asked again at most every
+MODELS_TTL_S seconds, and at once for a name not seen yet (a worker that just joined). At most
+`max_streams` requests run at once; one more is refused with 429 before anything is sent to the
+cluster. A request whose client goes away is cancelled: leaving `events` early cancels its gRPC
+call, the coordinator cancels the worker's, and the worker frees the request's blocks.
+
+The caller's key (`Authorization: Bearer`) goes to the coordinators with each of its calls; they
+check it, so the gateway keeps no tokens file. Models are cached per key (a bounded number of
+keys), so a caller without a valid key never sees another's answer. The client is made by
+`open()` on the running loop (grpc.aio's channels belong to one loop), from the gateway's startup,
+and closed by `close()` at its shutdown.
 """
 
 from __future__ import annotations
@@ -23,14 +22,13 @@ import logging
 import time
 from collections import OrderedDict
 from contextlib import aclosing
-from dataclasses import replace
 from typing import AsyncIterator, Awaitable, Callable
 
 from base.generation import Finished, Piece
 from base.log_limits import CountedEvent
 from coordinator.aio_client import AsyncClient, ClusterError
 from coordinator.client import TlsMismatch
-from gateway.errors import ApiError, from_cluster, shown
+from gateway.errors import ApiError, bad_request, from_cluster, shown
 from gateway.shapes import Call
 
 log = logging.getLogger("gateway")
@@ -47,7 +45,7 @@ class Upstream:
         self.max_streams = max_streams
         self.running = 0
         self._first_seen: dict[str, int] = {}                  # model name -> first seen (unix seconds)
-        self._models: OrderedDict[str | None, tuple[float, dict[str, int]]] = OrderedDict()  # by key (note 4)
+        self._models: OrderedDict[str | None, tuple[float, dict[str, int]]] = OrderedDict()  # by key
         self.started = int(time.time())
         self._mismatches = CountedEvent()  # a TLS mismatch with the coordinators (security.tls_mismatch)
 
@@ -83,26 +81,28 @@ class Upstream:
                            param="model", code="model_not_found")
 
     def choices(self, call: Call, token: str | None = None) -> AsyncIterator[tuple[int, Piece | Finished]]:
-        """(choice index, event) of each of the call's n choices, as they come; one request to the
-        cluster per choice, choice i seeded seed + i when the call has a seed (shapes note 4)."""
-        if call.n == 1:
-            return _numbered(self.events(call, token))
-        if self.running + call.n > self.max_streams:
+        """(choice index, event) of each of the call's choices, as they come; one request to the
+        cluster per choice (Call.options_of: its seed)."""
+        if call.choices == 1:
+            return _numbered(self.events(call, 0, token))
+        if call.choices > self.max_streams:   # never served, however long one waits
+            raise bad_request(f"n: {call.choices} choices are as many requests, and this gateway runs at most "
+                              f"{self.max_streams} at once (--max-streams): send fewer prompts or choices per call",
+                              param="n")
+        if self.running + call.choices > self.max_streams:
             raise ApiError(429, f"the gateway is serving {self.running} of its limit of {self.max_streams} requests; "
-                                f"{call.n} choices need as many: retry shortly", code="too_many_requests")
-        seed = call.options["seed"]
-        return _merged([self.events(replace(call, options={**call.options,
-                                                           "seed": None if seed is None else (seed + i) % 2**64}),
-                                    token) for i in range(call.n)])
+                                f"{call.choices} choices need as many: retry shortly", code="too_many_requests")
+        return _merged([self.events(call, choice, token) for choice in range(call.choices)])
 
-    async def events(self, call: Call, token: str | None = None) -> AsyncIterator[Piece | Finished]:
-        """The request's events; ApiError for a refusal. Leaving the loop early cancels the request."""
+    async def events(self, call: Call, choice: int = 0, token: str | None = None) -> AsyncIterator[Piece | Finished]:
+        """Choice `choice`'s events; ApiError for a refusal. Leaving the loop early cancels the request."""
         if self.running >= self.max_streams:
             raise ApiError(429, f"the gateway is serving its limit of {self.max_streams} requests: retry shortly",
                            code="too_many_requests")
         self.running += 1
+        prompt = call.prompt_of(choice)
         try:
-            stream = self.client.generate(call.prompt, session_id=call.session_id, token=token, **call.options)
+            stream = self.client.generate(prompt, session_id=call.session_id, token=token, **call.options_of(choice))
             async with aclosing(stream):
                 while True:
                     event = await self._refusals(anext(stream, None), token)
@@ -112,13 +112,13 @@ class Upstream:
                     if isinstance(event, Finished):
                         return
         except ValueError as exc:   # generate_request refuses what protobuf cannot hold
-            raise ApiError(400, str(exc), param=_param_of(str(exc), call)) from None
+            raise ApiError(400, str(exc), param=_param_of(str(exc), prompt)) from None
         except ApiError as exc:
             if exc.status == 400 and exc.param is None:
-                exc.param = _param_of(exc.message, call)
+                exc.param = _param_of(exc.message, prompt)
             raise
         finally:
-            self.running -= 1   # leaving early closed the stream, which cancelled the call (note 3)
+            self.running -= 1   # leaving early closed the stream, which cancelled the call on its worker
 
     async def _refusals(self, pending: Awaitable, token: str | None):
         """pending's result, the cluster's refusals as ApiErrors (`token`: the caller's key, if any)."""
@@ -138,11 +138,11 @@ _PARAMS = (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p
            ("the prompt", "prompt"), ("prompt", "prompt"))
 
 
-def _param_of(message: str, call: Call) -> str | None:
+def _param_of(message: str, prompt: object) -> str | None:
     """The request field a refusal of the cluster is about, when its message says it; a chat's
     prompt is its messages."""
     param = next((param for start, param in _PARAMS if message.startswith(start)), None)
-    is_chat = isinstance(call.prompt, list) and bool(call.prompt) and isinstance(call.prompt[0], dict)
+    is_chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
     return "messages" if param == "prompt" and is_chat else param
 
 

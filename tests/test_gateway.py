@@ -210,7 +210,7 @@ def test_bad_parameters_are_bad_requests(api, model, bad):
 
 @pytest.mark.parametrize("body", [
     b"{not json", b"[]", b'"a string"', b"{}", b'{"model": "x"}', b'{"model": 5, "prompt": "a"}',
-    b'{"model": "M", "prompt": ""}', b'{"model": "M", "prompt": []}', b'{"model": "M", "prompt": [[1], [2]]}',
+    b'{"model": "M", "prompt": ""}', b'{"model": "M", "prompt": []}', b'{"model": "M", "prompt": [[1], []]}',
     b'{"model": "M", "prompt": [-1]}', b'{"model": "M", "prompt": "a", "seed": 1e400}',
     b'{"model": "M", "prompt": "a", "temperature": NaN}', b'{"model": "M", "prompt": "a", "max_tokens": "many"}',
     b"[" * 100_000 + b"]" * 100_000, b"\xff\xfe garbage",
@@ -329,6 +329,8 @@ def test_a_saturated_gateway_answers_429_and_one_without_a_cluster_503(cluster, 
             assert raised.value.response.headers["retry-after"] == "1"
         finally:
             holding.close()
+        with pytest.raises(openai.BadRequestError, match="runs at most 1 at once"):   # never servable: not a 429
+            api.completions.create(model=model, prompt=["Me", "too"], max_tokens=2)
     with Daemon("gateway", [*args, "--coordinators", "127.0.0.1:1"], log_path=tmp_path / "alone.log") as alone, \
             openai_client(alone.address) as api:
         with pytest.raises(openai.APIStatusError) as raised:

@@ -114,8 +114,9 @@ COMPLETION_REFUSALS = [
     ({"prompt": [299, 300, 5000]}, "prompt", "token ids must be in [0, 300)"),   # the vocabulary: the worker's
     ({"prompt": {"text": "a"}}, "prompt", "got an object"),
     ({"prompt": None}, "prompt", "got null"),
-    ({"prompt": ["a", "b", "c"]}, "prompt", "one prompt per request"),
-    ({"prompt": [[1], [2]]}, "prompt", "one prompt per request"),
+    ({"prompt": ["a"] * 65}, "prompt", "has 65 items; at most 64"),
+    ({"prompt": [[1], []]}, "prompt", "prompt[1]: is an empty list of token ids"),
+    ({"prompt": ["a", [1]]}, "prompt", "a list of prompts (texts, or lists of token ids)"),
     ({"prompt": ""}, "prompt", "empty"),
     ({"prompt": [1] * 5000}, "prompt", "5000 tokens"),
     ({"prompt": "x" * 200_000}, "prompt", "200000 characters"),

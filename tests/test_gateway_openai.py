@@ -79,7 +79,17 @@ SHAPES = [
     ("/v1/completions", {**TEXT, "logprobs": 1, "echo": True, "stream": True,
                          "stream_options": {"include_usage": True}}),
     ("/v1/completions", {**TEXT, "echo": True, "stream": True}),
+    # several prompts: each prompt's n choices, numbered prompt x n + j
+    ("/v1/completions", {**TEXT, "prompt": ["Rye, spelt and", "Oats"], "n": 2, "temperature": 1, "seed": 1}),
+    ("/v1/completions", {**TEXT, "prompt": [[5, 17], [42]], "stream": True, "stream_options": CONTINUOUS}),
+    ("/v1/completions", {**TEXT, "prompt": ["Rye", "Oats"], "logprobs": 1, "echo": True}),
 ]
+
+
+def choices_of(body: dict) -> int:
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and not isinstance(prompt[0], int)
+    return body.get("n", 1) * (len(prompt) if several else 1)
 
 
 @pytest.mark.parametrize("path, body", SHAPES)
@@ -91,18 +101,20 @@ def test_every_reply_and_chunk_is_in_openais_schema(gateway, model, path, body):
     if path == "/v1/chat/completions" and not body.get("stream"):
         assert all(c["message"]["refusal"] is None for c in bodies[0]["choices"])
     if "stream_options" in body:
-        assert bodies[-1]["choices"] == [] and bodies[-1]["usage"]["completion_tokens"] == 4 * body.get("n", 1)
+        assert bodies[-1]["choices"] == [] and bodies[-1]["usage"]["completion_tokens"] == 4 * choices_of(body)
     logprobs = [c["logprobs"] for b in bodies for c in b["choices"]]
     if body.get("logprobs") is None:
         assert logprobs == [None] * len(logprobs)
     elif path == "/v1/chat/completions":
         items = [item for lp in logprobs if lp for item in lp["content"]]
-        assert len(items) == 4 * body.get("n", 1) and all(len(i["top_logprobs"]) == body.get("top_logprobs", 0)
+        assert len(items) == 4 * choices_of(body) and all(len(i["top_logprobs"]) == body.get("top_logprobs", 0)
                                                            for i in items)
     else:
-        tokens = [t for lp in logprobs if lp for t in lp["token_logprobs"]]
-        assert (tokens[0] is None) == bool(body.get("echo"))
-        assert len(tokens) > body["max_tokens"] if body.get("echo") else len(tokens) == body["max_tokens"]
+        per_choice = [lp["token_logprobs"] for lp in logprobs if lp] if not body.get("stream") else \
+            [[t for lp in logprobs if lp for t in lp["token_logprobs"]]]   # a stream's single choice
+        for tokens in per_choice:
+            assert (tokens[0] is None) == bool(body.get("echo"))
+            assert len(tokens) > body["max_tokens"] if body.get("echo") else len(tokens) == body["max_tokens"]
 
 
 @pytest.mark.parametrize("path, body, status", [
@@ -182,6 +194,32 @@ def test_continuous_usage_counts_each_choice_and_needs_include_usage(api, model)
     alone = list(api.completions.create(model=model, prompt="Rye", max_tokens=2, stream=True,
                                         stream_options={"continuous_usage_stats": True}))
     assert all(c.usage is None for c in alone)   # as vLLM: only with include_usage
+
+
+def test_several_prompts_get_each_what_it_gets_alone_numbered_prompt_by_prompt(api, model):
+    """OpenAI's batch of prompts: choice prompt x n + j is choice j of that prompt alone (the same
+    seeds), whole or streamed; usage counts each prompt once and every choice's tokens."""
+    prompts, same = ["Rye, spelt and", "Four loaves", "Oats"], dict(max_tokens=4, temperature=1, seed=9, n=2,
+                                                                     extra_body={"ignore_eos": True})
+    reply = api.completions.create(model=model, prompt=prompts, **same)
+    alone = [api.completions.create(model=model, prompt=prompt, **same) for prompt in prompts]
+    assert [c.index for c in reply.choices] == list(range(6))
+    assert [c.text for c in reply.choices] == [c.text for a in alone for c in a.choices]
+    assert reply.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert reply.usage.completion_tokens == 24
+    texts, usages = [""] * 6, []
+    for chunk in api.completions.create(model=model, prompt=prompts, stream=True,
+                                        stream_options={"include_usage": True}, **same):
+        usages += [chunk.usage] if chunk.usage else []
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in reply.choices] and [u.completion_tokens for u in usages] == [24]
+    ids = api.completions.create(model=model, prompt=[[5, 17, 42], [7, 8]], max_tokens=3, temperature=0)
+    assert [c.text for c in ids.choices] == [api.completions.create(model=model, prompt=p, max_tokens=3,
+                                                                    temperature=0).choices[0].text
+                                             for p in ([5, 17, 42], [7, 8])]
+    echoed = api.completions.create(model=model, prompt=["Rye", "Oats"], max_tokens=2, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith("Rye") and echoed.choices[1].text.startswith("Oats")
 
 
 def test_continuous_usage_of_text_needs_the_tokenizer_and_says_so(served, model, tmp_path):

@@ -4,8 +4,8 @@ and what is refused with a 400 that names the parameter."""
 import pytest
 
 from gateway.errors import ApiError
-from gateway.shapes import (DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, MAX_CHOICES, parse_chat,
-                            parse_completion)
+from gateway.shapes import (DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, MAX_CHOICES, MAX_PROMPTS,
+                            parse_chat, parse_completion)
 
 
 def test_openai_defaults():
@@ -17,15 +17,18 @@ def test_openai_defaults():
 
 
 def test_prompt_forms_and_chat_content():
-    assert parse_completion({"model": "m", "prompt": ["Hi"]}).prompt == "Hi"
-    assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).prompt == [1, 2, 3]
-    assert parse_completion({"model": "m", "prompt": [[4, 5]]}).prompt == [4, 5]
+    assert parse_completion({"model": "m", "prompt": "Hi"}).prompts == ["Hi"]
+    assert parse_completion({"model": "m", "prompt": ["Hi"]}).prompts == ["Hi"]
+    assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).prompts == [[1, 2, 3]]
+    assert parse_completion({"model": "m", "prompt": [[4, 5]]}).prompts == [[4, 5]]
+    assert parse_completion({"model": "m", "prompt": ["Hi", "there"]}).prompts == ["Hi", "there"]
+    assert parse_completion({"model": "m", "prompt": [[4, 5], [6]]}).prompts == [[4, 5], [6]]
     chat = parse_chat({"model": "m", "max_completion_tokens": 7, "max_tokens": 9, "messages": [
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": None}]})
-    assert chat.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"},
-                           {"role": "assistant", "content": ""}]
+    assert chat.prompts == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"},
+                             {"role": "assistant", "content": ""}]]
     assert chat.options["max_tokens"] == 7
 
 
@@ -42,7 +45,9 @@ def test_session_stop_seed_and_stream_options():
     ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"logprobs": True}, "logprobs"),
     ({"logprobs": "2"}, "logprobs"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 0, "echo": False}, "max_tokens"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"temperature": 2.5}, "temperature"),
-    ({"top_p": 1.5}, "top_p"), ({"stop": [""]}, "stop"), ({"user": "u" * 300}, "user"), ({"prompt": [[1], [2]]}, "prompt"),
+    ({"top_p": 1.5}, "top_p"), ({"stop": [""]}, "stop"), ({"user": "u" * 300}, "user"), ({"prompt": [[1], []]}, "prompt"),
+    ({"prompt": ["a"] * (MAX_PROMPTS + 1)}, "prompt"), ({"prompt": ["a", [1]]}, "prompt"),
+    ({"prompt": ["a"] * 9, "n": 8}, "n"),
     ({"prompt": [2**32]}, "prompt"), ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_refusals_name_the_parameter(extra, param):
@@ -86,6 +91,18 @@ def test_logprobs_and_echo_ask_the_worker_for_them():
     assert plain.logprobs == 0 and plain.options["logprobs"] == 0 and plain.options["prompt_logprobs"] is None
     scored = parse_completion({"model": "m", "prompt": [[5, 6, 7]], "logprobs": 1, "echo": True, "max_tokens": 0})
     assert scored.options["max_tokens"] == 0 and scored.options["echo"] and scored.options["prompt_logprobs"] == 1
-    assert scored.echo and scored.echo_text is None   # token ids: the worker's reading of them is echoed
+    assert scored.echo and scored.echo_texts == [None]   # token ids: the worker's reading of them is echoed
     echoed = parse_completion({"model": "m", "prompt": "Rye", "echo": True})
-    assert echoed.echo_text == "Rye" and echoed.logprobs is None and echoed.options["prompt_logprobs"] is None
+    assert echoed.echo_texts == ["Rye"] and echoed.logprobs is None and echoed.options["prompt_logprobs"] is None
+    both = parse_completion({"model": "m", "prompt": ["Rye", "Oat"], "echo": True})
+    assert both.echo_texts == ["Rye", "Oat"]
+
+
+def test_each_prompts_choices_are_numbered_after_the_prompts_before_and_seeded_as_alone():
+    call = parse_completion({"model": "m", "prompt": ["a", "b", "c"], "n": 2, "seed": 10})
+    assert call.choices == 6
+    assert [call.prompt_of(i) for i in range(6)] == ["a", "a", "b", "b", "c", "c"]
+    assert [call.options_of(i)["seed"] for i in range(6)] == [10, 11, 10, 11, 10, 11]
+    alone = parse_completion({"model": "m", "prompt": "b", "n": 2, "seed": 10})
+    assert [alone.options_of(i) for i in range(2)] == [call.options_of(2), call.options_of(3)]
+    assert parse_completion({"model": "m", "prompt": ["a"] * MAX_PROMPTS}).choices == MAX_PROMPTS
