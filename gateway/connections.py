@@ -1,22 +1,23 @@
 """The gateway's connections, in front of uvicorn's HTTP protocol: each must send a request's
 headers within a time, and on an HTTPS port a plain HTTP request gets a 400 saying to use https://.
 
-Notes
-1. uvicorn times nothing out before a connection's first request, nor a request's headers
-   arriving a byte at a time: such connections were held forever, and its connection limit
-   (the gateway's --max-streams * 2 + 16) let a few hundred of them refuse everyone with 503. So
-   a connection that has not sent a whole request head within `header_timeout_s` of opening, or
-   of its previous response's end, is closed. Between requests uvicorn's keep-alive timeout
-   (5 s) closes an idle one; a body is bounded by the app (gateway/bodies.py, 408).
-2. HTTPS: uvicorn given a certificate lets asyncio run TLS on every connection, and a plain HTTP
-   request fails the handshake with no answer (curl: "Empty reply from server"). Here the guard
-   reads the connection's first bytes: a TLS record (0x16, a handshake) hands the connection to
-   asyncio's TLS layer (its SSLProtocol, fed those bytes first: loop.start_tls cannot take bytes
-   read already, and uvloop reads before a new connection's protocol can pause it), anything else
-   is read as plain HTTP and answered 400 in OpenAI's error shape, then closed.
-3. The guard stays between the transport and uvicorn's protocol to see where request heads end.
-   Whether uvicorn is between requests is read from its protocol's `cycle` (its current
-   request, None before the first); a uvicorn without it gets the first request's bound alone.
+Request heads in time: uvicorn times nothing out before a connection's first request, nor a
+request's headers arriving a byte at a time: such connections were held forever, and its
+connection limit (the gateway's --max-streams * 2 + 16) let a few hundred of them refuse everyone
+with 503. So a connection that has not sent a whole request head within `header_timeout_s` of
+opening, or of its previous response's end, is closed. Between requests uvicorn's keep-alive timeout
+(5 s) closes an idle one; a body is bounded by the app (gateway/bodies.py, 408).
+
+HTTPS or plain HTTP: uvicorn given a certificate lets asyncio run TLS on every connection, and a
+plain HTTP request fails the handshake with no answer (curl: "Empty reply from server"). Here the
+guard reads the connection's first bytes: a TLS record (0x16, a handshake) hands the connection to
+asyncio's TLS layer (its SSLProtocol, fed those bytes first: loop.start_tls cannot take bytes
+read already, and uvloop reads before a new connection's protocol can pause it), anything else
+is read as plain HTTP and answered 400 in OpenAI's error shape, then closed.
+
+Between requests: the guard stays between the transport and uvicorn's protocol to see where
+request heads end. Whether uvicorn is between requests is read from its protocol's `cycle` (its current
+request, None before the first); a uvicorn without it gets the first request's bound alone.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class _Guard(asyncio.Protocol):
             self._attach(transport)
 
     def data_received(self, data: bytes) -> None:
-        if not self.attached:   # HTTPS: the connection's first bytes (note 2)
+        if not self.attached:   # HTTPS: the connection's first bytes tell TLS from plain HTTP
             self._https_or_plain(data)
             return
         self._watch(data)
@@ -107,7 +108,7 @@ class _Guard(asyncio.Protocol):
         if self.attached:
             self.inner.resume_writing()
 
-    # ---- request heads in time (note 1) ------------------------------------------------------------
+    # ---- request heads in time ------------------------------------------------------------
 
     def _arm(self) -> None:
         self.tail = b""
@@ -138,7 +139,7 @@ class _Guard(asyncio.Protocol):
                      count, self.header_timeout_s)
         self.raw.abort()
 
-    # ---- HTTPS or plain HTTP (note 2) ------------------------------------------------------------
+    # ---- HTTPS or plain HTTP ------------------------------------------------------------
 
     def _https_or_plain(self, first: bytes) -> None:
         if first[0] == _TLS_HANDSHAKE:
@@ -237,6 +238,6 @@ class LimitedWarnings(logging.Filter):
 
 
 def _between_requests(inner: asyncio.Protocol) -> bool:
-    """uvicorn's protocol has answered its last request and waits for the next (note 3)."""
+    """uvicorn's protocol has answered its last request and waits for the next (read from its `cycle`)."""
     cycle = getattr(inner, "cycle", False)
     return cycle is not False and cycle is not None and cycle.response_complete

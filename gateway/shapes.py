@@ -213,7 +213,8 @@ def validate(model: type[BaseModel], body: object) -> BaseModel:
 _MEMBER = re.compile(r"[\[\]-]|^(str|int|float|bool|none|list|dict|object)$|^[A-Z]")
 # What a field of several shapes takes, said when a value is none of them (by the field's name).
 _SHAPES = {
-    "prompt": "text, a list of token ids (integers from 0 to 2**32 - 1), or a list of prompts (texts, or lists of token ids)",
+    "prompt": "text, a list of token ids (integers from 0 to 2**32 - 1), or a list of prompts "
+              "(texts, or lists of token ids)",
     "stop": f"a string or a list of up to {MAX_STOP} strings, each of at most {MAX_STOP_CHARS} characters",
     "content": "a string, a list of text parts ({\"type\": \"text\", \"text\": ...}) or null",
 }

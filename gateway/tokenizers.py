@@ -2,20 +2,22 @@
 /tokenizer_info (tokenize.py), and for the prompt's token count that continuous usage needs
 before the worker reports it.
 
-Notes
-1. A model's name is the one its workers report, as worker.model.load_model names it: a preset's
-   or named model's own name, a GGUF file's stem, a folder's name. The gateway loads a model's
-   tokenizer by that name when it can as it is (a preset, a named model, a GGUF file or a folder
-   at that path), else from a --tokenizer source (the workers' --model, whose name is derived the
-   same way: served_name). A model it cannot load is answered 404.
-2. Loaded on first use, in a thread (a GGUF's vocabulary takes seconds to read), once per model
-   however many requests ask at once; at most MAX_LOADED are kept, the least recently used goes.
-3. Token ids are the worker's: text is encoded as the worker encodes a prompt (with the special
-   tokens the tokenizer adds), a chat rendered with the model's template as the worker renders it
-   (worker.model: the same template, bos and eos strings), then encoded without them
-   (Model.chat_token_ids). So a count here is usage's prompt_tokens for the same prompt.
-4. worker.model is imported at first use, not with the gateway: it brings numpy and the model
-   code, which a gateway whose callers never tokenize has no use for.
+A model's name is the one its workers report, as worker.model.load_model names it: a preset's
+or named model's own name, a GGUF file's stem, a folder's name. The gateway loads a model's
+tokenizer by that name when it can as it is (a preset, a named model, a GGUF file or a folder
+at that path), else from a --tokenizer source (the workers' --model, whose name is derived the
+same way: served_name). A model it cannot load is answered 404.
+
+Loaded on first use, in a thread (a GGUF's vocabulary takes seconds to read), once per model
+however many requests ask at once; at most MAX_LOADED are kept, the least recently used goes.
+
+Token ids are the worker's: text is encoded as the worker encodes a prompt (with the special
+tokens the tokenizer adds), a chat rendered with the model's template as the worker renders it
+(worker.model: the same template, bos and eos strings), then encoded without them
+(Model.chat_token_ids). So a count here is usage's prompt_tokens for the same prompt.
+
+worker.model is imported at first use, not with the gateway: it brings numpy and the model
+code, which a gateway whose callers never tokenize has no use for.
 """
 
 from __future__ import annotations
@@ -122,15 +124,15 @@ def load(source: str) -> ModelTokenizer:
 
 class Tokenizers:
     def __init__(self, sources: Sequence[str] = (), max_loaded: int = MAX_LOADED):
-        """`sources`: --tokenizer's, where to load the models named after them from (note 1)."""
+        """`sources`: --tokenizer's, where to load the models named after them from."""
         self._given = list(sources)
-        self._sources: dict[str, str] | None = None   # by served name, at first use (note 4)
+        self._sources: dict[str, str] | None = None   # by served name, at first use
         self._loaded: OrderedDict[str, ModelTokenizer] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}   # one per model ever asked for: the cluster's models bound it
         self.max_loaded = max_loaded
 
     def source(self, name: str) -> str | None:
-        """Where `name`'s tokenizer is loaded from; None when the gateway cannot load it (note 1)."""
+        """Where `name`'s tokenizer is loaded from; None when the gateway cannot load it."""
         if self._sources is None:
             self._sources = {served_name(source): source for source in self._given}
         if name in self._sources:
@@ -140,7 +142,7 @@ class Tokenizers:
         return None
 
     async def get(self, name: str) -> ModelTokenizer:
-        """`name`'s tokenizer, loaded at its first use (note 2); ApiError 404 when it cannot be."""
+        """`name`'s tokenizer, loaded at its first use, in a thread, once; ApiError 404 when it cannot be."""
         loaded = self._loaded.get(name)
         if loaded is not None:
             self._loaded.move_to_end(name)
