@@ -147,6 +147,25 @@ def test_tls_and_token_files_are_read_at_start_and_a_bad_one_is_named(tmp_path, 
         Settings.from_extra_config({"kvnodes": ["n:1"], "token_file": str(tmp_path / "nonexistent")})
 
 
+def test_token_file_takes_the_run_directorys_tokens_file_as_clients_do(tmp_path):
+    """`cluster up --secure` writes RUN_DIR/tokens (TENANT TOKEN lines): its `default` tenant is the
+    clients', another is picked with `tenant`; a bare token works as before."""
+    run_tokens = tmp_path / "tokens"
+    run_tokens.write_text("# written by cluster up\ndefault default-t0k-0123456789 shared\nteam-a team-a-t0k-0123456789\n")
+
+    def read(**extra):
+        return Settings.from_extra_config({"kvnodes": ["n:1"], "token_file": str(run_tokens), **extra}).client_token()
+    assert read() == "default-t0k-0123456789" and read(tenant="team-a") == "team-a-t0k-0123456789"
+    with pytest.raises(SettingsError, match="token_file .* names no tenant 'team-b'; it names default, team-a"):
+        read(tenant="team-b")
+    with pytest.raises(SettingsError, match="tenant picks a tenant of a tokens file: give that file as token_file"):
+        Settings.from_extra_config({"kvnodes": ["n:1"], "token": "t", "tenant": "team-a"})
+    bare = tmp_path / "bare"
+    bare.write_text("only-t0k\n")
+    with pytest.raises(SettingsError, match="holds a token alone, not tenants: tenant has none to pick"):
+        Settings.from_extra_config({"kvnodes": ["n:1"], "token_file": str(bare), "tenant": "team-a"})
+
+
 # ---- the save plan --------------------------------------------------------------------------------
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from base import security
+from base import security, tokens
 
 
 class SettingsError(ValueError):
@@ -20,7 +20,8 @@ class Settings:
     kvnodes: tuple[str, ...] = ()        # or a fixed list of kvnodes, no coordinator
     replicas: int = 0                    # kvnodes a sequence's blocks are saved to; 0: the coordinators' setting
     token: str = ""                      # a client token, when the cluster runs secure
-    token_file: str = ""                 # or a file holding it
+    token_file: str = ""                 # or a file holding it alone, or a tokens file (the run directory's `tokens`)
+    tenant: str = ""                     # whose token in such a tokens file (default: its only one, else `default`)
     tls_ca: str = ""                     # mutual TLS: the cluster's CA ...
     tls_cert: str = ""                   # ... and a worker's certificate and key (kvnodes take pages from workers)
     tls_key: str = ""
@@ -91,9 +92,12 @@ class Settings:
             raise SettingsError(f"tls_ca, tls_cert, tls_key: {str(exc).replace('--tls-', 'tls_')}") from None
 
     def client_token(self) -> str | None:
+        """As a client's --token-file and --tenant read it (base/tokens.py), the messages naming these keys."""
+        if self.tenant and not self.token_file:
+            raise SettingsError("tenant picks a tenant of a tokens file: give that file as token_file")
         if self.token_file:
             try:
-                return Path(self.token_file).read_text().strip() or None
-            except OSError as exc:
-                raise SettingsError(f"token_file {self.token_file}: {exc.strerror}") from None
+                return tokens.client_token(self.token_file, self.tenant or None)
+            except ValueError as exc:
+                raise SettingsError(str(exc).replace("--token-file", "token_file").replace("--tenant", "tenant")) from None
         return self.token or None
