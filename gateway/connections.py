@@ -39,7 +39,7 @@ _HEAD_END = b"\r\n\r\n"
 _PLAIN_HEAD_MAX = 64 * 1024  # what is read of a plain HTTP request before its 400
 
 
-def guarded(inner: type[asyncio.Protocol], header_timeout_s: float, tls: ssl.SSLContext | None = None) -> type:
+def guarded(inner: type[asyncio.Protocol], header_timeout_s: float, tls: "ServingCertificate | None" = None) -> type:
     """A protocol class for uvicorn.Config(http=...): `inner` (uvicorn's) behind the guard."""
     slow, plain = CountedEvent(), CountedEvent()
 
@@ -49,6 +49,19 @@ def guarded(inner: type[asyncio.Protocol], header_timeout_s: float, tls: ssl.SSL
                              header_timeout_s, tls, slow, plain)
 
     return Guard
+
+
+class ServingCertificate:
+    """The HTTPS certificate each new connection is served with; reload() re-reads the files (the
+    daemon's SIGHUP): new connections get them, open ones keep theirs. Raises as tls_context does,
+    the old certificate staying."""
+
+    def __init__(self, cert: str, key: str):
+        self.cert, self.key = cert, key
+        self.context = tls_context(cert, key)
+
+    def reload(self) -> None:
+        self.context = tls_context(self.cert, self.key)
 
 
 def tls_context(cert: str, key: str) -> ssl.SSLContext:
@@ -61,7 +74,7 @@ def tls_context(cert: str, key: str) -> ssl.SSLContext:
 
 class _Guard(asyncio.Protocol):
     def __init__(self, inner: asyncio.Protocol, loop: asyncio.AbstractEventLoop, header_timeout_s: float,
-                 tls: ssl.SSLContext | None, slow: CountedEvent, plain: CountedEvent):
+                 tls: ServingCertificate | None, slow: CountedEvent, plain: CountedEvent):
         self.inner = inner
         self.loop = loop
         self.header_timeout_s = header_timeout_s
@@ -145,7 +158,7 @@ class _Guard(asyncio.Protocol):
         if first[0] == _TLS_HANDSHAKE:
             # The TLS layer takes the connection, these bytes first, and opens the guard (_attach)
             # once the handshake is done, as loop.start_tls would but for the bytes read already.
-            layer = sslproto.SSLProtocol(self.loop, self, self.tls, None, server_side=True,
+            layer = sslproto.SSLProtocol(self.loop, self, self.tls.context, None, server_side=True,
                                          ssl_handshake_timeout=self.header_timeout_s)
             self.raw.set_protocol(layer)
             layer.connection_made(self.raw)
