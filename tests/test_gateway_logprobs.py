@@ -165,8 +165,8 @@ def lm_eval_loglikelihood(model, context: str, continuation: str) -> float:
 
 def test_lm_eval_scores_a_multiple_choice_task_through_the_gateway(gateway, model, tmp_path):
     """lm-eval's local-completions model with its remote tokenizer (/tokenizer_info, /tokenize): each
-    choice's loglikelihood is a completions request with echo and logprobs; they are the engine's,
-    and its accuracy is what they make of the task."""
+    choice's loglikelihood is a prompt of a completions request with echo and logprobs (four prompts
+    a request); they are the engine's, and its accuracy is what they make of the task."""
     try:
         import lm_eval  # noqa: F401
     except ImportError:
@@ -182,7 +182,7 @@ def test_lm_eval_scores_a_multiple_choice_task_through_the_gateway(gateway, mode
                   f"num_concurrent=1,max_retries=1,timeout=60")
     command = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", model_args,
                "--tasks", "kvcache_bread", "--include_path", str(tasks), "--output_path", str(tmp_path / "out"),
-               "--log_samples"]
+               "--log_samples", "--batch_size", "4"]   # several prompts a request (OpenAI's list of prompts)
     try:
         run = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=LM_EVAL_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:   # subprocess.run killed it, by its own pid
