@@ -1,7 +1,7 @@
 """`kvcache bench remote` across hosts: the kvnode on one network namespace, the bench on another,
 and (unless --direct) the harness's delaying TCP proxy on a third, in front of both the node's
 gRPC and data ports; the node advertises the proxy's host, so its Info sends the data plane
-through the proxy too (tests/netns_helpers.py: PROXY; this kernel has no netem).
+through the proxy too (tests/netns_programs.py: PROXY; this kernel has no netem).
 
 As root, from the repository:
 
@@ -23,7 +23,8 @@ import tempfile
 from pathlib import Path
 
 from kvcache.model_pages import model_page_bytes
-from netns_helpers import PROXY, Hosts, first_line, why_no_namespaces
+from netns_helpers import Hosts, first_line, why_no_namespaces
+from netns_programs import PROXY
 
 NODE_PORT, DATA_PORT = 50051, 50052
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from netns_helpers import CLIENT, LOAD, Hosts, members, started, starter, wait_until, why_no_namespaces
+from netns_helpers import Hosts, members, started, starter, wait_until, why_no_namespaces
+from netns_programs import CLIENT, LOAD
 
 _NO_NAMESPACES = why_no_namespaces()
 pytestmark = pytest.mark.skipif(_NO_NAMESPACES is not None, reason=f"multi-host tests: {_NO_NAMESPACES}")

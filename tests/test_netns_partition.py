@@ -14,8 +14,8 @@ import time
 import pytest
 
 from netns_bench import bench_remote_across_hosts, summary
-from netns_helpers import (CLIENT, Hosts, answers, epoch, first_line, members, started, starter, wait_until,
-                           why_no_namespaces)
+from netns_helpers import Hosts, answers, epoch, first_line, members, started, starter, wait_until, why_no_namespaces
+from netns_programs import CLIENT
 
 _NO_NAMESPACES = why_no_namespaces()
 pytestmark = pytest.mark.skipif(_NO_NAMESPACES is not None, reason=f"multi-host tests: {_NO_NAMESPACES}")
