@@ -1,6 +1,6 @@
-"""What the data plane tests share: keys and pages, a raw connection, and the check that a bad
-peer left the node unharmed. Their fixtures (plane, seeded, no_kvnode_errors_logged) are in
-conftest.py."""
+"""What the data plane tests share: keys and pages, raw requests and their replies, and the check
+that a bad peer left the node unharmed. Their fixtures (plane, seeded, no_kvnode_errors_logged) are
+in conftest.py."""
 
 from __future__ import annotations
 
@@ -55,3 +55,42 @@ def put_head(keys, parents, page_bytes: int = NODE_PAGE_BYTES, data: bytes = b""
     rows = [data[i * page_bytes : (i + 1) * page_bytes] for i in range(len(keys))] if data else []
     sums = [page_checksum(k, row) for k, row in zip(keys, rows)] if rows else [bytes(16)] * len(keys)
     return dw.put_request_head(keys, parents, sums, page_bytes)
+
+
+def read_exactly(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(data)} of {size} bytes")
+        data += chunk
+    return bytes(data)
+
+
+def read_reply(sock: socket.socket) -> tuple[grpc.StatusCode, str, bytes]:
+    code, message_bytes, payload = dw.parse_reply_header(read_exactly(sock, dw.REPLY.size))
+    message = read_exactly(sock, message_bytes).decode("utf-8")
+    return code, message, read_exactly(sock, payload)
+
+
+def closed_by_node(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def expect_refusal(plane, request: bytes, code: grpc.StatusCode, *fragments: str) -> str:
+    with raw_connection(plane) as sock:
+        sock.sendall(request)
+        got, message, payload = read_reply(sock)
+        assert got == code, message
+        assert payload == b""
+        for fragment in fragments:
+            assert fragment in message, message
+        assert closed_by_node(sock)
+        return message
+
+
+def put_request(keys, parents, data: bytes, page_bytes: int = NODE_PAGE_BYTES) -> bytes:
+    return put_head(keys, parents, page_bytes, data) + data

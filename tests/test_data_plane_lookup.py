@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from cluster_helpers import NODE_CAPACITY_PAGES, wait_for
-from data_plane_helpers import GOOD, INVALID, MAX_KEYS, assert_unharmed, pages, raw_connection
+from data_plane_helpers import (GOOD, INVALID, MAX_KEYS, assert_unharmed, closed_by_node, pages, raw_connection,
+                                read_reply)
 from kvnode.wire import data_frames as dw
 from kvnode.client import NodeError
 from kvnode.store.types import LeaseRefused
 from store_helpers import key
-from test_data_plane import closed_by_node, read_reply
 
 pytestmark = pytest.mark.usefixtures("no_kvnode_errors_logged")
 
