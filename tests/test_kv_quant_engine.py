@@ -9,34 +9,15 @@ import logging
 import numpy as np
 import pytest
 
-from cluster_helpers import data_plane_nodes
-from worker.engine.engine import Engine
-from worker.model import ForwardBatch, kv_block_shape, load_model
+from remote_tier_helpers import GPT2_AND_LLAMA, PAGE_TOKENS, PARAMS, PROMPT, SHARED, engine
+from remote_tier_helpers import models, node  # noqa: F401 - fixtures, asked for by name
+from worker.model import ForwardBatch, kv_block_shape
 from worker.model.dense import reference_logits
-from worker.model.testing import llama_config, random_model
 from worker.kv.quant import storage_dtype
 from worker.remote.tier import Placement, RemoteTier
 
-PAGE_TOKENS = 16
-SHARED = "You are a helpful assistant. Answer briefly, and cite what you read. " * 2  # 8 full pages and more
-PROMPT = SHARED + "What does a kvnode store?"
-PARAMS = dict(max_new_tokens=12, ignore_eos=True)
 KV_DTYPES = ["float32", "float16", "int8", "int4"]
-
-MODELS = {
-    "tiny": lambda: load_model("tiny"),   # GPT-2, 64-wide heads
-    "llama-gqa": lambda: random_model(llama_config(n_layers=3, max_positions=512), seed=4),   # 16-wide heads
-}
-
-
-@pytest.fixture(scope="module")
-def models():
-    return {name: make() for name, make in MODELS.items()}
-
-
-def engine(model, kv_dtype):
-    return Engine(model, kv_dtype=kv_dtype, num_blocks=96, page_tokens=PAGE_TOKENS, max_num_batched_tokens=256,
-                  seed=0)
+MODELS = GPT2_AND_LLAMA
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
@@ -53,13 +34,6 @@ def test_paged_attention_over_a_quantized_pool_reads_what_the_reference_reads(mo
     # layer's output can move a later layer's K/V across a quantization step (seen: 6e-4 on tiny).
     np.testing.assert_allclose(logits, reference_logits(model, ids, kv_dtype), atol=2e-3, rtol=0)
     assert np.abs(logits - reference_logits(model, ids, "float32")).max() > 1e-2   # the KV really was quantized
-
-
-@pytest.fixture
-def node():
-    """A kvnode with a data plane, of the page size asked for."""
-    with data_plane_nodes(64) as make:
-        yield make
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)

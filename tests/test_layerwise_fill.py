@@ -14,36 +14,18 @@ import pytest
 
 from kvnode.client import NodeError
 from kvnode.data_plane.server import DataPlaneServer
-from kvnode.store.page_store import PageStore
-from cluster_helpers import serve_node
-from worker.engine.engine import Engine
-from worker.model import load_model
-from worker.model.testing import gpt2_config, llama_config, random_model
+from remote_tier_helpers import GPT2_AND_LLAMA, PAGE_TOKENS, PARAMS, PROMPT, SHARED, engine
+from remote_tier_helpers import models, node  # noqa: F401 - fixtures, asked for by name
+from worker.model.testing import gpt2_config, random_model
 from worker.kv.pages import page_keys, tenant_root
 from worker.remote.tier import Placement, RemoteTier
 
-PAGE_TOKENS = 16
-SHARED = "You are a helpful assistant. Answer briefly, and cite what you read. " * 2  # 8 full pages and more
-PROMPT = SHARED + "What does a kvnode store?"
-PARAMS = dict(max_new_tokens=12, ignore_eos=True)
-
 MODELS = {
-    "tiny": lambda: load_model("tiny"),
+    **GPT2_AND_LLAMA,
     # gpt2-small-shape's 12 layers and heads, small widths: a band per layer of a GPT-2 page
     "gpt2-12-layers": lambda: random_model(gpt2_config(n_layers=12, n_heads=12, n_kv_heads=12, d_model=192,
                                                       head_dim=16, d_ff=384, max_positions=512), seed=3),
-    "llama-gqa": lambda: random_model(llama_config(n_layers=3, max_positions=512), seed=4),
 }
-
-
-@pytest.fixture(scope="module")
-def models():
-    return {name: make() for name, make in MODELS.items()}
-
-
-def engine(model, kv_dtype):
-    return Engine(model, kv_dtype=kv_dtype, num_blocks=96, page_tokens=PAGE_TOKENS, max_num_batched_tokens=256,
-                  seed=0)
 
 
 class SlowLayers:
@@ -68,26 +50,6 @@ class SlowLayers:
             return tier_fill(keys, block_ids, placement, slow)
 
         tier.fill_layerwise = fill_layerwise
-
-
-@pytest.fixture
-def node():
-    """A kvnode with a data plane (pages come in bands) serving any page size."""
-    stores = {}
-
-    def make(page_bytes):
-        store = PageStore(64, page_bytes)
-        stack = serve_node(store, max_keys=64)
-        node = stack.__enter__()
-        plane = DataPlaneServer(store, "127.0.0.1", 0, max_keys=64).start()
-        node.service.data_port = plane.port
-        stores[node.address] = (stack, plane)
-        return node
-
-    yield make
-    for stack, plane in stores.values():
-        plane.stop()
-        stack.__exit__(None, None, None)
 
 
 def written(model, kv_dtype, node_factory):
