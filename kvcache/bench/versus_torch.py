@@ -98,7 +98,9 @@ def torch_model(name: str, config):
     import torch
     import transformers
 
-    tensors = checkpoint_tensors(name)
+    from worker.model import load_model_tensors
+
+    tensors = load_model_tensors(name)
     c = config
     if c.arch == "gpt2":
         hf = transformers.GPT2Config(vocab_size=c.vocab_size, n_positions=c.max_positions, n_embd=c.d_model,
@@ -124,23 +126,6 @@ def torch_model(name: str, config):
     if c.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
-
-
-def checkpoint_tensors(name: str) -> dict[str, np.ndarray]:
-    from pathlib import Path
-
-    from worker.model.checkpoint import ARCH_MODULES, load_checkpoint
-    from worker.model.config import PRESET_SEEDS, PRESETS
-    from worker.model.gguf_file import read_gguf
-    from worker.model.init import random_tensors
-    from worker.model.named import NAMED_GGUF, named_gguf_path
-
-    if name in PRESETS:
-        c = PRESETS[name]
-        return random_tensors(ARCH_MODULES[c.arch].tensor_shapes(c), c, PRESET_SEEDS[name])
-    if name in NAMED_GGUF or name.lower().endswith(".gguf"):
-        return read_gguf(named_gguf_path(name) if name in NAMED_GGUF else Path(name)).tensors
-    return load_checkpoint(Path(name))[1]
 
 
 class TorchSide:

@@ -31,8 +31,9 @@ from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger("worker.model")
 
-__all__ = ["load_model", "load_model_tokenizer", "read_model_config", "Model", "ForwardBatch", "ModelConfig",
-           "CheckpointError", "ChatError", "KV_DTYPES", "page_bytes_of", "kv_block_shape", "kv_token_bytes"]
+__all__ = ["load_model", "load_model_tensors", "load_model_tokenizer", "read_model_config", "Model", "ForwardBatch",
+           "ModelConfig", "CheckpointError", "ChatError", "KV_DTYPES", "page_bytes_of", "kv_block_shape",
+           "kv_token_bytes"]
 
 # Batch- and chunk-invariant numerics unless a model is loaded with invariant=False
 # (worker/model/invariant.py; README, "Numerics").
@@ -145,19 +146,26 @@ def load_model(name_or_path: str, invariant: bool | None = None) -> Model:
     Hugging Face checkpoint folder; `invariant` as for Model."""
     if name_or_path in PRESETS:
         config = PRESETS[name_or_path]
-        shapes = ARCH_MODULES[config.arch].tensor_shapes(config)
-        tensors = random_tensors(shapes, config, PRESET_SEEDS[name_or_path])
+        tensors = _preset_tensors(name_or_path)
         return Model(name_or_path, config, tensors, ByteTokenizer(config.eos_token_id), invariant=invariant)
     gguf_path = _gguf_path(name_or_path)
     if gguf_path is not None:
         return _load_gguf(gguf_path, name_or_path if name_or_path in NAMED_GGUF else gguf_path.stem, invariant)
-    folder = Path(name_or_path)
-    if not folder.exists():
-        raise CheckpointError(f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}), a named model "
-                              f"({', '.join(NAMED_GGUF)}), a .gguf file nor an existing folder")
+    folder = _checkpoint_folder(name_or_path)
     config, tensors = load_checkpoint(folder)
     tokenizer = load_tokenizer(folder, config.eos_token_id, config.vocab_size)
     return Model(folder.name or str(folder), config, tensors, tokenizer, folder_chat_template(folder), invariant)
+
+
+def load_model_tensors(name_or_path: str) -> dict[str, np.ndarray]:
+    """The weights load_model would give this name, found by the same rules, without building a
+    model: for another runtime to run the same weights."""
+    if name_or_path in PRESETS:
+        return _preset_tensors(name_or_path)
+    gguf_path = _gguf_path(name_or_path)
+    if gguf_path is not None:
+        return read_gguf(gguf_path).tensors
+    return load_checkpoint(_checkpoint_folder(name_or_path))[1]
 
 
 def read_model_config(name_or_path: str) -> ModelConfig:
@@ -168,6 +176,19 @@ def read_model_config(name_or_path: str) -> ModelConfig:
     if gguf_path is not None:
         return read_gguf(gguf_path, with_tensors=False).config
     return read_config(name_or_path)
+
+
+def _preset_tensors(name: str) -> dict[str, np.ndarray]:
+    config = PRESETS[name]
+    return random_tensors(ARCH_MODULES[config.arch].tensor_shapes(config), config, PRESET_SEEDS[name])
+
+
+def _checkpoint_folder(name_or_path: str) -> Path:
+    folder = Path(name_or_path)
+    if not folder.exists():
+        raise CheckpointError(f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}), a named model "
+                              f"({', '.join(NAMED_GGUF)}), a .gguf file nor an existing folder")
+    return folder
 
 
 def _gguf_path(name_or_path: str) -> Path | None:
