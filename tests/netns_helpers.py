@@ -6,13 +6,15 @@ Everything is made inside namespaces the harness creates: the bridge lives in a 
 own (the switch), each host's veth pair runs from its namespace to the switch's, and the
 addresses (SUBNET, a private /24) exist only there. Nothing touches the machine's own network.
 close() removes every veth, the bridge and every namespace by the name it was made with, also
-after a failure; processes are the caller's to stop first (Daemon.stop, by pid)."""
+after a failure; processes are the caller's to stop first (Daemon.stop, by pid). A run killed
+before close() leaves its namespaces: the next Hosts of the same tag removes them first."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
 import select
 import shutil
 import subprocess
@@ -50,6 +52,22 @@ def _ip(*args: str) -> None:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
 
+def remove_leftovers(tag: str) -> list[str]:
+    """Namespaces named as this tag's (`TAG-sw`, `TAG-N`) that a killed run left, their processes
+    killed by the pids `ip netns pids` gives, then removed by name; the names removed. Only this
+    process's tag: a live run's namespaces have another."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=_IP_TIMEOUT_S).stdout
+    names = [line.split()[0] for line in listed.splitlines() if re.fullmatch(rf"{tag}-(sw|\d+)", line.split()[0])] \
+        if listed.strip() else []
+    for name in names:
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=_IP_TIMEOUT_S)
+        for pid in pids.stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), 9)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=_IP_TIMEOUT_S)
+    return names
+
+
 class Hosts:
     """Hosts by name, each in its own namespace with address SUBNET.N on one bridge."""
 
@@ -62,6 +80,7 @@ class Hosts:
         self._made: list[tuple[str, ...]] = []  # what close() removes, newest first
         self._faults: set[tuple[str, ...]] = set()  # partitions (host,) and cuts (host, peer) in force
         self._status_clients: dict[str, subprocess.Popen] = {}  # host -> its STATUS client, kept for the next polls
+        remove_leftovers(self.tag)
         try:
             _ip("netns", "add", self.switch)
             self._made.append(("netns", "del", self.switch))

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
+import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -105,6 +106,27 @@ def test_the_harness_partitions_and_heals_a_host_and_removes_what_it_made():
         tag = hosts.tag
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
     assert tag not in left
+
+
+def test_namespaces_a_killed_run_left_under_this_tag_are_removed_before_new_ones_are_made():
+    """A run killed before close() left `TAG-sw` and `TAG-0` (a process sleeping in one); a later
+    run with that tag (pids wrap) could not add them. Hosts removes them first, and only them."""
+    tag = f"kvh{os.getpid() % 100000}"
+    other = f"kvx{os.getpid() % 100000}-sw"   # not this tag's: left alone
+    for name in (f"{tag}-sw", f"{tag}-0", other):
+        subprocess.run(["ip", "netns", "add", name], check=True, timeout=10)
+    sleeper = subprocess.Popen(["ip", "netns", "exec", f"{tag}-0", "sleep", "60"])
+    try:
+        with Hosts(["a"]) as hosts:
+            assert hosts.tag == tag and sleeper.wait(timeout=10) != 0   # killed with its namespace
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+        assert tag not in left and other in left
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait(10)
+        for name in (f"{tag}-sw", f"{tag}-0", other):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
 
 
 def test_a_partitioned_workers_request_resumes_on_another_worker(tmp_path):
