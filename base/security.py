@@ -55,7 +55,7 @@ class Credentials:
         ca = _read(self.ca, "--tls-ca")
         cert = _read(self.cert, "--tls-cert") if self.cert else None
         key = _read(self.key, "--tls-key") if self.key else None
-        server_context = client_context = front_context = None
+        server_context = client_context = front_context = https_context = None
         try:
             client_context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=ca.decode())
             if cert is not None:
@@ -63,13 +63,15 @@ class Credentials:
                 server_context = _server_context(self.cert, self.key, ca, ssl.CERT_REQUIRED)  # mutual TLS, as members' ports require
                 front_context = _server_context(self.cert, self.key, ca, ssl.CERT_OPTIONAL)  # a coordinator's: a certificate checked when given
                 front_context.set_alpn_protocols(["h2"])  # gRPC's clients want HTTP/2 named
+                https_context = _server_context(self.cert, self.key, ca, ssl.CERT_NONE)  # the gateway's HTTPS
+                https_context.set_alpn_protocols(["http/1.1"])
         except (ssl.SSLError, ValueError) as exc:
             raise ValueError(f"TLS files {self.cert or ''} {self.key or ''} {self.ca} do not make a certificate, "
                              f"key and CA that fit: {exc}") from None
         with self._lock:
             self._ca, self._cert, self._key = ca, cert, key
             self._server_context, self._client_context = server_context, client_context
-            self._front_context = front_context
+            self._front_context, self._https_context = front_context, https_context
             self.generation += 1
 
     # ---- gRPC --------------------------------------------------------------------
@@ -112,6 +114,14 @@ class Credentials:
             if self._front_context is None:
                 raise ValueError("a server needs --tls-cert and --tls-key")
             return self._front_context
+
+
+    def https_context(self) -> ssl.SSLContext:
+        """The gateway's HTTPS port: its certificate, HTTP/1.1 by ALPN, no client certificate asked."""
+        with self._lock:
+            if self._https_context is None:
+                raise ValueError("an HTTPS server needs --tls-cert and --tls-key")
+            return self._https_context
 
 
 def _server_context(cert: Path, key: Path, ca: bytes, verify_mode: ssl.VerifyMode) -> ssl.SSLContext:

@@ -28,6 +28,7 @@ import logging
 import re
 import ssl
 from asyncio import sslproto
+from typing import Callable
 
 from base.log_limits import CountedEvent
 from gateway.errors import ApiError
@@ -39,8 +40,11 @@ _HEAD_END = b"\r\n\r\n"
 _PLAIN_HEAD_MAX = 64 * 1024  # what is read of a plain HTTP request before its 400
 
 
-def guarded(inner: type[asyncio.Protocol], header_timeout_s: float, tls: "ServingCertificate | None" = None) -> type:
-    """A protocol class for uvicorn.Config(http=...): `inner` (uvicorn's) behind the guard."""
+def guarded(inner: type[asyncio.Protocol], header_timeout_s: float,
+            tls: Callable[[], ssl.SSLContext] | None = None) -> type:
+    """A protocol class for uvicorn.Config(http=...): `inner` (uvicorn's) behind the guard; `tls()`
+    the HTTPS context for each new connection (Credentials.https_context: a SIGHUP's reload reaches
+    new connections)."""
     slow, plain = CountedEvent(), CountedEvent()
 
     class Guard(_Guard):
@@ -51,30 +55,9 @@ def guarded(inner: type[asyncio.Protocol], header_timeout_s: float, tls: "Servin
     return Guard
 
 
-class ServingCertificate:
-    """The HTTPS certificate each new connection is served with; reload() re-reads the files (the
-    daemon's SIGHUP): new connections get them, open ones keep theirs. Raises as tls_context does,
-    the old certificate staying."""
-
-    def __init__(self, cert: str, key: str):
-        self.cert, self.key = cert, key
-        self.context = tls_context(cert, key)
-
-    def reload(self) -> None:
-        self.context = tls_context(self.cert, self.key)
-
-
-def tls_context(cert: str, key: str) -> ssl.SSLContext:
-    """The HTTPS server's context: the gateway's certificate, HTTP/1.1 by ALPN, no client certificate."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert, key)
-    context.set_alpn_protocols(["http/1.1"])
-    return context
-
-
 class _Guard(asyncio.Protocol):
     def __init__(self, inner: asyncio.Protocol, loop: asyncio.AbstractEventLoop, header_timeout_s: float,
-                 tls: ServingCertificate | None, slow: CountedEvent, plain: CountedEvent):
+                 tls: Callable[[], ssl.SSLContext] | None, slow: CountedEvent, plain: CountedEvent):
         self.inner = inner
         self.loop = loop
         self.header_timeout_s = header_timeout_s
@@ -158,7 +141,7 @@ class _Guard(asyncio.Protocol):
         if first[0] == _TLS_HANDSHAKE:
             # The TLS layer takes the connection, these bytes first, and opens the guard (_attach)
             # once the handshake is done, as loop.start_tls would but for the bytes read already.
-            layer = sslproto.SSLProtocol(self.loop, self, self.tls.context, None, server_side=True,
+            layer = sslproto.SSLProtocol(self.loop, self, self.tls(), None, server_side=True,
                                          ssl_handshake_timeout=self.header_timeout_s)
             self.raw.set_protocol(layer)
             layer.connection_made(self.raw)

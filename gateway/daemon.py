@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     from coordinator.aio_client import AsyncClient
     from gateway.app import create_app
-    from gateway.connections import LimitedWarnings, ServingCertificate, guarded
+    from gateway.connections import LimitedWarnings, guarded
     from gateway.tokenizers import Tokenizers
     from gateway.upstream import Upstream
 
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
         credentials = security.from_args(args, client=True)  # checks the TLS options come together
         https = credentials is not None and credentials.cert is not None
-        server_tls = ServingCertificate(args.tls_cert, args.tls_key) if https else None   # ssl.SSLError is an OSError
+        server_tls = credentials.https_context if https else None
         sock = _listen(args.host, args.port, args.send_timeout)
         host, port = sock.getsockname()[:2]
         reached = addresses.reached_at(host, port, args.advertise)
@@ -130,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
 
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop_signal, stop)
-    if server_tls is not None:
-        signal.signal(signal.SIGHUP, lambda signum, frame: _reload(server_tls))
+    if https:   # the HTTPS certificate for new connections; those to the coordinators keep theirs
+        security.reload_on_sighup(credentials)
     try:
         serving.freeze_startup_objects()
         uvicorn.Server(config).run(sockets=[sock])
@@ -139,16 +139,6 @@ def run(args: argparse.Namespace) -> int:
         pass
     log.info("stopped")
     return 0
-
-
-def _reload(certificate) -> None:
-    """SIGHUP: the HTTPS certificate re-read for new connections; a file that fails keeps the old one.
-    The connections to the coordinators keep the certificate they were made with."""
-    try:
-        certificate.reload()
-        log.info("TLS files re-read: new HTTPS connections use them")
-    except (OSError, ValueError) as exc:   # ssl.SSLError is an OSError
-        log.warning("TLS files not re-read, the old ones stay: %s", exc)
 
 
 def _addresses(text: str | None) -> list[str]:
