@@ -215,15 +215,17 @@ class SharedPoolReader:
         pages are released."""
         send_request(sock, [dw.get_request(keys, dw.OP_GET_SLOTS)], deadline, reused, self.address)
         table, payload, slots = receive_slot_table(sock, len(keys), deadline, reused, self.address)
-        unslotted = [i for i, slot in enumerate(slots) if slot == dw.NO_SLOT]
+        slot_array = np.array(slots, dtype=np.uint64)
+        slotted = slot_array != dw.NO_SLOT
+        unslotted = np.flatnonzero(~slotted).tolist()
         page_bytes = pool.shape[1]
-        if payload != table.nbytes + len(unslotted) * page_bytes or \
-                any(slot >= len(pool) for slot in slots if slot != dw.NO_SLOT):
+        if payload != table.nbytes + len(unslotted) * page_bytes or bool(np.any(slot_array[slotted] >= len(pool))):
             raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers a GET_SLOTS of {len(keys)} pages with "
                                  f"{payload} bytes, naming slots {sorted(set(slots) - {dw.NO_SLOT})} of a pool of "
                                  f"{len(pool)}: not one this client reads")
         pages, checksums = destination()
-        if any(page.nbytes != page_bytes for page in pages):
+        if (pages.shape[1:] != (page_bytes,) if isinstance(pages, np.ndarray)
+                else any(page.nbytes != page_bytes for page in pages)):
             raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"the node's shared pool holds pages of {page_bytes} "
                                  f"bytes, the caller's of {pages[0].nbytes}")
         entries = np.frombuffer(table, dtype=np.uint8).reshape(len(keys), _SLOT_ENTRY)
@@ -232,7 +234,7 @@ class SharedPoolReader:
             receive_scattered(sock, [memoryview(pages[i]) for i in unslotted], deadline)
         # One gather for a caller's single array (few Python steps: a fill's fixed cost), else a copy a page.
         if isinstance(pages, np.ndarray) and not unslotted:
-            np.take(pool, np.array(slots, dtype=np.intp), axis=0, out=pages, mode="clip")  # slots checked above
+            np.take(pool, slot_array.astype(np.intp), axis=0, out=pages, mode="clip")  # slots checked above
         else:
             for page, slot in zip(pages, slots):
                 if slot != dw.NO_SLOT:
@@ -254,7 +256,8 @@ def receive_slot_table(sock: socket.socket, count: int, deadline: float, reused:
         raise DataPlaneError(grpc.StatusCode.DATA_LOSS, f"node answers {payload} bytes to a GET_SLOTS of "
                              f"{count} pages, expected at least {table.nbytes}")
     receive(sock, table, deadline)
-    return table, payload, [dw.SLOT.unpack_from(table, i * _SLOT_ENTRY + CHECKSUM_BYTES)[0] for i in range(count)]
+    entries = np.frombuffer(table, dtype=np.uint8).reshape(count, _SLOT_ENTRY)
+    return table, payload, entries[:, CHECKSUM_BYTES:].view(">u8").ravel().tolist()   # dw.SLOT, one read for all
 
 
 def table_checksum(table: memoryview, index: int) -> memoryview:
