@@ -169,6 +169,10 @@ def serve(model, dtypes: list[str], args: argparse.Namespace) -> dict[str, dict]
                 stack.callback(tier.close)
                 readers[path] = (reader, tier, Placement([node.address]))
                 _first_contact(tier, readers[path][2])
+                mapped = _maps_pool(tier, node.address)
+                if mapped != (path == "pool"):   # else the figures would be the other path's under this one's name
+                    raise RuntimeError(f"{d}: the reader of the {path} node has its pool "
+                                       f"{'mapped' if mapped else 'unmapped'}: this machine cannot measure both paths")
             writer_tier = RemoteTier(writer.kv_pool, d, read_in_place=False)
             writer.attach_remote_tier(writer_tier)
             stack.callback(writer_tier.close)
@@ -220,6 +224,12 @@ def serve(model, dtypes: list[str], args: argparse.Namespace) -> dict[str, dict]
         out[d]["samples"] = samples[d]
         out[d]["fill_bytes"] = (args.prompt_tokens // DEFAULT_PAGE_TOKENS) * model.page_bytes(d, DEFAULT_PAGE_TOKENS)
     return out
+
+
+def _maps_pool(tier, address: str) -> bool:
+    """Whether the tier's client reads `address`'s pages out of its mapped pool."""
+    with tier.nodes.use([address]) as nodes:
+        return bool(nodes) and nodes[0].client.shared_pool_state() == "mapped"
 
 
 def fixed_fill_ms(rows: dict, name: str) -> float | None:
